@@ -1,0 +1,54 @@
+// The architecture hyper-parameters of a Llama-family model, as read from a
+// Hugging Face config.json or GGUF metadata.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace pdserve::model {
+
+enum class DType { kF32, kF16, kBF16 };
+std::string_view DTypeName(DType dtype);
+size_t DTypeSize(DType dtype);
+
+struct ModelConfig {
+  std::string architecture = "llama";  // only "llama" is supported
+  int hidden_size = 0;
+  int intermediate_size = 0;
+  int num_layers = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int vocab_size = 0;
+  int max_position_embeddings = 0;
+  float rms_norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  bool tie_word_embeddings = false;
+  int bos_token_id = 1;
+  int eos_token_id = 2;
+  DType dtype = DType::kF32;  // storage dtype declared by the model
+
+  // Checks internal consistency (positive sizes, num_heads % num_kv_heads == 0,
+  // head_dim even, ...). Errors name the offending key.
+  [[nodiscard]] absl::Status Validate() const;
+
+  // A stable string naming everything that must agree between two processes
+  // that exchange hidden states or KV (used by compatibility handshakes).
+  std::string Identity() const;
+
+  int q_dim() const { return num_heads * head_dim; }
+  int kv_dim() const { return num_kv_heads * head_dim; }
+};
+
+// Parses a Hugging Face config.json. `source_name` (usually the path) is
+// included in every error. Missing required keys are INVALID_ARGUMENT naming
+// the key; head_dim defaults to hidden_size / num_attention_heads and
+// num_key_value_heads to num_attention_heads, as transformers does.
+[[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
+                                                            std::string_view source_name);
+
+}  // namespace pdserve::model
