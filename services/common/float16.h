@@ -17,7 +17,8 @@ inline float Bf16ToFloat(uint16_t bits) {
 inline uint16_t FloatToBf16(float value) {
   uint32_t word;
   std::memcpy(&word, &value, sizeof(word));
-  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);  // NaN
+  if ((word & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((word >> 16) | 0x40);  // NaN
   uint32_t rounding = 0x7fffu + ((word >> 16) & 1u);
   return static_cast<uint16_t>((word + rounding) >> 16);
 }
@@ -69,7 +70,8 @@ inline uint16_t FloatToF16(float value) {
     if (rem > halfway || (rem == halfway && (half_mant & 1u))) ++half_mant;
     return static_cast<uint16_t>(sign | half_mant);
   }
-  uint32_t half = sign | (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13);
+  uint32_t half =
+      sign | (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13);
   uint32_t rem = mantissa & 0x1fffu;
   if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half;
   return static_cast<uint16_t>(half);

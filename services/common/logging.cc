@@ -26,11 +26,16 @@ std::atomic<int>& MinLevelStorage() {
 
 const char* LevelLetter(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "D";
-    case LogLevel::kInfo: return "I";
-    case LogLevel::kWarning: return "W";
-    case LogLevel::kError: return "E";
-    case LogLevel::kFatal: return "F";
+    case LogLevel::kDebug:
+      return "D";
+    case LogLevel::kInfo:
+      return "I";
+    case LogLevel::kWarning:
+      return "W";
+    case LogLevel::kError:
+      return "E";
+    case LogLevel::kFatal:
+      return "F";
   }
   return "?";
 }
@@ -38,7 +43,8 @@ const char* LevelLetter(LogLevel level) {
 }  // namespace
 
 LogLevel MinLogLevel() {
-  return static_cast<LogLevel>(MinLevelStorage().load(std::memory_order_relaxed));
+  return static_cast<LogLevel>(
+      MinLevelStorage().load(std::memory_order_relaxed));
 }
 
 void SetMinLogLevel(LogLevel level) {
@@ -50,10 +56,11 @@ LogMessage::LogMessage(LogLevel level, const char* file, int line)
   const char* base = std::strrchr(file, '/');
   auto now = std::chrono::system_clock::now();
   std::time_t secs = std::chrono::system_clock::to_time_t(now);
-  int millis = static_cast<int>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch())
-          .count() %
-      1000);
+  int millis =
+      static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                           now.time_since_epoch())
+                           .count() %
+                       1000);
   std::tm tm_utc;
   gmtime_r(&secs, &tm_utc);
   char stamp[32];

@@ -7,7 +7,13 @@
 
 namespace pdserve {
 
-enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3, kFatal = 4 };
+enum class LogLevel {
+  kDebug = 0,
+  kInfo = 1,
+  kWarning = 2,
+  kError = 3,
+  kFatal = 4
+};
 
 // Messages below this level are dropped. Set from PDSERVE_LOG_LEVEL
 // (debug|info|warning|error) on first use; default info.
@@ -40,17 +46,17 @@ struct LogVoidify {
 #define PDS_LOG_LEVEL_ERROR ::pdserve::LogLevel::kError
 #define PDS_LOG_LEVEL_FATAL ::pdserve::LogLevel::kFatal
 
-#define PDS_LOG(level)                                          \
-  (PDS_LOG_LEVEL_##level < ::pdserve::MinLogLevel())            \
-      ? (void)0                                                 \
-      : ::pdserve::LogVoidify() &                               \
+#define PDS_LOG(level)                                                       \
+  (PDS_LOG_LEVEL_##level < ::pdserve::MinLogLevel())                         \
+      ? (void)0                                                              \
+      : ::pdserve::LogVoidify() &                                            \
             ::pdserve::LogMessage(PDS_LOG_LEVEL_##level, __FILE__, __LINE__) \
                 .stream()
 
-#define PDS_CHECK(cond)                                                    \
-  (cond) ? (void)0                                                         \
-         : ::pdserve::LogVoidify() &                                       \
+#define PDS_CHECK(cond)                                                     \
+  (cond) ? (void)0                                                          \
+         : ::pdserve::LogVoidify() &                                        \
                ::pdserve::LogMessage(::pdserve::LogLevel::kFatal, __FILE__, \
-                                     __LINE__)                             \
-                       .stream()                                           \
+                                     __LINE__)                              \
+                       .stream()                                            \
                    << "Check failed: " #cond " "

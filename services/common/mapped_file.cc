@@ -21,17 +21,20 @@ absl::StatusOr<MappedFile> MappedFile::Open(const std::string& path) {
   if (fd < 0) {
     int err = errno;
     auto msg = absl::StrCat(path, ": cannot open: ", std::strerror(err));
-    return err == ENOENT ? absl::NotFoundError(msg) : absl::PermissionDeniedError(msg);
+    return err == ENOENT ? absl::NotFoundError(msg)
+                         : absl::PermissionDeniedError(msg);
   }
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     int err = errno;
     ::close(fd);
-    return absl::InternalError(absl::StrCat(path, ": fstat: ", std::strerror(err)));
+    return absl::InternalError(
+        absl::StrCat(path, ": fstat: ", std::strerror(err)));
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a regular file"));
   }
   MappedFile file;
   file.path_ = path;
@@ -41,7 +44,8 @@ absl::StatusOr<MappedFile> MappedFile::Open(const std::string& path) {
     if (addr == MAP_FAILED) {
       int err = errno;
       ::close(fd);
-      return absl::InternalError(absl::StrCat(path, ": mmap: ", std::strerror(err)));
+      return absl::InternalError(
+          absl::StrCat(path, ": mmap: ", std::strerror(err)));
     }
     file.data_ = static_cast<const uint8_t*>(addr);
   }

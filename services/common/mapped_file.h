@@ -35,6 +35,7 @@ class MappedFile {
 };
 
 // Reads a whole (small) file into a string, e.g. config.json.
-[[nodiscard]] absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+[[nodiscard]] absl::StatusOr<std::string> ReadFileToString(
+    const std::string& path);
 
 }  // namespace pdserve

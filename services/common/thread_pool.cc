@@ -7,7 +7,8 @@ namespace pdserve {
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) {
-    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    num_threads =
+        static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
   for (int i = 1; i < num_threads; ++i) {
     workers_.emplace_back([this] { WorkerLoop(); });
@@ -26,8 +27,8 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::RunTasks() {
   const auto& fn = *fn_;
   const int64_t n = num_tasks_;
-  for (int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed); task < n;
-       task = next_task_.fetch_add(1, std::memory_order_relaxed)) {
+  for (int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed);
+       task < n; task = next_task_.fetch_add(1, std::memory_order_relaxed)) {
     fn(task);
   }
 }
@@ -37,7 +38,8 @@ void ThreadPool::WorkerLoop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stopping_ || generation_ != seen_generation; });
+      work_cv_.wait(
+          lock, [&] { return stopping_ || generation_ != seen_generation; });
       if (stopping_) return;
       seen_generation = generation_;
     }
@@ -75,7 +77,8 @@ void ThreadPool::ParallelRanges(int64_t n,
                                 const std::function<void(int64_t, int64_t)>& fn,
                                 int chunks_per_thread) {
   if (n <= 0) return;
-  int64_t chunks = std::min<int64_t>(n, int64_t{num_threads()} * chunks_per_thread);
+  int64_t chunks =
+      std::min<int64_t>(n, int64_t{num_threads()} * chunks_per_thread);
   ParallelFor(chunks, [&](int64_t chunk) {
     int64_t begin = n * chunk / chunks;
     int64_t end = n * (chunk + 1) / chunks;

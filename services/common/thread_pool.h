@@ -31,7 +31,8 @@ class ThreadPool {
 
   // Splits [0, n) into about `num_threads()*chunks_per_thread` contiguous
   // ranges and runs fn(begin, end) on each.
-  void ParallelRanges(int64_t n, const std::function<void(int64_t, int64_t)>& fn,
+  void ParallelRanges(int64_t n,
+                      const std::function<void(int64_t, int64_t)>& fn,
                       int chunks_per_thread = 1);
 
  private:

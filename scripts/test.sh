@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): installs and builds if needed, checks
+# formatting, runs every test through CTest, then runs the bad-input tests
+# again in a Debug + AddressSanitizer/UBSan build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+scripts/check_format.sh
+
+JOBS="${PDSERVE_JOBS:-$(nproc)}"
+echo "== all tests (release build)"
+ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 900
+
+echo "== bad-input tests under AddressSanitizer + UBSan"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPDSERVE_SANITIZE=ON >/dev/null
+cmake --build build-asan -j "$JOBS"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L badinput --timeout 900

@@ -1,0 +1,133 @@
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::engine {
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+float LogSoftmaxAt(std::span<const float> logits, int32_t token) {
+  float max_logit = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float v : logits) sum += std::exp(double{v} - max_logit);
+  return static_cast<float>(double{logits[token]} - max_logit - std::log(sum));
+}
+
+}  // namespace
+
+absl::Status SamplingParams::Validate() const {
+  if (!std::isfinite(temperature) || temperature < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "temperature must be a finite number >= 0, got ", temperature));
+  }
+  if (top_k < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be >= 0, got ", top_k));
+  if (!(top_p > 0.0f && top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_p must be in (0, 1], got ", top_p));
+  }
+  return absl::OkStatus();
+}
+
+double UniformForRequest(uint64_t seed, uint64_t index, uint64_t stream) {
+  uint64_t bits = SplitMix64(SplitMix64(SplitMix64(seed) ^ index) ^
+                             (stream * 0x632be59bd9b4e019ull));
+  return static_cast<double>(bits >> 11) * 0x1.0p-53;
+}
+
+int32_t ArgMax(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                              logits.begin());
+}
+
+void SamplingDistribution(std::span<const float> logits,
+                          const SamplingParams& params,
+                          std::vector<float>* probs) {
+  const size_t vocab = logits.size();
+  probs->assign(vocab, 0.0f);
+  if (vocab == 0) return;
+  if (params.greedy()) {
+    (*probs)[ArgMax(logits)] = 1.0f;
+    return;
+  }
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (size_t i = 0; i < vocab; ++i) {
+    double p = std::exp((double{logits[i]} - max_logit) / params.temperature);
+    (*probs)[i] = static_cast<float>(p);
+    sum += p;
+  }
+  for (float& p : *probs) p = static_cast<float>(p / sum);
+  const bool use_top_k =
+      params.top_k > 0 && static_cast<size_t>(params.top_k) < vocab;
+  const bool use_top_p = params.top_p < 1.0f;
+  if (!use_top_k && !use_top_p) return;
+  // Sort ids by probability (ties by id, so the cut is deterministic).
+  std::vector<int32_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return (*probs)[a] > (*probs)[b];
+  });
+  size_t keep = use_top_k ? static_cast<size_t>(params.top_k) : vocab;
+  if (use_top_p) {
+    double kept_mass = 0;
+    for (size_t i = 0; i < keep; ++i) kept_mass += (*probs)[order[i]];
+    double cumulative = 0;
+    size_t nucleus = 0;
+    // Smallest prefix whose mass (within the top-k set) reaches top_p.
+    while (nucleus < keep) {
+      cumulative += (*probs)[order[nucleus]];
+      ++nucleus;
+      if (cumulative >= params.top_p * kept_mass) break;
+    }
+    keep = nucleus;
+  }
+  double kept = 0;
+  for (size_t i = 0; i < keep; ++i) kept += (*probs)[order[i]];
+  for (size_t i = keep; i < vocab; ++i) (*probs)[order[i]] = 0.0f;
+  for (size_t i = 0; i < keep; ++i)
+    (*probs)[order[i]] = static_cast<float>((*probs)[order[i]] / kept);
+}
+
+int32_t DrawFromDistribution(std::span<const float> probs, double u) {
+  double total = 0;
+  for (float p : probs) total += p;
+  double target = u * total;
+  double cumulative = 0;
+  int32_t last_nonzero = -1;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0.0f) continue;
+    last_nonzero = static_cast<int32_t>(i);
+    cumulative += probs[i];
+    if (target < cumulative) return static_cast<int32_t>(i);
+  }
+  return last_nonzero;  // rounding at the top end
+}
+
+SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
+                    uint64_t index) {
+  SampledToken out;
+  if (params.greedy()) {
+    out.token = ArgMax(logits);
+  } else {
+    std::vector<float> probs;
+    SamplingDistribution(logits, params, &probs);
+    out.token =
+        DrawFromDistribution(probs, UniformForRequest(params.seed, index));
+  }
+  out.logprob = LogSoftmaxAt(logits, out.token);
+  return out;
+}
+
+}  // namespace pdserve::engine

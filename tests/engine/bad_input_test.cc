@@ -1,0 +1,135 @@
+// Engine construction and forward steps reject bad input with a precise
+// status and leave the engine usable.
+#include <gtest/gtest.h>
+
+#include "engine_test_util.h"
+
+namespace pdserve::engine {
+namespace {
+
+using testing_util::IdentityBlockTable;
+using testing_util::MakeEngine;
+using testing_util::MakePool;
+using testing_util::OpenStories;
+
+TEST(EngineBadInputTest, ImpossibleShardsAreRejected) {
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  struct Case {
+    ShardSpec shard;
+    const char* expected;
+  } cases[] = {
+      {{3, 2, 0, 1}, "invalid layer range"},
+      {{0, 6, 0, 1}, "invalid layer range"},
+      {{0, -1, 0, 3}, "does not divide"},
+      {{0, -1, 2, 2}, "invalid tensor-parallel rank"},
+      {{0, -1, 0, 2}, "needs a communicator"},
+  };
+  for (const auto& c : cases) {
+    EngineOptions options;
+    options.shard = c.shard;
+    auto engine = LlamaEngine::Create(*weights, options);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find(c.expected), std::string::npos)
+        << engine.status();
+  }
+}
+
+TEST(EngineBadInputTest, BadBatchesAreRejectedAndEngineKeepsWorking) {
+  auto weights = OpenStories(true);
+  auto engine = MakeEngine(*weights);
+  auto pool = MakePool(*engine, 16, 4);
+  std::vector<int32_t> tokens = {1, 403, 407};
+  auto table = IdentityBlockTable(4);
+  auto base = [&] {
+    ForwardBatch batch;
+    SequenceStep s;
+    s.tokens = tokens;
+    s.num_tokens = 3;
+    s.block_table = table;
+    s.logit_indices = {2};
+    batch.sequences.push_back(s);
+    return batch;
+  };
+  ForwardResult result;
+  {
+    ForwardBatch empty;
+    EXPECT_EQ(engine->Forward(empty, *pool, &result).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    std::vector<int32_t> bad_tokens = {1, 512, 3};
+    auto batch = base();
+    batch.sequences[0].tokens = bad_tokens;
+    auto status = engine->Forward(batch, *pool, &result);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("token id 512"), std::string::npos)
+        << status;
+  }
+  {
+    std::vector<int32_t> negative = {1, -7, 3};
+    auto batch = base();
+    batch.sequences[0].tokens = negative;
+    EXPECT_EQ(engine->Forward(batch, *pool, &result).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    auto batch = base();
+    batch.sequences[0].start_position = 510;
+    auto status = engine->Forward(batch, *pool, &result);
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+    EXPECT_NE(status.message().find("context"), std::string::npos) << status;
+  }
+  {
+    auto batch = base();
+    batch.sequences[0].start_position = 60;  // needs 4 blocks + 1
+    EXPECT_EQ(engine->Forward(batch, *pool, &result).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    std::vector<int32_t> bad_table = {9};
+    auto batch = base();
+    batch.sequences[0].block_table = bad_table;
+    auto status = engine->Forward(batch, *pool, &result);
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+    EXPECT_NE(status.message().find("block id 9"), std::string::npos) << status;
+  }
+  {
+    auto batch = base();
+    batch.sequences[0].logit_indices = {2, 1};
+    EXPECT_EQ(engine->Forward(batch, *pool, &result).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    auto batch = base();
+    batch.sequences[0].num_tokens = 0;
+    EXPECT_EQ(engine->Forward(batch, *pool, &result).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    auto other_layout = engine->KvLayout(16);
+    other_layout.num_kv_heads = 2;
+    auto other_pool = kv::KvPool::Create(other_layout, 4);
+    ASSERT_TRUE(other_pool.ok());
+    auto status = engine->Forward(base(), **other_pool, &result);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("does not match"), std::string::npos)
+        << status;
+  }
+  {
+    auto stage = MakeEngine(*weights, ShardSpec{1, 3, 0, 1});
+    auto stage_pool = MakePool(*stage, 16, 4);
+    auto batch = base();
+    std::vector<float> short_hidden(5);
+    batch.hidden_in = short_hidden;
+    EXPECT_EQ(stage->Forward(batch, *stage_pool, &result).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  // Still serving.
+  ASSERT_TRUE(engine->Forward(base(), *pool, &result).ok());
+  EXPECT_EQ(result.num_logit_rows, 1);
+}
+
+}  // namespace
+}  // namespace pdserve::engine

@@ -1,0 +1,137 @@
+// Helpers for engine tests: run one sequence through an engine with a private
+// block table, and compare float vectors.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "engine/llama_engine.h"
+#include "kv/kv_pool.h"
+#include "model/weight_source.h"
+#include "testing/golden.h"
+
+namespace pdserve::engine::testing_util {
+
+inline std::unique_ptr<model::WeightSource> OpenStories(bool gguf) {
+  auto source = gguf ? model::OpenModel(pdserve::testing::Stories260KGguf())
+                     : model::OpenModel(pdserve::testing::Stories260KDir());
+  EXPECT_TRUE(source.ok()) << source.status();
+  return source.ok() ? std::move(source).value() : nullptr;
+}
+
+inline std::unique_ptr<LlamaEngine> MakeEngine(
+    const model::WeightSource& weights, ShardSpec shard = {},
+    comm::Communicator* communicator = nullptr, int threads = 2) {
+  EngineOptions options;
+  options.shard = shard;
+  options.num_threads = threads;
+  options.communicator = communicator;
+  auto engine = LlamaEngine::Create(weights, options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+inline std::unique_ptr<kv::KvPool> MakePool(const LlamaEngine& engine,
+                                            int block_size, int64_t blocks) {
+  auto pool = kv::KvPool::Create(engine.KvLayout(block_size), blocks);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? std::move(pool).value() : nullptr;
+}
+
+inline std::vector<int32_t> IdentityBlockTable(int64_t blocks,
+                                               int32_t first = 0) {
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), first);
+  return table;
+}
+
+// Prefills `prompt` in chunks of `chunk` tokens (0 = whole) and returns the
+// logits of every prompt position, [prompt.size()][vocab].
+inline std::vector<std::vector<float>> PrefillAllLogits(
+    LlamaEngine& engine, kv::KvPool& pool, const std::vector<int32_t>& prompt,
+    const std::vector<int32_t>& table, int chunk = 0) {
+  std::vector<std::vector<float>> out;
+  const int vocab = engine.config().vocab_size;
+  int n = static_cast<int>(prompt.size());
+  if (chunk <= 0) chunk = n;
+  for (int start = 0; start < n; start += chunk) {
+    int len = std::min(chunk, n - start);
+    ForwardBatch batch;
+    SequenceStep step;
+    step.tokens = std::span<const int32_t>(prompt.data() + start, len);
+    step.num_tokens = len;
+    step.start_position = start;
+    step.block_table = table;
+    step.logit_indices.resize(len);
+    std::iota(step.logit_indices.begin(), step.logit_indices.end(), 0);
+    batch.sequences.push_back(step);
+    ForwardResult result;
+    absl::Status status = engine.Forward(batch, pool, &result);
+    EXPECT_TRUE(status.ok()) << status;
+    if (!status.ok()) return out;
+    for (int i = 0; i < len; ++i) {
+      out.emplace_back(result.logits.begin() + int64_t{i} * vocab,
+                       result.logits.begin() + int64_t{i + 1} * vocab);
+    }
+  }
+  return out;
+}
+
+// Greedy generation of one sequence: prefill (in chunks), then one token per
+// step. Stops after EOS or max_new tokens.
+inline std::vector<int32_t> GreedyGenerate(LlamaEngine& engine,
+                                           kv::KvPool& pool,
+                                           const std::vector<int32_t>& prompt,
+                                           int max_new, int chunk = 0) {
+  const int block_size = pool.layout().block_size;
+  const int64_t total = static_cast<int64_t>(prompt.size()) + max_new;
+  auto table = IdentityBlockTable((total + block_size - 1) / block_size);
+  auto logits = PrefillAllLogits(engine, pool, prompt, table, chunk);
+  std::vector<int32_t> generated;
+  if (logits.empty()) return generated;
+  auto argmax = [](const std::vector<float>& v) {
+    return static_cast<int32_t>(std::max_element(v.begin(), v.end()) -
+                                v.begin());
+  };
+  int32_t next = argmax(logits.back());
+  const int eos = engine.config().eos_token_id;
+  int position = static_cast<int>(prompt.size());
+  while (true) {
+    generated.push_back(next);
+    if (next == eos || static_cast<int>(generated.size()) >= max_new) break;
+    ForwardBatch batch;
+    SequenceStep step;
+    step.tokens = std::span<const int32_t>(&generated.back(), 1);
+    step.num_tokens = 1;
+    step.start_position = position++;
+    step.block_table = table;
+    step.logit_indices = {0};
+    batch.sequences.push_back(step);
+    ForwardResult result;
+    absl::Status status = engine.Forward(batch, pool, &result);
+    EXPECT_TRUE(status.ok()) << status;
+    if (!status.ok()) break;
+    next = argmax(result.logits);
+  }
+  return generated;
+}
+
+// max |a-b| / max(|b|, floor) over elements.
+inline double MaxRelativeError(const std::vector<float>& a,
+                               const std::vector<float>& b,
+                               double floor = 1e-3) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    double denom = std::max(std::abs(double{b[i]}), floor);
+    worst = std::max(worst, std::abs(double{a[i]} - b[i]) / denom);
+  }
+  return worst;
+}
+
+}  // namespace pdserve::engine::testing_util

@@ -1,0 +1,211 @@
+// pdserve command line.
+//
+//   pdserve generate --model PATH --prompt TEXT [--max-tokens N]
+//                    [--temperature T] [--top-p P] [--top-k K] [--seed S]
+//                    [--format auto|gguf|safetensors] [--threads N]
+//
+// `generate` runs the single-process reference engine and streams the text of
+// the continuation to stdout as it is produced.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "engine/llama_engine.h"
+#include "engine/sampler.h"
+#include "kv/kv_pool.h"
+#include "model/weight_source.h"
+#include "tokenizer/detokenizer.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pdserve {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: pdserve generate --model PATH --prompt TEXT [--max-tokens N] "
+    "[--temperature T]\n"
+    "                        [--top-p P] [--top-k K] [--seed S] [--format F] "
+    "[--threads N]\n";
+
+// --key value / --key=value pairs after the subcommand.
+absl::StatusOr<std::map<std::string, std::string>> ParseFlags(int argc,
+                                                              char** argv,
+                                                              int first) {
+  std::map<std::string, std::string> flags;
+  for (int i = first; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument '", arg, "'"));
+    }
+    arg = arg.substr(2);
+    if (auto eq = arg.find('='); eq != std::string::npos) {
+      flags[arg.substr(0, eq)] = arg.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      flags[arg] = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("flag --", arg, " needs a value"));
+    }
+  }
+  return flags;
+}
+
+template <typename T>
+absl::Status TakeNumber(std::map<std::string, std::string>& flags,
+                        const std::string& name, T* out) {
+  auto it = flags.find(name);
+  if (it == flags.end()) return absl::OkStatus();
+  bool ok;
+  if constexpr (std::is_same_v<T, float>) {
+    ok = absl::SimpleAtof(it->second, out);
+  } else {
+    ok = absl::SimpleAtoi(it->second, out);
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": '", it->second, "' is not a number"));
+  }
+  flags.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status Generate(int argc, char** argv) {
+  PDS_ASSIGN_OR_RETURN(auto flags, ParseFlags(argc, argv, 2));
+  if (!flags.count("model"))
+    return absl::InvalidArgumentError("--model is required");
+  if (!flags.count("prompt"))
+    return absl::InvalidArgumentError("--prompt is required");
+  const std::string model_path = flags["model"];
+  const std::string prompt = flags["prompt"];
+  flags.erase("model");
+  flags.erase("prompt");
+  model::LoadFormat format = model::LoadFormat::kAuto;
+  if (flags.count("format")) {
+    PDS_ASSIGN_OR_RETURN(format, model::ParseLoadFormat(flags["format"]));
+    flags.erase("format");
+  }
+  int max_tokens = 64;
+  int threads = 0;
+  engine::SamplingParams sampling;
+  int top_k = 0;
+  int64_t seed = 0;
+  PDS_RETURN_IF_ERROR(TakeNumber(flags, "max-tokens", &max_tokens));
+  PDS_RETURN_IF_ERROR(TakeNumber(flags, "threads", &threads));
+  PDS_RETURN_IF_ERROR(TakeNumber(flags, "temperature", &sampling.temperature));
+  PDS_RETURN_IF_ERROR(TakeNumber(flags, "top-p", &sampling.top_p));
+  PDS_RETURN_IF_ERROR(TakeNumber(flags, "top-k", &top_k));
+  PDS_RETURN_IF_ERROR(TakeNumber(flags, "seed", &seed));
+  if (!flags.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown flag --", flags.begin()->first));
+  }
+  sampling.top_k = top_k;
+  sampling.seed = static_cast<uint64_t>(seed);
+  PDS_RETURN_IF_ERROR(sampling.Validate());
+  if (max_tokens <= 0)
+    return absl::InvalidArgumentError("--max-tokens must be positive");
+
+  PDS_ASSIGN_OR_RETURN(auto weights, model::OpenModel(model_path, format));
+  PDS_ASSIGN_OR_RETURN(auto tokenizer,
+                       tokenizer::LoadTokenizerForModel(*weights));
+  PDS_ASSIGN_OR_RETURN(std::vector<int32_t> prompt_ids,
+                       tokenizer->Encode(prompt));
+  const model::ModelConfig& config = weights->config();
+  const int64_t context = config.max_position_embeddings;
+  if (static_cast<int64_t>(prompt_ids.size()) >= context) {
+    return absl::OutOfRangeError(
+        absl::StrCat("prompt is ", prompt_ids.size(),
+                     " tokens; the model's context is ", context, " tokens"));
+  }
+  max_tokens = static_cast<int>(std::min<int64_t>(
+      max_tokens, context - static_cast<int64_t>(prompt_ids.size())));
+
+  engine::EngineOptions options;
+  options.num_threads = threads;
+  PDS_ASSIGN_OR_RETURN(auto llama,
+                       engine::LlamaEngine::Create(*weights, options));
+  constexpr int kBlockSize = 16;
+  const int64_t total = static_cast<int64_t>(prompt_ids.size()) + max_tokens;
+  const int64_t blocks = (total + kBlockSize - 1) / kBlockSize;
+  PDS_ASSIGN_OR_RETURN(auto pool,
+                       kv::KvPool::Create(llama->KvLayout(kBlockSize), blocks));
+  std::vector<int32_t> block_table(blocks);
+  for (int64_t b = 0; b < blocks; ++b) block_table[b] = static_cast<int32_t>(b);
+
+  tokenizer::IncrementalDetokenizer detokenizer(*tokenizer,
+                                                /*at_text_start=*/false);
+  std::cout << prompt << std::flush;
+  auto start = std::chrono::steady_clock::now();
+  double first_token_seconds = 0;
+  std::vector<int32_t> step_tokens = prompt_ids;
+  int position = 0;
+  int generated = 0;
+  while (generated < max_tokens) {
+    engine::ForwardBatch batch;
+    engine::SequenceStep step;
+    step.tokens = step_tokens;
+    step.num_tokens = static_cast<int>(step_tokens.size());
+    step.start_position = position;
+    step.block_table = block_table;
+    step.logit_indices = {step.num_tokens - 1};
+    batch.sequences.push_back(step);
+    engine::ForwardResult result;
+    PDS_RETURN_IF_ERROR(llama->Forward(batch, *pool, &result));
+    position += step.num_tokens;
+    engine::SampledToken next =
+        engine::Sample(result.logits, sampling, generated);
+    if (generated == 0) {
+      first_token_seconds = std::chrono::duration<double>(
+                                std::chrono::steady_clock::now() - start)
+                                .count();
+    }
+    ++generated;
+    if (tokenizer->IsEos(next.token)) break;
+    PDS_ASSIGN_OR_RETURN(std::string delta, detokenizer.Push(next.token));
+    std::cout << delta << std::flush;
+    step_tokens = {next.token};
+  }
+  std::cout << detokenizer.Finish() << std::endl;
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
+  std::fprintf(
+      stderr,
+      "[%d prompt tokens, %d generated, first token %.1f ms, %.1f tokens/s]\n",
+      static_cast<int>(prompt_ids.size()), generated, first_token_seconds * 1e3,
+      generated / seconds);
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace pdserve
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" ||
+      std::string(argv[1]) == "help") {
+    std::fputs(pdserve::kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  absl::Status status;
+  if (command == "generate") {
+    status = pdserve::Generate(argc, argv);
+  } else {
+    std::fprintf(stderr, "pdserve: unknown command '%s'\n%s", command.c_str(),
+                 pdserve::kUsage);
+    return 2;
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "pdserve %s: %s\n", command.c_str(),
+                 status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
