@@ -1,7 +1,6 @@
 #include "kv/block_manager.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <utility>
 

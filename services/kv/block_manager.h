@@ -2,12 +2,13 @@
 // prefixes. KvPool owns the memory; KvBlockManager only hands out block ids
 // (indices into that pool) and never touches KV data.
 //
-// Block life:
-//   free ──Allocate──▶ used (ref_count ≥ 1) ──Free to 0──▶ free      (uncached)
-//                        │  ▲                         └──▶ evictable (cached)
-//            CommitFullBlock  MatchPrefix (AddRef)             │
-//                                  ▲────────────────────────────┘
-//   evictable ──Allocate needs it (LRU order)──▶ used (cache entry dropped)
+// Block states:
+//   free      unreferenced, no cached content; Allocate takes these first.
+//   used      ref_count >= 1 (Allocate, AddRef and MatchPrefix add one each).
+//   evictable unreferenced but published in the prefix cache: MatchPrefix
+//             revives it; Allocate reclaims it, least recently used first,
+//             once no free block is left (dropping its cache entry).
+// Free to ref_count 0 makes a published block evictable, any other free.
 //
 // Prefix cache: a FULL block whose KV is complete can be published under the
 // chained hash hash_k = ChainHash(hash_{k-1}, tokens of block k), with
