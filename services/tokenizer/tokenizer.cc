@@ -1,0 +1,198 @@
+#include "tokenizer/tokenizer.h"
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "common/mapped_file.h"
+#include "common/status_macros.h"
+#include "tokenizer/proto_builder.h"
+#include "tokenizer/tokenizer_internal.h"
+
+namespace pdserve::tokenizer {
+namespace {
+
+constexpr absl::string_view kSpaceSymbol = "\xE2\x96\x81";  // U+2581 "▁"
+
+// Debian's Abseil keeps its own absl::string_view class (not an alias of
+// std::string_view), so std::string_view must be converted for StrCat & co.
+absl::string_view Absl(std::string_view s) {
+  return absl::string_view(s.data(), s.size());
+}
+
+absl::Status FromSentencePiece(const internal::SpStatus& s,
+                               std::string_view context) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.code),
+                      absl::StrCat(Absl(context), ": ", s.message));
+}
+
+int HexDigit(char c) { return c <= '9' ? c - '0' : c - 'A' + 10; }
+
+}  // namespace
+
+Tokenizer::Tokenizer(std::unique_ptr<internal::TokenizerImpl> impl)
+    : impl_(std::move(impl)) {}
+Tokenizer::~Tokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(
+    const model::TokenizerSpec& spec) {
+  const bool has_file = !spec.sentencepiece_model_path.empty();
+  const bool has_vocab = !spec.tokens.empty() || !spec.ggml_model.empty();
+  if (has_file && has_vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokenizer spec sets both a SentencePiece model (",
+        spec.sentencepiece_model_path,
+        ") and an embedded GGUF vocabulary; exactly one is expected"));
+  }
+  if (has_file) {
+    const std::string& path = spec.sentencepiece_model_path;
+    PDS_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path));
+    if (bytes.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer model ", path, " is empty"));
+    }
+    return CreateFromSerializedProto(bytes, path);
+  }
+  if (has_vocab) {
+    PDS_ASSIGN_OR_RETURN(std::string proto, BuildSentencePieceModelProto(spec));
+    return CreateFromSerializedProto(proto, "GGUF tokenizer.ggml.* vocabulary");
+  }
+  return absl::InvalidArgumentError(
+      "tokenizer spec has neither a SentencePiece model path nor an embedded "
+      "vocabulary");
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::CreateFromSerializedProto(
+    std::string_view serialized, std::string_view description) {
+  auto impl = std::make_unique<internal::TokenizerImpl>();
+  internal::SentencePieceModel& sp = impl->sp;
+  // SentencePiece validates the proto (parse errors, missing <unk>, duplicate
+  // or malformed pieces) and reports failures as a status, never aborting.
+  PDS_RETURN_IF_ERROR(
+      FromSentencePiece(sp.LoadFromSerializedProto(serialized),
+                        absl::StrCat("cannot load SentencePiece model from ",
+                                     Absl(description))));
+  const int n = sp.GetPieceSize();
+  if (n <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("SentencePiece model from ",
+                                                   Absl(description),
+                                                   " has an empty vocabulary"));
+  }
+  impl->vocab_size = n;
+  impl->bos_id = sp.bos_id();
+  impl->eos_id = sp.eos_id();
+  impl->unk_id = sp.unk_id();
+
+  impl->pieces.resize(n);
+  for (int id = 0; id < n; ++id) {
+    internal::PieceEntry& e = impl->pieces[id];
+    const std::string& piece = sp.IdToPiece(id);
+    if (sp.IsByte(id)) {
+      // SentencePiece only accepts byte pieces spelled "<0xXX>" (uppercase).
+      e.kind = internal::PieceEntry::Kind::kByte;
+      e.byte =
+          static_cast<uint8_t>(HexDigit(piece[3]) * 16 + HexDigit(piece[4]));
+    } else if (sp.IsControl(id)) {
+      e.kind = internal::PieceEntry::Kind::kControl;
+    } else if (sp.IsUnknown(id)) {
+      // The surface may be customized (trainer_spec.unk_surface); ask the
+      // library rather than assuming its default " ⁇ ".
+      e.kind = internal::PieceEntry::Kind::kUnknown;
+      PDS_RETURN_IF_ERROR(
+          FromSentencePiece(sp.Decode({id}, &e.text), "decode <unk>"));
+    } else {
+      e.kind = internal::PieceEntry::Kind::kText;
+      e.starts_with_space = absl::StartsWith(piece, kSpaceSymbol);
+      e.text = absl::StrReplaceAll(piece, {{kSpaceSymbol, " "}});
+    }
+  }
+  // Ask the library whether a lone word keeps its leading space rather than
+  // re-deriving it from normalizer_spec, which we cannot read back here.
+  for (int id = 0; id < n; ++id) {
+    const internal::PieceEntry& e = impl->pieces[id];
+    if (e.kind == internal::PieceEntry::Kind::kText && e.starts_with_space &&
+        e.text.size() > 1) {
+      std::string lone;
+      PDS_RETURN_IF_ERROR(FromSentencePiece(sp.Decode({id}, &lone), "decode"));
+      impl->strips_dummy_prefix = lone.size() < e.text.size();
+      break;
+    }
+  }
+  return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+}
+
+absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
+                                                       bool add_bos) const {
+  std::vector<int> ids;
+  PDS_RETURN_IF_ERROR(
+      FromSentencePiece(impl_->sp.Encode(text, &ids), "encode"));
+  std::vector<int32_t> out;
+  out.reserve(ids.size() + 1);
+  if (add_bos && impl_->bos_id >= 0) out.push_back(impl_->bos_id);
+  out.insert(out.end(), ids.begin(), ids.end());
+  return out;
+}
+
+absl::StatusOr<std::string> Tokenizer::Decode(
+    std::span<const int32_t> ids) const {
+  std::vector<int> sp_ids;
+  sp_ids.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= impl_->vocab_size) {
+      return absl::OutOfRangeError(
+          absl::StrCat("token id ", ids[i], " at position ", i,
+                       " is outside the vocabulary of ", impl_->vocab_size));
+    }
+    sp_ids.push_back(ids[i]);
+  }
+  std::string text;
+  PDS_RETURN_IF_ERROR(
+      FromSentencePiece(impl_->sp.Decode(sp_ids, &text), "decode"));
+  return text;
+}
+
+int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
+int32_t Tokenizer::bos_id() const { return impl_->bos_id; }
+int32_t Tokenizer::eos_id() const { return impl_->eos_id; }
+int32_t Tokenizer::unk_id() const { return impl_->unk_id; }
+
+absl::StatusOr<std::string_view> Tokenizer::IdToPiece(int32_t id) const {
+  if (id < 0 || id >= impl_->vocab_size) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "token id ", id, " is outside the vocabulary of ", impl_->vocab_size));
+  }
+  return std::string_view(impl_->sp.IdToPiece(id));
+}
+
+absl::Status Tokenizer::CheckCompatibleWith(int model_vocab_size) const {
+  if (model_vocab_size != impl_->vocab_size) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tokenizer vocabulary size ", impl_->vocab_size,
+        " does not match the model's vocab_size ", model_vocab_size));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerForModel(
+    const model::WeightSource& source) {
+  PDS_ASSIGN_OR_RETURN(model::TokenizerSpec spec, source.tokenizer_spec());
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      Tokenizer::Create(spec);
+  if (!tokenizer.ok()) {
+    return absl::Status(tokenizer.status().code(),
+                        absl::StrCat("tokenizer of ", source.description(),
+                                     ": ", tokenizer.status().message()));
+  }
+  absl::Status compatible =
+      (*tokenizer)->CheckCompatibleWith(source.config().vocab_size);
+  if (!compatible.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(source.description(), ": ", compatible.message()));
+  }
+  return tokenizer;
+}
+
+}  // namespace pdserve::tokenizer

@@ -1,0 +1,85 @@
+// Text <-> token ids for a model, backed by the SentencePiece library for both
+// model layouts: a Hugging Face folder's tokenizer.model is loaded as is, and a
+// GGUF vocabulary (tokenizer.ggml.*) is turned into the equivalent ModelProto
+// first (see proto_builder.h), so both give identical ids.
+//
+// Thread-safety: a Tokenizer is immutable after Create(); all const methods
+// may be called concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "model/weight_source.h"
+
+namespace pdserve::tokenizer {
+
+namespace internal {
+struct TokenizerImpl;
+}  // namespace internal
+
+class Tokenizer {
+ public:
+  // Loads the tokenizer described by `spec`: exactly one of
+  // `sentencepiece_model_path` or a GGUF vocabulary (`tokens`...) must be set.
+  // Errors: NOT_FOUND / INVALID_ARGUMENT naming the file or metadata field;
+  // never crashes on a corrupt, truncated or empty tokenizer.model.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Tokenizer>> Create(
+      const model::TokenizerSpec& spec);
+
+  // Like Create() for a serialized SentencePiece ModelProto held in memory.
+  // `description` names its origin in errors.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Tokenizer>>
+  CreateFromSerializedProto(std::string_view serialized,
+                            std::string_view description);
+
+  ~Tokenizer();
+  Tokenizer(const Tokenizer&) = delete;
+  Tokenizer& operator=(const Tokenizer&) = delete;
+
+  // SentencePiece encoding of `text`, preceded by BOS when `add_bos` (and the
+  // vocabulary has one). Errors: INVALID_ARGUMENT from SentencePiece.
+  [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Encode(
+      std::string_view text, bool add_bos = true) const;
+
+  // SentencePiece decoding of `ids`: control tokens (BOS/EOS) are invisible,
+  // the leading space of the first word is dropped (the dummy prefix), runs
+  // of byte pieces are assembled into UTF-8 with U+FFFD for each invalid
+  // byte. A greedy continuation decoded on its own is exactly the golden
+  // `text`. Errors: OUT_OF_RANGE for an id outside [0, vocab_size()).
+  [[nodiscard]] absl::StatusOr<std::string> Decode(
+      std::span<const int32_t> ids) const;
+
+  int32_t vocab_size() const;
+  int32_t bos_id() const;  // -1 when the vocabulary has none
+  int32_t eos_id() const;  // -1 when the vocabulary has none
+  int32_t unk_id() const;
+  bool IsEos(int32_t id) const { return id >= 0 && id == eos_id(); }
+
+  // The raw piece, e.g. "▁the" or "<0x0A>". OUT_OF_RANGE for a bad id. The
+  // view lives as long as the Tokenizer.
+  [[nodiscard]] absl::StatusOr<std::string_view> IdToPiece(int32_t id) const;
+
+  // FAILED_PRECONDITION naming both sizes unless the model's embedding/lm_head
+  // vocabulary equals ours: a larger model vocabulary could sample ids we
+  // cannot decode, a smaller one would be fed ids it has no embedding for.
+  [[nodiscard]] absl::Status CheckCompatibleWith(int model_vocab_size) const;
+
+ private:
+  friend class IncrementalDetokenizer;
+  explicit Tokenizer(std::unique_ptr<internal::TokenizerImpl> impl);
+
+  std::unique_ptr<internal::TokenizerImpl> impl_;
+};
+
+// Loads `source.tokenizer_spec()` and checks it against the model's vocab_size.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerForModel(
+    const model::WeightSource& source);
+
+}  // namespace pdserve::tokenizer
