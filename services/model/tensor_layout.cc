@@ -1,0 +1,46 @@
+#include "model/tensor_layout.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "model/weight_source.h"
+
+namespace pdserve::model {
+
+std::vector<ExpectedTensor> LlamaTensorLayout(const ModelConfig& config) {
+  const int64_t hidden = config.hidden_size;
+  const int64_t intermediate = config.intermediate_size;
+  const int64_t q_dim =
+      static_cast<int64_t>(config.num_heads) * config.head_dim;
+  const int64_t kv_dim =
+      static_cast<int64_t>(config.num_kv_heads) * config.head_dim;
+  const int64_t vocab = config.vocab_size;
+
+  std::vector<ExpectedTensor> layout;
+  layout.reserve(3 + 9 * static_cast<size_t>(config.num_layers));
+  layout.push_back({"model.embed_tokens.weight", {vocab, hidden}});
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    auto add = [&](std::string_view suffix, std::vector<int64_t> shape) {
+      layout.push_back({LayerTensorName(layer, suffix), std::move(shape)});
+    };
+    add("input_layernorm.weight", {hidden});
+    add("self_attn.q_proj.weight", {q_dim, hidden});
+    add("self_attn.k_proj.weight", {kv_dim, hidden});
+    add("self_attn.v_proj.weight", {kv_dim, hidden});
+    add("self_attn.o_proj.weight", {hidden, q_dim});
+    add("post_attention_layernorm.weight", {hidden});
+    add("mlp.gate_proj.weight", {intermediate, hidden});
+    add("mlp.up_proj.weight", {intermediate, hidden});
+    add("mlp.down_proj.weight", {hidden, intermediate});
+  }
+  layout.push_back({"model.norm.weight", {hidden}});
+  if (!config.tie_word_embeddings) {
+    layout.push_back({"lm_head.weight", {vocab, hidden}});
+  }
+  return layout;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+}  // namespace pdserve::model
