@@ -1,0 +1,537 @@
+// Transport integration tests: real peer processes (transport_test_peer)
+// over loopback UCX (shared memory / CMA / TCP, whatever UCX_TLS allows).
+// Every wait is bounded; a hung peer fails the test instead of hanging it.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kv/kv_pool.h"
+#include "test_support.h"
+#include "transport/kv_transfer.h"
+#include "transport/ucx_worker.h"
+
+namespace pdserve::transport {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ReadFrame;
+using testing::WriteFrame;
+
+// A peer process connected by a socketpair; killed and reaped on
+// destruction at the latest.
+class PeerProcess {
+ public:
+  explicit PeerProcess(const std::vector<std::string>& args) {
+    int sv[2];
+    PDS_CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
+    pid_ = fork();
+    PDS_CHECK(pid_ >= 0);
+    if (pid_ == 0) {
+      int child_fd = dup(sv[1]);  // without CLOEXEC
+      std::vector<std::string> all = {TRANSPORT_TEST_PEER,
+                                      absl::StrCat("--fd=", child_fd)};
+      all.insert(all.end(), args.begin(), args.end());
+      std::vector<char*> argv;
+      for (auto& a : all) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(sv[1]);
+    fd_ = sv[0];
+  }
+  ~PeerProcess() {
+    close(fd_);
+    // Give it a moment to exit on its own (pipe closed), then kill.
+    for (int i = 0; i < 100 && pid_ > 0; ++i) {
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_)
+        pid_ = -1;
+      else
+        absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (pid_ > 0) Kill();
+  }
+  int fd() const { return fd_; }
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+};
+
+std::unique_ptr<UcxWorker> NewWorker() {
+  auto w = UcxWorker::Create();
+  PDS_CHECK(w.ok()) << w.status();
+  return std::move(*w);
+}
+
+std::vector<std::string> SpecArgs(const KvModelSpec& s) {
+  return {absl::StrCat("--model_id=", s.model_id),
+          absl::StrCat("--dtype=", static_cast<int>(s.dtype)),
+          absl::StrCat("--block_size=", s.block_size),
+          absl::StrCat("--head_dim=", s.head_dim),
+          absl::StrCat("--num_layers=", s.num_layers),
+          absl::StrCat("--num_kv_heads=", s.num_kv_heads)};
+}
+
+KvModelSpec TestSpec(int block_size, kv::KvDType dtype = kv::KvDType::kF32) {
+  return KvModelSpec{"test-model@1", dtype, block_size, 8, 7, 12};
+}
+
+// ---------------------------------------------------------------------------
+
+TEST(PlanKvCopyTest, MergesRunsContiguousOnBothSides) {
+  kv::KvCacheLayout src{2, 0, 4, 0, 16, 8, kv::KvDType::kF32};
+  // Same layout, consecutive blocks on both sides: one segment.
+  std::vector<int64_t> blocks = {0, 1, 2};
+  auto segs = PlanKvCopy(src, blocks, src, blocks, 0, 2, 0, 48);
+  ASSERT_TRUE(segs.ok()) << segs.status();
+  ASSERT_EQ(segs->size(), 1u);
+  EXPECT_EQ((*segs)[0].length, static_cast<uint64_t>(3 * src.block_bytes()));
+  // Two-rank head shard: one run per (block, layer, k|v) of 2 heads.
+  kv::KvCacheLayout dst = src;
+  dst.num_kv_heads = 2;
+  dst.kv_head_offset = 2;
+  segs = PlanKvCopy(src, blocks, dst, blocks, 0, 2, 0, 48);
+  ASSERT_TRUE(segs.ok());
+  EXPECT_EQ(segs->size(), 3u * 2 * 2);
+  EXPECT_EQ((*segs)[0].length, 2u * 16 * 8 * 4);
+  // Partial block: slots [3, 10) of each head.
+  segs = PlanKvCopy(src, blocks, dst, blocks, 1, 2, 3, 10);
+  ASSERT_TRUE(segs.ok());
+  EXPECT_EQ(segs->size(), 2u * 2);
+  EXPECT_EQ((*segs)[0].length, 7u * 8 * 4);
+  // Too few blocks for the tokens.
+  EXPECT_EQ(PlanKvCopy(src, blocks, dst, blocks, 0, 2, 0, 49).status().code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+TEST(CompatibilityTest, NamesTheDifference) {
+  KvModelSpec a = TestSpec(16);
+  EXPECT_TRUE(CheckCompatible(a, a).ok());
+  KvModelSpec b = a;
+  b.num_kv_heads = 8;
+  EXPECT_THAT(CheckCompatible(a, b).message(),
+              HasSubstr("KV head count is 12 here but 8"));
+  b = a;
+  b.dtype = kv::KvDType::kBF16;
+  EXPECT_THAT(CheckCompatible(a, b).message(), HasSubstr("dtype"));
+}
+
+// S prefill stages (processes) x T decode ranks (sinks here): byte-exact.
+TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
+  std::vector<std::unique_ptr<UcxWorker>> workers;
+  for (int i = 0; i < 4; ++i) workers.push_back(NewWorker());
+  const int kBlockSizes[] = {1, 16, 32};
+  int config = 0;
+  for (int S = 1; S <= 5; ++S) {
+    for (int T = 1; T <= 4; ++T, ++config) {
+      const int bs = kBlockSizes[config % 3];
+      const kv::KvDType dtype =
+          config % 2 == 0 ? kv::KvDType::kF32 : kv::KvDType::kBF16;
+      const KvModelSpec spec = TestSpec(bs, dtype);
+      const int64_t num_tokens =
+          bs == 1 ? 23 + S : 2 * bs + 5 + S;  // partial last block
+      const uint64_t seed = 1000 + config;
+      const uint64_t request_id = 77 + config;
+      SCOPED_TRACE(absl::StrCat("S=", S, " T=", T, " block_size=", bs,
+                                " dtype_bytes=", kv::KvDTypeSize(dtype),
+                                " tokens=", num_tokens));
+      const int64_t nb = (num_tokens + bs - 1) / bs;
+      std::mt19937_64 rng(seed);
+
+      std::vector<std::unique_ptr<kv::KvPool>> pools;
+      std::vector<std::unique_ptr<KvSink>> sinks;
+      std::vector<std::vector<int64_t>> dst_blocks;
+      std::vector<std::string> grants;
+      for (int r = 0; r < T; ++r) {
+        const int heads = spec.num_kv_heads / T;
+        kv::KvCacheLayout l{spec.num_layers, 0,    heads, r * heads, bs,
+                            spec.head_dim,   dtype};
+        auto pool = kv::KvPool::Create(l, 2 * nb + 3);
+        ASSERT_TRUE(pool.ok());
+        auto sink = KvSink::Create(workers[r].get(), pool->get(), spec);
+        ASSERT_TRUE(sink.ok()) << sink.status();
+        std::vector<int64_t> blocks(2 * nb + 3);
+        std::iota(blocks.begin(), blocks.end(), 0);
+        std::shuffle(blocks.begin(), blocks.end(), rng);
+        blocks.resize(nb);
+        auto grant =
+            (*sink)->Expect(request_id, num_tokens, blocks, absl::Seconds(60));
+        ASSERT_TRUE(grant.ok()) << grant.status();
+        pools.push_back(std::move(*pool));
+        sinks.push_back(std::move(*sink));
+        dst_blocks.push_back(blocks);
+        grants.push_back(*grant);
+      }
+      std::vector<std::unique_ptr<PeerProcess>> stages;
+      for (int s = 0; s < S; ++s) {
+        std::vector<std::string> args = SpecArgs(spec);
+        args.insert(
+            args.end(),
+            {"--mode=kv_source",
+             absl::StrCat("--layer_begin=", spec.num_layers * s / S),
+             absl::StrCat("--layer_end=", spec.num_layers * (s + 1) / S),
+             absl::StrCat("--num_tokens=", num_tokens),
+             absl::StrCat("--num_sinks=", T), absl::StrCat("--seed=", seed),
+             absl::StrCat("--request_id=", request_id)});
+        stages.push_back(std::make_unique<PeerProcess>(args));
+        for (auto& sink : sinks)
+          ASSERT_TRUE(WriteFrame(stages.back()->fd(), sink->descriptor()));
+      }
+      for (auto& st : stages) {
+        auto reply = ReadFrame(st->fd(), absl::Seconds(60));
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        ASSERT_EQ(*reply, "CONNECTED");
+        for (auto& g : grants) ASSERT_TRUE(WriteFrame(st->fd(), g));
+      }
+      for (auto& st : stages) {
+        auto reply = ReadFrame(st->fd(), absl::Seconds(60));
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        ASSERT_EQ(*reply, "OK");
+      }
+      for (int r = 0; r < T; ++r) {
+        ASSERT_TRUE(sinks[r]->Wait(request_id, absl::Seconds(30)).ok());
+        // The whole pool: granted slots hold the stage's values, everything
+        // else (other blocks, slots past the last token) is untouched.
+        const kv::KvCacheLayout& l = pools[r]->layout();
+        std::string expected(pools[r]->size_bytes(), '\0');
+        testing::FillKv(l, expected.data(), dst_blocks[r], num_tokens, seed);
+        ASSERT_EQ(
+            std::memcmp(expected.data(), pools[r]->data(), expected.size()), 0)
+            << "rank " << r << " differs";
+        EXPECT_EQ(sinks[r]->active_requests(), 0);
+      }
+    }
+  }
+}
+
+TEST(MessageTest, ManySizesArriveInOrder) {
+  auto worker = NewWorker();
+  PeerProcess echo({"--mode=echo"});
+  ASSERT_TRUE(WriteFrame(echo.fd(), worker->address()));
+  auto addr = ReadFrame(echo.fd(), absl::Seconds(30));
+  ASSERT_TRUE(addr.ok()) << addr.status();
+  auto ep = worker->Connect(*addr);
+  ASSERT_TRUE(ep.ok()) << ep.status();
+
+  absl::Mutex mu;
+  std::vector<std::string> received;
+  worker->SetMessageHandler(2, [&](uint64_t, std::string p) {
+    absl::MutexLock l(&mu);
+    received.push_back(std::move(p));
+  });
+  const size_t kSizes[] = {
+      0,    1,    7,     8,      63,      64,           1000,
+      4096, 8193, 65536, 100000, 1 << 20, (4 << 20) + 3};
+  std::mt19937_64 rng(5);
+  std::vector<std::string> sent;
+  std::vector<std::shared_ptr<OpHandle>> handles;
+  for (int i = 0; i < 240; ++i) {
+    size_t n = kSizes[rng() % std::size(kSizes)];
+    std::string p(n, '\0');
+    for (size_t j = 0; j < n; j += 8) p[j] = static_cast<char>(rng());
+    if (n >= 4) std::memcpy(p.data(), &i, 4);
+    sent.push_back(p);
+    auto h = (*ep)->Send(1, p);
+    ASSERT_TRUE(h.ok()) << h.status();
+    handles.push_back(*h);
+  }
+  for (auto& h : handles) ASSERT_TRUE(h->Wait(absl::Seconds(30)).ok());
+  {
+    absl::MutexLock l(&mu);
+    auto all_back = [&]() { return received.size() >= sent.size(); };
+    mu.AwaitWithTimeout(absl::Condition(&all_back), absl::Seconds(60));
+    ASSERT_EQ(received.size(), sent.size());
+    for (size_t i = 0; i < sent.size(); ++i) {
+      ASSERT_EQ(received[i].size(), sent[i].size()) << "message " << i;
+      ASSERT_TRUE(received[i] == sent[i]) << "message " << i << " differs";
+    }
+  }
+  worker->SetMessageHandler(2, nullptr);
+}
+
+// A stage dies after writing part of a request: the sink fails the request
+// within the lease (or sooner, when UCX reports the peer) and frees its blocks.
+TEST(FaultTest, SourceKilledMidTransferFailsRequestAndFreesBlocks) {
+  auto worker = NewWorker();
+  const KvModelSpec spec = TestSpec(16);
+  kv::KvCacheLayout l{spec.num_layers, 0,         spec.num_kv_heads, 0, 16,
+                      spec.head_dim,   spec.dtype};
+  auto pool = kv::KvPool::Create(l, 16);
+  ASSERT_TRUE(pool.ok());
+  absl::Mutex mu;
+  std::vector<int64_t> released;
+  absl::Status why;
+  KvSinkOptions opts;
+  opts.release_blocks = [&](uint64_t, const std::vector<int64_t>& b,
+                            const absl::Status& s) {
+    absl::MutexLock lock(&mu);
+    released.insert(released.end(), b.begin(), b.end());
+    why = s;
+  };
+  auto sink = KvSink::Create(worker.get(), pool->get(), spec, opts);
+  ASSERT_TRUE(sink.ok());
+  std::vector<int64_t> blocks = {3, 4, 5, 6};
+  auto grant = (*sink)->Expect(1, 60, blocks, absl::Seconds(4));
+  ASSERT_TRUE(grant.ok());
+
+  std::vector<std::string> args = SpecArgs(spec);
+  args.insert(args.end(), {"--mode=kv_source", "--layer_begin=0",
+                           "--layer_end=7", "--num_tokens=60", "--num_sinks=1",
+                           "--seed=3", "--request_id=1", "--stall=1"});
+  PeerProcess stage(args);
+  ASSERT_TRUE(WriteFrame(stage.fd(), (*sink)->descriptor()));
+  ASSERT_EQ(ReadFrame(stage.fd(), absl::Seconds(60)).value_or(""), "CONNECTED");
+  ASSERT_TRUE(WriteFrame(stage.fd(), *grant));
+  ASSERT_EQ(ReadFrame(stage.fd(), absl::Seconds(60)).value_or(""), "STALLED");
+  EXPECT_EQ((*sink)->active_requests(), 1);
+
+  absl::Time killed = absl::Now();
+  stage.Kill();
+  absl::Status s = (*sink)->Wait(1, absl::Seconds(30));
+  const absl::Duration took = absl::Now() - killed;
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable ||
+              s.code() == absl::StatusCode::kDeadlineExceeded)
+      << s;
+  EXPECT_LT(took, absl::Seconds(15)) << s;
+  EXPECT_EQ((*sink)->active_requests(), 0);
+  absl::MutexLock lock(&mu);
+  EXPECT_THAT(released, ::testing::UnorderedElementsAreArray(blocks));
+}
+
+// The decode rank dies: writes fail (or time out) instead of hanging, and a
+// new handshake with the dead address fails with UNAVAILABLE.
+TEST(FaultTest, SinkKilledWritesFailAndReconnectIsUnavailable) {
+  const KvModelSpec spec = TestSpec(16);
+  const int64_t tokens = 40;
+  std::vector<std::string> args = SpecArgs(spec);
+  args.insert(args.end(),
+              {"--mode=kv_sink", absl::StrCat("--num_tokens=", tokens)});
+  PeerProcess rank(args);
+  auto desc = ReadFrame(rank.fd(), absl::Seconds(60));
+  ASSERT_TRUE(desc.ok()) << desc.status();
+  auto grant = ReadFrame(rank.fd(), absl::Seconds(60));
+  ASSERT_TRUE(grant.ok()) << grant.status();
+
+  auto worker = NewWorker();
+  kv::KvCacheLayout l{spec.num_layers, 0,         spec.num_kv_heads, 0, 16,
+                      spec.head_dim,   spec.dtype};
+  auto pool = kv::KvPool::Create(l, 8);
+  ASSERT_TRUE(pool.ok());
+  KvSourceOptions opts;
+  opts.handshake_timeout = absl::Seconds(3);
+  auto source = KvSource::Create(worker.get(), pool->get(), spec, opts);
+  ASSERT_TRUE(source.ok());
+  ASSERT_TRUE((*source)->Connect(*desc).ok());
+  ASSERT_TRUE((*source)->AddGrant(*grant).ok());
+  std::vector<int64_t> src_blocks = {0, 1, 2};
+  auto first = (*source)->Write(1, src_blocks, 0, 1, 0, tokens);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE((*first)->Wait(absl::Seconds(30)).ok());
+
+  rank.Kill();
+  absl::Time start = absl::Now();
+  absl::Status s = absl::OkStatus();
+  // Keep writing until the failure surfaces; every wait is bounded.
+  for (int i = 0; i < 50 && s.ok(); ++i) {
+    auto h = (*source)->Write(1, src_blocks, 1, 7, 0, tokens);
+    s = h.ok() ? (*h)->Wait(absl::Seconds(2)) : h.status();
+  }
+  EXPECT_FALSE(s.ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << s;
+
+  auto worker2 = NewWorker();
+  auto source2 = KvSource::Create(worker2.get(), pool->get(), spec, opts);
+  ASSERT_TRUE(source2.ok());
+  start = absl::Now();
+  auto again = (*source2)->Connect(*desc);
+  EXPECT_FALSE(again.ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// Two workers in this process, one as decode rank, one as stage.
+class LocalPairTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec_ = TestSpec(16);
+    kv::KvCacheLayout l{spec_.num_layers, 0,          spec_.num_kv_heads, 0, 16,
+                        spec_.head_dim,   spec_.dtype};
+    sink_pool_ = std::move(kv::KvPool::Create(l, 8).value());
+    src_pool_ = std::move(kv::KvPool::Create(l, 8).value());
+    sink_worker_ = NewWorker();
+    src_worker_ = NewWorker();
+    KvSinkOptions opts;
+    opts.release_blocks = [this](uint64_t, const std::vector<int64_t>& b,
+                                 const absl::Status& s) {
+      absl::MutexLock l(&mu_);
+      released_.insert(released_.end(), b.begin(), b.end());
+      why_ = s;
+    };
+    sink_ = std::move(
+        KvSink::Create(sink_worker_.get(), sink_pool_.get(), spec_, opts)
+            .value());
+  }
+  void TearDown() override {
+    source_.reset();
+    sink_.reset();
+  }
+  bool SinkPoolIsZero() const {
+    const char* p = static_cast<const char*>(sink_pool_->data());
+    return std::all_of(p, p + sink_pool_->size_bytes(),
+                       [](char c) { return c == 0; });
+  }
+
+  KvModelSpec spec_;
+  std::unique_ptr<kv::KvPool> sink_pool_, src_pool_;
+  std::unique_ptr<UcxWorker> sink_worker_, src_worker_;
+  std::unique_ptr<KvSink> sink_;
+  std::unique_ptr<KvSource> source_;
+  absl::Mutex mu_;
+  std::vector<int64_t> released_ ABSL_GUARDED_BY(mu_);
+  absl::Status why_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(LocalPairTest, OutOfRegionWritesAreRejected) {
+  source_ = std::move(
+      KvSource::Create(src_worker_.get(), src_pool_.get(), spec_).value());
+  ASSERT_TRUE(source_->Connect(sink_->descriptor()).ok());
+  auto grant = sink_->Expect(1, 20, {2, 3});
+  ASSERT_TRUE(grant.ok());
+  ASSERT_TRUE(source_->AddGrant(*grant).ok());
+  std::vector<int64_t> src = {0, 1, 2};
+  // Tokens beyond what was granted.
+  EXPECT_EQ(source_->Write(1, src, 0, 7, 0, 40).status().code(),
+            absl::StatusCode::kOutOfRange);
+  // A forged grant naming a block outside the sink's pool (last block id and
+  // the request id rewritten).
+  std::string forged = *grant;
+  int64_t bad_block = 99;
+  uint64_t other_request = 2;
+  std::memcpy(forged.data() + forged.size() - 8, &bad_block, 8);
+  std::memcpy(forged.data() + 4 + 8, &other_request, 8);
+  EXPECT_EQ(source_->AddGrant(forged).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_FALSE(source_->Write(2, src, 0, 7, 0, 20).ok());
+  // A grant overlapping live blocks is refused by the sink.
+  EXPECT_EQ(sink_->Expect(3, 16, {3}).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  // Raw puts are checked against the remote region.
+  std::vector<char> buf(4096, 'x');
+  auto local = src_worker_->Register(buf.data(), buf.size());
+  std::vector<char> target(4096, 0);
+  auto remote_mem = sink_worker_->Register(target.data(), target.size());
+  ASSERT_TRUE(local.ok() && remote_mem.ok());
+  auto ep = src_worker_->Connect(sink_worker_->address());
+  ASSERT_TRUE(ep.ok());
+  auto remote = (*ep)->ImportRegion((*remote_mem)->descriptor());
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  EXPECT_EQ(
+      (*ep)->PutAndFlush(**local, **remote, {{0, 4000, 200}}).status().code(),
+      absl::StatusCode::kOutOfRange);
+  auto ok = (*ep)->PutAndFlush(**local, **remote, {{0, 100, 200}});
+  ASSERT_TRUE(ok.ok());
+  ASSERT_TRUE((*ok)->Wait(absl::Seconds(30)).ok());
+  EXPECT_EQ(std::count(target.begin(), target.end(), 'x'), 200);
+  EXPECT_TRUE(SinkPoolIsZero());
+}
+
+TEST_F(LocalPairTest, LeaseTimeoutFreesBlocksAndRevokesTheSource) {
+  source_ = std::move(
+      KvSource::Create(src_worker_.get(), src_pool_.get(), spec_).value());
+  ASSERT_TRUE(source_->Connect(sink_->descriptor()).ok());
+  auto grant = sink_->Expect(1, 20, {4, 5}, absl::Milliseconds(500));
+  ASSERT_TRUE(grant.ok());
+  ASSERT_TRUE(source_->AddGrant(*grant).ok());
+  std::vector<int64_t> src = {0, 1};
+  auto h = source_->Write(1, src, 0, 1, 0, 20);  // one layer, then silence
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*h)->Wait(absl::Seconds(30)).ok());
+  absl::Time start = absl::Now();
+  absl::Status s = sink_->Wait(1, absl::Seconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(s.message(), HasSubstr("lease"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(sink_->active_requests(), 0);
+  {
+    absl::MutexLock l(&mu_);
+    EXPECT_THAT(released_, ::testing::UnorderedElementsAre(4, 5));
+  }
+  // The source hears the revoke and stops writing the request.
+  absl::Status w = absl::OkStatus();
+  for (int i = 0; i < 250 && w.ok(); ++i) {
+    auto h2 = source_->Write(1, src, 1, 2, 0, 20);
+    w = h2.ok() ? (*h2)->Wait(absl::Seconds(10)) : h2.status();
+    if (w.ok()) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(w.code(), absl::StatusCode::kAborted) << w;
+  // The freed blocks can be granted again.
+  EXPECT_TRUE(sink_->Expect(2, 20, {4, 5}).ok());
+}
+
+TEST_F(LocalPairTest, CancelReleasesBlocks) {
+  auto grant = sink_->Expect(1, 20, {6, 7});
+  ASSERT_TRUE(grant.ok());
+  ASSERT_TRUE(sink_->Cancel(1).ok());
+  absl::MutexLock l(&mu_);
+  EXPECT_THAT(released_, ::testing::UnorderedElementsAre(6, 7));
+  EXPECT_EQ(why_.code(), absl::StatusCode::kCancelled);
+}
+
+// Compatibility mismatch, from a separate stage process: refused locally by
+// the source, and (with the source's check skipped) by the sink.
+TEST(CompatibilityTest, MismatchRefusedAtConnectNamingTheField) {
+  auto worker = NewWorker();
+  const KvModelSpec spec = TestSpec(16);
+  kv::KvCacheLayout l{spec.num_layers, 0,         spec.num_kv_heads, 0, 16,
+                      spec.head_dim,   spec.dtype};
+  auto pool = kv::KvPool::Create(l, 4);
+  ASSERT_TRUE(pool.ok());
+  auto sink = KvSink::Create(worker.get(), pool->get(), spec);
+  ASSERT_TRUE(sink.ok());
+  struct Case {
+    std::vector<std::string> extra;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {{"--head_dim=16"}, "head dim is 16 here but 8"},
+      {{"--block_size=32"}, "block size"},
+      {{"--model_id=other-model", "--skip_compat=1"}, "model identity"},
+      {{"--num_layers=9", "--skip_compat=1"}, "layer count"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = SpecArgs(spec);
+    args.insert(args.end(), c.extra.begin(), c.extra.end());
+    args.insert(args.end(),
+                {"--mode=kv_source", "--layer_begin=0", "--layer_end=2",
+                 "--num_tokens=16", "--num_sinks=1"});
+    PeerProcess stage(args);
+    ASSERT_TRUE(WriteFrame(stage.fd(), (*sink)->descriptor()));
+    auto reply = ReadFrame(stage.fd(), absl::Seconds(60));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_THAT(*reply, HasSubstr("FAILED_PRECONDITION"));
+    EXPECT_THAT(*reply, HasSubstr(c.expect));
+  }
+  EXPECT_EQ((*sink)->accepted_sources(), 0);
+}
+
+}  // namespace
+}  // namespace pdserve::transport
