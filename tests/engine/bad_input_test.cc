@@ -76,14 +76,15 @@ TEST(EngineBadInputTest, BadBatchesAreRejectedAndEngineKeepsWorking) {
   }
   {
     auto batch = base();
-    batch.sequences[0].start_position = 510;
+    batch.sequences[0].start_position =
+        engine->config().max_position_embeddings - 2;
     auto status = engine->Forward(batch, *pool, &result);
     EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
     EXPECT_NE(status.message().find("context"), std::string::npos) << status;
   }
   {
     auto batch = base();
-    batch.sequences[0].start_position = 60;  // needs 4 blocks + 1
+    batch.sequences[0].start_position = 62;  // 65 tokens need 5 blocks of 16
     EXPECT_EQ(engine->Forward(batch, *pool, &result).code(),
               absl::StatusCode::kInvalidArgument);
   }

@@ -77,14 +77,14 @@ TEST(SamplerTest, DrawsFollowTheDistribution) {
 }
 
 TEST(SamplerTest, ValidateRejectsBadParams) {
-  EXPECT_FALSE(SamplingParams{.temperature = -1.0f}.Validate().ok());
-  EXPECT_FALSE(SamplingParams{.temperature = NAN}.Validate().ok());
-  EXPECT_FALSE(SamplingParams{.top_k = -2}.Validate().ok());
-  EXPECT_FALSE(SamplingParams{.top_p = 0.0f}.Validate().ok());
-  EXPECT_FALSE(SamplingParams{.top_p = 1.5f}.Validate().ok());
-  EXPECT_TRUE(SamplingParams{.temperature = 0.7f, .top_k = 40, .top_p = 0.9f}
-                  .Validate()
-                  .ok());
+  auto invalid = [](SamplingParams p) { return !p.Validate().ok(); };
+  EXPECT_TRUE(invalid({.temperature = -1.0f}));
+  EXPECT_TRUE(invalid({.temperature = NAN}));
+  EXPECT_TRUE(invalid({.top_k = -2}));
+  EXPECT_TRUE(invalid({.top_p = 0.0f}));
+  EXPECT_TRUE(invalid({.top_p = 1.5f}));
+  SamplingParams good{.temperature = 0.7f, .top_k = 40, .top_p = 0.9f};
+  EXPECT_TRUE(good.Validate().ok());
 }
 
 }  // namespace
