@@ -36,6 +36,9 @@ std::unique_ptr<Tokenizer> LoadGguf() {
   bool from_gguf = false;
   auto spec = testing::GgufSpec(&from_gguf);
   EXPECT_TRUE(spec.ok()) << spec.status();
+#ifdef PDSERVE_HAVE_MODEL_LIB
+  EXPECT_TRUE(from_gguf);
+#endif
   if (!spec.ok()) return nullptr;
   EXPECT_TRUE(spec->sentencepiece_model_path.empty());
   auto tok = Tokenizer::Create(*spec);
@@ -319,6 +322,27 @@ TEST(TokenizerTest, StreamingMatchesDecodeWithBareSpacePiece) {
   }
 }
 
+TEST(TokenizerTest, SpecialPiecesWithNonDefaultNamesAreFound) {
+  // SentencePiece looks BOS/EOS up by piece name; the builder must name them
+  // when they are not "<s>"/"</s>".
+  model::TokenizerSpec spec;
+  spec.ggml_model = "llama";
+  spec.tokens = {"<UNK>",         "<|begin|>",    "<|end|>", "\xE2\x96\x81hi",
+                 "\xE2\x96\x81h", "\xE2\x96\x81", "h",       "i"};
+  spec.scores = {0, 0, 0, -1, -2, -3, -4, -5};
+  spec.token_types = {2, 3, 3, 1, 1, 1, 1, 1};
+  spec.unk_token_id = 0;
+  spec.bos_token_id = 1;
+  spec.eos_token_id = 2;
+  auto tok = Tokenizer::Create(spec);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->unk_id(), 0);
+  EXPECT_EQ((*tok)->bos_id(), 1);
+  EXPECT_EQ((*tok)->eos_id(), 2);
+  EXPECT_THAT(*(*tok)->Encode("hi"), ElementsAreArray({1, 3}));
+  EXPECT_EQ(*(*tok)->Decode(std::vector<int32_t>{1, 3, 2}), "hi");
+}
+
 TEST(TokenizerTest, ConcurrentEncodeDecode) {
   auto tok = LoadHf();
   ASSERT_NE(tok, nullptr);
@@ -344,7 +368,7 @@ TEST(TokenizerTest, ConcurrentEncodeDecode) {
 
 #ifdef PDSERVE_HAVE_MODEL_LIB
 TEST(TokenizerTest, LoadTokenizerForModelBothLayouts) {
-  for (const std::string path :
+  for (const std::string& path :
        {testing::Stories260KDir() + "/stories260K.gguf",
         testing::Stories260KDir()}) {
     auto source = model::OpenModel(path);
