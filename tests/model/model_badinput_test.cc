@@ -1,0 +1,530 @@
+// Damaged and hostile model files: every one must give an error naming the
+// file, never a crash or an out-of-bounds read (these also run under
+// ASan/UBSan).
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/gguf_file.h"
+#include "model/weight_source.h"
+#include "model_test_util.h"
+#include "nlohmann/json.hpp"
+
+namespace pdserve::model {
+namespace {
+
+using ::pdserve::model::testing::kModelsDir;
+using ::pdserve::model::testing::kStoriesDir;
+using ::pdserve::model::testing::kStoriesGguf;
+using ::pdserve::model::testing::ScopedTempDir;
+using ::testing::HasSubstr;
+
+// Offsets to truncate at: all of [0, dense_end) and `spread` more spread
+// evenly over [dense_end, size).
+std::vector<size_t> TruncationPoints(size_t dense_end, size_t size,
+                                     size_t spread) {
+  std::vector<size_t> points;
+  for (size_t offset = 0; offset < dense_end && offset < size; ++offset) {
+    points.push_back(offset);
+  }
+  for (size_t i = 0; i < spread; ++i) {
+    points.push_back(dense_end + (size - 1 - dense_end) * i / (spread - 1));
+  }
+  return points;
+}
+
+void ExpectOpenFails(const std::string& path, LoadFormat format,
+                     const std::string& must_contain) {
+  auto source = OpenModel(path, format);
+  ASSERT_FALSE(source.ok()) << "opened " << path;
+  EXPECT_THAT(source.status().message(), HasSubstr(must_contain));
+}
+
+TEST(TruncatedFileTest, GgufTruncatedAnywhereIsAnError) {
+  const std::string original = testing::ReadBytes(kStoriesGguf);
+  auto gguf = GgufFile::Open(kStoriesGguf);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  ScopedTempDir dir;
+  const std::string path = dir.File("cut.gguf");
+  // Written once, then cut shorter and shorter in place: one truncate()
+  // per point instead of rewriting thousands of files.
+  testing::WriteBytes(path, original);
+  std::vector<size_t> points =
+      TruncationPoints(gguf->data_offset(), original.size(), 50);
+  int checked = 0;
+  for (auto it = points.rbegin(); it != points.rend(); ++it) {
+    const size_t length = *it;
+    ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(length)), 0);
+    auto source = OpenModel(path, LoadFormat::kAuto);
+    ASSERT_FALSE(source.ok()) << "opened a file cut at " << length;
+    ASSERT_THAT(source.status().message(), HasSubstr(path)) << length;
+    ++checked;
+  }
+  EXPECT_GT(checked, 10000);
+}
+
+TEST(TruncatedFileTest, SafetensorsTruncatedAnywhereIsAnError) {
+  const std::string original =
+      testing::ReadBytes(kStoriesDir + "/model.safetensors");
+  uint64_t header_length;
+  std::memcpy(&header_length, original.data(), 8);
+  ScopedTempDir dir;
+  testing::WriteBytes(dir.File("config.json"),
+                      testing::ReadBytes(kStoriesDir + "/config.json"));
+  const std::string path = dir.File("model.safetensors");
+  testing::WriteBytes(path, original);
+  std::vector<size_t> points =
+      TruncationPoints(8 + header_length, original.size(), 50);
+  for (auto it = points.rbegin(); it != points.rend(); ++it) {
+    const size_t length = *it;
+    ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(length)), 0);
+    auto source = OpenModel(dir.path(), LoadFormat::kAuto);
+    ASSERT_FALSE(source.ok()) << "opened a file cut at " << length;
+    ASSERT_THAT(source.status().message(), HasSubstr(path)) << length;
+  }
+}
+
+class GgufHeaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override { bytes_ = testing::ReadBytes(kStoriesGguf); }
+  void ExpectFails(const std::string& must_contain) {
+    const std::string path = dir_.File("bad.gguf");
+    testing::WriteBytes(path, bytes_);
+    auto source = OpenModel(path, LoadFormat::kGguf);
+    ASSERT_FALSE(source.ok());
+    EXPECT_THAT(source.status().message(), HasSubstr(path));
+    EXPECT_THAT(source.status().message(), HasSubstr(must_contain));
+  }
+
+  ScopedTempDir dir_;
+  std::string bytes_;
+};
+
+TEST_F(GgufHeaderTest, BadMagic) {
+  bytes_[0] = 'X';
+  ExpectFails("magic");
+}
+
+TEST_F(GgufHeaderTest, Version2) {
+  testing::PutU32At(&bytes_, 4, 2);
+  ExpectFails("version 2");
+}
+
+TEST_F(GgufHeaderTest, AbsurdTensorCount) {
+  testing::PutU64At(&bytes_, 8, uint64_t{1} << 60);
+  ExpectFails("tensor count");
+}
+
+TEST_F(GgufHeaderTest, AbsurdMetadataCount) {
+  testing::PutU64At(&bytes_, 16, uint64_t{1} << 60);
+  ExpectFails("metadata count");
+}
+
+TEST_F(GgufHeaderTest, KeyLengthPastEndOfFile) {
+  testing::PutU64At(&bytes_, 24, bytes_.size());  // first key's length
+  ExpectFails("past the end");
+}
+
+TEST_F(GgufHeaderTest, HugeKeyLength) {
+  testing::PutU64At(&bytes_, 24, ~uint64_t{0});
+  ExpectFails("past the end");
+}
+
+TEST_F(GgufHeaderTest, AbsurdArrayCount) {
+  // The first key is tokenizer.ggml.tokens (21 bytes): after its length,
+  // name, type (u32) and element type (u32) comes the element count.
+  ASSERT_EQ(bytes_.substr(32, 21), "tokenizer.ggml.tokens");
+  testing::PutU64At(&bytes_, 32 + 21 + 8, uint64_t{1} << 60);
+  ExpectFails("elements");
+}
+
+TEST_F(GgufHeaderTest, StringElementLengthPastEndOfFile) {
+  // First token string length follows the element count.
+  testing::PutU64At(&bytes_, 32 + 21 + 16, uint64_t{1} << 40);
+  ExpectFails("past the end");
+}
+
+TEST_F(GgufHeaderTest, UnknownValueType) {
+  testing::PutU32At(&bytes_, 32 + 21, 99);
+  ExpectFails("unknown type 99");
+}
+
+// Builds GGUFs of the tiny synthetic model with one thing wrong.
+class GgufSyntheticTest : public ::testing::Test {
+ protected:
+  testing::GgufBuilder Tiny() {
+    return testing::TinyGguf(testing::MakeTinyModel(DType::kF32));
+  }
+  absl::Status Open(const testing::GgufBuilder& builder) {
+    path_ = dir_.File("tiny.gguf");
+    testing::WriteBytes(path_, builder.Build());
+    return OpenModel(path_, LoadFormat::kGguf).status();
+  }
+  void ExpectFails(const testing::GgufBuilder& builder,
+                   const std::string& must_contain) {
+    absl::Status status = Open(builder);
+    ASSERT_FALSE(status.ok());
+    EXPECT_THAT(status.message(), HasSubstr(path_));
+    EXPECT_THAT(status.message(), HasSubstr(must_contain));
+  }
+
+  ScopedTempDir dir_;
+  std::string path_;
+};
+
+TEST_F(GgufSyntheticTest, TheUnmodifiedTinyModelOpens) {
+  EXPECT_TRUE(Open(Tiny()).ok());
+}
+
+TEST_F(GgufSyntheticTest, UnsupportedTensorTypeNamesTensorAndType) {
+  testing::GgufBuilder builder = Tiny();
+  builder.tensors()[3].ggml_type = 8;  // Q8_0
+  ExpectFails(builder,
+              builder.tensors()[3].name + " has unsupported type Q8_0");
+}
+
+TEST_F(GgufSyntheticTest, TensorOffsetPastEndOfFile) {
+  testing::GgufBuilder builder = Tiny();
+  builder.tensors()[2].offset_override = uint64_t{1} << 20;
+  ExpectFails(builder, builder.tensors()[2].name);
+}
+
+TEST_F(GgufSyntheticTest, TensorOffsetNearUint64Max) {
+  testing::GgufBuilder builder = Tiny();
+  builder.tensors()[2].offset_override = ~uint64_t{0} - 31;
+  ExpectFails(builder, "past the end of the data section");
+}
+
+TEST_F(GgufSyntheticTest, MisalignedTensorOffset) {
+  testing::GgufBuilder builder = Tiny();
+  builder.tensors()[1].offset_override = 4;
+  ExpectFails(builder, "alignment");
+}
+
+TEST_F(GgufSyntheticTest, AbsurdShapeOverflows) {
+  testing::GgufBuilder builder = Tiny();
+  builder.tensors()[0].ne = {uint64_t{1} << 40, uint64_t{1} << 40};
+  ExpectFails(builder, "absurd shape");
+}
+
+TEST_F(GgufSyntheticTest, TooManyDimensions) {
+  testing::GgufBuilder builder = Tiny();
+  builder.tensors()[0].ne = {1, 1, 1, 1, 8};
+  ExpectFails(builder, "dimensions");
+}
+
+TEST_F(GgufSyntheticTest, ShapeMismatchAgainstMetadata) {
+  testing::GgufBuilder builder = Tiny();
+  for (auto& tensor : builder.tensors()) {
+    if (tensor.name == "blk.1.ffn_up.weight") tensor.ne = {8, 6};
+  }
+  ExpectFails(builder, "model.layers.1.mlp.up_proj.weight has shape [6, 8]");
+}
+
+TEST_F(GgufSyntheticTest, MissingTensor) {
+  testing::GgufBuilder builder = Tiny();
+  auto& tensors = builder.tensors();
+  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+    if (it->name == "blk.0.attn_v.weight") {
+      tensors.erase(it);
+      break;
+    }
+  }
+  ExpectFails(builder, "missing tensor model.layers.0.self_attn.v_proj.weight");
+}
+
+TEST_F(GgufSyntheticTest, MissingOutputMeansTiedEmbeddings) {
+  testing::GgufBuilder builder = Tiny();
+  auto& tensors = builder.tensors();
+  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+    if (it->name == "output.weight") {
+      tensors.erase(it);
+      break;
+    }
+  }
+  path_ = dir_.File("tied.gguf");
+  testing::WriteBytes(path_, builder.Build());
+  auto source = OpenModel(path_, LoadFormat::kGguf);
+  ASSERT_TRUE(source.ok()) << source.status();
+  EXPECT_TRUE((*source)->config().tie_word_embeddings);
+  EXPECT_FALSE((*source)->HasTensor("lm_head.weight"));
+}
+
+TEST_F(GgufSyntheticTest, EachRequiredMetadataKeyRemovedInTurn) {
+  for (const char* key : {"general.architecture", "llama.context_length",
+                          "llama.embedding_length", "llama.feed_forward_length",
+                          "llama.block_count", "llama.attention.head_count",
+                          "llama.attention.layer_norm_rms_epsilon"}) {
+    SCOPED_TRACE(key);
+    testing::GgufBuilder builder = Tiny();
+    ASSERT_TRUE(builder.RemoveMetadata(key));
+    ExpectFails(builder, key);
+  }
+}
+
+TEST_F(GgufSyntheticTest, MetadataOfTheWrongType) {
+  testing::GgufBuilder builder = Tiny();
+  builder.RemoveMetadata("llama.block_count");
+  builder.AddStr("llama.block_count", "two");
+  ExpectFails(builder, "llama.block_count");
+}
+
+TEST_F(GgufSyntheticTest, DuplicateKey) {
+  testing::GgufBuilder builder = Tiny();
+  builder.AddU32("llama.block_count", 2);
+  ExpectFails(builder, "duplicate metadata key llama.block_count");
+}
+
+TEST_F(GgufSyntheticTest, ArraysNestedTooDeep) {
+  testing::GgufBuilder builder = Tiny();
+  std::string payload;
+  for (int depth = 0; depth < 100; ++depth) {
+    testing::AppendU32(&payload, 9);  // array of ...
+    testing::AppendU64(&payload, 1);  // one element
+  }
+  testing::AppendU32(&payload, 4);
+  testing::AppendU64(&payload, 0);
+  builder.AddRaw("deep", 9, payload.substr(0, payload.size()));
+  ExpectFails(builder, "nests arrays");
+}
+
+TEST_F(GgufSyntheticTest, InvalidBool) {
+  testing::GgufBuilder builder = Tiny();
+  builder.AddRaw("flag", 7, std::string(1, '\x07'));
+  ExpectFails(builder, "invalid bool");
+}
+
+TEST_F(GgufSyntheticTest, BadAlignment) {
+  testing::GgufBuilder builder = Tiny();
+  builder.AddU32("general.alignment", 24);
+  ExpectFails(builder, "general.alignment");
+}
+
+TEST_F(GgufSyntheticTest, HeadCountNotDivisibleByKvHeads) {
+  testing::GgufBuilder builder = Tiny();
+  builder.RemoveMetadata("llama.attention.head_count_kv");
+  builder.AddU32("llama.attention.head_count_kv", 3);
+  ExpectFails(builder, "num_key_value_heads");
+}
+
+// Safetensors folders with one thing wrong.
+class SafetensorsBadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing::MakeTinyModel(DType::kF32);
+    testing::WriteTinySafetensors(model_, dir_.path());
+    weights_ = dir_.File("model.safetensors");
+  }
+  void ExpectFails(const std::string& must_contain,
+                   const std::string& file_name) {
+    auto source = OpenModel(dir_.path(), LoadFormat::kSafetensors);
+    ASSERT_FALSE(source.ok());
+    EXPECT_THAT(source.status().message(), HasSubstr(file_name));
+    EXPECT_THAT(source.status().message(), HasSubstr(must_contain));
+  }
+  // A one-tensor safetensors file from a raw header.
+  void WriteRaw(const std::string& header, const std::string& data) {
+    testing::WriteBytes(weights_, testing::BuildSafetensorsRaw(header, data));
+  }
+
+  testing::TinyModel model_;
+  ScopedTempDir dir_;
+  std::string weights_;
+};
+
+TEST_F(SafetensorsBadTest, TheUnmodifiedTinyModelOpens) {
+  auto source = OpenModel(dir_.path(), LoadFormat::kSafetensors);
+  EXPECT_TRUE(source.ok()) << source.status();
+}
+
+TEST_F(SafetensorsBadTest, HeaderLengthPastEndOfFile) {
+  std::string bytes = testing::ReadBytes(weights_);
+  testing::PutU64At(&bytes, 0, bytes.size());
+  testing::WriteBytes(weights_, bytes);
+  ExpectFails("header length", weights_);
+}
+
+TEST_F(SafetensorsBadTest, HugeHeaderLength) {
+  std::string bytes = testing::ReadBytes(weights_);
+  testing::PutU64At(&bytes, 0, ~uint64_t{0});
+  testing::WriteBytes(weights_, bytes);
+  ExpectFails("header length", weights_);
+}
+
+TEST_F(SafetensorsBadTest, InvalidHeaderJson) {
+  WriteRaw(R"({"a": {"dtype": "F32", "shape": [1], )", "xxxx");
+  ExpectFails("invalid header JSON", weights_);
+}
+
+TEST_F(SafetensorsBadTest, HeaderNotAnObject) {
+  WriteRaw("[1, 2, 3]", "");
+  ExpectFails("not an object", weights_);
+}
+
+TEST_F(SafetensorsBadTest, DataOffsetsOutOfRange) {
+  WriteRaw(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+           std::string(12, '\0'));
+  ExpectFails("data_offsets [8, 16] out of range", weights_);
+}
+
+TEST_F(SafetensorsBadTest, DataOffsetsHuge) {
+  WriteRaw(
+      R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [18446744073709551615, 8]}})",
+      std::string(12, '\0'));
+  ExpectFails("data_offsets", weights_);
+}
+
+TEST_F(SafetensorsBadTest, NegativeOffsets) {
+  WriteRaw(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}})",
+           std::string(12, '\0'));
+  ExpectFails("data_offsets", weights_);
+}
+
+TEST_F(SafetensorsBadTest, SizeDisagreesWithShape) {
+  WriteRaw(R"({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})",
+           std::string(12, '\0'));
+  ExpectFails("need 12", weights_);
+}
+
+TEST_F(SafetensorsBadTest, ShapeOverflow) {
+  WriteRaw(
+      R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})",
+      "");
+  ExpectFails("shape", weights_);
+}
+
+TEST_F(SafetensorsBadTest, UnsupportedDtype) {
+  WriteRaw(R"({"a": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}})",
+           std::string(8, '\0'));
+  ExpectFails("unsupported dtype \"I64\"", weights_);
+}
+
+TEST_F(SafetensorsBadTest, MissingFields) {
+  WriteRaw(R"({"a": {"shape": [1], "data_offsets": [0, 4]}})",
+           std::string(4, '\0'));
+  ExpectFails("dtype", weights_);
+  WriteRaw(R"({"a": {"dtype": "F32", "data_offsets": [0, 4]}})",
+           std::string(4, '\0'));
+  ExpectFails("shape", weights_);
+  WriteRaw(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})",
+           std::string(4, '\0'));
+  ExpectFails("data_offsets", weights_);
+}
+
+TEST_F(SafetensorsBadTest, ShapeMismatchAgainstConfig) {
+  nlohmann::json config =
+      nlohmann::json::parse(testing::ReadBytes(dir_.File("config.json")));
+  config["intermediate_size"] = 10;
+  testing::WriteBytes(dir_.File("config.json"), config.dump());
+  ExpectFails("model.layers.0.mlp.gate_proj.weight has shape [12, 8]",
+              weights_);
+}
+
+TEST_F(SafetensorsBadTest, MissingTensor) {
+  model_.values.erase("model.layers.1.self_attn.o_proj.weight");
+  testing::WriteTinySafetensors(model_, dir_.path());
+  ExpectFails("missing tensor model.layers.1.self_attn.o_proj.weight",
+              weights_);
+}
+
+TEST_F(SafetensorsBadTest, MissingLmHeadWhenNotTied) {
+  model_.values.erase("lm_head.weight");
+  testing::WriteTinySafetensors(model_, dir_.path());
+  ExpectFails("missing tensor lm_head.weight", weights_);
+}
+
+TEST_F(SafetensorsBadTest, EachRequiredConfigKeyRemovedInTurn) {
+  const std::string config_path = dir_.File("config.json");
+  const std::string original = testing::ReadBytes(config_path);
+  for (const char* key :
+       {"hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "vocab_size", "rms_norm_eps",
+        "max_position_embeddings"}) {
+    SCOPED_TRACE(key);
+    nlohmann::json config = nlohmann::json::parse(original);
+    ASSERT_EQ(config.erase(key), 1u);
+    testing::WriteBytes(config_path, config.dump());
+    ExpectFails(std::string("\"") + key + "\" is missing", config_path);
+  }
+}
+
+TEST_F(SafetensorsBadTest, ConfigValuesOfTheWrongKind) {
+  const std::string config_path = dir_.File("config.json");
+  const std::string original = testing::ReadBytes(config_path);
+  const std::vector<std::pair<std::string, nlohmann::json>> cases = {
+      {"hidden_size", "8"},         {"hidden_size", 8.5},
+      {"hidden_size", -8},          {"num_hidden_layers", 1e30},
+      {"rms_norm_eps", "small"},    {"torch_dtype", "int8"},
+      {"model_type", "gpt2"},       {"tie_word_embeddings", 1},
+      {"vocab_size", 4294967296ll}, {"head_dim", 3},
+  };
+  for (const auto& [key, value] : cases) {
+    SCOPED_TRACE(key + "=" + value.dump());
+    nlohmann::json config = nlohmann::json::parse(original);
+    config[key] = value;
+    testing::WriteBytes(config_path, config.dump());
+    ExpectFails(key, config_path);
+  }
+}
+
+TEST_F(SafetensorsBadTest, ConfigNotJson) {
+  testing::WriteBytes(dir_.File("config.json"), "{\"hidden_size\": 8,");
+  ExpectFails("invalid JSON", dir_.File("config.json"));
+}
+
+TEST_F(SafetensorsBadTest, MissingConfig) {
+  std::filesystem::remove(dir_.File("config.json"));
+  ExpectFails("config.json", dir_.File("config.json"));
+}
+
+TEST_F(SafetensorsBadTest, MissingTokenizerModel) {
+  auto source = OpenModel(dir_.path(), LoadFormat::kSafetensors);
+  ASSERT_TRUE(source.ok()) << source.status();
+  auto spec = (*source)->tokenizer_spec();
+  EXPECT_FALSE(spec.ok());
+  EXPECT_THAT(spec.status().message(), HasSubstr("tokenizer.model"));
+}
+
+TEST_F(SafetensorsBadTest, IndexPointingOutsideTheFolder) {
+  const std::string index = dir_.File("model.safetensors.index.json");
+  testing::WriteBytes(
+      index,
+      R"({"weight_map": {"model.norm.weight": "../model.safetensors"}})");
+  ExpectFails("must be a file name", index);
+  testing::WriteBytes(index, R"({"weight_map": 3})");
+  ExpectFails("weight_map", index);
+  testing::WriteBytes(index, R"({"weight_map": {)");
+  ExpectFails("invalid JSON", index);
+}
+
+TEST_F(SafetensorsBadTest, IndexNamesATensorTheShardLacks) {
+  const std::string index = dir_.File("model.safetensors.index.json");
+  testing::WriteBytes(
+      index, R"({"weight_map": {"model.norm.weight": "model.safetensors",
+                                "ghost.weight": "model.safetensors"}})");
+  ExpectFails("ghost.weight", index);
+}
+
+TEST(AutoFormatTest, UnrecognizedInputs) {
+  ScopedTempDir dir;
+  ExpectOpenFails(dir.File("nothing"), LoadFormat::kAuto, dir.File("nothing"));
+  ExpectOpenFails(dir.path(), LoadFormat::kAuto, dir.path());
+  testing::WriteBytes(dir.File("weights.bin"), "hello");
+  ExpectOpenFails(dir.File("weights.bin"), LoadFormat::kAuto,
+                  dir.File("weights.bin"));
+  ExpectOpenFails(dir.path(), LoadFormat::kGguf, dir.path());
+}
+
+TEST(DummyBadInputTest, MissingOrBrokenConfig) {
+  ScopedTempDir dir;
+  ExpectOpenFails(dir.path(), LoadFormat::kDummy, "config.json");
+  testing::WriteBytes(dir.File("config.json"), R"({"hidden_size": 64})");
+  ExpectOpenFails(dir.File("config.json"), LoadFormat::kDummy,
+                  "intermediate_size");
+}
+
+}  // namespace
+}  // namespace pdserve::model
