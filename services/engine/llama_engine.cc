@@ -1,7 +1,5 @@
 #include "engine/llama_engine.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,28 +8,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "engine/matmul.h"
 
 namespace pdserve::engine {
 namespace {
 
 using model::LayerTensorName;
 using model::Slice2D;
-
-// y[n, out] = x[n, in] · w[out, in]^T. Batch 1 goes through GEMV, which
-// streams the weights once at memory speed; larger batches through GEMM.
-void Linear(const float* x, int64_t n, int64_t in, const float* w, int64_t out,
-            float* y) {
-  if (n == 1) {
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(out),
-                static_cast<int>(in), 1.0f, w, static_cast<int>(in), x, 1, 0.0f,
-                y, 1);
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n),
-                static_cast<int>(out), static_cast<int>(in), 1.0f, x,
-                static_cast<int>(in), w, static_cast<int>(in), 0.0f, y,
-                static_cast<int>(out));
-  }
-}
 
 void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
              float* y) {
@@ -477,6 +460,7 @@ absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
   impl->vocab_begin = int64_t{c.vocab_size} * r / tp;
   impl->vocab_end = int64_t{c.vocab_size} * (r + 1) / tp;
   PDS_RETURN_IF_ERROR(impl->Load(weights));
+  UseSingleThreadedBlas();
   impl->workers = std::make_unique<ThreadPool>(options.num_threads);
   return std::unique_ptr<LlamaEngine>(new LlamaEngine(std::move(impl)));
 }
@@ -536,11 +520,12 @@ absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       RmsNorm(m.x.data() + t * hidden, lw.attn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    Linear(m.normed.data(), n, hidden, lw.wqkv.data(), qkv_rows, m.qkv.data());
+    MatMulTransposedWeights(m.normed.data(), n, hidden, lw.wqkv.data(),
+                            qkv_rows, m.qkv.data(), *m.workers);
     m.WriteKv(batch, static_cast<int>(local), pool);
     m.Attention(batch, static_cast<int>(local), pool);
-    Linear(m.attn_out.data(), n, attn_width, lw.wo.data(), hidden,
-           m.proj.data());
+    MatMulTransposedWeights(m.attn_out.data(), n, attn_width, lw.wo.data(),
+                            hidden, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
 
@@ -549,8 +534,8 @@ absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       RmsNorm(m.x.data() + t * hidden, lw.ffn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    Linear(m.normed.data(), n, hidden, lw.w_gate_up.data(), 2 * f,
-           m.gate_up.data());
+    MatMulTransposedWeights(m.normed.data(), n, hidden, lw.w_gate_up.data(),
+                            2 * f, m.gate_up.data(), *m.workers);
     for (int64_t t = 0; t < n; ++t) {
       const float* gate = m.gate_up.data() + t * 2 * f;
       const float* up = gate + f;
@@ -558,7 +543,8 @@ absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       for (int64_t i = 0; i < f; ++i)
         out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
-    Linear(m.act.data(), n, f, lw.w_down.data(), hidden, m.proj.data());
+    MatMulTransposedWeights(m.act.data(), n, f, lw.w_down.data(), hidden,
+                            m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
   }
@@ -587,8 +573,9 @@ absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
             c.rms_norm_eps, normed_rows.data() + i * hidden);
   }
   std::vector<float> shard_logits(num_rows * vocab_shard);
-  Linear(normed_rows.data(), num_rows, hidden, m.lm_head.data(), vocab_shard,
-         shard_logits.data());
+  MatMulTransposedWeights(normed_rows.data(), num_rows, hidden,
+                          m.lm_head.data(), vocab_shard, shard_logits.data(),
+                          *m.workers);
   if (m.shard.tp_size == 1) {
     result->logits = std::move(shard_logits);
     return absl::OkStatus();

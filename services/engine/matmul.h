@@ -1,0 +1,34 @@
+// y[n, out] = x[n, in] · w[out, in]^T — the projection every layer runs.
+//
+// Decode batches are skinny (n = 1..64 rows): a BLAS sgemm packs the whole
+// weight matrix for each call, which costs more than the math at these sizes.
+// SkinnyMatMul streams each weight row once from memory and multiplies it into
+// all n activation rows while it sits in L1 (register-blocked 4 weight rows x
+// 4 activation rows, AVX2/FMA when compiled for it). Wide inputs (prefill
+// chunks) go to OpenBLAS sgemm, which is compute-optimal there.
+#pragma once
+
+#include <cstdint>
+
+namespace pdserve {
+class ThreadPool;
+}
+
+namespace pdserve::engine {
+
+// Below this many activation rows the skinny kernel is used.
+inline constexpr int64_t kSkinnyMatMulMaxRows = 64;
+
+void SkinnyMatMul(const float* x, int64_t n, int64_t in, const float* w,
+                  int64_t out, float* y, ThreadPool& pool);
+
+// Dispatches between SkinnyMatMul and OpenBLAS by n.
+void MatMulTransposedWeights(const float* x, int64_t n, int64_t in,
+                             const float* w, int64_t out, float* y,
+                             ThreadPool& pool);
+
+// Makes OpenBLAS run every call on the calling thread (process-wide). The
+// engine parallelizes GEMMs itself; BLAS threads would only contend.
+void UseSingleThreadedBlas();
+
+}  // namespace pdserve::engine
