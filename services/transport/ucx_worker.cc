@@ -10,8 +10,11 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "transport/wire.h"
@@ -69,6 +72,7 @@ struct UcxWorker::Impl {
   int efd = -1;
   uint64_t uid = 0;
   absl::Duration tick;
+  bool peer_error_handling = true;
 
   // Serializes every UCP call on this worker (UCS_THREAD_MODE_SERIALIZED).
   absl::Mutex mu;
@@ -592,6 +596,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
 
   auto impl = std::make_unique<Impl>();
   impl->tick = options.tick;
+  impl->peer_error_handling = options.peer_error_handling;
   std::random_device rd;
   impl->uid = (uint64_t{rd()} << 32) ^ rd() ^ (uint64_t(getpid()) << 16);
 
@@ -644,15 +649,15 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
       CaptureInfo([&](FILE* f) { ucp_context_print_info(im->context, f); });
   std::vector<std::string> resources;
   for (absl::string_view line : absl::StrSplit(info, '\n')) {
-    if (line.find("resource[") != absl::string_view::npos) {
-      auto pos = line.find("resource[");
-      resources.emplace_back(line.substr(pos));
+    auto pos = line.find("flags -- ");
+    if (line.find("resource") != absl::string_view::npos &&
+        pos != absl::string_view::npos) {
+      resources.emplace_back(line.substr(pos + 9));
     }
   }
   const char* tls = std::getenv("UCX_TLS");
   w->transports_ = absl::StrCat("UCX_TLS=", tls != nullptr ? tls : "(default)",
-                                "; ", resources.size(), " resources");
-  for (const auto& r : resources) absl::StrAppend(&w->transports_, "\n  ", r);
+                                "; resources: ", absl::StrJoin(resources, " "));
   PDS_LOG(INFO) << "transport: worker " << absl::StrCat(absl::Hex(im->uid))
                 << " " << w->transports_;
 
@@ -679,22 +684,39 @@ absl::StatusOr<std::shared_ptr<UcxEndpoint>> UcxWorker::Connect(
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(ucp_addr.data());
   // Peer mode: a dead peer fails operations instead of hanging them.
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_mode = impl_->peer_error_handling ? UCP_ERR_HANDLING_MODE_PEER
+                                           : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = EpError;
   ep.err_handler.arg = state.get();
   {
     absl::MutexLock l(&impl_->mu);
     state->ep_id = impl_->next_ep_id++;
     ucs_status_t st = ucp_ep_create(impl_->worker, &ep, &state->ep);
-    if (st != UCS_OK) return UcsError("ucp_ep_create", st);
+    if (st != UCS_OK) {
+      // UCX 1.13 refuses peer error handling when the only transports left
+      // (e.g. UCX_TLS=sm) cannot detect a dead peer; tcp or verbs can.
+      const char* tls = std::getenv("UCX_TLS");
+      return UcsError(
+          absl::StrCat(
+              "ucp_ep_create (peer error handling needs a transport that "
+              "detects peer failure, e.g. tcp; UCX_TLS=",
+              tls != nullptr ? tls : "(default)", ")"),
+          st);
+    }
   }
   std::shared_ptr<UcxEndpoint> out(
       new UcxEndpoint(this, peer_uid, std::move(state)));
-  if (MinLogLevel() <= LogLevel::kDebug) {
-    PDS_LOG(DEBUG) << "transport: endpoint to "
-                   << absl::StrCat(absl::Hex(peer_uid)) << "\n"
-                   << out->TransportInfo();
+  // The lanes UCX chose for this peer ("lane[0]: ... tcp/lo ...").
+  std::vector<std::string> lanes;
+  for (absl::string_view line : absl::StrSplit(out->TransportInfo(), '\n')) {
+    if (line.find("lane[") != absl::string_view::npos) {
+      lanes.emplace_back(
+          absl::StripAsciiWhitespace(absl::StripPrefix(line, "#")));
+    }
   }
+  PDS_LOG(INFO) << "transport: endpoint to "
+                << absl::StrCat(absl::Hex(peer_uid)) << ": "
+                << absl::StrJoin(lanes, "; ");
   return out;
 }
 

@@ -201,6 +201,11 @@ struct UcxWorkerOptions {
   // A variable already set in the environment wins, so UCX_TLS & co. are
   // always honoured.
   std::vector<std::pair<std::string, std::string>> ucx_config;
+  // Endpoints in UCP_ERR_HANDLING_MODE_PEER: a dead peer fails operations
+  // promptly. UCX 1.13 then only uses transports that detect peer failure
+  // (tcp, verbs), not shared memory/CMA. With false, UCX may pick shared
+  // memory/CMA and a dead peer is noticed by leases and bounded waits only.
+  bool peer_error_handling = true;
   // Period of the progress thread's housekeeping tick (leases, timeouts).
   absl::Duration tick = absl::Milliseconds(20);
 };
