@@ -114,9 +114,7 @@ class DummyWeightSource final : public WeightSource {
       }
       const uint64_t first =
           static_cast<uint64_t>(row * resolved->cols + resolved->col_begin);
-      for (int64_t col = 0; col < out_cols; ++col) {
-        out_row[col] = Generate(tensor, first + static_cast<uint64_t>(col));
-      }
+      GenerateRun(tensor, first, out_cols, out_row);
     }
     return absl::OkStatus();
   }
@@ -127,23 +125,29 @@ class DummyWeightSource final : public WeightSource {
   }
 
  private:
-  float Generate(const DummyTensor& tensor, uint64_t index) const {
-    const uint64_t bits =
-        Mix64(tensor.seed + (index + 1) * 0x9e3779b97f4a7c15ull);
-    // Top 24 bits -> [0, 1) exactly representable, then [-scale, scale).
-    const float unit = static_cast<float>(bits >> 40) * 0x1.0p-24f;
-    const float value = (2.0f * unit - 1.0f) * tensor.scale;
+  // Fills out[i] with element first + i of `tensor`. The dtype rounding is
+  // a separate pass so the generating loop stays branch-free.
+  static void GenerateRun(const DummyTensor& tensor, uint64_t first,
+                          int64_t count, float* out) {
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t index = first + static_cast<uint64_t>(i);
+      const uint64_t bits =
+          Mix64(tensor.seed + (index + 1) * 0x9e3779b97f4a7c15ull);
+      // Top 24 bits -> [0, 1) exactly representable, then [-scale, scale).
+      const float unit = static_cast<float>(bits >> 40) * 0x1.0p-24f;
+      out[i] = (2.0f * unit - 1.0f) * tensor.scale;
+    }
     // Round to the declared storage dtype so a dummy bf16 model reads like a
     // real bf16 file would.
-    switch (tensor.info.dtype) {
-      case DType::kF32:
-        return value;
-      case DType::kF16:
-        return F16ToFloat(FloatToF16(value));
-      case DType::kBF16:
-        return Bf16ToFloat(FloatToBf16(value));
+    if (tensor.info.dtype == DType::kF16) {
+      for (int64_t i = 0; i < count; ++i) {
+        out[i] = F16ToFloat(FloatToF16(out[i]));
+      }
+    } else if (tensor.info.dtype == DType::kBF16) {
+      for (int64_t i = 0; i < count; ++i) {
+        out[i] = Bf16ToFloat(FloatToBf16(out[i]));
+      }
     }
-    return value;
   }
 
   ModelConfig config_;
