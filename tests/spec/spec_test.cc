@@ -1,0 +1,232 @@
+// Proposers, the lossless verifier (exact distribution checks, including a
+// deliberately biased verifier that must fail them) and the adaptive γ.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "engine/sampler.h"
+#include "model/weight_source.h"
+#include "spec/adaptive_gamma.h"
+#include "spec/draft_proposer.h"
+#include "spec/proposer.h"
+#include "spec/truncated_weights.h"
+#include "spec/verifier.h"
+#include "testing/golden.h"
+
+namespace pdserve::spec {
+namespace {
+
+// Pearson chi-square of observed counts against expected probabilities,
+// pooling bins expected below 5; returns statistic / critical value at
+// z = 4 (p ~ 3e-5, Wilson–Hilferty), so < 1 passes.
+double ChiSquareRatio(const std::map<int, int>& counts,
+                      const std::vector<double>& probs, int n) {
+  double stat = 0, pooled_expected = 0, pooled_observed = 0;
+  int bins = 0;
+  for (size_t v = 0; v < probs.size(); ++v) {
+    const double e = probs[v] * n;
+    auto it = counts.find(static_cast<int>(v));
+    const double o = it == counts.end() ? 0 : it->second;
+    if (e < 5) {
+      pooled_expected += e;
+      pooled_observed += o;
+      continue;
+    }
+    stat += (o - e) * (o - e) / e;
+    ++bins;
+  }
+  if (pooled_expected > 0) {
+    stat += (pooled_observed - pooled_expected) *
+            (pooled_observed - pooled_expected) /
+            std::max(pooled_expected, 1.0);
+    ++bins;
+  }
+  const double df = std::max(1, bins - 1);
+  const double z = 4.0;
+  const double crit =
+      df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
+  return stat / crit;
+}
+
+std::vector<float> RandomLogits(int vocab, uint64_t seed, float scale) {
+  std::vector<float> l(vocab);
+  for (int v = 0; v < vocab; ++v)
+    l[v] = scale * static_cast<float>(engine::UniformForRequest(seed, v, 9));
+  return l;
+}
+
+TEST(NgramProposerTest, ProposesWhatFollowedTheLatestMatch) {
+  auto p = MakeNgramProposer({1, 3});
+  std::vector<int32_t> h = {5, 1, 2, 3, 4, 9, 1, 2};
+  ProposalRequest r;
+  r.history = h;
+  r.max_tokens = 3;
+  std::vector<Proposal> out;
+  ASSERT_TRUE(p->Propose({&r, 1}, &out).ok());
+  EXPECT_EQ(out[0].tokens, (std::vector<int32_t>{3, 4, 9}));
+  EXPECT_TRUE(out[0].probs.empty());
+  std::vector<int32_t> none = {1, 2, 3};
+  r.history = none;
+  ASSERT_TRUE(p->Propose({&r, 1}, &out).ok());
+  EXPECT_TRUE(out[0].tokens.empty());
+}
+
+TEST(VerifierTest, GreedyKeepsAgreeingPrefixPlusCorrection) {
+  const int vocab = 6;
+  // Row i's arg-max is argmaxes[i].
+  std::vector<int32_t> argmaxes = {3, 1, 4, 2};
+  std::vector<float> logits(argmaxes.size() * vocab, 0.0f);
+  for (size_t i = 0; i < argmaxes.size(); ++i)
+    logits[i * vocab + argmaxes[i]] = 5.0f;
+  engine::SamplingParams greedy;
+  auto all =
+      VerifyDraft(logits, vocab, std::vector<int32_t>{3, 1, 4}, {}, greedy, 0);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->tokens, (std::vector<int32_t>{3, 1, 4, 2}));  // + bonus
+  EXPECT_EQ(all->accepted_drafts, 3);
+  auto some =
+      VerifyDraft(logits, vocab, std::vector<int32_t>{3, 0, 4}, {}, greedy, 0);
+  ASSERT_TRUE(some.ok());
+  EXPECT_EQ(some->tokens, (std::vector<int32_t>{3, 1}));
+  EXPECT_EQ(some->accepted_drafts, 1);
+}
+
+TEST(VerifierBadInputTest, RejectsInconsistentSizes) {
+  std::vector<float> logits(10, 0.0f);
+  engine::SamplingParams greedy;
+  auto wrong_rows =
+      VerifyDraft(logits, 5, std::vector<int32_t>{1, 2}, {}, greedy, 0);
+  EXPECT_EQ(wrong_rows.status().code(), absl::StatusCode::kInvalidArgument);
+  auto bad_token =
+      VerifyDraft(logits, 5, std::vector<int32_t>{7}, {}, greedy, 0);
+  EXPECT_EQ(bad_token.status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<std::vector<float>> probs(2, std::vector<float>(5, 0.2f));
+  auto bad_probs =
+      VerifyDraft(logits, 5, std::vector<int32_t>{1}, probs, greedy, 0);
+  EXPECT_EQ(bad_probs.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The first emitted token of a sampling verify must follow the target's p
+// exactly, whatever the draft distribution q, for a stochastic draft (q a
+// different softmax) and a deterministic one (q one-hot on a likely token).
+class RejectionSamplingTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RejectionSamplingTest, FirstTokenFollowsTargetAndAcceptAllDoesNot) {
+  const bool deterministic = GetParam();
+  const int vocab = 24, n = 20000;
+  engine::SamplingParams params;
+  params.temperature = 1.0f;
+  std::vector<float> logits = RandomLogits(vocab, 1, 3.0f);
+  std::vector<float> bonus = RandomLogits(vocab, 2, 3.0f);
+  std::vector<float> both(logits);
+  both.insert(both.end(), bonus.begin(), bonus.end());
+  std::vector<float> p, q;
+  engine::SamplingDistribution(logits, params, &p);
+  engine::SamplingDistribution(RandomLogits(vocab, 3, 3.0f), params, &q);
+  std::vector<double> expected(p.begin(), p.end());
+  const int32_t fixed_draft = engine::ArgMax(logits);
+  std::map<int, int> counts, biased;
+  for (int seed = 0; seed < n; ++seed) {
+    params.seed = seed;
+    std::vector<int32_t> draft;
+    std::vector<std::vector<float>> probs;
+    if (deterministic) {
+      draft = {fixed_draft};
+    } else {
+      draft = {engine::DrawFromDistribution(
+          q, engine::UniformForRequest(seed, 0, kDraftStream))};
+      probs = {q};
+    }
+    auto out = VerifyDraft(both, vocab, draft, probs, params, 0);
+    ASSERT_TRUE(out.ok());
+    ++counts[out->tokens[0]];
+    VerifyOptions accept_all;
+    accept_all.accept_all_for_test = true;
+    auto bad = VerifyDraft(both, vocab, draft, probs, params, 0, accept_all);
+    ASSERT_TRUE(bad.ok());
+    ++biased[bad->tokens[0]];
+  }
+  EXPECT_LT(ChiSquareRatio(counts, expected, n), 1.0);
+  EXPECT_GT(ChiSquareRatio(biased, expected, n), 1.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Drafts, RejectionSamplingTest, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? "OneHot" : "Stochastic";
+                         });
+
+TEST(VerifierTest, FixedSeedReproducible) {
+  const int vocab = 16;
+  std::vector<float> logits = RandomLogits(vocab * 3, 4, 2.0f);
+  engine::SamplingParams params;
+  params.temperature = 0.8f;
+  params.seed = 77;
+  std::vector<int32_t> draft = {1, 2};
+  auto a = VerifyDraft(logits, vocab, draft, {}, params, 5);
+  auto b = VerifyDraft(logits, vocab, draft, {}, params, 5);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->tokens, b->tokens);
+}
+
+TEST(AdaptiveGammaTest, GrowsWithAcceptanceShrinksAndProbes) {
+  AdaptiveGammaOptions o;
+  o.max_gamma = 5;
+  o.cost_per_draft_token = 0.1;
+  AdaptiveGamma g(o);
+  for (int i = 0; i < 20; ++i) g.Record(g.gamma() > 0 ? g.gamma() : 1, 5);
+  EXPECT_EQ(g.gamma(), 5);
+  for (int i = 0; i < 60; ++i) g.Record(5, 0);
+  EXPECT_EQ(g.gamma(), 0);
+  int probes = 0;
+  for (int i = 0; i < 32; ++i) probes += g.NextGamma();
+  EXPECT_EQ(probes, 2);  // probe_interval 16
+}
+
+TEST(TruncatedWeightsTest, RejectsBadLayerCounts) {
+  auto weights = model::OpenModel(pdserve::testing::Stories260KGguf());
+  ASSERT_TRUE(weights.ok());
+  EXPECT_EQ(MakeLayerTruncatedWeights(**weights, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeLayerTruncatedWeights(**weights, 6).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto three = MakeLayerTruncatedWeights(**weights, 3);
+  ASSERT_TRUE(three.ok());
+  EXPECT_EQ((*three)->config().num_layers, 3);
+}
+
+// A draft proposer reused across diverging histories (rollback to the common
+// prefix) proposes exactly what a fresh one does; the target as its own
+// draft proposes the golden greedy continuation.
+TEST(DraftProposerTest, RollbackMatchesFreshAndTargetDraftsGolden) {
+  auto weights = model::OpenModel(pdserve::testing::Stories260KGguf());
+  ASSERT_TRUE(weights.ok());
+  DraftModelOptions o;
+  o.num_blocks = 64;
+  auto reused = MakeDraftModelProposer(**weights, o);
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  auto golden = pdserve::testing::LoadGoldenCases()[0];
+  std::vector<int32_t> h = golden.prompt_ids;
+  ProposalRequest r;
+  r.request_id = 7;
+  r.max_tokens = 4;
+  std::vector<Proposal> out;
+  r.history = h;
+  ASSERT_TRUE((*reused)->Propose({&r, 1}, &out).ok());
+  EXPECT_EQ(out[0].tokens, std::vector<int32_t>(golden.greedy_ids.begin(),
+                                                golden.greedy_ids.begin() + 4));
+  // Accept two tokens plus a different third: the draft cache must roll back.
+  h.insert(h.end(), golden.greedy_ids.begin(), golden.greedy_ids.begin() + 2);
+  h.push_back(golden.greedy_ids[2] + 1);
+  r.history = h;
+  ASSERT_TRUE((*reused)->Propose({&r, 1}, &out).ok());
+  auto fresh = MakeDraftModelProposer(**weights, o);
+  ASSERT_TRUE(fresh.ok());
+  std::vector<Proposal> fresh_out;
+  ASSERT_TRUE((*fresh)->Propose({&r, 1}, &fresh_out).ok());
+  EXPECT_EQ(out[0].tokens, fresh_out[0].tokens);
+  EXPECT_EQ(out[0].tokens.size(), 4u);
+}
+
+}  // namespace
+}  // namespace pdserve::spec
