@@ -25,8 +25,15 @@ if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  log=$(mktemp /tmp/pdserve-apt.XXXXXX.log)
+  if ! { $SUDO apt-get update -qq &&
+         DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+           "${missing[@]}"; } >"$log" 2>&1; then
+    tail -n 30 "$log"
+    echo "setup: apt-get failed (full log: $log)" >&2
+    exit 1
+  fi
+  rm -f "$log"
 fi
 
 BUILD_DIR="${PDSERVE_BUILD_DIR:-build}"
