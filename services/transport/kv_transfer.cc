@@ -220,7 +220,8 @@ absl::StatusOr<std::vector<PutSegment>> PlanKvCopy(
 
 struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
   UcxWorker* worker = nullptr;
-  kv::KvPool* pool = nullptr;
+  kv::KvCacheLayout layout;  // of the memory behind `region`
+  int64_t num_blocks = 0;
   KvModelSpec spec;
   KvSinkOptions options;
   std::unique_ptr<MemoryRegion> region;
@@ -311,7 +312,7 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
       return;
     }
     absl::Status verdict = CheckCompatible(spec, remote);
-    const kv::KvCacheLayout& mine = pool->layout();
+    const kv::KvCacheLayout& mine = layout;
     if (verdict.ok() && (mine.kv_head_offset < layout.kv_head_offset ||
                          mine.kv_head_offset + mine.num_kv_heads >
                              layout.kv_head_offset + layout.num_kv_heads)) {
@@ -363,7 +364,7 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
     if (rit == requests.end() || rit->second.done)
       return;  // revoked / finished
     Request& req = rit->second;
-    const kv::KvCacheLayout& mine = pool->layout();
+    const kv::KvCacheLayout& mine = layout;
     if (n.layer_begin < mine.layer_offset || n.layer_begin >= n.layer_end ||
         n.layer_end > mine.layer_offset + mine.num_layers ||
         n.token_begin < 0 || n.token_begin >= n.token_end ||
@@ -447,21 +448,38 @@ absl::StatusOr<std::unique_ptr<KvSink>> KvSink::Create(UcxWorker* worker,
                                                        kv::KvPool* pool,
                                                        const KvModelSpec& spec,
                                                        KvSinkOptions options) {
-  PDS_RETURN_IF_ERROR(CheckLayoutMatchesSpec(pool->layout(), spec));
+  PDS_ASSIGN_OR_RETURN(
+      std::unique_ptr<MemoryRegion> region,
+      worker->Register(pool->data(), static_cast<size_t>(pool->size_bytes())));
+  return Create(worker, pool->layout(), pool->num_blocks(), std::move(region),
+                spec, std::move(options));
+}
+
+absl::StatusOr<std::unique_ptr<KvSink>> KvSink::Create(
+    UcxWorker* worker, const kv::KvCacheLayout& layout, int64_t num_blocks,
+    std::unique_ptr<MemoryRegion> region, const KvModelSpec& spec,
+    KvSinkOptions options) {
+  PDS_RETURN_IF_ERROR(CheckLayoutMatchesSpec(layout, spec));
+  if (num_blocks <= 0 ||
+      region->length() <
+          static_cast<size_t>(num_blocks * layout.block_bytes())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV sink region of ", region->length(),
+                     " bytes cannot hold ", num_blocks, " blocks"));
+  }
   auto impl = std::make_shared<Impl>();
   impl->worker = worker;
-  impl->pool = pool;
+  impl->layout = layout;
+  impl->num_blocks = num_blocks;
   impl->spec = spec;
   impl->options = std::move(options);
-  PDS_ASSIGN_OR_RETURN(
-      impl->region,
-      worker->Register(pool->data(), static_cast<size_t>(pool->size_bytes())));
+  impl->region = std::move(region);
   ByteWriter w;
   w.Put(kSinkMagic);
   w.Put(worker->uid());
   PutSpec(w, spec);
-  PutLayout(w, pool->layout());
-  w.Put<int64_t>(pool->num_blocks());
+  PutLayout(w, layout);
+  w.Put<int64_t>(num_blocks);
   w.PutBytes(worker->address());
   w.PutBytes(impl->region->descriptor());
   impl->descriptor = w.Take();
@@ -497,7 +515,7 @@ absl::StatusOr<std::string> KvSink::Expect(uint64_t request_id,
                                            int64_t num_tokens,
                                            std::vector<int64_t> blocks,
                                            absl::Duration lease) {
-  const kv::KvCacheLayout& layout = impl_->pool->layout();
+  const kv::KvCacheLayout& layout = impl_->layout;
   if (num_tokens <= 0)
     return absl::InvalidArgumentError("request with no tokens");
   const int64_t needed =
@@ -511,9 +529,9 @@ absl::StatusOr<std::string> KvSink::Expect(uint64_t request_id,
     return absl::InvalidArgumentError("duplicate destination block");
   }
   for (int64_t b : blocks) {
-    if (b < 0 || b >= impl_->pool->num_blocks()) {
+    if (b < 0 || b >= impl_->num_blocks) {
       return absl::OutOfRangeError(absl::StrCat(
-          "block ", b, " outside the pool of ", impl_->pool->num_blocks()));
+          "block ", b, " outside the pool of ", impl_->num_blocks));
     }
   }
   if (lease <= absl::ZeroDuration()) lease = impl_->options.default_lease;

@@ -81,6 +81,15 @@ class KvSink {
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvSink>> Create(
       UcxWorker* worker, kv::KvPool* pool, const KvModelSpec& spec,
       KvSinkOptions options = {});
+  // Sink over `num_blocks` blocks laid out per `layout` in `region` (which
+  // the sink then owns). With memory from UcxWorker::Allocate, same-host
+  // peers reach it through shared memory, so one-sided puts are plain copies;
+  // a pool in ordinary memory (the overload above) needs an RMA-capable
+  // transport (verbs, cuda_ipc, CMA lanes) or UCX's slower software RMA.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvSink>> Create(
+      UcxWorker* worker, const kv::KvCacheLayout& layout, int64_t num_blocks,
+      std::unique_ptr<MemoryRegion> region, const KvModelSpec& spec,
+      KvSinkOptions options = {});
   ~KvSink();
   KvSink(const KvSink&) = delete;
   KvSink& operator=(const KvSink&) = delete;

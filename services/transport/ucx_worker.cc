@@ -479,23 +479,30 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::PutAndFlush(
   }
   PDS_RETURN_IF_ERROR(health());
   auto handle = std::make_shared<OpHandle>();
-  // All parts are counted up front so that early completions cannot finish
-  // the handle before the flush is issued.
-  handle->AddParts(static_cast<int>(segments.size()) + 1);
+  // One part: the flush. The puts carry no callback (no per-put allocation
+  // or bookkeeping, which dominated small KV segments): the flush completes
+  // only after every put before it completed remotely, and fails if any did.
+  handle->AddParts(1);
   if (then) handle->SetContinuation(worker_, std::move(then));
   UcxWorker::Impl* impl = worker_->impl_.get();
+  absl::Status issue_error;
   {
     absl::MutexLock l(&impl->mu);
+    ucp_request_param_t put{};
+    put.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    put.memh = static_cast<ucp_mem_h>(src.memh_);
     for (const PutSegment& s : segments) {
-      auto* ctx = new SendCtx{handle, {}, {}};
-      ucp_request_param_t p = SendParam(ctx);
-      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-      p.memh = static_cast<ucp_mem_h>(src.memh_);
       ucs_status_ptr_t req = ucp_put_nbx(
           state_->ep, static_cast<const char*>(src.base()) + s.src_offset,
           s.length, dst.base() + s.dst_offset,
-          static_cast<ucp_rkey_h>(dst.rkey_), &p);
-      FinishImmediate(req, ctx);
+          static_cast<ucp_rkey_h>(dst.rkey_), &put);
+      if (UCS_PTR_IS_ERR(req)) {
+        issue_error = UcsError("ucp_put_nbx", UCS_PTR_STATUS(req));
+        handle->AddParts(1);  // finished below, after the flush is issued
+        break;
+      }
+      // Released at once: the operation goes on, tracked by the flush.
+      if (req != nullptr) ucp_request_free(req);
     }
     // Remote completion of every put above before the handle succeeds: a
     // notice sent after this handle can never overtake the bytes.
@@ -503,6 +510,7 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::PutAndFlush(
     ucp_request_param_t p = SendParam(ctx);
     FinishImmediate(ucp_ep_flush_nbx(state_->ep, &p), ctx);
   }
+  if (!issue_error.ok()) handle->FinishPart(issue_error);
   ucp_worker_signal(impl->worker);
   return handle;
 }
@@ -725,15 +733,40 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxWorker::Register(
   if (base == nullptr || length == 0) {
     return absl::InvalidArgumentError("cannot register an empty region");
   }
+  return MapMemory(base, length);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxWorker::Allocate(
+    size_t length) {
+  if (length == 0) {
+    return absl::InvalidArgumentError("cannot allocate an empty region");
+  }
+  return MapMemory(nullptr, length);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxWorker::MapMemory(
+    void* base, size_t length) {
   ucp_mem_map_params_t mp{};
-  mp.field_mask =
-      UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                  UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
   mp.address = base;
   mp.length = length;
+  mp.flags = base == nullptr ? UCP_MEM_MAP_ALLOCATE : 0;
   absl::MutexLock l(&impl_->mu);
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(impl_->context, &mp, &memh);
   if (st != UCS_OK) return UcsError("ucp_mem_map", st);
+  if (base == nullptr) {
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    st = ucp_mem_query(memh, &attr);
+    if (st != UCS_OK) {
+      ucp_mem_unmap(impl_->context, memh);
+      return UcsError("ucp_mem_query", st);
+    }
+    base = attr.address;
+  }
   void* rkey_buf = nullptr;
   size_t rkey_len = 0;
   st = ucp_rkey_pack(impl_->context, memh, &rkey_buf, &rkey_len);

@@ -239,6 +239,14 @@ class UcxWorker {
   [[nodiscard]] absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(
       void* base, size_t length);
 
+  // Allocates and registers `length` bytes through UCX (UCP_MEM_MAP_ALLOCATE).
+  // UCX may place it in shared memory that a peer on the same host maps
+  // directly, which makes one-sided puts into it plain memory copies; user
+  // memory given to Register() can only be reached by RMA-capable transports
+  // (verbs, CMA, cuda_ipc) or UCX's software RMA emulation.
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(
+      size_t length);
+
   // One handler per kind; replaces a previous one. Kinds are the caller's.
   void SetMessageHandler(uint16_t kind, MessageHandler handler);
   // Called once for every endpoint (to that peer) that fails.
@@ -255,6 +263,8 @@ class UcxWorker {
 
  private:
   explicit UcxWorker(std::unique_ptr<Impl> impl);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> MapMemory(void* base,
+                                                          size_t length);
   friend class UcxEndpoint;
   friend class MemoryRegion;
   friend class RemoteRegion;
