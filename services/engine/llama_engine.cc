@@ -337,9 +337,7 @@ void LlamaEngine::Impl::Attention(const ForwardBatch& batch, int local_layer,
             base + layout.Offset(seq.block_table[j / layout.block_size],
                                  local_layer, 0, kv_head,
                                  j % layout.block_size);
-        float dot = 0;
-        for (int d = 0; d < hd; ++d) dot += q[d] * k[d];
-        dot *= scale;
+        const float dot = DotProduct(q, k, hd) * scale;
         scores[j] = dot;
         max_score = std::max(max_score, dot);
       }
@@ -358,7 +356,7 @@ void LlamaEngine::Impl::Attention(const ForwardBatch& batch, int local_layer,
                                  local_layer, 1, kv_head,
                                  j % layout.block_size);
         const float weight = scores[j] * inv_sum;
-        for (int d = 0; d < hd; ++d) out[d] += weight * v[d];
+        Axpy(weight, v, out, hd);
       }
     }
   });

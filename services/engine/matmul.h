@@ -27,6 +27,13 @@ void MatMulTransposedWeights(const float* x, int64_t n, int64_t in,
                              const float* w, int64_t out, float* y,
                              ThreadPool& pool);
 
+// Σ a[i]·b[i] with 8-wide FMA lanes (the compiler will not reorder a float
+// reduction by itself). Used for attention scores.
+float DotProduct(const float* a, const float* b, int64_t n);
+
+// y[i] += alpha · x[i].
+void Axpy(float alpha, const float* x, float* y, int64_t n);
+
 // Makes OpenBLAS run every call on the calling thread (process-wide). The
 // engine parallelizes GEMMs itself; BLAS threads would only contend.
 void UseSingleThreadedBlas();
