@@ -18,7 +18,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/thread_pool.h"
 #include "engine/llama_engine.h"
+#include "engine/matmul.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
 
@@ -90,6 +92,49 @@ double SgemmFlops(int m, int n, int k) {
     best = std::max(best, 2.0 * m * n * k / Seconds(start));
   }
   return best;
+}
+
+// The projection kernel against OpenBLAS on the same matrix (the lm_head shape,
+// larger than the last-level cache), at decode batch sizes: seconds per call,
+// best of several.
+void CompareProjectionKernels(int64_t rows, int64_t cols,
+                              const std::vector<int>& batches, int threads) {
+  std::vector<float> w(size_t(rows) * cols), x(size_t(64) * cols),
+      y(size_t(64) * rows);
+  for (size_t i = 0; i < w.size(); ++i)
+    w[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-4f;
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = static_cast<float>(i % 97) * 1e-2f;
+  ThreadPool pool(threads);
+  std::printf(
+      "\n| projection %lldx%lld, batch | pdserve skinny | OpenBLAS (%d "
+      "threads) | speed-up |\n"
+      "|---|---|---|---|\n",
+      static_cast<long long>(rows), static_cast<long long>(cols), threads);
+  for (int n : batches) {
+    if (n > engine::kSkinnyMatMulMaxRows) continue;
+    double ours = 1e30, blas = 1e30;
+    for (int rep = 0; rep < 5; ++rep) {
+      auto start = Clock::now();
+      engine::SkinnyMatMul(x.data(), n, cols, w.data(), rows, y.data(), pool);
+      ours = std::min(ours, Seconds(start));
+      openblas_set_num_threads(threads);
+      start = Clock::now();
+      if (n == 1) {
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, cols, 1.0f, w.data(),
+                    cols, x.data(), 1, 0.0f, y.data(), 1);
+      } else {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols,
+                    1.0f, x.data(), cols, w.data(), cols, 0.0f, y.data(), rows);
+      }
+      blas = std::min(blas, Seconds(start));
+      openblas_set_num_threads(1);
+    }
+    const double bytes = double(rows) * cols * 4;
+    std::printf("| %d | %.2f ms (%.1f GB/s) | %.2f ms (%.1f GB/s) | %.2fx |\n",
+                n, ours * 1e3, bytes / ours / 1e9, blas * 1e3,
+                bytes / blas / 1e9, blas / ours);
+  }
 }
 
 struct Options {
@@ -253,6 +298,7 @@ int Run(const Options& opt) {
         weight_rate / memcpy_bw, weight_rate / read_bw,
         batch_size == 1 ? ">= 0.6 of memcpy" : "-");
   }
+  CompareProjectionKernels(c.vocab_size, c.hidden_size, opt.batches, threads);
   return 0;
 }
 
