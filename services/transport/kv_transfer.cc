@@ -507,6 +507,19 @@ KvSink::~KvSink() {
   for (uint16_t kind : {kHello, kWritten, kCancel}) {
     impl_->worker->SetMessageHandler(kind, nullptr);
   }
+  // No block outlives its request: what is still in flight is cancelled,
+  // revoked at its sources and released.
+  std::vector<Impl::Release> rels;
+  {
+    absl::MutexLock l(&impl_->mu);
+    for (auto& [id, req] : impl_->requests) {
+      if (!req.done) {
+        rels.push_back(impl_->FailLocked(
+            id, req, absl::CancelledError("KV sink shut down")));
+      }
+    }
+  }
+  for (auto& rel : rels) impl_->RunRelease(std::move(rel));
 }
 
 const std::string& KvSink::descriptor() const { return impl_->descriptor; }
@@ -664,6 +677,20 @@ struct KvSource::Impl {
     acks[peer] = ok ? absl::OkStatus() : absl::FailedPreconditionError(msg);
   }
 
+  // A sink that died can take no more writes: its requests fail fast with
+  // UNAVAILABLE instead of each write timing out.
+  void OnPeerFailure(uint64_t peer, const absl::Status& why) {
+    absl::MutexLock l(&mu);
+    for (auto& [id, req] : requests) {
+      for (const Grant& g : req.grants) {
+        if (g.sink->uid == peer && req.revoked.ok()) {
+          req.revoked = absl::UnavailableError(absl::StrCat(
+              "KV sink of request ", id, " failed: ", why.message()));
+        }
+      }
+    }
+  }
+
   void OnRevoke(uint64_t peer, std::string payload) {
     ByteReader r(payload);
     uint64_t id = 0;
@@ -699,6 +726,9 @@ absl::StatusOr<std::unique_ptr<KvSource>> KvSource::Create(
   });
   worker->SetMessageHandler(kRevoke, [weak](uint64_t peer, std::string p) {
     if (auto s = weak.lock()) s->OnRevoke(peer, std::move(p));
+  });
+  worker->AddPeerFailureHandler([weak](uint64_t peer, absl::Status why) {
+    if (auto s = weak.lock()) s->OnPeerFailure(peer, why);
   });
   return std::unique_ptr<KvSource>(new KvSource(std::move(impl)));
 }

@@ -487,6 +487,42 @@ TEST_F(LocalPairTest, LeaseTimeoutFreesBlocksAndRevokesTheSource) {
   EXPECT_TRUE(sink_->Expect(2, 20, {4, 5}).ok());
 }
 
+TEST_F(LocalPairTest, SourceCancelReleasesBlocksAtTheSink) {
+  source_ = std::move(
+      KvSource::Create(src_worker_.get(), src_pool_.get(), spec_).value());
+  ASSERT_TRUE(source_->Connect(sink_->descriptor()).ok());
+  auto grant = sink_->Expect(1, 20, {2, 3});
+  ASSERT_TRUE(grant.ok());
+  ASSERT_TRUE(source_->AddGrant(*grant).ok());
+  std::vector<int64_t> src = {0, 1};
+  auto h = source_->Write(1, src, 0, 1, 0, 20);
+  ASSERT_TRUE(h.ok());
+  ASSERT_TRUE((*h)->Wait(absl::Seconds(30)).ok());
+  ASSERT_TRUE(source_->Cancel(1).ok());
+  absl::Status s = sink_->Wait(1, absl::Seconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_FALSE(source_->Write(1, src, 1, 2, 0, 20).ok());  // gone here too
+  absl::MutexLock l(&mu_);
+  EXPECT_THAT(released_, ::testing::UnorderedElementsAre(2, 3));
+}
+
+TEST_F(LocalPairTest, SinkShutdownReleasesInFlightRequests) {
+  ASSERT_TRUE(sink_->Expect(1, 20, {0, 1}).ok());
+  sink_.reset();
+  absl::MutexLock l(&mu_);
+  EXPECT_THAT(released_, ::testing::UnorderedElementsAre(0, 1));
+}
+
+TEST_F(LocalPairTest, MalformedAddressesAreRejected) {
+  EXPECT_EQ(src_worker_->Connect("garbage").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  source_ = std::move(
+      KvSource::Create(src_worker_.get(), src_pool_.get(), spec_).value());
+  EXPECT_EQ(source_->Connect("garbage").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(source_->AddGrant("x").code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(LocalPairTest, CancelReleasesBlocks) {
   auto grant = sink_->Expect(1, 20, {6, 7});
   ASSERT_TRUE(grant.ok());
