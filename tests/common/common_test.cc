@@ -1,0 +1,114 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <vector>
+
+#include "common/float16.h"
+#include "common/mapped_file.h"
+#include "common/status_macros.h"
+#include "common/thread_pool.h"
+
+namespace pdserve {
+namespace {
+
+TEST(ThreadPoolTest, EveryTaskRunsExactlyOnce) {
+  for (int threads : {1, 2, 4}) {
+    ThreadPool pool(threads);
+    EXPECT_EQ(pool.num_threads(), threads);
+    for (int64_t tasks : {0, 1, 3, 1000}) {
+      std::vector<std::atomic<int>> hits(tasks);
+      pool.ParallelFor(tasks, [&](int64_t t) { hits[t].fetch_add(1); });
+      for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+    }
+  }
+}
+
+TEST(ThreadPoolTest, RangesCoverWithoutOverlap) {
+  ThreadPool pool(3);
+  for (int64_t n : {1, 2, 7, 100}) {
+    std::vector<int> cover(n);
+    pool.ParallelRanges(
+        n,
+        [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) ++cover[i];
+        },
+        2);
+    for (int c : cover) EXPECT_EQ(c, 1);
+  }
+}
+
+TEST(ThreadPoolTest, ManyConsecutiveLoopsDoNotDeadlock) {
+  ThreadPool pool(2);
+  std::atomic<int64_t> sum{0};
+  for (int round = 0; round < 2000; ++round) {
+    pool.ParallelFor(4, [&](int64_t t) { sum.fetch_add(t); });
+  }
+  EXPECT_EQ(sum.load(), 2000 * 6);
+}
+
+TEST(MappedFileTest, MapsContentsAndReportsMissingFiles) {
+  char path[] = "/tmp/pdserve-mapped-XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(write(fd, "hello", 5), 5);
+  close(fd);
+  auto file = MappedFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(file->bytes().data()),
+                        file->size()),
+            "hello");
+  MappedFile moved = std::move(*file);
+  EXPECT_EQ(moved.size(), 5u);
+  unlink(path);
+
+  auto missing = MappedFile::Open("/nonexistent/pdserve-file");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("/nonexistent/pdserve-file"),
+            std::string::npos);
+  auto folder = MappedFile::Open("/tmp");
+  EXPECT_EQ(folder.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Float16Test, RoundTripsAndSpecialValues) {
+  for (float v : {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 6.103515625e-05f,
+                  5.960464477539063e-08f}) {
+    EXPECT_EQ(F16ToFloat(FloatToF16(v)), v) << v;
+  }
+  EXPECT_TRUE(std::isinf(F16ToFloat(FloatToF16(1e6f))));
+  EXPECT_TRUE(std::isnan(
+      F16ToFloat(FloatToF16(std::numeric_limits<float>::quiet_NaN()))));
+  for (float v : {0.0f, 1.0f, -3.0f, std::ldexp(1.5f, 100)})
+    EXPECT_EQ(Bf16ToFloat(FloatToBf16(v)), v) << v;
+  // Round to nearest even: 1 + 2^-8 is halfway between two bf16 values.
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.0f + 1.0f / 256)), 1.0f);
+  EXPECT_TRUE(std::isnan(
+      Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+absl::StatusOr<int> Half(int x) {
+  if (x % 2) return absl::InvalidArgumentError("odd");
+  return x / 2;
+}
+
+absl::Status Quarter(int x, int* out) {
+  PDS_ASSIGN_OR_RETURN(int half, Half(x));
+  PDS_ASSIGN_OR_RETURN(*out, Half(half));
+  PDS_RETURN_IF_ERROR(absl::OkStatus());
+  return absl::OkStatus();
+}
+
+TEST(StatusMacrosTest, PropagateErrorsAndAssignValues) {
+  int out = 0;
+  EXPECT_TRUE(Quarter(8, &out).ok());
+  EXPECT_EQ(out, 2);
+  EXPECT_EQ(Quarter(6, &out).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace pdserve
