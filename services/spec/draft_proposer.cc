@@ -48,8 +48,9 @@ class DraftModelProposer final : public Proposer {
       const int len = static_cast<int>(r.history.size());
       const int gamma = std::min(r.max_tokens, max_pos - len);
       if (gamma <= 0 || len == 0) continue;
-      auto [it, inserted] = states_.try_emplace(r.request_id, manager_.get());
-      State& s = it->second;
+      std::unique_ptr<State>& slot = states_[r.request_id];
+      if (slot == nullptr) slot = std::make_unique<State>(manager_.get());
+      State& s = *slot;
       // Longest common prefix of the draft's cache and the history, but
       // leave at least the last history token to feed (its logits give d_1).
       size_t common = 0;
@@ -129,8 +130,9 @@ class DraftModelProposer final : public Proposer {
   std::unique_ptr<kv::KvPool> pool_;
   std::unique_ptr<kv::KvBlockManager> manager_;
   double cost_per_token_;
-  // Declared after manager_ so sequences are released before it dies.
-  absl::flat_hash_map<uint64_t, State> states_;
+  // Declared after manager_ so sequences are released before it dies. Boxed:
+  // Propose keeps State pointers while inserting other requests' states.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<State>> states_;
 };
 
 }  // namespace

@@ -1,0 +1,48 @@
+// A FIFO that producers can close: Pop blocks until an item arrives or the
+// queue is closed and drained. How the scheduler hands step work to its TP
+// rank threads and collects their results.
+#pragma once
+
+#include <deque>
+#include <optional>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace pdserve::decode {
+
+template <typename T>
+class ClosableQueue {
+ public:
+  // False (item dropped) once closed.
+  bool Push(T item) {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    items_.push_back(std::move(item));
+    return true;
+  }
+  // Blocks; nullopt when closed and empty.
+  std::optional<T> Pop() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](ClosableQueue* q) ABSL_SHARED_LOCKS_REQUIRED(q->mu_) {
+          return q->closed_ || !q->items_.empty();
+        },
+        this));
+    if (items_.empty()) return std::nullopt;
+    T item = std::move(items_.front());
+    items_.pop_front();
+    return item;
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::deque<T> items_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace pdserve::decode

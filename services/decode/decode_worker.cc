@@ -1,0 +1,895 @@
+#include "decode/decode_worker.h"
+
+#include <algorithm>
+#include <deque>
+#include <optional>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "comm/communicator.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "decode/closable_queue.h"
+#include "engine/llama_engine.h"
+#include "kv/sequence_blocks.h"
+#include "spec/adaptive_gamma.h"
+#include "spec/draft_proposer.h"
+#include "spec/verifier.h"
+#include "tokenizer/detokenizer.h"
+
+namespace pdserve::decode {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kAborted:
+      return "aborted";
+    case FinishReason::kError:
+      return "error";
+  }
+  return "unknown";
+}
+
+namespace {
+
+enum class Phase { kAwaitingKv, kWaiting, kRunning };
+
+// Owned by the scheduler thread once it leaves the inbox.
+struct Request {
+  uint64_t id = 0;
+  RequestParams params;
+  std::shared_ptr<StreamCallback> callback;
+  size_t prompt_len = 0;
+  std::vector<int32_t> history;  // prompt + generated
+  int64_t generated = 0;
+  std::optional<kv::KvSequence> sequence;
+  // Positions whose KV is complete; a running request feeds
+  // history[kv_tokens, history.size()) next.
+  int64_t kv_tokens = 0;
+  Phase phase = Phase::kWaiting;
+  absl::Time lease_deadline = absl::InfiniteFuture();
+  std::unique_ptr<tokenizer::IncrementalDetokenizer> detokenizer;
+  std::string text;  // generated text (cut at a stop string)
+  size_t sent = 0;   // bytes of `text` streamed
+  spec::AdaptiveGamma gamma;
+};
+
+struct Command {
+  enum Kind { kAbort, kKvComplete, kFail } kind;
+  uint64_t id = 0;
+  int32_t token = 0;
+  absl::Status status;
+};
+
+struct Delivery {
+  std::shared_ptr<StreamCallback> callback;
+  TokenDelta delta;
+};
+
+// One forward step as every rank sees it. Owns the storage the batch's spans
+// point into; lives until every rank reported back.
+struct StepWork {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<std::vector<int32_t>> tables;
+  engine::ForwardBatch batch;
+};
+
+struct RankDone {
+  int rank = 0;
+  absl::Status status;
+  std::vector<float> logits;
+};
+
+struct Rank {
+  std::unique_ptr<engine::LlamaEngine> engine;
+  std::unique_ptr<kv::KvPool> pool;
+  std::unique_ptr<ClosableQueue<std::shared_ptr<const StepWork>>> work;
+  std::thread thread;
+};
+
+// What one request contributes to the current step.
+struct Planned {
+  Request* request = nullptr;
+  int history_feed = 0;  // tokens of history fed
+  std::vector<int32_t> drafts;
+  std::vector<std::vector<float>> draft_probs;
+  bool wants_logits = false;
+};
+
+absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
+                             const RequestParams& params,
+                             const model::ModelConfig& config,
+                             const DecodeWorkerOptions& options) {
+  if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= config.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token ", i, " is ", prompt[i],
+          ", outside the vocabulary [0, ", config.vocab_size, ")"));
+  }
+  PDS_RETURN_IF_ERROR(params.sampling.Validate());
+  if (params.max_new_tokens < 1)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_new_tokens must be >= 1, got ", params.max_new_tokens));
+  const int64_t total =
+      static_cast<int64_t>(prompt.size()) + params.max_new_tokens;
+  if (total > config.max_position_embeddings)
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt of ", prompt.size(), " tokens + max_new_tokens ",
+                     params.max_new_tokens, " exceeds the context of ",
+                     config.max_position_embeddings));
+  const int64_t blocks = (total + options.block_size - 1) / options.block_size;
+  if (blocks > options.num_blocks)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request needs ", blocks, " KV blocks, the pool has ",
+                     options.num_blocks));
+  for (size_t i = 0; i < params.stop.size(); ++i) {
+    if (params.stop[i].empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop string ", i, " is empty"));
+  }
+  return absl::OkStatus();
+}
+
+// Bytes at the end of `text` that could start one of `stops`: held back so a
+// stop string split over tokens never reaches the client.
+size_t StopHoldback(const std::string& text,
+                    const std::vector<std::string>& stops) {
+  size_t hold = 0;
+  for (const auto& s : stops) {
+    for (size_t k = std::min(s.size() - 1, text.size()); k > hold; --k) {
+      if (text.compare(text.size() - k, k, s, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+    }
+  }
+  return hold;
+}
+
+}  // namespace
+
+struct DecodeWorker::Impl {
+  Impl(const model::WeightSource& w, const tokenizer::Tokenizer& t,
+       const DecodeWorkerOptions& o)
+      : weights(w), tok(t), options(o), config(w.config()) {}
+
+  const model::WeightSource& weights;
+  const tokenizer::Tokenizer& tok;
+  const DecodeWorkerOptions options;
+  const model::ModelConfig config;
+  std::unique_ptr<comm::InProcessGroup> group;
+  std::vector<Rank> ranks;
+  std::unique_ptr<kv::KvBlockManager> manager;
+  std::unique_ptr<spec::Proposer> proposer;
+  ClosableQueue<RankDone> done;
+  std::thread scheduler;
+
+  // ---- Shared with API callers --------------------------------------------
+  enum class IdState { kAwaitingKv, kActive };
+  mutable absl::Mutex mu;
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  std::vector<std::unique_ptr<Request>> inbox ABSL_GUARDED_BY(mu);
+  std::vector<Command> commands ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<uint64_t, IdState> ids ABSL_GUARDED_BY(mu);
+  LoadReport load ABSL_GUARDED_BY(mu);
+  LogitsObserver observer ABSL_GUARDED_BY(mu);
+  bool accept_all ABSL_GUARDED_BY(mu) = false;
+
+  // ---- Scheduler thread only ----------------------------------------------
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Request>> requests;
+  std::deque<Request*> waiting;
+  std::vector<Request*> running;  // admission order: oldest first
+  std::vector<Delivery> deliveries;
+  LoadReport counters;  // steps, preemptions, speculation
+
+  absl::Status Start();
+  void Shutdown();
+  void RankLoop(int r);
+  void SchedulerLoop();
+  std::unique_ptr<Request> NewRequest(uint64_t id, std::vector<int32_t> prompt,
+                                      const RequestParams& params,
+                                      StreamCallback callback);
+  void ApplyCommand(const Command& c);
+  void CheckLeases();
+  void AdmitWaiting();
+  void Preempt(Request* r);
+  void RunStep();
+  // Appends output tokens, streams the delta; true if the request finished.
+  bool AppendTokens(Request* r, std::span<const int32_t> tokens);
+  void Finish(Request* r, FinishReason reason, absl::Status status,
+              std::vector<int32_t> tokens = {});
+  void Deliver();
+  void PublishLoad();
+};
+
+// ---- Setup ------------------------------------------------------------------
+
+absl::Status DecodeWorker::Impl::Start() {
+  const int tp = options.tp_size;
+  if (tp > 1) {
+    PDS_ASSIGN_OR_RETURN(group, comm::InProcessGroup::Create(tp));
+  }
+  ranks.resize(tp);
+  for (int r = 0; r < tp; ++r) {
+    engine::EngineOptions eo;
+    eo.shard = engine::ShardSpec{0, -1, r, tp};
+    eo.num_threads = options.threads_per_rank;
+    eo.communicator = tp > 1 ? group->rank(r) : nullptr;
+    PDS_ASSIGN_OR_RETURN(ranks[r].engine,
+                         engine::LlamaEngine::Create(weights, eo));
+    PDS_ASSIGN_OR_RETURN(
+        ranks[r].pool,
+        kv::KvPool::Create(ranks[r].engine->KvLayout(options.block_size),
+                           options.num_blocks));
+    ranks[r].work =
+        std::make_unique<ClosableQueue<std::shared_ptr<const StepWork>>>();
+  }
+  PDS_ASSIGN_OR_RETURN(manager, kv::KvBlockManager::Create(options.num_blocks,
+                                                           options.block_size));
+  const auto& so = options.speculation;
+  switch (so.mode) {
+    case SpeculationMode::kOff:
+      break;
+    case SpeculationMode::kNgram:
+      proposer = spec::MakeNgramProposer(so.ngram);
+      break;
+    case SpeculationMode::kScripted:
+      proposer = spec::MakeScriptedProposer(so.scripted);
+      break;
+    case SpeculationMode::kDraft: {
+      if (so.draft_weights == nullptr)
+        return absl::InvalidArgumentError(
+            "speculation mode draft needs draft_weights");
+      const auto& dc = so.draft_weights->config();
+      if (dc.vocab_size != config.vocab_size)
+        return absl::InvalidArgumentError(
+            absl::StrCat("draft vocabulary ", dc.vocab_size,
+                         " != target vocabulary ", config.vocab_size));
+      spec::DraftModelOptions dopt;
+      dopt.num_threads = options.threads_per_rank;
+      dopt.block_size = options.block_size;
+      dopt.num_blocks = so.draft_kv_blocks;
+      dopt.cost_per_token =
+          static_cast<double>(dc.num_layers) / std::max(1, config.num_layers);
+      PDS_ASSIGN_OR_RETURN(
+          proposer, spec::MakeDraftModelProposer(*so.draft_weights, dopt));
+      break;
+    }
+  }
+  for (int r = 0; r < tp; ++r)
+    ranks[r].thread = std::thread([this, r] { RankLoop(r); });
+  scheduler = std::thread([this] { SchedulerLoop(); });
+  return absl::OkStatus();
+}
+
+void DecodeWorker::Impl::Shutdown() {
+  {
+    absl::MutexLock lock(&mu);
+    stop = true;
+  }
+  if (scheduler.joinable()) scheduler.join();
+  for (auto& rank : ranks) {
+    if (rank.work) rank.work->Close();
+  }
+  if (group) group->Shutdown();
+  for (auto& rank : ranks) {
+    if (rank.thread.joinable()) rank.thread.join();
+  }
+  done.Close();
+}
+
+void DecodeWorker::Impl::RankLoop(int r) {
+  Rank& rank = ranks[r];
+  while (auto work = rank.work->Pop()) {
+    engine::ForwardResult result;
+    RankDone d;
+    d.rank = r;
+    d.status = rank.engine->Forward((*work)->batch, *rank.pool, &result);
+    if (r == 0) d.logits = std::move(result.logits);
+    done.Push(std::move(d));
+  }
+}
+
+std::unique_ptr<Request> DecodeWorker::Impl::NewRequest(
+    uint64_t id, std::vector<int32_t> prompt, const RequestParams& params,
+    StreamCallback callback) {
+  auto r = std::make_unique<Request>();
+  r->id = id;
+  r->params = params;
+  r->callback = std::make_shared<StreamCallback>(std::move(callback));
+  r->prompt_len = prompt.size();
+  r->history = std::move(prompt);
+  r->detokenizer = std::make_unique<tokenizer::IncrementalDetokenizer>(tok);
+  spec::AdaptiveGammaOptions go;
+  go.max_gamma = options.speculation.max_gamma;
+  go.cost_per_draft_token = options.speculation.verify_cost_per_token +
+                            (proposer ? proposer->cost_per_token() : 0.0);
+  r->gamma = spec::AdaptiveGamma(go);
+  return r;
+}
+
+// ---- Scheduler --------------------------------------------------------------
+
+void DecodeWorker::Impl::SchedulerLoop() {
+  while (true) {
+    std::vector<std::unique_ptr<Request>> new_requests;
+    std::vector<Command> new_commands;
+    {
+      absl::MutexLock lock(&mu);
+      if (running.empty() && waiting.empty()) {
+        // Idle: sleep until work arrives, but wake for the next lease expiry.
+        absl::Time deadline = absl::Now() + absl::Milliseconds(200);
+        for (const auto& [id, r] : requests)
+          deadline = std::min(deadline, r->lease_deadline);
+        auto has_work = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) {
+          return stop || !inbox.empty() || !commands.empty();
+        };
+        mu.AwaitWithDeadline(absl::Condition(&has_work), deadline);
+      }
+      if (stop) break;
+      new_requests.swap(inbox);
+      new_commands.swap(commands);
+    }
+    for (auto& r : new_requests) {
+      Request* raw = r.get();
+      requests[raw->id] = std::move(r);
+      if (raw->phase == Phase::kWaiting) waiting.push_back(raw);
+    }
+    for (const auto& c : new_commands) ApplyCommand(c);
+    CheckLeases();
+    AdmitWaiting();
+    if (!running.empty()) RunStep();
+    PublishLoad();
+    Deliver();
+  }
+  // Shutdown: every live request ends with CANCELLED.
+  {
+    absl::MutexLock lock(&mu);
+    for (auto& r : inbox) requests[r->id] = std::move(r);
+    inbox.clear();
+  }
+  std::vector<Request*> live;
+  for (auto& [id, r] : requests) live.push_back(r.get());
+  for (Request* r : live)
+    Finish(r, FinishReason::kAborted,
+           absl::CancelledError("decode worker shutting down"));
+  PublishLoad();
+  Deliver();
+}
+
+void DecodeWorker::Impl::ApplyCommand(const Command& c) {
+  auto it = requests.find(c.id);
+  if (it == requests.end()) return;  // finished meanwhile
+  Request* r = it->second.get();
+  switch (c.kind) {
+    case Command::kAbort:
+      Finish(r, FinishReason::kAborted,
+             absl::CancelledError(absl::StrCat("request ", c.id, " aborted")));
+      return;
+    case Command::kFail:
+      Finish(r, FinishReason::kError, c.status);
+      return;
+    case Command::kKvComplete: {
+      if (r->phase != Phase::kAwaitingKv) return;
+      r->kv_tokens = static_cast<int64_t>(r->history.size());
+      r->phase = Phase::kRunning;
+      r->lease_deadline = absl::InfiniteFuture();
+      // The prompt's KV is now complete: its full blocks may be shared.
+      (void)r->sequence->PublishFullBlocks(r->history);
+      running.push_back(r);
+      const int32_t token = c.token;
+      AppendTokens(r, std::span<const int32_t>(&token, 1));
+      return;
+    }
+  }
+}
+
+void DecodeWorker::Impl::CheckLeases() {
+  const absl::Time now = absl::Now();
+  std::vector<Request*> expired;
+  for (auto& [id, r] : requests) {
+    if (r->phase == Phase::kAwaitingKv && r->lease_deadline <= now)
+      expired.push_back(r.get());
+  }
+  for (Request* r : expired) {
+    {
+      // A MarkKvComplete that won the race is already queued: honour it.
+      absl::MutexLock lock(&mu);
+      auto it = ids.find(r->id);
+      if (it != ids.end() && it->second != IdState::kAwaitingKv) continue;
+    }
+    Finish(r, FinishReason::kError,
+           absl::DeadlineExceededError(absl::StrCat(
+               "request ", r->id, ": KV not completed within the lease of ",
+               absl::FormatDuration(options.kv_lease))));
+  }
+}
+
+void DecodeWorker::Impl::AdmitWaiting() {
+  while (!waiting.empty() &&
+         static_cast<int>(running.size()) < options.max_running) {
+    Request* r = waiting.front();
+    const int64_t need_blocks =
+        (static_cast<int64_t>(r->history.size()) + options.block_size - 1) /
+        options.block_size;
+    // FIFO: the head waits until enough KV frees up (a later, smaller request
+    // does not overtake it, so it cannot starve).
+    if (manager->available_blocks() < need_blocks) break;
+    auto start = kv::KvSequence::StartWithPrefix(manager.get(), r->history);
+    r->sequence.emplace(std::move(start.sequence));
+    r->kv_tokens = start.cached_tokens;
+    r->phase = Phase::kRunning;
+    waiting.pop_front();
+    running.push_back(r);
+  }
+}
+
+void DecodeWorker::Impl::Preempt(Request* r) {
+  r->sequence.reset();  // published blocks stay in the prefix cache
+  r->kv_tokens = 0;
+  r->phase = Phase::kWaiting;
+  if (proposer) proposer->Forget(r->id);
+  running.erase(std::find(running.begin(), running.end(), r));
+  waiting.push_front(r);
+  ++counters.preemptions;
+}
+
+void DecodeWorker::Impl::RunStep() {
+  const int max_pos = config.max_position_embeddings;
+  // ---- Speculation: who proposes how much ---------------------------------
+  int decoding = 0;
+  for (Request* r : running)
+    decoding += r->kv_tokens + 1 == static_cast<int64_t>(r->history.size());
+  absl::flat_hash_map<Request*, spec::Proposal> proposals;
+  if (proposer && decoding <= options.speculation.max_batch) {
+    std::vector<spec::ProposalRequest> asks;
+    std::vector<Request*> askers;
+    for (Request* r : running) {
+      const int64_t len = static_cast<int64_t>(r->history.size());
+      if (r->kv_tokens + 1 != len) continue;
+      int64_t gamma = r->gamma.NextGamma();
+      // Never draft past max_new_tokens (the bonus token counts) or the
+      // context.
+      gamma =
+          std::min<int64_t>(gamma, r->params.max_new_tokens - r->generated - 1);
+      gamma = std::min<int64_t>(gamma, max_pos - len);
+      if (gamma <= 0) continue;
+      spec::ProposalRequest a;
+      a.request_id = r->id;
+      a.history = r->history;
+      a.max_tokens = static_cast<int>(gamma);
+      a.sampling = r->params.sampling;
+      a.first_output_index = static_cast<uint64_t>(r->generated);
+      asks.push_back(a);
+      askers.push_back(r);
+    }
+    if (!asks.empty()) {
+      std::vector<spec::Proposal> out;
+      absl::Status s = proposer->Propose(asks, &out);
+      if (s.ok()) {
+        for (size_t i = 0; i < askers.size(); ++i)
+          proposals[askers[i]] = std::move(out[i]);
+      } else {
+        PDS_LOG(WARNING) << "proposer " << proposer->name()
+                         << " failed, decoding without drafts: " << s;
+      }
+    }
+  }
+
+  // ---- Plan: oldest first, within the token budget and the KV ------------
+  std::vector<Planned> plan;
+  int budget = options.max_step_tokens;
+  for (size_t i = 0; i < running.size() && budget > 0; ++i) {
+    Request* r = running[i];
+    const int64_t len = static_cast<int64_t>(r->history.size());
+    Planned p;
+    p.request = r;
+    p.history_feed =
+        static_cast<int>(std::min<int64_t>(len - r->kv_tokens, budget));
+    p.wants_logits = r->kv_tokens + p.history_feed == len;
+    if (p.wants_logits && p.history_feed == 1) {
+      auto it = proposals.find(r);
+      if (it != proposals.end()) {
+        auto& prop = it->second;
+        const size_t keep = std::min<size_t>(prop.tokens.size(), budget - 1);
+        p.drafts.assign(prop.tokens.begin(), prop.tokens.begin() + keep);
+        if (!prop.probs.empty())
+          p.draft_probs.assign(prop.probs.begin(), prop.probs.begin() + keep);
+      }
+    }
+    const int feed = p.history_feed + static_cast<int>(p.drafts.size());
+    // KV for this step; preempt the youngest running requests until it fits.
+    bool preempted_self = false;
+    while (!r->sequence->Reserve(r->kv_tokens + feed).ok()) {
+      Request* victim = running.back();
+      if (victim == r) {
+        preempted_self = true;
+        break;
+      }
+      Preempt(victim);
+    }
+    if (preempted_self) {
+      Preempt(r);
+      break;  // r was the youngest: nobody after it
+    }
+    budget -= feed;
+    plan.push_back(std::move(p));
+  }
+  if (plan.empty()) return;
+
+  // ---- Build the batch every rank runs -------------------------------------
+  auto work = std::make_shared<StepWork>();
+  work->tokens.resize(plan.size());
+  work->tables.resize(plan.size());
+  for (size_t k = 0; k < plan.size(); ++k) {
+    const Planned& p = plan[k];
+    Request* r = p.request;
+    auto& tokens = work->tokens[k];
+    tokens.assign(r->history.begin() + r->kv_tokens,
+                  r->history.begin() + r->kv_tokens + p.history_feed);
+    tokens.insert(tokens.end(), p.drafts.begin(), p.drafts.end());
+    auto blocks = r->sequence->block_table();
+    work->tables[k].assign(blocks.begin(), blocks.end());
+    engine::SequenceStep step;
+    step.tokens = tokens;
+    step.num_tokens = static_cast<int>(tokens.size());
+    step.start_position = static_cast<int>(r->kv_tokens);
+    step.block_table = work->tables[k];
+    if (p.wants_logits) {
+      for (int q = p.history_feed - 1; q < step.num_tokens; ++q)
+        step.logit_indices.push_back(q);
+    }
+    work->batch.sequences.push_back(std::move(step));
+  }
+  for (auto& rank : ranks) rank.work->Push(work);
+  absl::Status step_status;
+  std::vector<float> logits;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    std::optional<RankDone> d = done.Pop();
+    if (!d) {
+      step_status = absl::CancelledError("rank threads stopped");
+      break;
+    }
+    if (!d->status.ok() && step_status.ok()) step_status = d->status;
+    if (d->rank == 0) logits = std::move(d->logits);
+  }
+  ++counters.steps;
+  if (!step_status.ok()) {
+    // Requests were validated on entry, so this is a bug or a shutdown: fail
+    // the step's requests rather than the worker.
+    for (const Planned& p : plan)
+      Finish(p.request, FinishReason::kError,
+             absl::InternalError(
+                 absl::StrCat("decode step failed: ", step_status.message())));
+    return;
+  }
+
+  // ---- Sample / verify, roll back, stream ---------------------------------
+  LogitsObserver obs;
+  spec::VerifyOptions verify_options;
+  {
+    absl::MutexLock lock(&mu);
+    obs = observer;
+    verify_options.accept_all_for_test = accept_all;
+  }
+  const int vocab = config.vocab_size;
+  size_t row = 0;
+  for (Planned& p : plan) {
+    Request* r = p.request;
+    if (!p.wants_logits) {
+      r->kv_tokens += p.history_feed;
+      (void)r->sequence->Truncate(r->kv_tokens);
+      (void)r->sequence->PublishFullBlocks(
+          std::span<const int32_t>(r->history).first(r->kv_tokens));
+      continue;
+    }
+    const size_t rows = p.drafts.size() + 1;
+    std::span<const float> rows_logits(logits.data() + row * vocab,
+                                       rows * vocab);
+    row += rows;
+    auto outcome =
+        spec::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
+                          r->params.sampling, r->generated, verify_options);
+    if (!outcome.ok()) {
+      Finish(r, FinishReason::kError, outcome.status());
+      continue;
+    }
+    if (obs) {
+      for (size_t i = 0; i < outcome->tokens.size(); ++i)
+        obs(r->id, r->generated + static_cast<int64_t>(i),
+            rows_logits.subspan(i * vocab, vocab));
+    }
+    if (!p.drafts.empty()) {
+      r->gamma.Record(static_cast<int>(p.drafts.size()),
+                      outcome->accepted_drafts);
+      ++counters.spec_steps;
+      counters.drafted_tokens += static_cast<int64_t>(p.drafts.size());
+      counters.accepted_tokens += outcome->accepted_drafts;
+      counters.spec_emitted_tokens +=
+          static_cast<int64_t>(outcome->tokens.size());
+    }
+    // KV is valid for the fed history and the accepted drafts; the rejected
+    // drafts' slots are rolled back.
+    r->kv_tokens += p.history_feed + outcome->accepted_drafts;
+    (void)r->sequence->Truncate(r->kv_tokens);
+    if (AppendTokens(r, outcome->tokens)) continue;
+    // Only accepted tokens (whose KV is final) reach the prefix cache.
+    (void)r->sequence->PublishFullBlocks(
+        std::span<const int32_t>(r->history).first(r->kv_tokens));
+  }
+}
+
+bool DecodeWorker::Impl::AppendTokens(Request* r,
+                                      std::span<const int32_t> tokens) {
+  TokenDelta delta;
+  FinishReason reason = FinishReason::kNone;
+  size_t max_stop = 0;
+  for (const auto& s : r->params.stop) max_stop = std::max(max_stop, s.size());
+  for (int32_t t : tokens) {
+    r->history.push_back(t);
+    ++r->generated;
+    delta.tokens.push_back(t);
+    auto piece = r->detokenizer->Push(t);
+    if (!piece.ok()) {
+      Finish(r, FinishReason::kError, piece.status(), std::move(delta.tokens));
+      return true;
+    }
+    const size_t before = r->text.size();
+    r->text += *piece;
+    if (max_stop > 0 && !piece->empty()) {
+      const size_t from = before >= max_stop - 1 ? before - (max_stop - 1) : 0;
+      size_t cut = std::string::npos;
+      for (const auto& s : r->params.stop)
+        cut = std::min(cut, r->text.find(s, from));
+      if (cut != std::string::npos) {
+        r->text.resize(cut);
+        reason = FinishReason::kStop;
+        break;
+      }
+    }
+    if (!r->params.ignore_eos && t == config.eos_token_id) {
+      reason = FinishReason::kEos;
+      break;
+    }
+    if (r->generated >= r->params.max_new_tokens ||
+        static_cast<int64_t>(r->history.size()) >=
+            config.max_position_embeddings) {
+      reason = FinishReason::kLength;
+      break;
+    }
+  }
+  if (reason != FinishReason::kNone) {
+    if (reason != FinishReason::kStop) r->text += r->detokenizer->Finish();
+    Finish(r, reason, absl::OkStatus(), std::move(delta.tokens));
+    return true;
+  }
+  const size_t safe = r->text.size() - StopHoldback(r->text, r->params.stop);
+  if (safe > r->sent) {
+    delta.text = r->text.substr(r->sent, safe - r->sent);
+    r->sent = safe;
+  }
+  deliveries.push_back({r->callback, std::move(delta)});
+  return false;
+}
+
+void DecodeWorker::Impl::Finish(Request* r, FinishReason reason,
+                                absl::Status status,
+                                std::vector<int32_t> tokens) {
+  TokenDelta delta;
+  delta.tokens = std::move(tokens);
+  if (status.ok() && r->text.size() > r->sent)
+    delta.text = r->text.substr(r->sent);
+  delta.finished = true;
+  delta.reason = reason;
+  delta.status = std::move(status);
+  deliveries.push_back({r->callback, std::move(delta)});
+  if (proposer) proposer->Forget(r->id);
+  r->sequence.reset();
+  if (r->phase == Phase::kRunning) {
+    running.erase(std::find(running.begin(), running.end(), r));
+  } else if (r->phase == Phase::kWaiting) {
+    auto it = std::find(waiting.begin(), waiting.end(), r);
+    if (it != waiting.end()) waiting.erase(it);
+  }
+  {
+    absl::MutexLock lock(&mu);
+    ids.erase(r->id);
+  }
+  requests.erase(r->id);
+}
+
+void DecodeWorker::Impl::Deliver() {
+  std::vector<Delivery> batch;
+  batch.swap(deliveries);
+  for (auto& d : batch) {
+    if (*d.callback) (*d.callback)(d.delta);
+  }
+}
+
+void DecodeWorker::Impl::PublishLoad() {
+  LoadReport l = counters;
+  l.running = static_cast<int>(running.size());
+  l.waiting = static_cast<int>(waiting.size());
+  absl::MutexLock lock(&mu);
+  load = l;
+}
+
+// ---- Public face ------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(
+    const model::WeightSource& weights, const tokenizer::Tokenizer& tokenizer,
+    const DecodeWorkerOptions& options) {
+  const auto& c = weights.config();
+  if (options.tp_size < 1 || c.num_heads % options.tp_size != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("tp_size ", options.tp_size, " must divide the ",
+                     c.num_heads, " attention heads"));
+  if (options.block_size < 1 || options.num_blocks < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_size and num_blocks must be >= 1, got ",
+                     options.block_size, " and ", options.num_blocks));
+  if (options.max_running < 1)
+    return absl::InvalidArgumentError("max_running must be >= 1");
+  if (options.speculation.max_gamma < 0)
+    return absl::InvalidArgumentError("speculation.max_gamma must be >= 0");
+  if (options.max_step_tokens < 1 + options.speculation.max_gamma)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_step_tokens ", options.max_step_tokens,
+                     " must be at least 1 + max_gamma = ",
+                     1 + options.speculation.max_gamma));
+  PDS_RETURN_IF_ERROR(tokenizer.CheckCompatibleWith(c.vocab_size));
+  auto impl = std::make_unique<Impl>(weights, tokenizer, options);
+  absl::Status s = impl->Start();
+  if (!s.ok()) {
+    impl->Shutdown();
+    return s;
+  }
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->load.blocks_total = options.num_blocks;
+  }
+  return std::unique_ptr<DecodeWorker>(new DecodeWorker(std::move(impl)));
+}
+
+DecodeWorker::DecodeWorker(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
+
+DecodeWorker::~DecodeWorker() { impl_->Shutdown(); }
+
+absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
+                                                std::vector<int32_t> prompt,
+                                                const RequestParams& params,
+                                                StreamCallback callback) {
+  Impl& m = *impl_;
+  PDS_RETURN_IF_ERROR(ValidateRequest(prompt, params, m.config, m.options));
+  {
+    absl::MutexLock lock(&m.mu);
+    if (m.stop) return absl::UnavailableError("decode worker shutting down");
+    if (!m.ids.try_emplace(request_id, Impl::IdState::kAwaitingKv).second)
+      return absl::AlreadyExistsError(
+          absl::StrCat("request ", request_id, " is already live"));
+  }
+  auto start = kv::KvSequence::StartWithPrefix(m.manager.get(), prompt);
+  absl::Status reserved =
+      start.sequence.Reserve(static_cast<int64_t>(prompt.size()));
+  if (!reserved.ok()) {
+    absl::MutexLock lock(&m.mu);
+    m.ids.erase(request_id);
+    return reserved;
+  }
+  AdmitResult result;
+  auto table = start.sequence.block_table();
+  result.block_ids.assign(table.begin(), table.end());
+  result.cached_tokens = start.cached_tokens;
+  auto r =
+      m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
+  r->sequence.emplace(std::move(start.sequence));
+  r->phase = Phase::kAwaitingKv;
+  r->lease_deadline = absl::Now() + m.options.kv_lease;
+  absl::MutexLock lock(&m.mu);
+  m.inbox.push_back(std::move(r));
+  return result;
+}
+
+absl::Status DecodeWorker::MarkKvComplete(uint64_t request_id,
+                                          int32_t first_token) {
+  Impl& m = *impl_;
+  absl::MutexLock lock(&m.mu);
+  auto it = m.ids.find(request_id);
+  if (it == m.ids.end())
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not admitted"));
+  if (it->second != Impl::IdState::kAwaitingKv)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "request ", request_id, " already has its KV marked complete"));
+  it->second = Impl::IdState::kActive;
+  if (first_token < 0 || first_token >= m.config.vocab_size) {
+    absl::Status error = absl::InvalidArgumentError(absl::StrCat(
+        "first token ", first_token, " of request ", request_id,
+        " is outside the vocabulary [0, ", m.config.vocab_size, ")"));
+    m.commands.push_back({Command::kFail, request_id, 0, error});
+    return error;
+  }
+  m.commands.push_back({Command::kKvComplete, request_id, first_token, {}});
+  return absl::OkStatus();
+}
+
+absl::Status DecodeWorker::Submit(uint64_t request_id,
+                                  std::vector<int32_t> prompt,
+                                  const RequestParams& params,
+                                  StreamCallback callback) {
+  Impl& m = *impl_;
+  PDS_RETURN_IF_ERROR(ValidateRequest(prompt, params, m.config, m.options));
+  auto r =
+      m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
+  absl::MutexLock lock(&m.mu);
+  if (m.stop) return absl::UnavailableError("decode worker shutting down");
+  if (!m.ids.try_emplace(request_id, Impl::IdState::kActive).second)
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request_id, " is already live"));
+  m.inbox.push_back(std::move(r));
+  return absl::OkStatus();
+}
+
+absl::Status DecodeWorker::Abort(uint64_t request_id) {
+  Impl& m = *impl_;
+  absl::MutexLock lock(&m.mu);
+  if (!m.ids.contains(request_id))
+    return absl::NotFoundError(
+        absl::StrCat("request ", request_id, " is not live"));
+  m.commands.push_back({Command::kAbort, request_id, 0, {}});
+  return absl::OkStatus();
+}
+
+LoadReport DecodeWorker::Load() const {
+  LoadReport l;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    l = impl_->load;
+    // Exact now (the rest is the scheduler's last snapshot): a router that
+    // just admitted a request sees it.
+    l.awaiting_kv = 0;
+    for (const auto& [id, state] : impl_->ids)
+      l.awaiting_kv += state == Impl::IdState::kAwaitingKv;
+  }
+  l.blocks_used = impl_->manager->used_blocks();
+  l.blocks_total = impl_->manager->num_blocks();
+  return l;
+}
+
+kv::KvPool& DecodeWorker::kv_pool(int rank) { return *impl_->ranks[rank].pool; }
+
+const kv::KvBlockManager& DecodeWorker::block_manager() const {
+  return *impl_->manager;
+}
+
+int DecodeWorker::tp_size() const { return impl_->options.tp_size; }
+
+std::vector<int64_t> DecodeWorker::rank_weight_bytes() const {
+  std::vector<int64_t> out;
+  for (const auto& r : impl_->ranks) out.push_back(r.engine->weight_bytes());
+  return out;
+}
+
+void DecodeWorker::SetLogitsObserverForTest(LogitsObserver observer) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->observer = std::move(observer);
+}
+
+void DecodeWorker::SetAcceptAllDraftsForTest(bool accept_all) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->accept_all = accept_all;
+}
+
+}  // namespace pdserve::decode

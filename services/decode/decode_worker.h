@@ -1,0 +1,186 @@
+// DecodeWorker: the decode side's compute core, in process. T tensor-parallel
+// ranks (threads meeting in a comm::InProcessGroup, each with its own engine
+// shard and its own KvPool holding its KV heads; block ids are shared through
+// one KvBlockManager) driven by one scheduler thread that runs continuous
+// batching with optional speculative decoding.
+//
+// Request life:
+//   Admit      allocate KV blocks for the prompt (reusing cached prefix
+//              blocks) and return their ids: a remote prefill writes positions
+//              [cached_tokens, prompt size) of every rank's pool. The request
+//              holds its blocks until MarkKvComplete, Abort, or the lease
+//              expires (then it finishes with DEADLINE_EXCEEDED).
+//   MarkKvComplete(first_token)  the prefill sampled output token 0; decoding
+//              starts and token 0 is streamed first.
+//   Submit     local path: the worker prefills the prompt itself (also how a
+//              preempted request is recomputed: prompt + generated tokens).
+//   Abort      at any time; finishes the stream with CANCELLED.
+// Every request gets StreamCallback calls with token deltas and incrementally
+// detokenized text, and exactly one final call (finished = true). A request
+// whose Admit/Submit fails never calls its callback. Callbacks run
+// on the scheduler thread with no lock held: they must be quick and must not
+// block on the worker's progress; calling Abort/Submit/Load from one is fine.
+//
+// Scheduling, per step: expired leases and aborts are freed; waiting requests
+// are admitted FIFO while KV and max_running allow (prefix cache reuse);
+// running requests are planned oldest first within max_step_tokens (a decode
+// takes 1 + γ tokens, a prefill a chunk of what is left). When KV runs out the
+// youngest running request is preempted: its blocks are freed (published ones
+// stay in the prefix cache) and it is recomputed later.
+//
+// Thread-safety: all public methods may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "engine/sampler.h"
+#include "kv/block_manager.h"
+#include "kv/kv_pool.h"
+#include "model/weight_source.h"
+#include "spec/proposer.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pdserve::decode {
+
+enum class SpeculationMode { kOff, kNgram, kDraft, kScripted };
+
+struct SpeculationOptions {
+  SpeculationMode mode = SpeculationMode::kOff;
+  int max_gamma = 4;
+  // Speculation is switched off for a step with more decoding requests than
+  // this: verification then turns compute-bound and extra verified tokens cost
+  // about as much as plain decode steps (see bench/decode_bench.cc).
+  int max_batch = 8;
+  // Marginal cost of one more verified token per request relative to a
+  // decode step, for the adaptive γ (measured at batch 1, see the bench).
+  double verify_cost_per_token = 0.05;
+  // kDraft: the draft model (must outlive the worker; same vocabulary).
+  const model::WeightSource* draft_weights = nullptr;
+  int64_t draft_kv_blocks = 512;
+  // kNgram.
+  spec::NgramOptions ngram;
+  // kScripted: the sequences of spec::MakeScriptedProposer.
+  std::vector<std::vector<int32_t>> scripted;
+};
+
+struct DecodeWorkerOptions {
+  int tp_size = 1;
+  int threads_per_rank = 1;
+  int block_size = 16;
+  int64_t num_blocks = 256;
+  int max_running = 64;
+  // Tokens one step may feed (decode tokens + drafts + prefill chunks).
+  int max_step_tokens = 512;
+  absl::Duration kv_lease = absl::Seconds(30);
+  SpeculationOptions speculation;
+};
+
+struct RequestParams {
+  engine::SamplingParams sampling;
+  int max_new_tokens = 16;
+  std::vector<std::string> stop;  // stop strings (not included in the text)
+  bool ignore_eos = false;
+};
+
+enum class FinishReason { kNone, kEos, kLength, kStop, kAborted, kError };
+const char* FinishReasonName(FinishReason reason);
+
+struct TokenDelta {
+  std::vector<int32_t> tokens;  // new output tokens
+  std::string text;             // text they complete (UTF-8, stop-safe)
+  bool finished = false;
+  FinishReason reason = FinishReason::kNone;
+  absl::Status status;  // not OK iff reason is kAborted or kError
+};
+using StreamCallback = std::function<void(const TokenDelta&)>;
+
+struct AdmitResult {
+  std::vector<kv::BlockId> block_ids;  // covering every prompt position
+  int64_t cached_tokens = 0;  // prefix already in the blocks (don't write)
+};
+
+struct LoadReport {
+  int running = 0;
+  int waiting = 0;      // queued for (re)admission
+  int awaiting_kv = 0;  // admitted, KV not complete yet
+  int64_t blocks_used = 0;
+  int64_t blocks_total = 0;
+  int64_t steps = 0;
+  int64_t preemptions = 0;
+  // Speculation: verify steps with drafts, drafts proposed and accepted, and
+  // tokens those verify steps emitted (accepted + one each).
+  int64_t spec_steps = 0;
+  int64_t drafted_tokens = 0;
+  int64_t accepted_tokens = 0;
+  int64_t spec_emitted_tokens = 0;
+  double mean_acceptance_length() const {
+    return spec_steps ? static_cast<double>(spec_emitted_tokens) / spec_steps
+                      : 0.0;
+  }
+};
+
+class DecodeWorker {
+ public:
+  // `weights` and `tokenizer` must outlive the worker. INVALID_ARGUMENT for
+  // impossible options (tp_size not dividing the heads, budget below
+  // 1 + max_gamma, a draft with another vocabulary, ...).
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(
+      const model::WeightSource& weights, const tokenizer::Tokenizer& tokenizer,
+      const DecodeWorkerOptions& options);
+  // Aborts whatever is left (callbacks get CANCELLED) and joins the threads.
+  ~DecodeWorker();
+  DecodeWorker(const DecodeWorker&) = delete;
+  DecodeWorker& operator=(const DecodeWorker&) = delete;
+
+  // Remote-prefill path. INVALID_ARGUMENT for a bad prompt/params,
+  // ALREADY_EXISTS for a live id, RESOURCE_EXHAUSTED when the blocks are not
+  // free now (retry elsewhere or later).
+  [[nodiscard]] absl::StatusOr<AdmitResult> Admit(uint64_t request_id,
+                                                  std::vector<int32_t> prompt,
+                                                  const RequestParams& params,
+                                                  StreamCallback callback);
+  // NOT_FOUND for an unknown id, FAILED_PRECONDITION if its KV was already
+  // marked complete, INVALID_ARGUMENT for a token outside the vocabulary (the
+  // request is then failed and freed).
+  [[nodiscard]] absl::Status MarkKvComplete(uint64_t request_id,
+                                            int32_t first_token);
+  // Local-prefill path. Errors as Admit, except that a lack of free blocks
+  // only queues the request.
+  [[nodiscard]] absl::Status Submit(uint64_t request_id,
+                                    std::vector<int32_t> prompt,
+                                    const RequestParams& params,
+                                    StreamCallback callback);
+  // NOT_FOUND for an unknown or finished id.
+  [[nodiscard]] absl::Status Abort(uint64_t request_id);
+
+  LoadReport Load() const;
+  // Rank r's KV pool (what the transport registers and a prefill writes).
+  kv::KvPool& kv_pool(int rank);
+  const kv::KvBlockManager& block_manager() const;
+  int tp_size() const;
+  // Sum over ranks of the weight bytes each shard holds, per rank.
+  std::vector<int64_t> rank_weight_bytes() const;
+
+  // Test-only: called on the scheduler thread with the target logits of every
+  // row the worker samples from (request, output index, logits).
+  using LogitsObserver =
+      std::function<void(uint64_t, int64_t, std::span<const float>)>;
+  void SetLogitsObserverForTest(LogitsObserver observer);
+  // Test-only: the verifier accepts every draft (biased on purpose).
+  void SetAcceptAllDraftsForTest(bool accept_all);
+
+  struct Impl;
+
+ private:
+  explicit DecodeWorker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pdserve::decode

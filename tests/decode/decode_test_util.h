@@ -1,0 +1,142 @@
+// Fixtures for decode worker tests: stories260K weights + tokenizer loaded
+// once, a stream collector, and waiting helpers.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "decode/decode_worker.h"
+#include "model/weight_source.h"
+#include "spec/truncated_weights.h"
+#include "testing/golden.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pdserve::decode::testing_util {
+
+struct Model {
+  std::unique_ptr<model::WeightSource> weights;
+  std::unique_ptr<model::WeightSource> draft;  // first 3 of 5 layers
+  std::unique_ptr<tokenizer::Tokenizer> tokenizer;
+};
+
+inline const Model& Stories() {
+  static Model* m = [] {
+    auto* model = new Model;
+    auto w = model::OpenModel(pdserve::testing::Stories260KGguf());
+    PDS_CHECK(w.ok());
+    model->weights = std::move(*w);
+    auto d = spec::MakeLayerTruncatedWeights(*model->weights, 3);
+    PDS_CHECK(d.ok());
+    model->draft = std::move(*d);
+    auto t = tokenizer::LoadTokenizerForModel(*model->weights);
+    PDS_CHECK(t.ok());
+    model->tokenizer = std::move(*t);
+    return model;
+  }();
+  return *m;
+}
+
+inline std::vector<pdserve::testing::GoldenCase> AllGoldenCases() {
+  auto cases = pdserve::testing::LoadGoldenCases("golden.jsonl");
+  for (auto& c : pdserve::testing::LoadGoldenCases("golden_long.jsonl"))
+    cases.push_back(c);
+  return cases;
+}
+
+// Collects one request's stream.
+class Stream {
+ public:
+  StreamCallback Callback() {
+    return [this](const TokenDelta& d) {
+      absl::MutexLock lock(&mu_);
+      EXPECT_FALSE(finished_) << "delta after the final one";
+      tokens_.insert(tokens_.end(), d.tokens.begin(), d.tokens.end());
+      text_ += d.text;
+      ++deltas_;
+      if (d.finished) {
+        finished_ = true;
+        reason_ = d.reason;
+        status_ = d.status;
+      }
+    };
+  }
+  // Waits (bounded) for the final delta.
+  bool Wait(absl::Duration timeout = absl::Seconds(60)) {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(&finished_), timeout);
+  }
+  std::vector<int32_t> tokens() {
+    absl::MutexLock lock(&mu_);
+    return tokens_;
+  }
+  size_t num_tokens() {
+    absl::MutexLock lock(&mu_);
+    return tokens_.size();
+  }
+  std::string text() {
+    absl::MutexLock lock(&mu_);
+    return text_;
+  }
+  FinishReason reason() {
+    absl::MutexLock lock(&mu_);
+    return reason_;
+  }
+  absl::Status status() {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+  bool finished() {
+    absl::MutexLock lock(&mu_);
+    return finished_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int32_t> tokens_;
+  std::string text_;
+  int deltas_ = 0;
+  bool finished_ = false;
+  FinishReason reason_ = FinishReason::kNone;
+  absl::Status status_;
+};
+
+inline DecodeWorkerOptions Options(int tp, SpeculationMode mode) {
+  DecodeWorkerOptions o;
+  o.tp_size = tp;
+  o.threads_per_rank = 1;
+  o.block_size = 16;
+  o.num_blocks = 128;
+  o.speculation.mode = mode;
+  o.speculation.draft_weights = Stories().draft.get();
+  o.speculation.draft_kv_blocks = 128;
+  return o;
+}
+
+inline std::unique_ptr<DecodeWorker> MakeWorker(
+    const DecodeWorkerOptions& options) {
+  auto w =
+      DecodeWorker::Create(*Stories().weights, *Stories().tokenizer, options);
+  EXPECT_TRUE(w.ok()) << w.status();
+  return w.ok() ? std::move(w).value() : nullptr;
+}
+
+inline RequestParams Greedy(int max_new_tokens) {
+  RequestParams p;
+  p.max_new_tokens = max_new_tokens;
+  return p;
+}
+
+// Blocks used return to 0 once every request is gone (the scheduler frees
+// asynchronously right before the final callback, so this is immediate).
+inline void ExpectNoLeak(const DecodeWorker& worker) {
+  EXPECT_EQ(worker.block_manager().used_blocks(), 0);
+  EXPECT_TRUE(worker.block_manager().CheckInvariantsForTest().ok());
+}
+
+}  // namespace pdserve::decode::testing_util
