@@ -109,7 +109,8 @@ struct Planned {
 absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
                              const RequestParams& params,
                              const model::ModelConfig& config,
-                             const DecodeWorkerOptions& options) {
+                             const DecodeWorkerOptions& options,
+                             bool has_tokenizer) {
   if (prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (prompt[i] < 0 || prompt[i] >= config.vocab_size)
@@ -133,6 +134,9 @@ absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
     return absl::ResourceExhaustedError(
         absl::StrCat("request needs ", blocks, " KV blocks, the pool has ",
                      options.num_blocks));
+  if (!params.stop.empty() && !has_tokenizer)
+    return absl::InvalidArgumentError(
+        "stop strings need a tokenizer; this worker has none");
   for (size_t i = 0; i < params.stop.size(); ++i) {
     if (params.stop[i].empty())
       return absl::InvalidArgumentError(
@@ -160,12 +164,12 @@ size_t StopHoldback(const std::string& text,
 }  // namespace
 
 struct DecodeWorker::Impl {
-  Impl(const model::WeightSource& w, const tokenizer::Tokenizer& t,
+  Impl(const model::WeightSource& w, const tokenizer::Tokenizer* t,
        const DecodeWorkerOptions& o)
       : weights(w), tok(t), options(o), config(w.config()) {}
 
   const model::WeightSource& weights;
-  const tokenizer::Tokenizer& tok;
+  const tokenizer::Tokenizer* tok;  // may be null: no text
   const DecodeWorkerOptions options;
   const model::ModelConfig config;
   std::unique_ptr<comm::InProcessGroup> group;
@@ -310,7 +314,8 @@ std::unique_ptr<Request> DecodeWorker::Impl::NewRequest(
   r->callback = std::make_shared<StreamCallback>(std::move(callback));
   r->prompt_len = prompt.size();
   r->history = std::move(prompt);
-  r->detokenizer = std::make_unique<tokenizer::IncrementalDetokenizer>(tok);
+  if (tok != nullptr)
+    r->detokenizer = std::make_unique<tokenizer::IncrementalDetokenizer>(*tok);
   spec::AdaptiveGammaOptions go;
   go.max_gamma = options.speculation.max_gamma;
   go.cost_per_draft_token = options.speculation.verify_cost_per_token +
@@ -640,7 +645,8 @@ bool DecodeWorker::Impl::AppendTokens(Request* r,
     r->history.push_back(t);
     ++r->generated;
     delta.tokens.push_back(t);
-    auto piece = r->detokenizer->Push(t);
+    absl::StatusOr<std::string> piece =
+        r->detokenizer ? r->detokenizer->Push(t) : std::string();
     if (!piece.ok()) {
       Finish(r, FinishReason::kError, piece.status(), std::move(delta.tokens));
       return true;
@@ -670,7 +676,8 @@ bool DecodeWorker::Impl::AppendTokens(Request* r,
     }
   }
   if (reason != FinishReason::kNone) {
-    if (reason != FinishReason::kStop) r->text += r->detokenizer->Finish();
+    if (reason != FinishReason::kStop && r->detokenizer)
+      r->text += r->detokenizer->Finish();
     Finish(r, reason, absl::OkStatus(), std::move(delta.tokens));
     return true;
   }
@@ -728,7 +735,7 @@ void DecodeWorker::Impl::PublishLoad() {
 // ---- Public face ------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(
-    const model::WeightSource& weights, const tokenizer::Tokenizer& tokenizer,
+    const model::WeightSource& weights, const tokenizer::Tokenizer* tokenizer,
     const DecodeWorkerOptions& options) {
   const auto& c = weights.config();
   if (options.tp_size < 1 || c.num_heads % options.tp_size != 0)
@@ -748,7 +755,8 @@ absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(
         absl::StrCat("max_step_tokens ", options.max_step_tokens,
                      " must be at least 1 + max_gamma = ",
                      1 + options.speculation.max_gamma));
-  PDS_RETURN_IF_ERROR(tokenizer.CheckCompatibleWith(c.vocab_size));
+  if (tokenizer != nullptr)
+    PDS_RETURN_IF_ERROR(tokenizer->CheckCompatibleWith(c.vocab_size));
   auto impl = std::make_unique<Impl>(weights, tokenizer, options);
   absl::Status s = impl->Start();
   if (!s.ok()) {
@@ -772,7 +780,8 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
                                                 const RequestParams& params,
                                                 StreamCallback callback) {
   Impl& m = *impl_;
-  PDS_RETURN_IF_ERROR(ValidateRequest(prompt, params, m.config, m.options));
+  PDS_RETURN_IF_ERROR(
+      ValidateRequest(prompt, params, m.config, m.options, m.tok != nullptr));
   {
     absl::MutexLock lock(&m.mu);
     if (m.stop) return absl::UnavailableError("decode worker shutting down");
@@ -830,7 +839,8 @@ absl::Status DecodeWorker::Submit(uint64_t request_id,
                                   const RequestParams& params,
                                   StreamCallback callback) {
   Impl& m = *impl_;
-  PDS_RETURN_IF_ERROR(ValidateRequest(prompt, params, m.config, m.options));
+  PDS_RETURN_IF_ERROR(
+      ValidateRequest(prompt, params, m.config, m.options, m.tok != nullptr));
   auto r =
       m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
   absl::MutexLock lock(&m.mu);

@@ -128,11 +128,13 @@ struct LoadReport {
 
 class DecodeWorker {
  public:
-  // `weights` and `tokenizer` must outlive the worker. INVALID_ARGUMENT for
+  // `weights` and `tokenizer` must outlive the worker. `tokenizer` may be
+  // null (benchmarks on dummy weights): deltas then carry tokens but no text,
+  // and stop strings are INVALID_ARGUMENT. INVALID_ARGUMENT for
   // impossible options (tp_size not dividing the heads, budget below
   // 1 + max_gamma, a draft with another vocabulary, ...).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(
-      const model::WeightSource& weights, const tokenizer::Tokenizer& tokenizer,
+      const model::WeightSource& weights, const tokenizer::Tokenizer* tokenizer,
       const DecodeWorkerOptions& options);
   // Aborts whatever is left (callbacks get CANCELLED) and joins the threads.
   ~DecodeWorker();

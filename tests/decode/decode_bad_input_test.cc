@@ -102,20 +102,43 @@ TEST(DecodeBadInputTest, KvCapacityErrors) {
 TEST(DecodeBadInputTest, ImpossibleOptionsAreRejected) {
   const auto& m = Stories();
   auto options = Options(3, SpeculationMode::kOff);
-  ExpectError(DecodeWorker::Create(*m.weights, *m.tokenizer, options).status(),
-              absl::StatusCode::kInvalidArgument, "tp_size 3");
+  ExpectError(
+      DecodeWorker::Create(*m.weights, m.tokenizer.get(), options).status(),
+      absl::StatusCode::kInvalidArgument, "tp_size 3");
   options = Options(1, SpeculationMode::kDraft);
   options.speculation.draft_weights = nullptr;
-  ExpectError(DecodeWorker::Create(*m.weights, *m.tokenizer, options).status(),
-              absl::StatusCode::kInvalidArgument, "draft_weights");
+  ExpectError(
+      DecodeWorker::Create(*m.weights, m.tokenizer.get(), options).status(),
+      absl::StatusCode::kInvalidArgument, "draft_weights");
   options = Options(1, SpeculationMode::kNgram);
   options.max_step_tokens = 3;
-  ExpectError(DecodeWorker::Create(*m.weights, *m.tokenizer, options).status(),
-              absl::StatusCode::kInvalidArgument, "max_step_tokens 3");
+  ExpectError(
+      DecodeWorker::Create(*m.weights, m.tokenizer.get(), options).status(),
+      absl::StatusCode::kInvalidArgument, "max_step_tokens 3");
   options = Options(1, SpeculationMode::kOff);
   options.num_blocks = 0;
-  ExpectError(DecodeWorker::Create(*m.weights, *m.tokenizer, options).status(),
-              absl::StatusCode::kInvalidArgument, "num_blocks");
+  ExpectError(
+      DecodeWorker::Create(*m.weights, m.tokenizer.get(), options).status(),
+      absl::StatusCode::kInvalidArgument, "num_blocks");
+}
+
+TEST(DecodeBadInputTest, NoTokenizerMeansTokensOnlyAndNoStopStrings) {
+  const auto& m = Stories();
+  auto worker = DecodeWorker::Create(*m.weights, nullptr,
+                                     Options(1, SpeculationMode::kOff));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto golden = AllGoldenCases()[0];
+  RequestParams with_stop = Greedy(4);
+  with_stop.stop = {"x"};
+  Stream s;
+  ExpectError((*worker)->Submit(1, golden.prompt_ids, with_stop, s.Callback()),
+              absl::StatusCode::kInvalidArgument, "need a tokenizer");
+  ASSERT_TRUE(
+      (*worker)->Submit(2, golden.prompt_ids, Greedy(6), s.Callback()).ok());
+  ASSERT_TRUE(s.Wait());
+  EXPECT_EQ(s.tokens(), std::vector<int32_t>(golden.greedy_ids.begin(),
+                                             golden.greedy_ids.begin() + 6));
+  EXPECT_EQ(s.text(), "");
 }
 
 }  // namespace

@@ -120,8 +120,8 @@ inline DecodeWorkerOptions Options(int tp, SpeculationMode mode) {
 
 inline std::unique_ptr<DecodeWorker> MakeWorker(
     const DecodeWorkerOptions& options) {
-  auto w =
-      DecodeWorker::Create(*Stories().weights, *Stories().tokenizer, options);
+  auto w = DecodeWorker::Create(*Stories().weights, Stories().tokenizer.get(),
+                                options);
   EXPECT_TRUE(w.ok()) << w.status();
   return w.ok() ? std::move(w).value() : nullptr;
 }
