@@ -1,0 +1,59 @@
+// A whole prefill group inside one process: S pipeline stages (one thread
+// each) chained by in-process links, and the coordinator. What tests and the
+// local CLI run; the multi-process worker wires the same PipelineStage and
+// PrefillCoordinator over UCX links instead.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/weight_source.h"
+#include "prefill_worker/kv_output.h"
+#include "prefill_worker/pipeline_stage.h"
+#include "prefill_worker/prefill_coordinator.h"
+#include "prefill_worker/stage_link.h"
+
+namespace pdserve::prefill {
+
+struct PrefillGroupOptions {
+  // Layers per stage (see layer_split.h); empty = one stage with every layer.
+  std::vector<int> layer_split;
+  int threads_per_stage = 1;
+  SchedulerOptions scheduler;
+};
+
+class InProcessPrefillGroup {
+ public:
+  // `kv_out` (may be null, not owned, thread-safe) receives every stage's KV.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<InProcessPrefillGroup>>
+  Create(const model::WeightSource& weights, const PrefillGroupOptions& options,
+         StageKvOutput* kv_out);
+  // Fails unfinished requests (UNAVAILABLE), drains and joins the stages.
+  ~InProcessPrefillGroup();
+  InProcessPrefillGroup(const InProcessPrefillGroup&) = delete;
+  InProcessPrefillGroup& operator=(const InProcessPrefillGroup&) = delete;
+
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<PrefillTicket>> Submit(
+      PrefillRequest request) {
+    return coordinator_->Submit(std::move(request));
+  }
+  [[nodiscard]] absl::Status Cancel(uint64_t request_id) {
+    return coordinator_->Cancel(request_id);
+  }
+
+  int num_stages() const { return static_cast<int>(stages_.size()); }
+  PipelineStage& stage(int i) { return *stages_[i]; }
+  PrefillCoordinator& coordinator() { return *coordinator_; }
+
+ private:
+  InProcessPrefillGroup() = default;
+
+  // Declaration order is teardown order in reverse: stages report into the
+  // coordinator and read the links, so they go first (see the destructor).
+  std::vector<std::unique_ptr<InProcessStageLink>> links_;  // into stage i
+  std::unique_ptr<PrefillCoordinator> coordinator_;
+  std::vector<std::unique_ptr<PipelineStage>> stages_;
+};
+
+}  // namespace pdserve::prefill

@@ -1,0 +1,206 @@
+#include "prefill_worker/pipeline_stage.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace pdserve::prefill {
+
+absl::StatusOr<std::unique_ptr<PipelineStage>> PipelineStage::Create(
+    const model::WeightSource& weights, const PipelineStageOptions& options,
+    StageReceiver* in, StageSender* out, StageEventSink* events,
+    StageKvOutput* kv_out) {
+  if (in == nullptr || events == nullptr) {
+    return absl::InvalidArgumentError(
+        "a pipeline stage needs an input link and an event sink");
+  }
+  if (options.num_blocks <= 0 || options.block_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stage ", options.stage_index,
+                     " needs a positive block size and count, got ",
+                     options.block_size, " x ", options.num_blocks));
+  }
+  engine::EngineOptions engine_options;
+  engine_options.shard = options.shard;
+  engine_options.num_threads = options.threads;
+  PDS_ASSIGN_OR_RETURN(auto engine,
+                       engine::LlamaEngine::Create(weights, engine_options));
+  if (engine->holds_last_layer() != (out == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stage ", options.stage_index,
+        engine->holds_last_layer()
+            ? " holds the last layer but has a next stage"
+            : " does not hold the last layer but has no next stage"));
+  }
+  PDS_ASSIGN_OR_RETURN(auto pool,
+                       kv::KvPool::Create(engine->KvLayout(options.block_size),
+                                          options.num_blocks));
+  return std::unique_ptr<PipelineStage>(new PipelineStage(
+      options, std::move(engine), std::move(pool), in, out, events, kv_out));
+}
+
+PipelineStage::PipelineStage(const PipelineStageOptions& options,
+                             std::unique_ptr<engine::LlamaEngine> engine,
+                             std::unique_ptr<kv::KvPool> pool,
+                             StageReceiver* in, StageSender* out,
+                             StageEventSink* events, StageKvOutput* kv_out)
+    : options_(options),
+      engine_(std::move(engine)),
+      pool_(std::move(pool)),
+      in_(in),
+      out_(out),
+      events_(events),
+      kv_out_(kv_out) {}
+
+PipelineStage::~PipelineStage() { Join(); }
+
+void PipelineStage::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
+
+void PipelineStage::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+StageStats PipelineStage::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+std::vector<std::pair<absl::Time, absl::Time>>
+PipelineStage::BusyIntervalsForTest() const {
+  absl::MutexLock lock(&mu_);
+  return intervals_;
+}
+
+void PipelineStage::Run() {
+  while (std::optional<StageMessage> message = in_->Receive()) {
+    Process(std::move(*message));
+  }
+  if (out_ != nullptr) out_->Close();
+}
+
+void PipelineStage::Process(StageMessage message) {
+  StageEvent done;
+  done.kind = StageEvent::Kind::kMicrobatchDone;
+  done.stage = options_.stage_index;
+  done.microbatch_id = message.microbatch_id;
+  for (const ChunkHeader& chunk : message.chunks) {
+    done.request_ids.push_back(chunk.request_id);
+    done.tokens += chunk.num_tokens();
+  }
+  done.start = absl::Now();
+
+  engine::ForwardBatch batch;
+  batch.sequences.reserve(message.chunks.size());
+  for (const ChunkHeader& chunk : message.chunks) {
+    engine::SequenceStep step;
+    step.tokens = chunk.tokens;
+    step.num_tokens = chunk.num_tokens();
+    step.start_position = chunk.token_begin;
+    step.block_table = chunk.block_table;
+    // Logits only where a first token is sampled.
+    if (chunk.final_chunk) step.logit_indices = {chunk.num_tokens() - 1};
+    batch.sequences.push_back(std::move(step));
+  }
+  batch.hidden_in = message.hidden;
+  engine::ForwardResult result;
+  absl::Status status = engine_->Forward(batch, *pool_, &result);
+  done.end = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.busy_seconds += absl::ToDoubleSeconds(done.end - done.start);
+    ++stats_.microbatches;
+    stats_.tokens += done.tokens;
+    stats_.chunks += static_cast<int64_t>(message.chunks.size());
+    if (!status.ok()) ++stats_.failures;
+    intervals_.emplace_back(done.start, done.end);
+  }
+  if (!status.ok()) {
+    done.status = absl::Status(
+        status.code(), absl::StrCat("prefill stage ", options_.stage_index,
+                                    ": ", status.message()));
+    events_->Report(std::move(done));
+    return;
+  }
+
+  // Hand the hidden states on first, so the next stage starts while this one
+  // issues its KV writes.
+  if (out_ != nullptr) {
+    StageMessage next;
+    next.microbatch_id = message.microbatch_id;
+    next.chunks = message.chunks;
+    next.hidden = std::move(result.hidden_out);
+    if (absl::Status sent = out_->Send(std::move(next)); !sent.ok()) {
+      done.status = sent;
+    }
+  } else {
+    const int vocab = engine_->config().vocab_size;
+    int row = 0;
+    for (const ChunkHeader& chunk : message.chunks) {
+      if (!chunk.final_chunk) continue;
+      std::span<const float> logits(result.logits.data() + int64_t{row} * vocab,
+                                    vocab);
+      ++row;
+      StageEvent token;
+      token.kind = StageEvent::Kind::kFirstToken;
+      token.stage = options_.stage_index;
+      token.request_id = chunk.request_id;
+      // Output index 0: the same counter-based draw the decode worker would
+      // use for this request's first token.
+      token.token = engine::Sample(logits, chunk.sampling, 0);
+      events_->Report(std::move(token));
+    }
+  }
+  for (const ChunkHeader& chunk : message.chunks) StartKvWrites(chunk);
+  events_->Report(std::move(done));
+}
+
+void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
+  const uint64_t id = chunk.request_id;
+  {
+    absl::MutexLock lock(&mu_);
+    PendingWrites& pending = writes_[id];
+    if (kv_out_ != nullptr) ++pending.outstanding;
+    if (chunk.final_chunk) pending.final_issued = true;
+  }
+  if (kv_out_ != nullptr) {
+    KvWrite write;
+    write.request_id = id;
+    write.layer_begin = engine_->shard().layer_begin;
+    write.layer_end = engine_->shard().layer_end;
+    write.token_begin = chunk.kv_begin;
+    write.token_end = chunk.token_end;
+    write.final_chunk = chunk.final_chunk;
+    write.block_table = chunk.block_table;
+    write.pool = pool_.get();
+    {
+      absl::MutexLock lock(&mu_);
+      ++stats_.kv_writes;
+    }
+    kv_out_->Write(
+        write, [this, id](absl::Status status) { OnKvWriteDone(id, status); });
+  } else {
+    OnKvWriteDone(id, absl::OkStatus());
+  }
+}
+
+void PipelineStage::OnKvWriteDone(uint64_t request_id, absl::Status status) {
+  StageEvent event;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = writes_.find(request_id);
+    if (it == writes_.end()) return;
+    PendingWrites& pending = it->second;
+    if (kv_out_ != nullptr) --pending.outstanding;
+    if (pending.status.ok()) pending.status = status;
+    if (!pending.final_issued || pending.outstanding > 0) return;
+    event.status = pending.status;
+    writes_.erase(it);
+  }
+  event.kind = StageEvent::Kind::kKvWritten;
+  event.stage = options_.stage_index;
+  event.request_id = request_id;
+  events_->Report(std::move(event));
+}
+
+}  // namespace pdserve::prefill

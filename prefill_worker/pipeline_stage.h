@@ -1,0 +1,118 @@
+// One pipeline stage of a prefill group: an engine shard holding only its
+// layers plus a local KV pool for those layers (all KV heads), driven by one
+// thread that receives microbatches in order, runs its layers, sends the
+// hidden states on, and starts the KV writes of every chunk it finished.
+//
+// The last stage computes logits only for the last position of each
+// request's final chunk and samples the first output token (index 0) with the
+// request's sampling parameters and seed.
+//
+// Block ids are group-wide: the coordinator's block manager hands them out and
+// every stage's pool has the same number of blocks, so one block table names
+// a request's KV in every stage.
+//
+// Threads: Start() spawns the stage thread, which owns the engine and writes
+// the pool. It ends when the receiver is drained and closed, then closes the
+// sender. Stats are readable from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "engine/llama_engine.h"
+#include "kv/kv_pool.h"
+#include "model/weight_source.h"
+#include "prefill_worker/kv_output.h"
+#include "prefill_worker/stage_link.h"
+
+namespace pdserve::prefill {
+
+struct PipelineStageOptions {
+  int stage_index = 0;
+  int num_stages = 1;
+  engine::ShardSpec shard;  // this stage's layer range
+  int block_size = 16;
+  int64_t num_blocks = 0;  // group-wide block count
+  int threads = 1;         // engine threads (counting the stage thread)
+};
+
+// Counters for metrics (names settled by the observability issue).
+struct StageStats {
+  double busy_seconds = 0;
+  int64_t microbatches = 0;
+  int64_t tokens = 0;
+  int64_t chunks = 0;
+  int64_t kv_writes = 0;
+  int64_t failures = 0;
+};
+
+class PipelineStage {
+ public:
+  // `in` and `events` are required; `out` is null for the last stage;
+  // `kv_out` may be null (no KV leaves the stage). None is owned; all must
+  // outlive the stage.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<PipelineStage>> Create(
+      const model::WeightSource& weights, const PipelineStageOptions& options,
+      StageReceiver* in, StageSender* out, StageEventSink* events,
+      StageKvOutput* kv_out);
+  ~PipelineStage();  // Joins the thread (the receiver must get closed).
+  PipelineStage(const PipelineStage&) = delete;
+  PipelineStage& operator=(const PipelineStage&) = delete;
+
+  void Start();
+  // Waits for the thread to end (after the receiver is closed and drained).
+  void Join();
+
+  const PipelineStageOptions& options() const { return options_; }
+  bool is_last() const { return out_ == nullptr; }
+  const engine::LlamaEngine& engine() const { return *engine_; }
+  // The local KV; read it only while the stage is idle (tests).
+  const kv::KvPool& pool() const { return *pool_; }
+  StageStats stats() const;
+  // Compute intervals of every microbatch, in order (tests check overlap).
+  std::vector<std::pair<absl::Time, absl::Time>> BusyIntervalsForTest() const;
+
+ private:
+  PipelineStage(const PipelineStageOptions& options,
+                std::unique_ptr<engine::LlamaEngine> engine,
+                std::unique_ptr<kv::KvPool> pool, StageReceiver* in,
+                StageSender* out, StageEventSink* events,
+                StageKvOutput* kv_out);
+  void Run();
+  void Process(StageMessage message);
+  void StartKvWrites(const ChunkHeader& chunk);
+  void OnKvWriteDone(uint64_t request_id, absl::Status status);
+
+  const PipelineStageOptions options_;
+  std::unique_ptr<engine::LlamaEngine> engine_;
+  std::unique_ptr<kv::KvPool> pool_;
+  StageReceiver* const in_;
+  StageSender* const out_;
+  StageEventSink* const events_;
+  StageKvOutput* const kv_out_;
+  std::thread thread_;
+
+  // KV writes in flight per request; the final chunk's notice goes out once
+  // every write of the request has landed.
+  struct PendingWrites {
+    int outstanding = 0;
+    bool final_issued = false;
+    absl::Status status;
+  };
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, PendingWrites> writes_ ABSL_GUARDED_BY(mu_);
+  StageStats stats_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<absl::Time, absl::Time>> intervals_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pdserve::prefill

@@ -1,0 +1,317 @@
+// Pipelines of S = 1..5 in-process stages reproduce the single-process engine:
+// the KV each stage sends for a request equals the reference KV, and the last
+// stage's first token equals the golden one, for every chunk policy.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+
+#include "engine/engine_test_util.h"
+#include "engine/llama_engine.h"
+#include "engine/sampler.h"
+#include "prefill_worker/in_process_group.h"
+#include "prefill_worker/layer_split.h"
+#include "testing/golden.h"
+
+namespace pdserve::prefill {
+namespace {
+
+using engine::testing_util::MaxRelativeError;
+
+constexpr int kBlockSize = 16;
+
+struct Reference {
+  std::vector<int32_t> prompt;
+  int32_t golden_first = -1;
+  std::vector<float> kv;           // [layer][k|v][head][pos][dim]
+  std::vector<float> last_logits;  // of the last prompt position
+};
+
+// K/V of positions [0, tokens) of an identity block table, in the order
+// CapturingKvOutput::Collected returns.
+std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
+  const auto& layout = pool.layout();
+  std::vector<float> out;
+  for (int layer = 0; layer < layout.num_layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int head = 0; head < layout.num_kv_heads; ++head) {
+        for (int pos = 0; pos < tokens; ++pos) {
+          const float* p =
+              pool.f32() + layout.Offset(pos / layout.block_size, layer, kv,
+                                         head, pos % layout.block_size);
+          out.insert(out.end(), p, p + layout.head_dim);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+class PrefillPipelineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    weights_ = engine::testing_util::OpenStories(true).release();
+    auto full = engine::testing_util::MakeEngine(*weights_, {}, nullptr, 1);
+    std::vector<pdserve::testing::GoldenCase> cases =
+        pdserve::testing::LoadGoldenCases();
+    for (auto& c : pdserve::testing::LoadGoldenCases("golden_long.jsonl")) {
+      cases.push_back(c);
+    }
+    references_ = new std::vector<Reference>;
+    for (const auto& c : cases) {
+      Reference ref;
+      ref.prompt = c.prompt_ids;
+      ref.golden_first = c.greedy_ids[0];
+      const int n = static_cast<int>(ref.prompt.size());
+      const int blocks = (n + kBlockSize - 1) / kBlockSize;
+      auto pool = engine::testing_util::MakePool(*full, kBlockSize, blocks);
+      auto table = engine::testing_util::IdentityBlockTable(blocks);
+      auto logits = engine::testing_util::PrefillAllLogits(*full, *pool,
+                                                           ref.prompt, table);
+      ref.last_logits = logits.back();
+      ref.kv = ExtractKv(*pool, n);
+      references_->push_back(std::move(ref));
+    }
+  }
+  static void TearDownTestSuite() {
+    delete references_;
+    delete weights_;
+  }
+
+  static std::unique_ptr<InProcessPrefillGroup> MakeGroup(
+      std::vector<int> split, StageKvOutput* kv_out, bool prefix_reuse = false,
+      int64_t blocks = 1024, int budget = 64, ChunkPolicy policy = {}) {
+    PrefillGroupOptions options;
+    options.layer_split = std::move(split);
+    options.threads_per_stage = 1;
+    options.scheduler.block_size = kBlockSize;
+    options.scheduler.num_blocks = blocks;
+    options.scheduler.microbatch_token_budget = budget;
+    options.scheduler.prefix_reuse = prefix_reuse;
+    options.scheduler.chunk_policy = policy;
+    auto group = InProcessPrefillGroup::Create(*weights_, options, kv_out);
+    EXPECT_TRUE(group.ok()) << group.status();
+    return group.ok() ? std::move(group).value() : nullptr;
+  }
+
+  static void ExpectKvMatches(const CapturingKvOutput& out, uint64_t id,
+                              const Reference& ref, const std::string& what) {
+    const int layers = weights_->config().num_layers;
+    const int n = static_cast<int>(ref.prompt.size());
+    std::vector<float> got = out.Collected(id, layers, n);
+    ASSERT_EQ(got.size(), ref.kv.size()) << what;
+    for (float v : got) ASSERT_FALSE(std::isnan(v)) << what << ": KV missing";
+    EXPECT_LE(MaxRelativeError(got, ref.kv), 1e-6) << what;
+    std::vector<int> counts = out.WriteCounts(id, layers, n);
+    EXPECT_TRUE(
+        std::all_of(counts.begin(), counts.end(), [](int c) { return c == 1; }))
+        << what << ": every (layer, position) is sent exactly once";
+  }
+
+  static model::WeightSource* weights_;
+  static std::vector<Reference>* references_;
+};
+
+model::WeightSource* PrefillPipelineTest::weights_ = nullptr;
+std::vector<Reference>* PrefillPipelineTest::references_ = nullptr;
+
+std::vector<int> SplitFor(int stages, const model::ModelConfig& config) {
+  auto split = AutoLayerSplit(EstimateLayerCosts(config, 64, 1), stages);
+  EXPECT_TRUE(split.ok()) << split.status();
+  return *split;
+}
+
+// Every golden prompt under every chunk policy, all interleaved in one group
+// per depth S, KV and first tokens against the single-process engine.
+TEST_F(PrefillPipelineTest, EveryDepthChunkSizeAndPolicyMatchesTheEngine) {
+  std::vector<ChunkPolicy> policies;
+  for (auto kind : {ChunkPolicyKind::kFixed, ChunkPolicyKind::kEqualCost}) {
+    for (int chunk : {1, 7, 64, 0})
+      policies.push_back(ChunkPolicy{kind, chunk});
+  }
+  for (int stages = 1; stages <= 5; ++stages) {
+    std::vector<int> split = SplitFor(stages, weights_->config());
+    CapturingKvOutput kv_out;
+    auto group = MakeGroup(split, &kv_out);
+    ASSERT_NE(group, nullptr);
+    struct Submitted {
+      std::shared_ptr<PrefillTicket> ticket;
+      size_t ref;
+      std::string what;
+    };
+    std::vector<Submitted> submitted;
+    uint64_t id = 1;
+    for (const ChunkPolicy& policy : policies) {
+      for (size_t r = 0; r < references_->size(); ++r) {
+        PrefillRequest request;
+        request.request_id = id++;
+        request.prompt = (*references_)[r].prompt;
+        request.chunk_policy = policy;
+        auto ticket = group->Submit(std::move(request));
+        ASSERT_TRUE(ticket.ok()) << ticket.status();
+        submitted.push_back(
+            {*ticket, r,
+             absl::StrCat("S=", stages, " policy ", policy.DebugString(),
+                          " prompt ", r)});
+      }
+    }
+    for (const Submitted& s : submitted) {
+      auto outcome = s.ticket->Wait(absl::Seconds(60));
+      ASSERT_TRUE(outcome.ok()) << s.what << ": " << outcome.status();
+      const Reference& ref = (*references_)[s.ref];
+      EXPECT_EQ(outcome->first_token.token, ref.golden_first) << s.what;
+      EXPECT_EQ(outcome->cached_tokens, 0) << s.what;
+      ExpectKvMatches(kv_out, s.ticket->request_id(), ref, s.what);
+    }
+    // Chunks of several requests shared microbatches.
+    StageStats first = group->stage(0).stats();
+    EXPECT_GT(first.chunks, first.microbatches) << "S=" << stages;
+    EXPECT_EQ(group->coordinator().stats().used_blocks, 0) << "S=" << stages;
+    EXPECT_EQ(group->coordinator().stats().completed,
+              static_cast<int64_t>(submitted.size()));
+  }
+}
+
+TEST_F(PrefillPipelineTest, ExplicitSplitsAndSeededSamplingOfTheFirstToken) {
+  const Reference& ref = references_->back();
+  for (const std::vector<int>& split :
+       std::vector<std::vector<int>>{{1, 4}, {4, 1}, {2, 2, 1}, {1, 3, 1}}) {
+    CapturingKvOutput kv_out;
+    auto group = MakeGroup(split, &kv_out, false, 64, 48,
+                           ChunkPolicy{ChunkPolicyKind::kEqualCost, 40});
+    ASSERT_NE(group, nullptr);
+    for (uint64_t seed : {1u, 7u, 12345u}) {
+      PrefillRequest request;
+      request.request_id = seed;
+      request.prompt = ref.prompt;
+      request.sampling.temperature = 0.9f;
+      request.sampling.top_p = 0.95f;
+      request.sampling.seed = seed;
+      auto ticket = group->Submit(request);
+      ASSERT_TRUE(ticket.ok()) << ticket.status();
+      auto outcome = (*ticket)->Wait(absl::Seconds(60));
+      ASSERT_TRUE(outcome.ok()) << outcome.status();
+      // The same counter-based draw the single-process engine makes.
+      engine::SampledToken expected =
+          engine::Sample(ref.last_logits, request.sampling, 0);
+      EXPECT_EQ(outcome->first_token.token, expected.token) << "seed " << seed;
+      EXPECT_NEAR(outcome->first_token.logprob, expected.logprob, 1e-4);
+      ExpectKvMatches(kv_out, seed, ref, absl::StrCat("seed ", seed));
+    }
+  }
+}
+
+TEST_F(PrefillPipelineTest, PrefixReuseSkipsComputeButStillSendsTheKv) {
+  const Reference& ref = references_->back();  // 261 tokens
+  CapturingKvOutput kv_out;
+  auto group = MakeGroup({2, 2, 1}, &kv_out, /*prefix_reuse=*/true, 64, 64,
+                         ChunkPolicy{ChunkPolicyKind::kFixed, 64});
+  ASSERT_NE(group, nullptr);
+  auto run = [&](uint64_t id, const std::vector<int32_t>& prompt) {
+    PrefillRequest request;
+    request.request_id = id;
+    request.prompt = prompt;
+    auto ticket = group->Submit(request);
+    EXPECT_TRUE(ticket.ok()) << ticket.status();
+    auto outcome = (*ticket)->Wait(absl::Seconds(60));
+    EXPECT_TRUE(outcome.ok()) << outcome.status();
+    return outcome.ok() ? *outcome : PrefillOutcome{};
+  };
+  PrefillOutcome first = run(1, ref.prompt);
+  EXPECT_EQ(first.cached_tokens, 0);
+  const int64_t tokens_after_first = group->stage(0).stats().tokens;
+  EXPECT_EQ(tokens_after_first, static_cast<int64_t>(ref.prompt.size()));
+
+  // The same prompt again: 16 full blocks (256 tokens) come from the cache,
+  // only the last 5 tokens are computed, and all 261 positions are sent.
+  PrefillOutcome again = run(2, ref.prompt);
+  EXPECT_EQ(again.cached_tokens, 256);
+  EXPECT_EQ(again.first_token.token, ref.golden_first);
+  EXPECT_EQ(group->stage(0).stats().tokens - tokens_after_first, 5);
+  ExpectKvMatches(kv_out, 2, ref, "reused prefix");
+  EXPECT_EQ(group->coordinator().stats().used_blocks, 0);
+  EXPECT_GT(group->coordinator().block_manager().cached_blocks(), 0);
+
+  // A prompt sharing only the first 100 tokens reuses 6 blocks (96 tokens)
+  // and its KV equals the engine's for the new prompt.
+  std::vector<int32_t> other(ref.prompt.begin(), ref.prompt.begin() + 100);
+  other.insert(other.end(), references_->front().prompt.begin(),
+               references_->front().prompt.end());
+  PrefillOutcome shared = run(3, other);
+  EXPECT_EQ(shared.cached_tokens, 96);
+  auto full = engine::testing_util::MakeEngine(*weights_, {}, nullptr, 1);
+  auto pool = engine::testing_util::MakePool(*full, kBlockSize, 8);
+  auto table = engine::testing_util::IdentityBlockTable(8);
+  auto logits =
+      engine::testing_util::PrefillAllLogits(*full, *pool, other, table);
+  Reference other_ref;
+  other_ref.prompt = other;
+  other_ref.kv = ExtractKv(*pool, static_cast<int>(other.size()));
+  ExpectKvMatches(kv_out, 3, other_ref, "shared prefix");
+  EXPECT_EQ(shared.first_token.token, engine::ArgMax(logits.back()));
+}
+
+TEST_F(PrefillPipelineTest, StagesWorkOnDifferentMicrobatchesAtOnce) {
+  // From recorded stage intervals, not wall-clock speed: with many queued
+  // chunks, some microbatch of stage i runs while stage j runs another.
+  CapturingKvOutput kv_out;
+  auto group = MakeGroup({2, 2, 1}, &kv_out, false, 1024, 16,
+                         ChunkPolicy{ChunkPolicyKind::kFixed, 16});
+  ASSERT_NE(group, nullptr);
+  std::vector<std::shared_ptr<PrefillTicket>> tickets;
+  for (uint64_t id = 1; id <= 6; ++id) {
+    PrefillRequest request;
+    request.request_id = id;
+    request.prompt = (*references_)[4 + id % 2].prompt;
+    auto ticket = group->Submit(request);
+    ASSERT_TRUE(ticket.ok());
+    tickets.push_back(*ticket);
+  }
+  for (auto& t : tickets) ASSERT_TRUE(t->Wait(absl::Seconds(60)).ok());
+  int overlaps = 0;
+  for (int a = 0; a < group->num_stages(); ++a) {
+    for (int b = a + 1; b < group->num_stages(); ++b) {
+      for (const auto& x : group->stage(a).BusyIntervalsForTest()) {
+        for (const auto& y : group->stage(b).BusyIntervalsForTest()) {
+          if (x.first < y.second && y.first < x.second) ++overlaps;
+        }
+      }
+    }
+  }
+  EXPECT_GT(overlaps, 0);
+}
+
+TEST_F(PrefillPipelineTest, CancelAndBlockWaitReleaseEverything) {
+  const Reference& ref = references_->back();
+  CapturingKvOutput kv_out;
+  // 20 blocks: one 261-token prompt (17 blocks) at a time.
+  auto group = MakeGroup({3, 2}, &kv_out, false, 20, 8,
+                         ChunkPolicy{ChunkPolicyKind::kFixed, 1});
+  ASSERT_NE(group, nullptr);
+  PrefillRequest a;
+  a.request_id = 1;
+  a.prompt = ref.prompt;
+  PrefillRequest b = a;
+  b.request_id = 2;
+  PrefillRequest c = a;
+  c.request_id = 3;
+  auto ta = group->Submit(a);
+  auto tb = group->Submit(b);  // waits for a's blocks
+  auto tc = group->Submit(c);  // waits too; cancelled while waiting
+  ASSERT_TRUE(ta.ok() && tb.ok() && tc.ok());
+  ASSERT_TRUE(group->Cancel(3).ok());
+  ASSERT_TRUE(group->Cancel(1).ok());  // mid-prefill (chunks of 1 token)
+  auto ra = (*ta)->Wait(absl::Seconds(60));
+  auto rc = (*tc)->Wait(absl::Seconds(60));
+  EXPECT_EQ(ra.status().code(), absl::StatusCode::kCancelled) << ra.status();
+  EXPECT_EQ(rc.status().code(), absl::StatusCode::kCancelled) << rc.status();
+  auto rb = (*tb)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_EQ(rb->first_token.token, ref.golden_first);
+  ExpectKvMatches(kv_out, 2, ref, "after a cancel");
+  EXPECT_EQ(group->coordinator().stats().used_blocks, 0);
+  EXPECT_EQ(group->Cancel(2).code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace pdserve::prefill
