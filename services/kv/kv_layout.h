@@ -23,11 +23,13 @@ enum class KvDType { kF32 = 0, kBF16 = 1, kF16 = 2 };
 size_t KvDTypeSize(KvDType dtype);
 
 struct KvCacheLayout {
-  int num_layers = 0;      // layers held by this pool
-  int layer_offset = 0;    // model layer of pool layer 0 (a PP stage's first layer)
-  int num_kv_heads = 0;    // KV heads held by this pool
-  int kv_head_offset = 0;  // model KV head of pool head 0 (a TP rank's first head)
-  int block_size = 0;      // tokens per block
+  int num_layers = 0;  // layers held by this pool
+  int layer_offset =
+      0;  // model layer of pool layer 0 (a PP stage's first layer)
+  int num_kv_heads = 0;  // KV heads held by this pool
+  int kv_head_offset =
+      0;               // model KV head of pool head 0 (a TP rank's first head)
+  int block_size = 0;  // tokens per block
   int head_dim = 0;
   KvDType dtype = KvDType::kF32;
 

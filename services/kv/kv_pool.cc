@@ -10,17 +10,18 @@
 
 namespace pdserve::kv {
 
-absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheLayout& layout,
-                                                       int64_t num_blocks) {
+absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(
+    const KvCacheLayout& layout, int64_t num_blocks) {
   PDS_RETURN_IF_ERROR(layout.Validate());
   if (num_blocks <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("KV pool needs at least one block, got ",
-                                                   num_blocks));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV pool needs at least one block, got ", num_blocks));
   }
   int64_t bytes = layout.block_bytes() * num_blocks;
   // Anonymous mmap: page-aligned, zeroed, and returned to the OS on free.
-  void* data = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
-                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* data =
+      ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (data == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate KV pool of ", bytes, " bytes"));
@@ -28,7 +29,8 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvCacheLayout& layo
   return std::unique_ptr<KvPool>(new KvPool(layout, num_blocks, data, bytes));
 }
 
-int64_t KvPool::BlocksForBudget(const KvCacheLayout& layout, int64_t budget_bytes) {
+int64_t KvPool::BlocksForBudget(const KvCacheLayout& layout,
+                                int64_t budget_bytes) {
   int64_t per_block = layout.block_bytes();
   if (per_block <= 0 || budget_bytes <= 0) return 0;
   return budget_bytes / per_block;

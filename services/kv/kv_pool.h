@@ -19,7 +19,8 @@ class KvPool {
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvPool>> Create(
       const KvCacheLayout& layout, int64_t num_blocks);
   // How many blocks of `layout` fit in `budget_bytes` (at least 0).
-  static int64_t BlocksForBudget(const KvCacheLayout& layout, int64_t budget_bytes);
+  static int64_t BlocksForBudget(const KvCacheLayout& layout,
+                                 int64_t budget_bytes);
 
   ~KvPool();
   KvPool(const KvPool&) = delete;
@@ -35,8 +36,12 @@ class KvPool {
   const float* f32() const { return static_cast<const float*>(data_); }
 
  private:
-  KvPool(const KvCacheLayout& layout, int64_t num_blocks, void* data, int64_t size_bytes)
-      : layout_(layout), num_blocks_(num_blocks), data_(data), size_bytes_(size_bytes) {}
+  KvPool(const KvCacheLayout& layout, int64_t num_blocks, void* data,
+         int64_t size_bytes)
+      : layout_(layout),
+        num_blocks_(num_blocks),
+        data_(data),
+        size_bytes_(size_bytes) {}
 
   KvCacheLayout layout_;
   int64_t num_blocks_;

@@ -48,7 +48,7 @@ struct ModelConfig {
 // included in every error. Missing required keys are INVALID_ARGUMENT naming
 // the key; head_dim defaults to hidden_size / num_attention_heads and
 // num_key_value_heads to num_attention_heads, as transformers does.
-[[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
-                                                            std::string_view source_name);
+[[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(
+    std::string_view json_text, std::string_view source_name);
 
 }  // namespace pdserve::model

@@ -6,15 +6,16 @@
 //   model.embed_tokens.weight                     [vocab, hidden]
 //   model.layers.{i}.input_layernorm.weight       [hidden]
 //   model.layers.{i}.self_attn.q_proj.weight      [num_heads*head_dim, hidden]
-//   model.layers.{i}.self_attn.k_proj.weight      [num_kv_heads*head_dim, hidden]
-//   model.layers.{i}.self_attn.v_proj.weight      [num_kv_heads*head_dim, hidden]
-//   model.layers.{i}.self_attn.o_proj.weight      [hidden, num_heads*head_dim]
-//   model.layers.{i}.post_attention_layernorm.weight [hidden]
-//   model.layers.{i}.mlp.gate_proj.weight         [intermediate, hidden]
-//   model.layers.{i}.mlp.up_proj.weight           [intermediate, hidden]
-//   model.layers.{i}.mlp.down_proj.weight         [hidden, intermediate]
-//   model.norm.weight                             [hidden]
-//   lm_head.weight                                [vocab, hidden] (absent when tied)
+//   model.layers.{i}.self_attn.k_proj.weight      [num_kv_heads*head_dim,
+//   hidden] model.layers.{i}.self_attn.v_proj.weight [num_kv_heads*head_dim,
+//   hidden] model.layers.{i}.self_attn.o_proj.weight      [hidden,
+//   num_heads*head_dim] model.layers.{i}.post_attention_layernorm.weight
+//   [hidden] model.layers.{i}.mlp.gate_proj.weight         [intermediate,
+//   hidden] model.layers.{i}.mlp.up_proj.weight           [intermediate,
+//   hidden] model.layers.{i}.mlp.down_proj.weight         [hidden,
+//   intermediate] model.norm.weight                             [hidden]
+//   lm_head.weight                                [vocab, hidden] (absent when
+//   tied)
 //
 // RoPE layout: q_proj/k_proj rows are always returned in the HF "rotate-half"
 // layout (within a head, dims j and j+head_dim/2 form a rotation pair). GGUF
@@ -59,7 +60,8 @@ struct TokenizerSpec {
   std::string ggml_model;  // tokenizer.ggml.model, e.g. "llama"
   std::vector<std::string> tokens;
   std::vector<float> scores;
-  std::vector<int32_t> token_types;  // llama.cpp token types (1 normal, 2 unknown, 3 control, 6 byte, ...)
+  std::vector<int32_t> token_types;  // llama.cpp token types (1 normal, 2
+                                     // unknown, 3 control, 6 byte, ...)
   int32_t bos_token_id = -1;
   int32_t eos_token_id = -1;
   int32_t unk_token_id = -1;
@@ -83,14 +85,16 @@ class WeightSource {
   // Converts `slice` of tensor `name` to f32 into `out`, row-major, which must
   // hold (rows * cols) floats. Errors: NOT_FOUND for an unknown tensor,
   // OUT_OF_RANGE for a slice outside the shape.
-  [[nodiscard]] virtual absl::Status ReadF32(std::string_view name, const Slice2D& slice,
+  [[nodiscard]] virtual absl::Status ReadF32(std::string_view name,
+                                             const Slice2D& slice,
                                              float* out) const = 0;
 
-  [[nodiscard]] virtual absl::StatusOr<TokenizerSpec> tokenizer_spec() const = 0;
+  [[nodiscard]] virtual absl::StatusOr<TokenizerSpec> tokenizer_spec()
+      const = 0;
 };
 
 enum class LoadFormat {
-  kAuto,         // a *.gguf file, or a folder with config.json + safetensors
+  kAuto,  // a *.gguf file, or a folder with config.json + safetensors
   kGguf,
   kSafetensors,  // HF folder
   kDummy,        // path is a config.json (or a folder holding one); weights
@@ -107,6 +111,7 @@ enum class LoadFormat {
 [[nodiscard]] absl::StatusOr<LoadFormat> ParseLoadFormat(std::string_view text);
 
 // Canonical name helpers.
-std::string LayerTensorName(int layer, std::string_view suffix);  // "model.layers.{i}.{suffix}"
+std::string LayerTensorName(
+    int layer, std::string_view suffix);  // "model.layers.{i}.{suffix}"
 
 }  // namespace pdserve::model
