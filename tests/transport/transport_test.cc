@@ -137,9 +137,21 @@ TEST(CompatibilityTest, NamesTheDifference) {
 }
 
 // S prefill stages (processes) x T decode ranks (sinks here): byte-exact.
-TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
+// Param: the shared-memory fast path (sink memory allocated by UCX, peer
+// error handling off on both sides) instead of the default (plain KvPool,
+// peer error handling on, i.e. tcp + UCX software RMA on this host).
+class KvTransferTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(KvTransferTest, ByteExactAcrossStagesAndRanks) {
+  const bool shm = GetParam();
+  UcxWorkerOptions wopts;
+  wopts.peer_error_handling = !shm;
   std::vector<std::unique_ptr<UcxWorker>> workers;
-  for (int i = 0; i < 4; ++i) workers.push_back(NewWorker());
+  for (int i = 0; i < 4; ++i) {
+    auto w = UcxWorker::Create(wopts);
+    ASSERT_TRUE(w.ok()) << w.status();
+    workers.push_back(std::move(*w));
+  }
   const int kBlockSizes[] = {1, 16, 32};
   int config = 0;
   for (int S = 1; S <= 5; ++S) {
@@ -159,6 +171,8 @@ TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
       std::mt19937_64 rng(seed);
 
       std::vector<std::unique_ptr<kv::KvPool>> pools;
+      std::vector<std::pair<const char*, size_t>> memory;  // per rank
+      std::vector<kv::KvCacheLayout> layouts;
       std::vector<std::unique_ptr<KvSink>> sinks;
       std::vector<std::vector<int64_t>> dst_blocks;
       std::vector<std::string> grants;
@@ -166,10 +180,26 @@ TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
         const int heads = spec.num_kv_heads / T;
         kv::KvCacheLayout l{spec.num_layers, 0,    heads, r * heads, bs,
                             spec.head_dim,   dtype};
-        auto pool = kv::KvPool::Create(l, 2 * nb + 3);
-        ASSERT_TRUE(pool.ok());
-        auto sink = KvSink::Create(workers[r].get(), pool->get(), spec);
+        absl::StatusOr<std::unique_ptr<KvSink>> sink;
+        if (shm) {
+          const size_t bytes = (2 * nb + 3) * l.block_bytes();
+          auto region = workers[r]->Allocate(bytes);
+          ASSERT_TRUE(region.ok()) << region.status();
+          std::memset((*region)->base(), 0, bytes);
+          memory.emplace_back(static_cast<const char*>((*region)->base()),
+                              bytes);
+          sink = KvSink::Create(workers[r].get(), l, 2 * nb + 3,
+                                std::move(*region), spec);
+        } else {
+          auto pool = kv::KvPool::Create(l, 2 * nb + 3);
+          ASSERT_TRUE(pool.ok());
+          memory.emplace_back(static_cast<const char*>((*pool)->data()),
+                              (*pool)->size_bytes());
+          sink = KvSink::Create(workers[r].get(), pool->get(), spec);
+          pools.push_back(std::move(*pool));
+        }
         ASSERT_TRUE(sink.ok()) << sink.status();
+        layouts.push_back(l);
         std::vector<int64_t> blocks(2 * nb + 3);
         std::iota(blocks.begin(), blocks.end(), 0);
         std::shuffle(blocks.begin(), blocks.end(), rng);
@@ -177,7 +207,6 @@ TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
         auto grant =
             (*sink)->Expect(request_id, num_tokens, blocks, absl::Seconds(60));
         ASSERT_TRUE(grant.ok()) << grant.status();
-        pools.push_back(std::move(*pool));
         sinks.push_back(std::move(*sink));
         dst_blocks.push_back(blocks);
         grants.push_back(*grant);
@@ -193,6 +222,7 @@ TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
              absl::StrCat("--num_tokens=", num_tokens),
              absl::StrCat("--num_sinks=", T), absl::StrCat("--seed=", seed),
              absl::StrCat("--request_id=", request_id)});
+        if (shm) args.push_back("--no_peer_errors=1");
         stages.push_back(std::make_unique<PeerProcess>(args));
         for (auto& sink : sinks)
           ASSERT_TRUE(WriteFrame(stages.back()->fd(), sink->descriptor()));
@@ -212,11 +242,11 @@ TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
         ASSERT_TRUE(sinks[r]->Wait(request_id, absl::Seconds(30)).ok());
         // The whole pool: granted slots hold the stage's values, everything
         // else (other blocks, slots past the last token) is untouched.
-        const kv::KvCacheLayout& l = pools[r]->layout();
-        std::string expected(pools[r]->size_bytes(), '\0');
-        testing::FillKv(l, expected.data(), dst_blocks[r], num_tokens, seed);
+        std::string expected(memory[r].second, '\0');
+        testing::FillKv(layouts[r], expected.data(), dst_blocks[r], num_tokens,
+                        seed);
         ASSERT_EQ(
-            std::memcmp(expected.data(), pools[r]->data(), expected.size()), 0)
+            std::memcmp(expected.data(), memory[r].first, expected.size()), 0)
             << "rank " << r << " differs";
         EXPECT_EQ(sinks[r]->active_requests(), 0);
       }
@@ -224,9 +254,22 @@ TEST(KvTransferTest, ByteExactAcrossStagesAndRanks) {
   }
 }
 
-TEST(MessageTest, ManySizesArriveInOrder) {
-  auto worker = NewWorker();
-  PeerProcess echo({"--mode=echo"});
+INSTANTIATE_TEST_SUITE_P(Paths, KvTransferTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "SharedMemory" : "PeerErrorMode";
+                         });
+
+// Param: peer error handling off (shared memory) instead of on (tcp).
+class MessageTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MessageTest, ManySizesArriveInOrder) {
+  UcxWorkerOptions wopts;
+  wopts.peer_error_handling = !GetParam();
+  auto created = UcxWorker::Create(wopts);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<UcxWorker> worker = std::move(*created);
+  PeerProcess echo(
+      {"--mode=echo", absl::StrCat("--no_peer_errors=", GetParam() ? 1 : 0)});
   ASSERT_TRUE(WriteFrame(echo.fd(), worker->address()));
   auto addr = ReadFrame(echo.fd(), absl::Seconds(30));
   ASSERT_TRUE(addr.ok()) << addr.status();
@@ -268,6 +311,11 @@ TEST(MessageTest, ManySizesArriveInOrder) {
   }
   worker->SetMessageHandler(2, nullptr);
 }
+
+INSTANTIATE_TEST_SUITE_P(Paths, MessageTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "SharedMemory" : "PeerErrorMode";
+                         });
 
 // A stage dies after writing part of a request: the sink fails the request
 // within the lease (or sooner, when UCX reports the peer) and frees its blocks.

@@ -71,7 +71,9 @@ int RunKvSource(int fd) {
   const uint64_t seed = static_cast<uint64_t>(IntArg("seed"));
   const int chunks = static_cast<int>(IntArg("chunks", 2));
 
-  auto worker = UcxWorker::Create();
+  UcxWorkerOptions wopts;
+  wopts.peer_error_handling = IntArg("no_peer_errors") == 0;
+  auto worker = UcxWorker::Create(wopts);
   if (!worker.ok()) return Fail(fd, worker.status());
   kv::KvCacheLayout layout{
       layer_end - layer_begin, layer_begin,   spec.num_kv_heads, 0,
@@ -167,7 +169,9 @@ int RunKvSink(int fd) {
 // Frame in: the test's worker address. Frame out: ours. Every message of
 // kind 1 is sent back as kind 2, in arrival order.
 int RunEcho(int fd) {
-  auto worker = UcxWorker::Create();
+  UcxWorkerOptions wopts;
+  wopts.peer_error_handling = IntArg("no_peer_errors") == 0;
+  auto worker = UcxWorker::Create(wopts);
   if (!worker.ok()) return Fail(fd, worker.status());
   auto peer_addr = ReadFrame(fd, absl::Seconds(30));
   if (!peer_addr.ok()) return Fail(fd, peer_addr.status());
