@@ -50,6 +50,11 @@ InProcessPrefillGroup::Create(const model::WeightSource& weights,
         auto stage,
         PipelineStage::Create(weights, stage_options, group->links_[i].get(),
                               out, group->coordinator_.get(), kv_out));
+    if (options.kv_output_factory) {
+      PDS_ASSIGN_OR_RETURN(StageKvOutput * stage_out,
+                           options.kv_output_factory(i, stage->mutable_pool()));
+      stage->set_kv_output(stage_out);
+    }
     group->stages_.push_back(std::move(stage));
   }
   for (auto& stage : group->stages_) stage->Start();

@@ -4,6 +4,7 @@
 // PrefillCoordinator over UCX links instead.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -21,6 +22,10 @@ struct PrefillGroupOptions {
   std::vector<int> layer_split;
   int threads_per_stage = 1;
   SchedulerOptions scheduler;
+  // Optional: the KV output of stage i, made once its pool exists (overrides
+  // the `kv_out` given to Create). The outputs are not owned.
+  std::function<absl::StatusOr<StageKvOutput*>(int stage, kv::KvPool* pool)>
+      kv_output_factory;
 };
 
 class InProcessPrefillGroup {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -29,6 +30,8 @@ struct KvWrite {
   bool final_chunk = false;
   std::span<const int32_t> block_table;
   const kv::KvPool* pool = nullptr;
+  // Destination grants, given with a request's first write only.
+  std::span<const std::string> grants;
 };
 
 class StageKvOutput {

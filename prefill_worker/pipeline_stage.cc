@@ -173,6 +173,7 @@ void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
     write.final_chunk = chunk.final_chunk;
     write.block_table = chunk.block_table;
     write.pool = pool_.get();
+    write.grants = chunk.kv_grants;
     {
       absl::MutexLock lock(&mu_);
       ++stats_.kv_writes;

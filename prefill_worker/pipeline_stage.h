@@ -59,7 +59,8 @@ class PipelineStage {
  public:
   // `in` and `events` are required; `out` is null for the last stage;
   // `kv_out` may be null (no KV leaves the stage). None is owned; all must
-  // outlive the stage.
+  // outlive the stage, and every KV write's `done` must have run before the
+  // stage is destroyed (a completed request implies it).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<PipelineStage>> Create(
       const model::WeightSource& weights, const PipelineStageOptions& options,
       StageReceiver* in, StageSender* out, StageEventSink* events,
@@ -67,6 +68,11 @@ class PipelineStage {
   ~PipelineStage();  // Joins the thread (the receiver must get closed).
   PipelineStage(const PipelineStage&) = delete;
   PipelineStage& operator=(const PipelineStage&) = delete;
+
+  // Wires the KV output after creation (a transport KvSource registers the
+  // stage's pool, so it can only be made once the stage exists). Before Start.
+  void set_kv_output(StageKvOutput* kv_out) { kv_out_ = kv_out; }
+  kv::KvPool* mutable_pool() { return pool_.get(); }
 
   void Start();
   // Waits for the thread to end (after the receiver is closed and drained).
@@ -98,7 +104,7 @@ class PipelineStage {
   StageReceiver* const in_;
   StageSender* const out_;
   StageEventSink* const events_;
-  StageKvOutput* const kv_out_;
+  StageKvOutput* kv_out_;  // set before Start()
   std::thread thread_;
 
   // KV writes in flight per request; the final chunk's notice goes out once

@@ -282,6 +282,7 @@ void PrefillCoordinator::Launch() {
       header.block_table.assign(state.block_table.begin(),
                                 state.block_table.begin() + blocks);
       header.sampling = state.request.sampling;
+      if (chunk.chunk_index == 0) header.kv_grants = state.request.kv_grants;
       message.chunks.push_back(std::move(header));
       ++state.chunks_in_flight;
     }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <variant>
 #include <vector>
@@ -40,6 +41,9 @@ struct PrefillRequest {
   engine::SamplingParams sampling;
   // Overrides the group's chunk policy for this request.
   std::optional<ChunkPolicy> chunk_policy;
+  // Where the KV goes: grant blobs handed to every stage's KV output with the
+  // request's first chunk (one per decode rank).
+  std::vector<std::string> kv_grants;
 };
 
 struct PrefillOutcome {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -31,6 +32,9 @@ struct ChunkHeader {
   std::vector<int32_t>
       block_table;  // group-wide block ids covering [0, token_end)
   engine::SamplingParams sampling;  // used by the last stage on the final chunk
+  // A request's first chunk carries the decode side's KV grants (opaque blobs
+  // for the stage's KV output, e.g. transport::KvSink::Expect results).
+  std::vector<std::string> kv_grants;
   int num_tokens() const { return token_end - token_begin; }
 };
 
