@@ -25,6 +25,7 @@ enum : uint16_t {
       0x4b03,        // source -> sink: a (request, layers, tokens) range landed
   kRevoke = 0x4b04,  // sink -> source: stop writing this request
   kCancel = 0x4b05,  // source -> sink: this request is abandoned
+  kRevokeAck = 0x4b06,  // source -> sink: no write of it can land any more
 };
 
 void PutSpec(ByteWriter& w, const KvModelSpec& s) {
@@ -220,7 +221,7 @@ absl::StatusOr<std::vector<PutSegment>> PlanKvCopy(
 
 struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
   UcxWorker* worker = nullptr;
-  kv::KvCacheLayout layout;  // of the memory behind `region`
+  kv::KvCacheLayout pool_layout;  // of the memory behind `region`
   int64_t num_blocks = 0;
   KvModelSpec spec;
   KvSinkOptions options;
@@ -242,11 +243,17 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
         covered;  // per pool layer
     int64_t covered_cells = 0;
     bool done = false;
-    // Failure side effects (block release, revokes) ran; Wait reports a
-    // failure only after them, so its caller sees the blocks freed.
+    // Failure side effects ran: every live source confirmed the revoke (or
+    // the quarantine ran out) and the blocks were released. Wait reports a
+    // failure only then, so its caller sees the blocks freed.
     bool settled = false;
     absl::Status status;
     std::set<uint64_t> writers;
+    // Failed, not settled: sources whose revoke confirmation is awaited.
+    std::set<uint64_t> awaiting_acks;
+    absl::Time quarantine_deadline;
+    bool erase_when_settled = false;  // nobody will Wait (sink-side Cancel)
+    bool releasing = false;           // quarantine over, callback pending
   };
 
   mutable absl::Mutex mu;
@@ -256,25 +263,83 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
 
   struct Release {
     uint64_t request_id;
-    std::vector<int64_t> blocks;
     absl::Status why;
     std::vector<std::shared_ptr<UcxEndpoint>> notify;
   };
 
-  // Marks a request failed; the caller runs the returned release after
-  // dropping `mu`.
+  // Marks a request failed and quarantines its blocks: they stay reserved
+  // until every live source confirmed (after flushing its endpoint) that no
+  // write of the request can still land, or the quarantine runs out. The
+  // caller runs the returned Release (the revokes) after dropping `mu`.
   Release FailLocked(uint64_t id, Request& r, absl::Status why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     r.done = true;
     r.status = why;
-    for (int64_t b : r.blocks) blocks_in_use.erase(b);
-    Release out{id, r.blocks, why, {}};
+    r.quarantine_deadline = absl::Now() + options.revoke_quarantine;
+    Release out{id, why, {}};
     for (auto& [uid, s] : sources) {
-      if (s.accepted && !s.dead) out.notify.push_back(s.ep);
+      if (s.accepted && !s.dead) {
+        out.notify.push_back(s.ep);
+        r.awaiting_acks.insert(uid);
+      }
     }
     return out;
   }
 
+  struct Freed {
+    uint64_t request_id;
+    std::vector<int64_t> blocks;
+    absl::Status why;
+  };
+
+  // Ends the quarantine of a failed request: its blocks leave the in-use set
+  // and go to release_blocks (RunFreed), after which it is settled.
+  Freed EndQuarantineLocked(uint64_t id, Request& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    r.releasing = true;
+    r.awaiting_acks.clear();
+    for (int64_t b : r.blocks) blocks_in_use.erase(b);
+    return Freed{id, r.blocks, r.status};
+  }
+
+  // Failed requests with no confirmation left or past their quarantine.
+  std::vector<Freed> CollectSettledLocked(absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<Freed> out;
+    for (auto& [id, r] : requests) {
+      if (r.done && !r.settled && !r.releasing &&
+          (r.awaiting_acks.empty() || now > r.quarantine_deadline)) {
+        if (!r.awaiting_acks.empty()) {
+          PDS_LOG(WARNING) << "transport: KV request " << id
+                           << " released after its revoke quarantine without "
+                           << r.awaiting_acks.size()
+                           << " source confirmation(s)";
+        }
+        out.push_back(EndQuarantineLocked(id, r));
+      }
+    }
+    return out;
+  }
+
+  // Releases the blocks, then marks the requests settled (Wait returns only
+  // after the release callback ran).
+  void RunFreed(std::vector<Freed> freed) {
+    for (auto& f : freed) {
+      if (options.release_blocks) {
+        options.release_blocks(f.request_id, f.blocks, f.why);
+      }
+      absl::MutexLock l(&mu);
+      auto it = requests.find(f.request_id);
+      if (it == requests.end()) continue;
+      if (it->second.erase_when_settled) {
+        requests.erase(it);
+      } else {
+        it->second.settled = true;
+      }
+    }
+  }
+
+  // Sends the revokes, then settles what needs no confirmation.
   void RunRelease(Release rel) {
     PDS_LOG(WARNING) << "transport: KV request " << rel.request_id
                      << " failed: " << rel.why.message();
@@ -283,15 +348,32 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
     w.PutBytes(rel.why.message());
     std::string msg = w.Take();
     for (auto& ep : rel.notify) {
-      auto sent =
-          ep->Send(kRevoke, msg);  // best effort: the source may be dead
+      // Best effort: a dead source is caught by its failure handler or the
+      // quarantine.
+      auto sent = ep->Send(kRevoke, msg);
       (void)sent;
     }
-    if (options.release_blocks)
-      options.release_blocks(rel.request_id, rel.blocks, rel.why);
-    absl::MutexLock l(&mu);
-    auto it = requests.find(rel.request_id);
-    if (it != requests.end()) it->second.settled = true;
+    std::vector<Freed> freed;
+    {
+      absl::MutexLock l(&mu);
+      freed = CollectSettledLocked(absl::Now());
+    }
+    RunFreed(std::move(freed));
+  }
+
+  void OnRevokeAck(uint64_t peer, std::string payload) {
+    ByteReader r(payload);
+    uint64_t id = 0;
+    if (!r.Get(&id) || !r.empty()) return;
+    std::vector<Freed> freed;
+    {
+      absl::MutexLock l(&mu);
+      auto it = requests.find(id);
+      if (it == requests.end()) return;
+      it->second.awaiting_acks.erase(peer);
+      freed = CollectSettledLocked(absl::Now());
+    }
+    RunFreed(std::move(freed));
   }
 
   void OnHello(uint64_t peer, std::string payload) {
@@ -312,7 +394,7 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
       return;
     }
     absl::Status verdict = CheckCompatible(spec, remote);
-    const kv::KvCacheLayout& mine = layout;
+    const kv::KvCacheLayout& mine = pool_layout;
     if (verdict.ok() && (mine.kv_head_offset < layout.kv_head_offset ||
                          mine.kv_head_offset + mine.num_kv_heads >
                              layout.kv_head_offset + layout.num_kv_heads)) {
@@ -364,7 +446,7 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
     if (rit == requests.end() || rit->second.done)
       return;  // revoked / finished
     Request& req = rit->second;
-    const kv::KvCacheLayout& mine = layout;
+    const kv::KvCacheLayout& mine = pool_layout;
     if (n.layer_begin < mine.layer_offset || n.layer_begin >= n.layer_end ||
         n.layer_end > mine.layer_offset + mine.num_layers ||
         n.token_begin < 0 || n.token_begin >= n.token_end ||
@@ -416,6 +498,8 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
       if (sit == sources.end()) return;
       sit->second.dead = true;
       for (auto& [id, req] : requests) {
+        // A dead source writes nothing more: stop waiting for it.
+        req.awaiting_acks.erase(peer);
         if (!req.done && req.writers.count(peer) != 0) {
           rels.push_back(FailLocked(id, req,
                                     absl::UnavailableError(absl::StrCat(
@@ -424,6 +508,12 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
       }
     }
     for (auto& rel : rels) RunRelease(std::move(rel));
+    std::vector<Freed> freed;
+    {
+      absl::MutexLock l(&mu);
+      freed = CollectSettledLocked(absl::Now());
+    }
+    RunFreed(std::move(freed));
   }
 
   void OnTick() {
@@ -441,6 +531,12 @@ struct KvSink::Impl : std::enable_shared_from_this<KvSink::Impl> {
       }
     }
     for (auto& rel : rels) RunRelease(std::move(rel));
+    std::vector<Freed> freed;
+    {
+      absl::MutexLock l(&mu);
+      freed = CollectSettledLocked(absl::Now());
+    }
+    RunFreed(std::move(freed));
   }
 };
 
@@ -469,7 +565,7 @@ absl::StatusOr<std::unique_ptr<KvSink>> KvSink::Create(
   }
   auto impl = std::make_shared<Impl>();
   impl->worker = worker;
-  impl->layout = layout;
+  impl->pool_layout = layout;
   impl->num_blocks = num_blocks;
   impl->spec = spec;
   impl->options = std::move(options);
@@ -494,6 +590,9 @@ absl::StatusOr<std::unique_ptr<KvSink>> KvSink::Create(
   worker->SetMessageHandler(kCancel, [weak](uint64_t peer, std::string p) {
     if (auto s = weak.lock()) s->OnCancel(peer, std::move(p));
   });
+  worker->SetMessageHandler(kRevokeAck, [weak](uint64_t peer, std::string p) {
+    if (auto s = weak.lock()) s->OnRevokeAck(peer, std::move(p));
+  });
   worker->AddPeerFailureHandler([weak](uint64_t peer, absl::Status why) {
     if (auto s = weak.lock()) s->OnPeerFailure(peer, why);
   });
@@ -504,11 +603,12 @@ absl::StatusOr<std::unique_ptr<KvSink>> KvSink::Create(
 }
 
 KvSink::~KvSink() {
-  for (uint16_t kind : {kHello, kWritten, kCancel}) {
+  for (uint16_t kind : {kHello, kWritten, kCancel, kRevokeAck}) {
     impl_->worker->SetMessageHandler(kind, nullptr);
   }
-  // No block outlives its request: what is still in flight is cancelled,
-  // revoked at its sources and released.
+  // No block outlives its request: what is still in flight is cancelled and
+  // revoked at its sources, and everything unsettled is released now (the
+  // sink's memory is going away, so there is nothing left to quarantine).
   std::vector<Impl::Release> rels;
   {
     absl::MutexLock l(&impl_->mu);
@@ -520,6 +620,12 @@ KvSink::~KvSink() {
     }
   }
   for (auto& rel : rels) impl_->RunRelease(std::move(rel));
+  std::vector<Impl::Freed> freed;
+  {
+    absl::MutexLock l(&impl_->mu);
+    freed = impl_->CollectSettledLocked(absl::InfiniteFuture());
+  }
+  impl_->RunFreed(std::move(freed));
 }
 
 const std::string& KvSink::descriptor() const { return impl_->descriptor; }
@@ -528,7 +634,7 @@ absl::StatusOr<std::string> KvSink::Expect(uint64_t request_id,
                                            int64_t num_tokens,
                                            std::vector<int64_t> blocks,
                                            absl::Duration lease) {
-  const kv::KvCacheLayout& layout = impl_->layout;
+  const kv::KvCacheLayout& layout = impl_->pool_layout;
   if (num_tokens <= 0)
     return absl::InvalidArgumentError("request with no tokens");
   const int64_t needed =
@@ -608,11 +714,16 @@ absl::Status KvSink::Cancel(uint64_t request_id) {
     if (it == impl_->requests.end()) {
       return absl::NotFoundError(absl::StrCat("no KV request ", request_id));
     }
+    if (it->second.settled) {
+      impl_->requests.erase(it);
+      return absl::OkStatus();
+    }
     if (!it->second.done) {
       rel = impl_->FailLocked(request_id, it->second,
                               absl::CancelledError("cancelled by the sink"));
     }
-    impl_->requests.erase(it);
+    // Blocks are released once the sources confirmed the revoke.
+    it->second.erase_when_settled = true;
   }
   if (rel) impl_->RunRelease(std::move(*rel));
   return absl::OkStatus();
@@ -691,20 +802,38 @@ struct KvSource::Impl {
     }
   }
 
+  // Stops the request here, then confirms to the sink once every put issued
+  // before the revoke has completed (endpoint flush): after the confirmation
+  // the sink may hand the blocks to someone else.
   void OnRevoke(uint64_t peer, std::string payload) {
     ByteReader r(payload);
     uint64_t id = 0;
     std::string why;
     if (!r.Get(&id) || !r.GetBytes(&why, 4096)) return;
+    // Holding `mu` orders this against Write, which issues its puts under
+    // `mu`: each Write's puts are either before the flush below or refused.
     absl::MutexLock l(&mu);
     auto it = requests.find(id);
-    if (it == requests.end()) return;
-    for (const Grant& g : it->second.grants) {
-      if (g.sink->uid == peer) {
-        it->second.revoked = absl::AbortedError(
-            absl::StrCat("KV request ", id, " revoked by its sink: ", why));
+    if (it != requests.end()) {
+      for (const Grant& g : it->second.grants) {
+        if (g.sink->uid == peer) {
+          it->second.revoked = absl::AbortedError(
+              absl::StrCat("KV request ", id, " revoked by its sink: ", why));
+        }
       }
     }
+    auto sit = sinks.find(peer);
+    if (sit == sinks.end()) return;
+    std::shared_ptr<UcxEndpoint> ep = sit->second->ep;
+    ByteWriter w;
+    w.Put(id);
+    auto flushed = ep->Flush([ep, ack = w.Take()](absl::Status s) {
+      if (!s.ok())
+        return;  // the sink's quarantine or failure handler covers it
+      auto sent = ep->Send(kRevokeAck, ack);
+      (void)sent;
+    });
+    (void)flushed;
   }
 };
 
@@ -754,6 +883,17 @@ absl::StatusOr<uint64_t> KvSource::Connect(const std::string& sink_descriptor) {
   }
   if (!impl_->options.skip_local_compat_check_for_test) {
     PDS_RETURN_IF_ERROR(CheckCompatible(impl_->spec, remote));
+    const kv::KvCacheLayout& mine = impl_->pool->layout();
+    const kv::KvCacheLayout& theirs = sink->layout;
+    if (theirs.kv_head_offset < mine.kv_head_offset ||
+        theirs.kv_head_offset + theirs.num_kv_heads >
+            mine.kv_head_offset + mine.num_kv_heads) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "incompatible KV peer: this source holds KV heads [",
+          mine.kv_head_offset, ",", mine.kv_head_offset + mine.num_kv_heads,
+          ") but the sink needs [", theirs.kv_head_offset, ",",
+          theirs.kv_head_offset + theirs.num_kv_heads, ")"));
+    }
   }
   PDS_ASSIGN_OR_RETURN(sink->ep, impl_->worker->Connect(address));
   PDS_ASSIGN_OR_RETURN(sink->region, sink->ep->ImportRegion(region_desc));
@@ -860,40 +1000,6 @@ absl::StatusOr<std::shared_ptr<OpHandle>> KvSource::Write(
     RemoteRegion* region;
     std::vector<PutSegment> segments;
   };
-  std::vector<Job> jobs;
-  {
-    absl::MutexLock l(&impl_->mu);
-    auto it = impl_->requests.find(request_id);
-    if (it == impl_->requests.end() || it->second.grants.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("no KV grant for request ", request_id));
-    }
-    PDS_RETURN_IF_ERROR(it->second.revoked);
-    for (const Impl::Grant& g : it->second.grants) {
-      if (token_end > g.num_tokens) {
-        return absl::OutOfRangeError(absl::StrCat(
-            "tokens up to ", token_end, " beyond the grant's ", g.num_tokens));
-      }
-      PDS_ASSIGN_OR_RETURN(
-          std::vector<PutSegment> segs,
-          PlanKvCopy(impl_->pool->layout(), src_blocks, g.sink->layout,
-                     g.blocks, layer_begin, layer_end, token_begin, token_end));
-      // Independent of how the plan was made: every byte must land inside a
-      // block granted for this request.
-      for (const PutSegment& s : segs) {
-        auto a = std::upper_bound(
-            g.allowed.begin(), g.allowed.end(),
-            std::make_pair(s.dst_offset, std::numeric_limits<uint64_t>::max()));
-        if (a == g.allowed.begin() ||
-            std::prev(a)->second < s.dst_offset + s.length) {
-          return absl::PermissionDeniedError(absl::StrCat(
-              "KV write [", s.dst_offset, ", +", s.length,
-              ") outside the blocks granted for request ", request_id));
-        }
-      }
-      jobs.push_back(Job{g.sink->ep, g.sink->region.get(), std::move(segs)});
-    }
-  }
   ByteWriter w;
   w.Put(request_id);
   w.Put<int32_t>(layer_begin);
@@ -901,6 +1007,41 @@ absl::StatusOr<std::shared_ptr<OpHandle>> KvSource::Write(
   w.Put(token_begin);
   w.Put(token_end);
   const std::string notice = w.Take();
+
+  // The puts are issued under `mu` too, so that a revoke (OnRevoke, also
+  // under `mu`) either precedes this whole write or flushes after all of it.
+  absl::MutexLock l(&impl_->mu);
+  std::vector<Job> jobs;
+  auto it = impl_->requests.find(request_id);
+  if (it == impl_->requests.end() || it->second.grants.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no KV grant for request ", request_id));
+  }
+  PDS_RETURN_IF_ERROR(it->second.revoked);
+  for (const Impl::Grant& g : it->second.grants) {
+    if (token_end > g.num_tokens) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "tokens up to ", token_end, " beyond the grant's ", g.num_tokens));
+    }
+    PDS_ASSIGN_OR_RETURN(
+        std::vector<PutSegment> segs,
+        PlanKvCopy(impl_->pool->layout(), src_blocks, g.sink->layout, g.blocks,
+                   layer_begin, layer_end, token_begin, token_end));
+    // Independent of how the plan was made: every byte must land inside a
+    // block granted for this request.
+    for (const PutSegment& s : segs) {
+      auto a = std::upper_bound(
+          g.allowed.begin(), g.allowed.end(),
+          std::make_pair(s.dst_offset, std::numeric_limits<uint64_t>::max()));
+      if (a == g.allowed.begin() ||
+          std::prev(a)->second < s.dst_offset + s.length) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "KV write [", s.dst_offset, ", +", s.length,
+            ") outside the blocks granted for request ", request_id));
+      }
+    }
+    jobs.push_back(Job{g.sink->ep, g.sink->region.get(), std::move(segs)});
+  }
 
   auto all = std::make_shared<OpHandle>();
   all->AddParts(static_cast<int>(jobs.size()));

@@ -68,9 +68,12 @@ struct KvModelSpec {
 
 struct KvSinkOptions {
   absl::Duration default_lease = absl::Seconds(30);
-  // Called (progress thread) with a failed or cancelled request's blocks:
-  // the owner (block manager) frees them. Not called for completed requests,
-  // whose blocks now hold live KV.
+  // A failed request's blocks stay reserved until every live source
+  // confirmed the revoke (no write of it can still land), at most this long.
+  absl::Duration revoke_quarantine = absl::Seconds(5);
+  // Called (progress thread) with a failed or cancelled request's blocks once
+  // their quarantine is over: the owner (block manager) frees them. Not
+  // called for completed requests, whose blocks now hold live KV.
   std::function<void(uint64_t request_id, const std::vector<int64_t>& blocks,
                      const absl::Status& why)>
       release_blocks;

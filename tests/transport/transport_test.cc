@@ -429,6 +429,7 @@ class LocalPairTest : public ::testing::Test {
     sink_worker_ = NewWorker();
     src_worker_ = NewWorker();
     KvSinkOptions opts;
+    opts.revoke_quarantine = absl::Seconds(3);
     opts.release_blocks = [this](uint64_t, const std::vector<int64_t>& b,
                                  const absl::Status& s) {
       absl::MutexLock l(&mu_);
@@ -535,6 +536,34 @@ TEST_F(LocalPairTest, LeaseTimeoutFreesBlocksAndRevokesTheSource) {
   EXPECT_TRUE(sink_->Expect(2, 20, {4, 5}).ok());
 }
 
+// A connected source that never confirms a revoke (its KvSource is gone but
+// its worker lives): the failed request's blocks stay reserved for the
+// quarantine, then are released anyway.
+TEST_F(LocalPairTest, UnconfirmedRevokeHoldsBlocksUntilQuarantineEnds) {
+  source_ = std::move(
+      KvSource::Create(src_worker_.get(), src_pool_.get(), spec_).value());
+  ASSERT_TRUE(source_->Connect(sink_->descriptor()).ok());
+  source_.reset();
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(sink_->Expect(1, 20, {4, 5}, absl::Milliseconds(200)).ok());
+  absl::SleepFor(absl::Seconds(1));  // lease over, quarantine (3 s) running
+  EXPECT_EQ(sink_->Expect(2, 16, {4}).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  {
+    absl::MutexLock l(&mu_);
+    EXPECT_TRUE(released_.empty());
+  }
+  absl::Status s = sink_->Wait(1, absl::Seconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_GE(absl::Now() - start, absl::Seconds(3));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  {
+    absl::MutexLock l(&mu_);
+    EXPECT_THAT(released_, ::testing::UnorderedElementsAre(4, 5));
+  }
+  EXPECT_TRUE(sink_->Expect(3, 16, {4}).ok());
+}
+
 TEST_F(LocalPairTest, SourceCancelReleasesBlocksAtTheSink) {
   source_ = std::move(
       KvSource::Create(src_worker_.get(), src_pool_.get(), spec_).value());
@@ -600,6 +629,10 @@ TEST(CompatibilityTest, MismatchRefusedAtConnectNamingTheField) {
       {{"--block_size=32"}, "block size"},
       {{"--model_id=other-model", "--skip_compat=1"}, "model identity"},
       {{"--num_layers=9", "--skip_compat=1"}, "layer count"},
+      {{"--src_heads=6"},
+       "this source holds KV heads [0,6) but the sink needs [0,12)"},
+      {{"--src_heads=6", "--skip_compat=1"},
+       "source holds KV heads [0,6) but this rank needs [0,12)"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = SpecArgs(spec);

@@ -75,9 +75,10 @@ int RunKvSource(int fd) {
   wopts.peer_error_handling = IntArg("no_peer_errors") == 0;
   auto worker = UcxWorker::Create(wopts);
   if (!worker.ok()) return Fail(fd, worker.status());
-  kv::KvCacheLayout layout{
-      layer_end - layer_begin, layer_begin,   spec.num_kv_heads, 0,
-      spec.block_size,         spec.head_dim, spec.dtype};
+  const int src_heads =
+      static_cast<int>(IntArg("src_heads", spec.num_kv_heads));
+  kv::KvCacheLayout layout{layer_end - layer_begin, layer_begin,   src_heads, 0,
+                           spec.block_size,         spec.head_dim, spec.dtype};
   const int64_t nb = (num_tokens + spec.block_size - 1) / spec.block_size;
   auto pool = kv::KvPool::Create(layout, nb + 5);
   if (!pool.ok()) return Fail(fd, pool.status());
