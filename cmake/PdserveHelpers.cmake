@@ -11,7 +11,7 @@ function(pdserve_library)
   target_link_libraries(${_target} PUBLIC ${ARG_DEPS})
 endfunction()
 
-# pdserve_test(NAME <name> SOURCES ... DEPS ... [LABELS unit|integration|e2e|gpu|badinput])
+# pdserve_test(NAME <name> SOURCES ... DEPS ... [LABELS unit|integration|e2e|gpu|badinput ...])
 # One GoogleTest binary; every TEST is discovered as its own CTest test.
 function(pdserve_test)
   cmake_parse_arguments(ARG "" "NAME;TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
@@ -27,7 +27,12 @@ function(pdserve_test)
   target_compile_definitions(${ARG_NAME}
     PRIVATE PDSERVE_MODELS_DIR="${PDSERVE_MODELS_DIR}"
             PDSERVE_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+  # gtest_discover_tests passes properties through a generated script that
+  # splits lists ("unit;badinput" would lose "badinput"), so the labels of a
+  # test are joined into one label, e.g. "unit_badinput". `ctest -L` takes a
+  # regular expression: -L badinput and -L unit both select it.
+  string(REPLACE ";" "_" _labels "${ARG_LABELS}")
   gtest_discover_tests(${ARG_NAME}
-    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+    PROPERTIES LABELS "${_labels}" TIMEOUT ${ARG_TIMEOUT}
     DISCOVERY_TIMEOUT 60)
 endfunction()
