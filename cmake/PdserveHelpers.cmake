@@ -32,6 +32,11 @@ function(pdserve_test)
   # test are joined into one label, e.g. "unit_badinput". `ctest -L` takes a
   # regular expression: -L badinput and -L unit both select it.
   string(REPLACE ";" "_" _labels "${ARG_LABELS}")
+  if("badinput" IN_LIST ARG_LABELS)
+    # Collected into the `badinput_tests` target: the sanitizer build compiles
+    # only these.
+    set_property(GLOBAL APPEND PROPERTY PDSERVE_BADINPUT_TESTS ${ARG_NAME})
+  endif()
   gtest_discover_tests(${ARG_NAME}
     PROPERTIES LABELS "${_labels}" TIMEOUT ${ARG_TIMEOUT}
     DISCOVERY_TIMEOUT 60)

@@ -14,6 +14,6 @@ ctest --test-dir build --output-on-failure -j "$JOBS" --timeout 900
 
 echo "== bad-input tests under AddressSanitizer + UBSan"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPDSERVE_SANITIZE=ON >/dev/null
-cmake --build build-asan -j "$JOBS"
+cmake --build build-asan -j "$JOBS" --target badinput_tests
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS" -L badinput --timeout 900
