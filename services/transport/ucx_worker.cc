@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -66,7 +67,7 @@ struct ConfigDeleter {
 // Impl
 // ---------------------------------------------------------------------------
 
-struct UcxWorker::Impl {
+struct detail::WorkerCore {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   int efd = -1;
@@ -76,6 +77,32 @@ struct UcxWorker::Impl {
 
   // Serializes every UCP call on this worker (UCS_THREAD_MODE_SERIALIZED).
   absl::Mutex mu;
+  // The UcxWorker was destroyed: context and worker are gone, everything
+  // still holding this core does nothing.
+  bool destroyed ABSL_GUARDED_BY(mu) = false;
+  // Live UCX objects, released by ~UcxWorker if their owners outlive it
+  // (ucp_cleanup asserts on registrations still in use).
+  std::set<ucp_mem_h> memhs ABSL_GUARDED_BY(mu);
+  std::set<ucp_rkey_h> rkeys ABSL_GUARDED_BY(mu);
+  std::set<ucp_ep_h> eps ABSL_GUARDED_BY(mu);
+
+  // Force-closes an endpoint, bounded.
+  void CloseEp(ucp_ep_h ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    eps.erase(ep);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
+    if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+      // A forced close finishes locally; bound the wait anyway.
+      absl::Time deadline = absl::Now() + absl::Seconds(2);
+      while (ucp_request_check_status(req) == UCS_INPROGRESS &&
+             absl::Now() < deadline) {
+        ucp_worker_progress(worker);
+      }
+      ucp_request_free(req);
+    }
+  }
   // Work that needs UCP but must not run inside a UCX callback.
   std::vector<std::function<void()>> locked_tasks ABSL_GUARDED_BY(mu);
   uint64_t next_ep_id ABSL_GUARDED_BY(mu) = 1;
@@ -96,6 +123,7 @@ struct UcxWorker::Impl {
   // Work for the progress thread with `mu` released.
   absl::Mutex tasks_mu ABSL_ACQUIRED_AFTER(mu);
   std::vector<std::function<void()>> unlocked_tasks ABSL_GUARDED_BY(tasks_mu);
+  bool tasks_closed ABSL_GUARDED_BY(tasks_mu) = false;
 
   absl::Mutex handlers_mu;
   std::map<uint16_t, MessageHandler> message_handlers
@@ -106,11 +134,11 @@ struct UcxWorker::Impl {
   std::atomic<bool> stop{false};
   std::thread thread;
 
+  // Dropped once the worker shut down (bounded waits report it).
   void Post(std::function<void()> fn) {
-    {
-      absl::MutexLock l(&tasks_mu);
-      unlocked_tasks.push_back(std::move(fn));
-    }
+    absl::MutexLock l(&tasks_mu);
+    if (tasks_closed) return;
+    unlocked_tasks.push_back(std::move(fn));
     ucp_worker_signal(worker);
   }
 
@@ -144,7 +172,7 @@ struct UcxWorker::Impl {
 namespace {
 
 struct RndvRecv {
-  UcxWorker::Impl* impl;
+  detail::WorkerCore* impl;
   std::pair<uint64_t, uint64_t> key;
   uint64_t seq;
 };
@@ -168,7 +196,7 @@ ucs_status_t AmRecv(void* arg, const void* header, size_t header_length,
                     void* data, size_t length, const ucp_am_recv_param_t* param)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Runs inside ucp_worker_progress, i.e. with impl->mu held.
-  auto* impl = static_cast<UcxWorker::Impl*>(arg);
+  auto* impl = static_cast<detail::WorkerCore*>(arg);
   if (header_length != sizeof(WireHeader)) {
     PDS_LOG(WARNING) << "transport: dropping message with a bad header";
     return UCS_OK;
@@ -212,7 +240,7 @@ ucs_status_t AmRecv(void* arg, const void* header, size_t header_length,
 
 }  // namespace
 
-void UcxWorker::Impl::Loop() {
+void detail::WorkerCore::Loop() {
   absl::Time next_tick = absl::Now() + tick;
   while (!stop.load()) {
     bool busy = false;
@@ -300,7 +328,7 @@ void OpHandle::AddParts(int n) {
 
 void OpHandle::FinishPart(absl::Status status) {
   std::function<void(absl::Status)> cont;
-  UcxWorker* worker = nullptr;
+  std::shared_ptr<detail::WorkerCore> core;
   absl::Status final_status;
   {
     absl::MutexLock l(&mu_);
@@ -312,20 +340,20 @@ void OpHandle::FinishPart(absl::Status status) {
       return;
     }
     cont = std::move(continuation_);
-    worker = worker_;
+    core = core_;
     final_status = status_;
   }
-  worker->impl_->Post(
+  core->Post(
       [self = shared_from_this(), cont = std::move(cont), final_status]() {
         cont(final_status);
         self->Complete();
       });
 }
 
-void OpHandle::SetContinuation(UcxWorker* worker,
+void OpHandle::SetContinuation(std::shared_ptr<detail::WorkerCore> core,
                                std::function<void(absl::Status)> fn) {
   absl::MutexLock l(&mu_);
-  worker_ = worker;
+  core_ = std::move(core);
   continuation_ = std::move(fn);
 }
 
@@ -380,7 +408,7 @@ ucp_request_param_t SendParam(SendCtx* ctx) {
 // ---------------------------------------------------------------------------
 
 struct UcxEndpoint::State {
-  UcxWorker::Impl* impl = nullptr;
+  detail::WorkerCore* impl = nullptr;
   ucp_ep_h ep = nullptr;
   uint64_t peer_uid = 0;
   uint64_t ep_id = 0;
@@ -401,7 +429,7 @@ void EpError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
     state->health = s;
   }
   PDS_LOG(WARNING) << "transport: " << s.message();
-  UcxWorker::Impl* impl = state->impl;
+  detail::WorkerCore* impl = state->impl;
   uint64_t peer = state->peer_uid;
   impl->Post([impl, peer, s]() {
     std::vector<PeerFailureHandler> handlers;
@@ -416,21 +444,9 @@ void EpError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 }  // namespace
 
 UcxEndpoint::~UcxEndpoint() {
-  UcxWorker::Impl* impl = worker_->impl_.get();
-  absl::MutexLock l(&impl->mu);
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t req = ucp_ep_close_nbx(state_->ep, &p);
-  if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
-    // A forced close finishes locally; bound the wait anyway.
-    absl::Time deadline = absl::Now() + absl::Seconds(2);
-    while (ucp_request_check_status(req) == UCS_INPROGRESS &&
-           absl::Now() < deadline) {
-      ucp_worker_progress(impl->worker);
-    }
-    ucp_request_free(req);
-  }
+  absl::MutexLock l(&core_->mu);
+  if (core_->destroyed) return;  // ~UcxWorker closed it
+  core_->CloseEp(state_->ep);
 }
 
 absl::Status UcxEndpoint::health() const {
@@ -439,7 +455,8 @@ absl::Status UcxEndpoint::health() const {
 }
 
 std::string UcxEndpoint::TransportInfo() const {
-  absl::MutexLock l(&worker_->impl_->mu);
+  absl::MutexLock l(&core_->mu);
+  if (core_->destroyed) return "";
   return CaptureInfo([&](FILE* f) { ucp_ep_print_info(state_->ep, f); });
 }
 
@@ -456,12 +473,15 @@ absl::StatusOr<std::unique_ptr<RemoteRegion>> UcxEndpoint::ImportRegion(
   PDS_RETURN_IF_ERROR(health());
   ucp_rkey_h rkey = nullptr;
   {
-    absl::MutexLock l(&worker_->impl_->mu);
+    absl::MutexLock l(&core_->mu);
+    if (core_->destroyed)
+      return absl::FailedPreconditionError("UCX worker shut down");
     ucs_status_t st = ucp_ep_rkey_unpack(state_->ep, rkey_buf.data(), &rkey);
     if (st != UCS_OK) return UcsError("ucp_ep_rkey_unpack", st);
+    core_->rkeys.insert(rkey);
   }
   return std::unique_ptr<RemoteRegion>(
-      new RemoteRegion(worker_, base, length, rkey));
+      new RemoteRegion(core_, base, length, rkey));
 }
 
 absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::PutAndFlush(
@@ -483,11 +503,13 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::PutAndFlush(
   // or bookkeeping, which dominated small KV segments): the flush completes
   // only after every put before it completed remotely, and fails if any did.
   handle->AddParts(1);
-  if (then) handle->SetContinuation(worker_, std::move(then));
-  UcxWorker::Impl* impl = worker_->impl_.get();
+  if (then) handle->SetContinuation(core_, std::move(then));
+  detail::WorkerCore* impl = core_.get();
   absl::Status issue_error;
   {
     absl::MutexLock l(&impl->mu);
+    if (impl->destroyed)
+      return absl::FailedPreconditionError("UCX worker shut down");
     ucp_request_param_t put{};
     put.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
     put.memh = static_cast<ucp_mem_h>(src.memh_);
@@ -521,10 +543,12 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::Send(uint16_t kind,
   PDS_RETURN_IF_ERROR(health());
   auto handle = std::make_shared<OpHandle>();
   handle->AddParts(1);
-  if (then) handle->SetContinuation(worker_, std::move(then));
-  UcxWorker::Impl* impl = worker_->impl_.get();
+  if (then) handle->SetContinuation(core_, std::move(then));
+  detail::WorkerCore* impl = core_.get();
   {
     absl::MutexLock l(&impl->mu);
+    if (impl->destroyed)
+      return absl::FailedPreconditionError("UCX worker shut down");
     auto* ctx = new SendCtx{handle, {}, {}};
     ctx->header =
         WireHeader{impl->uid, state_->ep_id, state_->next_seq++, kind};
@@ -544,10 +568,12 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::Flush(
   PDS_RETURN_IF_ERROR(health());
   auto handle = std::make_shared<OpHandle>();
   handle->AddParts(1);
-  if (then) handle->SetContinuation(worker_, std::move(then));
-  UcxWorker::Impl* impl = worker_->impl_.get();
+  if (then) handle->SetContinuation(core_, std::move(then));
+  detail::WorkerCore* impl = core_.get();
   {
     absl::MutexLock l(&impl->mu);
+    if (impl->destroyed)
+      return absl::FailedPreconditionError("UCX worker shut down");
     auto* ctx = new SendCtx{handle, {}, {}};
     ucp_request_param_t p = SendParam(ctx);
     FinishImmediate(ucp_ep_flush_nbx(state_->ep, &p), ctx);
@@ -561,12 +587,16 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::Flush(
 // ---------------------------------------------------------------------------
 
 MemoryRegion::~MemoryRegion() {
-  absl::MutexLock l(&worker_->impl_->mu);
-  ucp_mem_unmap(worker_->impl_->context, static_cast<ucp_mem_h>(memh_));
+  absl::MutexLock l(&core_->mu);
+  if (core_->destroyed) return;  // ~UcxWorker released the mapping
+  core_->memhs.erase(static_cast<ucp_mem_h>(memh_));
+  ucp_mem_unmap(core_->context, static_cast<ucp_mem_h>(memh_));
 }
 
 RemoteRegion::~RemoteRegion() {
-  absl::MutexLock l(&worker_->impl_->mu);
+  absl::MutexLock l(&core_->mu);
+  if (core_->destroyed) return;
+  core_->rkeys.erase(static_cast<ucp_rkey_h>(rkey_));
   ucp_rkey_destroy(static_cast<ucp_rkey_h>(rkey_));
 }
 
@@ -574,16 +604,35 @@ RemoteRegion::~RemoteRegion() {
 // Worker
 // ---------------------------------------------------------------------------
 
-UcxWorker::UcxWorker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxWorker::UcxWorker(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 UcxWorker::~UcxWorker() {
   impl_->stop.store(true);
-  ucp_worker_signal(impl_->worker);
-  if (impl_->thread.joinable()) impl_->thread.join();
   {
-    absl::MutexLock l(&impl_->mu);
-    ucp_worker_destroy(impl_->worker);
+    absl::MutexLock l(&impl_->tasks_mu);
+    impl_->tasks_closed = true;
+    ucp_worker_signal(impl_->worker);
   }
+  if (impl_->thread.joinable()) impl_->thread.join();
+  // Work that never ran is dropped: its handles stay in progress, and every
+  // wait on them is bounded. (Dropping it may close endpoints: still fine.)
+  std::vector<std::function<void()>> dropped;
+  {
+    absl::MutexLock l(&impl_->tasks_mu);
+    dropped.swap(impl_->unlocked_tasks);
+  }
+  dropped.clear();
+  absl::MutexLock l(&impl_->mu);
+  impl_->locked_tasks.clear();
+  // Leftovers whose owners outlive the worker: rkeys before their
+  // endpoints, registrations last.
+  for (ucp_rkey_h rkey : impl_->rkeys) ucp_rkey_destroy(rkey);
+  impl_->rkeys.clear();
+  while (!impl_->eps.empty()) impl_->CloseEp(*impl_->eps.begin());
+  for (ucp_mem_h memh : impl_->memhs) ucp_mem_unmap(impl_->context, memh);
+  impl_->memhs.clear();
+  impl_->destroyed = true;
+  ucp_worker_destroy(impl_->worker);
   ucp_cleanup(impl_->context);
 }
 
@@ -602,7 +651,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
     }
   }
 
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_shared<Impl>();
   impl->tick = options.tick;
   impl->peer_error_handling = options.peer_error_handling;
   std::random_device rd;
@@ -711,9 +760,10 @@ absl::StatusOr<std::shared_ptr<UcxEndpoint>> UcxWorker::Connect(
               tls != nullptr ? tls : "(default)", ")"),
           st);
     }
+    impl_->eps.insert(state->ep);
   }
   std::shared_ptr<UcxEndpoint> out(
-      new UcxEndpoint(this, peer_uid, std::move(state)));
+      new UcxEndpoint(impl_, peer_uid, std::move(state)));
   // The lanes UCX chose for this peer ("lane[0]: ... tcp/lo ...").
   std::vector<std::string> lanes;
   for (absl::string_view line : absl::StrSplit(out->TransportInfo(), '\n')) {
@@ -774,8 +824,9 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxWorker::MapMemory(
     ucp_mem_unmap(impl_->context, memh);
     return UcsError("ucp_rkey_pack", st);
   }
+  impl_->memhs.insert(memh);
   std::unique_ptr<MemoryRegion> region(
-      new MemoryRegion(this, base, length, memh));
+      new MemoryRegion(impl_, base, length, memh));
   ByteWriter bw;
   bw.Put(kRegionMagic);
   bw.Put<uint64_t>(reinterpret_cast<uintptr_t>(base));

@@ -10,8 +10,11 @@
 // handlers, completion continuations, ticks) runs on the progress thread with
 // the mutex released. Such handlers must not block.
 //
-// Lifetime: a worker must outlive every endpoint, region and handle created
-// from it. Destroying it stops its thread and fails what is still in flight.
+// Lifetime: endpoints, regions and handles may outlive their worker.
+// Destroying a worker stops its thread, destroys the UCX worker and context,
+// and drops work that never ran: handles still in progress stay so (every
+// wait is bounded), later operations fail with FAILED_PRECONDITION, and
+// destructors of the leftovers do nothing.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,12 @@
 namespace pdserve::transport {
 
 class UcxWorker;
+namespace detail {
+// The UCX context/worker and progress thread behind a UcxWorker. Shared with
+// endpoints, regions and handles so that they can outlive the UcxWorker
+// object safely: once it is destroyed they turn into no-ops.
+struct WorkerCore;
+}  // namespace detail
 
 // ---------------------------------------------------------------------------
 // Async completion
@@ -61,7 +70,8 @@ class OpHandle : public std::enable_shared_from_this<OpHandle> {
   // Runs `fn(status)` on the worker's progress thread (mutex released) once
   // every part finished; waiters are woken after it returns. Set before the
   // first part can finish.
-  void SetContinuation(UcxWorker* worker, std::function<void(absl::Status)> fn);
+  void SetContinuation(std::shared_ptr<detail::WorkerCore> core,
+                       std::function<void(absl::Status)> fn);
 
  private:
   void Complete();
@@ -71,7 +81,7 @@ class OpHandle : public std::enable_shared_from_this<OpHandle> {
   bool parts_done_ ABSL_GUARDED_BY(mu_) = false;
   OpState state_ ABSL_GUARDED_BY(mu_) = OpState::kInProgress;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
-  UcxWorker* worker_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::shared_ptr<detail::WorkerCore> core_ ABSL_GUARDED_BY(mu_);
   std::function<void(absl::Status)> continuation_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -96,10 +106,11 @@ class MemoryRegion {
  private:
   friend class UcxWorker;
   friend class UcxEndpoint;
-  MemoryRegion(UcxWorker* worker, void* base, size_t length, void* memh)
-      : worker_(worker), base_(base), length_(length), memh_(memh) {}
+  MemoryRegion(std::shared_ptr<detail::WorkerCore> core, void* base,
+               size_t length, void* memh)
+      : core_(std::move(core)), base_(base), length_(length), memh_(memh) {}
 
-  UcxWorker* worker_;
+  std::shared_ptr<detail::WorkerCore> core_;
   void* base_;
   size_t length_;
   void* memh_;  // ucp_mem_h
@@ -118,10 +129,11 @@ class RemoteRegion {
 
  private:
   friend class UcxEndpoint;
-  RemoteRegion(UcxWorker* worker, uint64_t base, uint64_t length, void* rkey)
-      : worker_(worker), base_(base), length_(length), rkey_(rkey) {}
+  RemoteRegion(std::shared_ptr<detail::WorkerCore> core, uint64_t base,
+               uint64_t length, void* rkey)
+      : core_(std::move(core)), base_(base), length_(length), rkey_(rkey) {}
 
-  UcxWorker* worker_;
+  std::shared_ptr<detail::WorkerCore> core_;
   uint64_t base_;
   uint64_t length_;
   void* rkey_;  // ucp_rkey_h
@@ -183,11 +195,11 @@ class UcxEndpoint {
 
  private:
   friend class UcxWorker;
-  UcxEndpoint(UcxWorker* worker, uint64_t peer_uid,
+  UcxEndpoint(std::shared_ptr<detail::WorkerCore> core, uint64_t peer_uid,
               std::shared_ptr<State> state)
-      : worker_(worker), peer_uid_(peer_uid), state_(std::move(state)) {}
+      : core_(std::move(core)), peer_uid_(peer_uid), state_(std::move(state)) {}
 
-  UcxWorker* worker_;
+  std::shared_ptr<detail::WorkerCore> core_;
   uint64_t peer_uid_;
   std::shared_ptr<State> state_;
 };
@@ -259,10 +271,10 @@ class UcxWorker {
   // UCX_TLS in effect ("all" when unset) and the transports UCX opened.
   const std::string& transports() const { return transports_; }
 
-  struct Impl;
+  using Impl = detail::WorkerCore;
 
  private:
-  explicit UcxWorker(std::unique_ptr<Impl> impl);
+  explicit UcxWorker(std::shared_ptr<Impl> impl);
   absl::StatusOr<std::unique_ptr<MemoryRegion>> MapMemory(void* base,
                                                           size_t length);
   friend class UcxEndpoint;
@@ -270,7 +282,7 @@ class UcxWorker {
   friend class RemoteRegion;
   friend class OpHandle;
 
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;
   uint64_t uid_ = 0;
   std::string address_;
   std::string transports_;

@@ -367,6 +367,58 @@ TEST(FaultTest, SourceKilledMidTransferFailsRequestAndFreesBlocks) {
   EXPECT_THAT(released, ::testing::UnorderedElementsAreArray(blocks));
 }
 
+// A stage dies while its puts are streaming, on the same-host shared-memory
+// path (UCX-allocated sink memory, peer error handling off): the sink notices
+// by the lease, waits out the quarantine (the dead source cannot confirm) and
+// frees the blocks; nothing aborts. (On UCX 1.13's software-RMA path over tcp
+// the same kill aborts the *sink* process inside UCX; see the README.)
+TEST(FaultTest, SourceKilledMidPutOnSharedMemoryPath) {
+  UcxWorkerOptions wopts;
+  wopts.peer_error_handling = false;
+  auto created = UcxWorker::Create(wopts);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<UcxWorker> worker = std::move(*created);
+  const KvModelSpec spec = TestSpec(16);
+  kv::KvCacheLayout l{spec.num_layers, 0,         spec.num_kv_heads, 0, 16,
+                      spec.head_dim,   spec.dtype};
+  auto region = worker->Allocate(300 * l.block_bytes());
+  ASSERT_TRUE(region.ok()) << region.status();
+  absl::Mutex mu;
+  std::vector<int64_t> released;
+  KvSinkOptions opts;
+  opts.revoke_quarantine = absl::Seconds(1);
+  opts.release_blocks = [&](uint64_t, const std::vector<int64_t>& b,
+                            const absl::Status&) {
+    absl::MutexLock lock(&mu);
+    released.insert(released.end(), b.begin(), b.end());
+  };
+  auto sink =
+      KvSink::Create(worker.get(), l, 300, std::move(*region), spec, opts);
+  ASSERT_TRUE(sink.ok()) << sink.status();
+  std::vector<int64_t> blocks(256);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  auto grant = (*sink)->Expect(1, 4096, blocks, absl::Seconds(2));
+  ASSERT_TRUE(grant.ok());
+  std::vector<std::string> args = SpecArgs(spec);
+  args.insert(args.end(),
+              {"--mode=kv_source", "--layer_begin=0", "--layer_end=7",
+               "--num_tokens=4096", "--num_sinks=1", "--seed=3",
+               "--request_id=1", "--chunks=64", "--no_peer_errors=1"});
+  PeerProcess stage(args);
+  ASSERT_TRUE(WriteFrame(stage.fd(), (*sink)->descriptor()));
+  ASSERT_EQ(ReadFrame(stage.fd(), absl::Seconds(60)).value_or(""), "CONNECTED");
+  ASSERT_TRUE(WriteFrame(stage.fd(), *grant));
+  absl::SleepFor(absl::Milliseconds(30));  // mid-stream
+  const absl::Time killed = absl::Now();
+  stage.Kill();
+  absl::Status s = (*sink)->Wait(1, absl::Seconds(30));
+  EXPECT_FALSE(s.ok());
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(20)) << s;
+  EXPECT_EQ((*sink)->active_requests(), 0);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(released.size(), blocks.size());
+}
+
 // The decode rank dies: writes fail (or time out) instead of hanging, and a
 // new handshake with the dead address fails with UNAVAILABLE.
 TEST(FaultTest, SinkKilledWritesFailAndReconnectIsUnavailable) {
@@ -598,6 +650,47 @@ TEST_F(LocalPairTest, MalformedAddressesAreRejected) {
   EXPECT_EQ(source_->Connect("garbage").status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(source_->AddGrant("x").code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Endpoints, regions and handles that outlive their worker are inert.
+TEST(LifetimeTest, HandlesOutliveTheirWorker) {
+  // Shared-memory path: UCX 1.13's software RMA over tcp aborts the target
+  // when the initiator vanishes mid-put (see README), which is not what this
+  // test is about.
+  UcxWorkerOptions wopts;
+  wopts.peer_error_handling = false;
+  auto a = std::move(UcxWorker::Create(wopts).value());
+  auto b = std::move(UcxWorker::Create(wopts).value());
+  std::vector<char> src(1 << 20, 'y');
+  auto local = a->Register(src.data(), src.size());
+  auto remote_mem = b->Allocate(src.size());
+  ASSERT_TRUE(local.ok() && remote_mem.ok());
+  const size_t dst_size = src.size();
+  auto ep = a->Connect(b->address());
+  ASSERT_TRUE(ep.ok());
+  auto remote = (*ep)->ImportRegion((*remote_mem)->descriptor());
+  ASSERT_TRUE(remote.ok());
+  std::vector<PutSegment> segs;
+  for (uint64_t off = 0; off < dst_size; off += 4096) {
+    segs.push_back({off, off, 4096});
+  }
+  // The first batch completes (and finishes UCX's wireup: tearing a worker
+  // down mid-wireup trips an assertion inside UCX 1.13 at the peer).
+  auto first = (*ep)->PutAndFlush(**local, **remote, segs);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE((*first)->Wait(absl::Seconds(30)).ok());
+  auto h = (*ep)->PutAndFlush(**local, **remote, segs);
+  ASSERT_TRUE(h.ok());
+  a.reset();  // with the second batch possibly in flight
+  absl::Status s = (*h)->Wait(absl::Seconds(2));  // bounded either way
+  EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kDeadlineExceeded ||
+              s.code() == absl::StatusCode::kUnavailable)
+      << s;
+  EXPECT_EQ((*ep)->Send(1, "x").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  remote->reset();
+  ep->reset();
+  local->reset();
 }
 
 TEST_F(LocalPairTest, CancelReleasesBlocks) {
