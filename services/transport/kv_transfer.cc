@@ -881,6 +881,11 @@ absl::StatusOr<uint64_t> KvSource::Connect(const std::string& sink_descriptor) {
       sink->num_blocks <= 0) {
     return absl::InvalidArgumentError("malformed KV sink descriptor");
   }
+  {
+    // Connecting twice is a no-op: grants point at the existing connection.
+    absl::MutexLock l(&impl_->mu);
+    if (impl_->sinks.count(sink->uid) != 0) return sink->uid;
+  }
   if (!impl_->options.skip_local_compat_check_for_test) {
     PDS_RETURN_IF_ERROR(CheckCompatible(impl_->spec, remote));
     const kv::KvCacheLayout& mine = impl_->pool->layout();

@@ -519,6 +519,7 @@ TEST_F(LocalPairTest, OutOfRegionWritesAreRejected) {
   auto grant = sink_->Expect(1, 20, {2, 3});
   ASSERT_TRUE(grant.ok());
   ASSERT_TRUE(source_->AddGrant(*grant).ok());
+  ASSERT_TRUE(source_->Connect(sink_->descriptor()).ok());  // idempotent
   std::vector<int64_t> src = {0, 1, 2};
   // Tokens beyond what was granted.
   EXPECT_EQ(source_->Write(1, src, 0, 7, 0, 40).status().code(),
