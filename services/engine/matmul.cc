@@ -72,11 +72,19 @@ inline void Tile(const float* x, int64_t in, const float* w, int64_t out,
 }
 #endif
 
+#ifndef PDSERVE_SKINNY_ACTIVATION_TILE
+// Tiles of 4 weight rows x 3 activation rows: 12 accumulators + 3 activation
+// vectors + 1 weight vector fill AVX2's 16 registers exactly (4 x 4 spills),
+// and 7 loads feed 12 FMAs.
+#define PDSERVE_SKINNY_ACTIVATION_TILE 3
+#endif
+
 template <int R>
 inline void RowGroup(const float* x, int64_t n, int64_t in, const float* w,
                      int64_t out, float* y, int64_t o) {
+  constexpr int kTile = PDSERVE_SKINNY_ACTIVATION_TILE;
   int64_t m = 0;
-  for (; m + 4 <= n; m += 4) Tile<R, 4>(x, in, w, out, y, m, o);
+  for (; m + kTile <= n; m += kTile) Tile<R, kTile>(x, in, w, out, y, m, o);
   switch (n - m) {
     case 3:
       Tile<R, 3>(x, in, w, out, y, m, o);
