@@ -26,7 +26,9 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate KV pool of ", bytes, " bytes"));
   }
-  return std::unique_ptr<KvPool>(new KvPool(layout, num_blocks, data, bytes));
+  return std::unique_ptr<KvPool>(new KvPool(
+      layout, num_blocks, data, bytes,
+      [data, bytes] { ::munmap(data, static_cast<size_t>(bytes)); }));
 }
 
 int64_t KvPool::BlocksForBudget(const KvCacheLayout& layout,
@@ -36,6 +38,22 @@ int64_t KvPool::BlocksForBudget(const KvCacheLayout& layout,
   return budget_bytes / per_block;
 }
 
-KvPool::~KvPool() { ::munmap(data_, static_cast<size_t>(size_bytes_)); }
+absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Wrap(
+    const KvCacheLayout& layout, int64_t num_blocks, void* data,
+    int64_t size_bytes, std::function<void()> release) {
+  PDS_RETURN_IF_ERROR(layout.Validate());
+  if (num_blocks <= 0 || data == nullptr ||
+      size_bytes < layout.block_bytes() * num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot place ", num_blocks, " KV blocks of ", layout.block_bytes(),
+        " bytes in ", size_bytes, " bytes of external memory"));
+  }
+  return std::unique_ptr<KvPool>(
+      new KvPool(layout, num_blocks, data, size_bytes, std::move(release)));
+}
+
+KvPool::~KvPool() {
+  if (release_) release_();
+}
 
 }  // namespace pdserve::kv

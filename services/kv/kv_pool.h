@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -18,6 +19,13 @@ class KvPool {
   // cannot be had.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvPool>> Create(
       const KvCacheLayout& layout, int64_t num_blocks);
+  // A pool over memory someone else allocated (UCX-allocated shared memory so
+  // peers can put into it directly, or GPU memory). `release` runs when the
+  // pool is destroyed (may be empty when the owner outlives the pool).
+  // INVALID_ARGUMENT if `size_bytes` cannot hold num_blocks blocks.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<KvPool>> Wrap(
+      const KvCacheLayout& layout, int64_t num_blocks, void* data,
+      int64_t size_bytes, std::function<void()> release);
   // How many blocks of `layout` fit in `budget_bytes` (at least 0).
   static int64_t BlocksForBudget(const KvCacheLayout& layout,
                                  int64_t budget_bytes);
@@ -37,16 +45,18 @@ class KvPool {
 
  private:
   KvPool(const KvCacheLayout& layout, int64_t num_blocks, void* data,
-         int64_t size_bytes)
+         int64_t size_bytes, std::function<void()> release)
       : layout_(layout),
         num_blocks_(num_blocks),
         data_(data),
-        size_bytes_(size_bytes) {}
+        size_bytes_(size_bytes),
+        release_(std::move(release)) {}
 
   KvCacheLayout layout_;
   int64_t num_blocks_;
   void* data_;
   int64_t size_bytes_;
+  std::function<void()> release_;  // frees data_
 };
 
 }  // namespace pdserve::kv

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <set>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
@@ -117,6 +118,35 @@ TEST(KvPoolTest, ManagerFromBudgetMatchesPool) {
   EXPECT_EQ(
       KvBlockManager::CreateForBudget(l.block_bytes() - 1, l).status().code(),
       absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace pdserve::kv
+
+namespace pdserve::kv {
+namespace {
+
+TEST(KvPoolTest, WrapsExternalMemoryAndReleasesIt) {
+  KvCacheLayout layout;
+  layout.num_layers = 2;
+  layout.num_kv_heads = 2;
+  layout.block_size = 4;
+  layout.head_dim = 8;
+  const int64_t bytes = layout.block_bytes() * 3;
+  std::vector<float> memory(bytes / sizeof(float));
+  bool released = false;
+  {
+    auto pool =
+        KvPool::Wrap(layout, 3, memory.data(), bytes, [&] { released = true; });
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    EXPECT_EQ((*pool)->data(), memory.data());
+    EXPECT_EQ((*pool)->num_blocks(), 3);
+    EXPECT_FALSE(released);
+  }
+  EXPECT_TRUE(released);
+  auto too_small = KvPool::Wrap(layout, 4, memory.data(), bytes, nullptr);
+  EXPECT_EQ(too_small.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(KvPool::Wrap(layout, 1, nullptr, bytes, nullptr).ok());
 }
 
 }  // namespace
