@@ -260,15 +260,14 @@ void KvTransfer() {
   for (int r = 0; r < 2; ++r) {
     workers.push_back(NewWorker());
     kv::KvCacheLayout l{12, 0, 2, 2 * r, 16, 64, spec.dtype};
-    if (ucx_alloc) {
-      auto region = workers.back()->Allocate(nb * l.block_bytes());
-      sinks.push_back(std::move(*KvSink::Create(workers.back().get(), l, nb,
-                                                std::move(*region), spec)));
-    } else {
-      pools.push_back(std::move(*kv::KvPool::Create(l, nb)));
-      sinks.push_back(std::move(
-          *KvSink::Create(workers.back().get(), pools.back().get(), spec)));
-    }
+    // The decode pool: in UCX-allocated shared memory (AllocateKvPool), or a
+    // plain KvPool in ordinary memory.
+    auto pool = ucx_alloc ? AllocateKvPool(workers.back().get(), l, nb)
+                          : kv::KvPool::Create(l, nb);
+    if (!pool.ok()) std::exit(1);
+    pools.push_back(std::move(*pool));
+    sinks.push_back(std::move(
+        *KvSink::Create(workers.back().get(), pools.back().get(), spec)));
   }
   for (int s = 0; s < 2; ++s) {
     for (auto& sink : sinks) WriteFrame(fds[s], sink->descriptor());

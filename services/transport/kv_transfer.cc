@@ -1,6 +1,7 @@
 #include "transport/kv_transfer.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <optional>
@@ -213,6 +214,22 @@ absl::StatusOr<std::vector<PutSegment>> PlanKvCopy(
     }
   }
   return segs;
+}
+
+absl::StatusOr<std::unique_ptr<kv::KvPool>> AllocateKvPool(
+    UcxWorker* worker, const kv::KvCacheLayout& layout, int64_t num_blocks) {
+  PDS_RETURN_IF_ERROR(layout.Validate());
+  if (num_blocks <= 0) return absl::InvalidArgumentError("no blocks");
+  const int64_t bytes = num_blocks * layout.block_bytes();
+  PDS_ASSIGN_OR_RETURN(std::unique_ptr<MemoryRegion> region,
+                       worker->Allocate(static_cast<size_t>(bytes)));
+  // Zeroed like KvPool::Create, and touched now so that the first transfer
+  // does not pay the page faults.
+  std::memset(region->base(), 0, static_cast<size_t>(bytes));
+  void* base = region->base();
+  std::shared_ptr<MemoryRegion> owner(std::move(region));
+  return kv::KvPool::Wrap(layout, num_blocks, base, bytes,
+                          [owner]() mutable { owner.reset(); });
 }
 
 // ===========================================================================

@@ -62,6 +62,14 @@ struct KvModelSpec {
     const kv::KvCacheLayout& dst, std::span<const int64_t> dst_blocks,
     int layer_begin, int layer_end, int64_t token_begin, int64_t token_end);
 
+// A zeroed KV pool in UCX-allocated memory (UcxWorker::Allocate): same-host
+// peers put into it through shared memory, which is the fast and safe path
+// without RDMA (README: "Known hazard"). The pool owns the allocation;
+// KvSink::Create(worker, pool, ...) picks up its registration. The pool must
+// not outlive `worker`'s use of it by a sink.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<kv::KvPool>> AllocateKvPool(
+    UcxWorker* worker, const kv::KvCacheLayout& layout, int64_t num_blocks);
+
 // ---------------------------------------------------------------------------
 // Sink (decode rank)
 // ---------------------------------------------------------------------------

@@ -83,6 +83,9 @@ struct detail::WorkerCore {
   // Live UCX objects, released by ~UcxWorker if their owners outlive it
   // (ucp_cleanup asserts on registrations still in use).
   std::set<ucp_mem_h> memhs ABSL_GUARDED_BY(mu);
+  // UCX-allocated regions by base address: {length, handle}.
+  std::map<uintptr_t, std::pair<size_t, ucp_mem_h>> allocations
+      ABSL_GUARDED_BY(mu);
   std::set<ucp_rkey_h> rkeys ABSL_GUARDED_BY(mu);
   std::set<ucp_ep_h> eps ABSL_GUARDED_BY(mu);
 
@@ -589,6 +592,8 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::Flush(
 MemoryRegion::~MemoryRegion() {
   absl::MutexLock l(&core_->mu);
   if (core_->destroyed) return;  // ~UcxWorker released the mapping
+  if (!owns_memh_) return;       // a view into an allocation
+  core_->allocations.erase(reinterpret_cast<uintptr_t>(base_));
   core_->memhs.erase(static_cast<ucp_mem_h>(memh_));
   ucp_mem_unmap(core_->context, static_cast<ucp_mem_h>(memh_));
 }
@@ -796,37 +801,60 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxWorker::Allocate(
 
 absl::StatusOr<std::unique_ptr<MemoryRegion>> UcxWorker::MapMemory(
     void* base, size_t length) {
-  ucp_mem_map_params_t mp{};
-  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                  UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-  mp.address = base;
-  mp.length = length;
-  mp.flags = base == nullptr ? UCP_MEM_MAP_ALLOCATE : 0;
   absl::MutexLock l(&impl_->mu);
   ucp_mem_h memh = nullptr;
-  ucs_status_t st = ucp_mem_map(impl_->context, &mp, &memh);
-  if (st != UCS_OK) return UcsError("ucp_mem_map", st);
-  if (base == nullptr) {
-    ucp_mem_attr_t attr{};
-    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-    st = ucp_mem_query(memh, &attr);
-    if (st != UCS_OK) {
-      ucp_mem_unmap(impl_->context, memh);
-      return UcsError("ucp_mem_query", st);
+  bool owns = true;
+  ucs_status_t st;
+  // Memory inside one of our allocations reuses that allocation's handle:
+  // a fresh registration would lose the shared-memory key that lets peers
+  // write it directly.
+  if (base != nullptr) {
+    const auto b = reinterpret_cast<uintptr_t>(base);
+    auto it = impl_->allocations.upper_bound(b);
+    if (it != impl_->allocations.begin()) {
+      --it;
+      if (b + length <= it->first + it->second.first) {
+        memh = it->second.second;
+        owns = false;
+      }
     }
-    base = attr.address;
+  }
+  if (memh == nullptr) {
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                    UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = base;
+    mp.length = length;
+    mp.flags = base == nullptr ? UCP_MEM_MAP_ALLOCATE : 0;
+    st = ucp_mem_map(impl_->context, &mp, &memh);
+    if (st != UCS_OK) return UcsError("ucp_mem_map", st);
+    if (base == nullptr) {
+      ucp_mem_attr_t attr{};
+      attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+      st = ucp_mem_query(memh, &attr);
+      if (st != UCS_OK) {
+        ucp_mem_unmap(impl_->context, memh);
+        return UcsError("ucp_mem_query", st);
+      }
+      base = attr.address;
+      impl_->allocations[reinterpret_cast<uintptr_t>(base)] = {length, memh};
+    }
   }
   void* rkey_buf = nullptr;
   size_t rkey_len = 0;
   st = ucp_rkey_pack(impl_->context, memh, &rkey_buf, &rkey_len);
   if (st != UCS_OK) {
-    ucp_mem_unmap(impl_->context, memh);
+    if (owns) {
+      impl_->allocations.erase(reinterpret_cast<uintptr_t>(base));
+      ucp_mem_unmap(impl_->context, memh);
+    }
     return UcsError("ucp_rkey_pack", st);
   }
-  impl_->memhs.insert(memh);
+  if (owns) impl_->memhs.insert(memh);
   std::unique_ptr<MemoryRegion> region(
       new MemoryRegion(impl_, base, length, memh));
+  region->owns_memh_ = owns;
   ByteWriter bw;
   bw.Put(kRegionMagic);
   bw.Put<uint64_t>(reinterpret_cast<uintptr_t>(base));

@@ -113,7 +113,8 @@ class MemoryRegion {
   std::shared_ptr<detail::WorkerCore> core_;
   void* base_;
   size_t length_;
-  void* memh_;  // ucp_mem_h
+  void* memh_;             // ucp_mem_h
+  bool owns_memh_ = true;  // false: a view into an Allocate()d region
   std::string descriptor_;
 };
 
@@ -247,7 +248,9 @@ class UcxWorker {
   [[nodiscard]] absl::StatusOr<std::shared_ptr<UcxEndpoint>> Connect(
       const std::string& address_blob);
 
-  // Registers [base, base + length) for RMA.
+  // Registers [base, base + length) for RMA. Memory inside a live
+  // Allocate()d region reuses that allocation's registration (a view that
+  // must not outlive it), keeping its shared-memory reach.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(
       void* base, size_t length);
 

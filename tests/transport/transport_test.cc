@@ -181,23 +181,13 @@ TEST_P(KvTransferTest, ByteExactAcrossStagesAndRanks) {
         kv::KvCacheLayout l{spec.num_layers, 0,    heads, r * heads, bs,
                             spec.head_dim,   dtype};
         absl::StatusOr<std::unique_ptr<KvSink>> sink;
-        if (shm) {
-          const size_t bytes = (2 * nb + 3) * l.block_bytes();
-          auto region = workers[r]->Allocate(bytes);
-          ASSERT_TRUE(region.ok()) << region.status();
-          std::memset((*region)->base(), 0, bytes);
-          memory.emplace_back(static_cast<const char*>((*region)->base()),
-                              bytes);
-          sink = KvSink::Create(workers[r].get(), l, 2 * nb + 3,
-                                std::move(*region), spec);
-        } else {
-          auto pool = kv::KvPool::Create(l, 2 * nb + 3);
-          ASSERT_TRUE(pool.ok());
-          memory.emplace_back(static_cast<const char*>((*pool)->data()),
-                              (*pool)->size_bytes());
-          sink = KvSink::Create(workers[r].get(), pool->get(), spec);
-          pools.push_back(std::move(*pool));
-        }
+        auto pool = shm ? AllocateKvPool(workers[r].get(), l, 2 * nb + 3)
+                        : kv::KvPool::Create(l, 2 * nb + 3);
+        ASSERT_TRUE(pool.ok()) << pool.status();
+        memory.emplace_back(static_cast<const char*>((*pool)->data()),
+                            (*pool)->size_bytes());
+        sink = KvSink::Create(workers[r].get(), pool->get(), spec);
+        pools.push_back(std::move(*pool));
         ASSERT_TRUE(sink.ok()) << sink.status();
         layouts.push_back(l);
         std::vector<int64_t> blocks(2 * nb + 3);
