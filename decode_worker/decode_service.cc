@@ -1,0 +1,531 @@
+#include "decode_worker/decode_service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "rpc/status_conversion.h"
+
+namespace pdserve::decode_worker {
+
+namespace v1 = ::pdserve::v1;
+
+class TokenStream;
+
+struct Channel {
+  explicit Channel(uint64_t id) : id(id) {}
+  const uint64_t id;
+  absl::Mutex mu;
+  std::deque<v1::DecodeDelta> pending ABSL_GUARDED_BY(mu);
+  bool final_queued ABSL_GUARDED_BY(mu) = false;
+  absl::Time finished_at ABSL_GUARDED_BY(mu);
+  absl::Status final_status ABSL_GUARDED_BY(mu);
+  // A sink's reason for giving up on the request (reported instead of the
+  // CANCELLED the resulting abort produces).
+  absl::Status sink_failure ABSL_GUARDED_BY(mu);
+  int64_t granted_tokens ABSL_GUARDED_BY(mu) = 0;  // 0: nothing to transfer
+  bool complete_requested ABSL_GUARDED_BY(mu) = false;
+  // Stream state. Invariants: at most one write in flight (`writing`); Finish
+  // is called once (`finish_called`), never while a write is in flight, so
+  // the reactor (OnDone deletes it) is alive whenever `writing` or
+  // `!finish_called` was observed under `mu`.
+  bool attached ABSL_GUARDED_BY(mu) = false;
+  TokenStream* reactor ABSL_GUARDED_BY(mu) = nullptr;
+  bool writing ABSL_GUARDED_BY(mu) = false;
+  bool final_written ABSL_GUARDED_BY(mu) = false;
+  bool cancelled ABSL_GUARDED_BY(mu) = false;
+  bool finish_called ABSL_GUARDED_BY(mu) = false;
+  v1::DecodeDelta current;  // the write in flight (owned by gRPC meanwhile)
+};
+
+namespace {
+
+v1::FinishReason ToProto(decode::FinishReason reason) {
+  switch (reason) {
+    case decode::FinishReason::kEos:
+    case decode::FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case decode::FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case decode::FinishReason::kAborted:
+      return v1::FINISH_REASON_CANCELLED;
+    case decode::FinishReason::kError:
+      return v1::FINISH_REASON_ERROR;
+    case decode::FinishReason::kNone:
+      break;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// What to do on the reactor, decided under the channel's mutex and done
+// outside it.
+struct Action {
+  enum Kind { kNone, kWrite, kFinish } kind = kNone;
+  TokenStream* reactor = nullptr;
+  grpc::Status status;
+};
+
+Action Decide(Channel& ch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ch.mu) {
+  Action a;
+  if (ch.reactor == nullptr || ch.writing || ch.finish_called) return a;
+  a.reactor = ch.reactor;
+  if (ch.cancelled) {
+    ch.finish_called = true;
+    a.kind = Action::kFinish;
+    a.status = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
+  } else if (ch.final_written) {
+    ch.finish_called = true;
+    a.kind = Action::kFinish;
+    a.status = rpc::ToGrpcStatus(ch.final_status);
+  } else if (!ch.pending.empty()) {
+    ch.current = std::move(ch.pending.front());
+    ch.pending.pop_front();
+    ch.writing = true;
+    a.kind = Action::kWrite;
+  }
+  return a;
+}
+
+}  // namespace
+
+class TokenStream : public grpc::ServerWriteReactor<v1::DecodeDelta> {
+ public:
+  TokenStream(DecodeService* service, decode::DecodeWorker* worker,
+              std::shared_ptr<Channel> channel)
+      : service_(service), worker_(worker), ch_(std::move(channel)) {}
+
+  // Attaches to the channel and starts writing what is queued.
+  void Start() {
+    Action a;
+    {
+      absl::MutexLock lock(&ch_->mu);
+      ch_->reactor = this;
+      a = Decide(*ch_);
+    }
+    Act(a);
+  }
+
+  static void Act(const Action& a) {
+    if (a.kind == Action::kWrite) {
+      a.reactor->StartWrite(&a.reactor->ch_->current);
+    } else if (a.kind == Action::kFinish) {
+      // Forget before finishing, so a client that saw the end and asks again
+      // gets NOT_FOUND, not ALREADY_EXISTS.
+      a.reactor->service_->ForgetChannel(a.reactor->ch_->id,
+                                         a.reactor->ch_.get());
+      a.reactor->Finish(a.status);
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    Action a;
+    {
+      absl::MutexLock lock(&ch_->mu);
+      ch_->writing = false;
+      if (!ok) {
+        ch_->cancelled = true;
+      } else if (ch_->current.finished()) {
+        ch_->final_written = true;
+      }
+      a = Decide(*ch_);
+    }
+    Act(a);
+  }
+
+  void OnCancel() override {
+    Action a;
+    bool abort = false;
+    {
+      absl::MutexLock lock(&ch_->mu);
+      ch_->cancelled = true;
+      abort = !ch_->final_queued;
+      a = Decide(*ch_);
+    }
+    // The client went away: nobody will read the tokens. Abort only queues a
+    // command, so this does not block the callback thread.
+    if (abort) (void)worker_->Abort(ch_->id);
+    Act(a);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&ch_->mu);
+      ch_->reactor = nullptr;
+    }
+    // A stream is attached once: whatever happened, the channel is done.
+    service_->ForgetChannel(ch_->id, ch_.get());
+    delete this;
+  }
+
+ private:
+  DecodeService* const service_;
+  decode::DecodeWorker* const worker_;
+  const std::shared_ptr<Channel> ch_;
+};
+
+namespace {
+
+// A stream refused before it started.
+class RefusedStream : public grpc::ServerWriteReactor<v1::DecodeDelta> {
+ public:
+  explicit RefusedStream(const absl::Status& status) {
+    Finish(rpc::ToGrpcStatus(status));
+  }
+  void OnDone() override { delete this; }
+};
+
+// The worker's StreamCallback (scheduler thread): queue, maybe start a
+// write; never blocks.
+void Push(Channel& ch, const decode::TokenDelta& d) {
+  v1::DecodeDelta delta;
+  delta.mutable_token_ids()->Add(d.tokens.begin(), d.tokens.end());
+  delta.set_text(d.text);
+  if (d.finished) {
+    delta.set_finished(true);
+    delta.set_finish_reason(ToProto(d.reason));
+    delta.set_finish_detail(decode::FinishReasonName(d.reason));
+  }
+  Action a;
+  {
+    absl::MutexLock lock(&ch.mu);
+    if (ch.final_queued) return;
+    ch.pending.push_back(std::move(delta));
+    if (d.finished) {
+      ch.final_queued = true;
+      ch.finished_at = absl::Now();
+      ch.final_status = d.status;
+      if (!d.status.ok() && !ch.sink_failure.ok())
+        ch.final_status = ch.sink_failure;
+    }
+    a = Decide(ch);
+  }
+  TokenStream::Act(a);
+}
+
+}  // namespace
+
+// ---- DecodeService ---------------------------------------------------------
+
+DecodeService::DecodeService(decode::DecodeWorker* worker,
+                             const model::ModelConfig& config,
+                             const DecodeServiceOptions& options)
+    : worker_(worker), config_(config), options_(options) {}
+
+absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
+    decode::DecodeWorker* worker, const model::ModelConfig& config,
+    const DecodeServiceOptions& options) {
+  if (worker == nullptr) return absl::InvalidArgumentError("no worker");
+  std::unique_ptr<DecodeService> service(
+      new DecodeService(worker, config, options));
+  const kv::KvCacheLayout& layout = worker->kv_pool(0).layout();
+  transport::KvModelSpec spec;
+  spec.model_id = config.Identity();
+  spec.dtype = layout.dtype;
+  spec.block_size = layout.block_size;
+  spec.head_dim = config.head_dim;
+  spec.num_layers = config.num_layers;
+  spec.num_kv_heads = config.num_kv_heads;
+  DecodeService* self = service.get();
+  for (int r = 0; r < worker->tp_size(); ++r) {
+    Rank rank;
+    auto ucx = transport::UcxWorker::Create(options.ucx);
+    if (!ucx.ok()) return ucx.status();
+    rank.ucx = std::move(*ucx);
+    transport::KvSinkOptions so;
+    so.default_lease = options.kv_lease;
+    so.release_blocks = [self](uint64_t id, const std::vector<int64_t>&,
+                               const absl::Status& why) {
+      self->OnSinkRelease(id, why);
+    };
+    auto sink = transport::KvSink::Create(rank.ucx.get(), &worker->kv_pool(r),
+                                          spec, std::move(so));
+    if (!sink.ok()) return sink.status();
+    rank.sink = std::move(*sink);
+    service->ranks_.push_back(std::move(rank));
+  }
+  service->completer_ = std::thread([self] { self->CompleterLoop(); });
+  return service;
+}
+
+DecodeService::~DecodeService() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (completer_.joinable()) completer_.join();
+  // Sinks call OnSinkRelease (mu_, channels_) until they are gone: destroy
+  // them while the rest of the service still exists.
+  ranks_.clear();
+}
+
+std::shared_ptr<Channel> DecodeService::FindChannel(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(id);
+  return it == channels_.end() ? nullptr : it->second;
+}
+
+void DecodeService::ForgetChannel(uint64_t id, const Channel* channel) {
+  absl::MutexLock lock(&mu_);
+  auto it = channels_.find(id);
+  if (it != channels_.end() && it->second.get() == channel) channels_.erase(it);
+}
+
+int64_t DecodeService::channels() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(channels_.size());
+}
+
+void DecodeService::OnSinkRelease(uint64_t id, const absl::Status& why) {
+  if (auto ch = FindChannel(id)) {
+    absl::MutexLock lock(&ch->mu);
+    if (ch->sink_failure.ok()) ch->sink_failure = why;
+  }
+  // The blocks are safe to reuse now (the sink's quarantine is over).
+  (void)worker_->Abort(id);
+}
+
+absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
+                                      v1::AdmitResponse* response) {
+  const uint64_t id = request.request_id();
+  if (request.prompt_ids().empty())
+    return absl::InvalidArgumentError("prompt is empty");
+  if (request.max_tokens() < 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be >= 0, got ", request.max_tokens()));
+  decode::RequestParams params;
+  params.max_new_tokens = request.max_tokens() == 0 ? 16 : request.max_tokens();
+  params.sampling.temperature = request.sampling().temperature();
+  params.sampling.top_p =
+      request.sampling().top_p() == 0 ? 1.0f : request.sampling().top_p();
+  params.sampling.top_k = request.sampling().top_k();
+  params.sampling.seed = request.sampling().seed();
+  params.stop.assign(request.stop().begin(), request.stop().end());
+  params.ignore_eos = request.ignore_eos();
+
+  auto ch = std::make_shared<Channel>(id);
+  {
+    absl::MutexLock lock(&mu_);
+    // Drop finished streams nobody came for.
+    const absl::Time cutoff = absl::Now() - options_.unclaimed_stream_ttl;
+    absl::erase_if(channels_, [&](const auto& entry) {
+      Channel& c = *entry.second;
+      absl::MutexLock l(&c.mu);
+      return !c.attached && c.final_queued && c.finished_at < cutoff;
+    });
+    auto it = channels_.find(id);
+    if (it != channels_.end()) {
+      absl::MutexLock l(&it->second->mu);
+      if (!it->second->final_queued)
+        return absl::AlreadyExistsError(
+            absl::StrCat("request ", id, " is live"));
+    }
+    channels_[id] = ch;
+  }
+  std::vector<int32_t> prompt(request.prompt_ids().begin(),
+                              request.prompt_ids().end());
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  auto admitted =
+      worker_->Admit(id, std::move(prompt), params,
+                     [ch](const decode::TokenDelta& d) { Push(*ch, d); });
+  if (!admitted.ok()) {
+    ForgetChannel(id, ch.get());
+    return admitted.status();
+  }
+  const int block_size = worker_->block_manager().block_size();
+  const int64_t cached = admitted->cached_tokens;
+  const int64_t tokens = n - cached;
+  // The prefix cache shares whole blocks, so the suffix starts on a block.
+  if (cached % block_size != 0) {
+    (void)worker_->Abort(id);
+    ForgetChannel(id, ch.get());
+    return absl::InternalError(absl::StrCat(
+        cached, " cached tokens is not a multiple of the block size"));
+  }
+  std::vector<int64_t> suffix(admitted->block_ids.begin() + cached / block_size,
+                              admitted->block_ids.end());
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    auto* dest = response->add_ranks();
+    dest->set_sink_descriptor(ranks_[r].sink->descriptor());
+    if (tokens == 0) continue;
+    auto grant = ranks_[r].sink->Expect(id, tokens, suffix, options_.kv_lease);
+    if (!grant.ok()) {
+      for (size_t q = 0; q < r; ++q) (void)ranks_[q].sink->Cancel(id);
+      (void)worker_->Abort(id);
+      ForgetChannel(id, ch.get());
+      return absl::Status(
+          grant.status().code(),
+          absl::StrCat("KV grant on rank ", r, ": ", grant.status().message()));
+    }
+    dest->set_grant(std::move(*grant));
+  }
+  {
+    absl::MutexLock lock(&ch->mu);
+    ch->granted_tokens = tokens;
+  }
+  response->mutable_block_ids()->Add(admitted->block_ids.begin(),
+                                     admitted->block_ids.end());
+  response->set_cached_tokens(cached);
+  auto* model = response->mutable_model();
+  model->set_name(options_.model_name);
+  model->set_config_identity(config_.Identity());
+  model->set_num_layers(config_.num_layers);
+  model->set_num_kv_heads(config_.num_kv_heads);
+  model->set_head_dim(config_.head_dim);
+  model->set_block_size(block_size);
+  model->set_kv_dtype("f32");
+  response->set_lease_seconds(absl::ToDoubleSeconds(options_.kv_lease));
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* DecodeService::Admit(
+    grpc::CallbackServerContext* context, const v1::AdmitRequest* request,
+    v1::AdmitResponse* response) {
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(rpc::ToGrpcStatus(AdmitImpl(*request, response)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* DecodeService::KvComplete(
+    grpc::CallbackServerContext* context, const v1::KvCompleteRequest* request,
+    v1::KvCompleteResponse*) {
+  auto* reactor = context->DefaultReactor();
+  const uint64_t id = request->request_id();
+  auto ch = FindChannel(id);
+  absl::Status refused;
+  if (ch == nullptr) {
+    refused = absl::NotFoundError(absl::StrCat("no request ", id));
+  } else {
+    absl::MutexLock lock(&ch->mu);
+    if (ch->complete_requested) {
+      refused = absl::FailedPreconditionError(
+          absl::StrCat("request ", id, " was already marked complete"));
+    } else if (ch->final_queued) {
+      refused = absl::FailedPreconditionError(
+          absl::StrCat("request ", id, " has finished"));
+    } else {
+      ch->complete_requested = true;
+    }
+  }
+  if (!refused.ok()) {
+    reactor->Finish(rpc::ToGrpcStatus(refused));
+    return reactor;
+  }
+  // The sink waits may block (bounded): off the callback threads.
+  absl::MutexLock lock(&mu_);
+  jobs_.push_back({id, request->first_token(), std::move(ch), reactor});
+  return reactor;
+}
+
+void DecodeService::CompleterLoop() {
+  while (true) {
+    CompleteJob job;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !jobs_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (jobs_.empty()) return;  // stopping, nothing left
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job.reactor->Finish(rpc::ToGrpcStatus(Complete(job)));
+  }
+}
+
+absl::Status DecodeService::Complete(const CompleteJob& job) {
+  int64_t granted = 0;
+  {
+    absl::MutexLock lock(&job.channel->mu);
+    granted = job.channel->granted_tokens;
+  }
+  if (granted > 0) {
+    const absl::Time deadline = absl::Now() + options_.kv_complete_timeout;
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      absl::Status s = ranks_[r].sink->Wait(
+          job.request_id,
+          std::max(absl::ZeroDuration(), deadline - absl::Now()));
+      if (s.ok()) continue;
+      s = absl::Status(
+          s.code(), absl::StrCat("KV of request ", job.request_id, " on rank ",
+                                 r, ": ", s.message()));
+      {
+        absl::MutexLock lock(&job.channel->mu);
+        if (job.channel->sink_failure.ok()) job.channel->sink_failure = s;
+      }
+      // The prefill said it was done writing, so nothing is in flight: free
+      // the blocks now rather than after the sinks' quarantine.
+      for (auto& rank : ranks_) (void)rank.sink->Cancel(job.request_id);
+      (void)worker_->Abort(job.request_id);
+      return s;
+    }
+  }
+  return worker_->MarkKvComplete(job.request_id, job.first_token);
+}
+
+grpc::ServerWriteReactor<v1::DecodeDelta>* DecodeService::StreamTokens(
+    grpc::CallbackServerContext*, const v1::StreamTokensRequest* request) {
+  const uint64_t id = request->request_id();
+  auto ch = FindChannel(id);
+  if (ch == nullptr)
+    return new RefusedStream(absl::NotFoundError(
+        absl::StrCat("no request ", id, " (unknown or already streamed)")));
+  {
+    absl::MutexLock lock(&ch->mu);
+    if (ch->attached)
+      return new RefusedStream(absl::AlreadyExistsError(
+          absl::StrCat("request ", id, " already has a stream")));
+    ch->attached = true;
+  }
+  auto* stream = new TokenStream(this, worker_, std::move(ch));
+  stream->Start();
+  return stream;
+}
+
+grpc::ServerUnaryReactor* DecodeService::Abort(
+    grpc::CallbackServerContext* context, const v1::AbortRequest* request,
+    v1::AbortResponse*) {
+  auto* reactor = context->DefaultReactor();
+  const uint64_t id = request->request_id();
+  bool in_transfer = false;
+  if (auto ch = FindChannel(id)) {
+    absl::MutexLock lock(&ch->mu);
+    in_transfer =
+        ch->granted_tokens > 0 && !ch->complete_requested && !ch->final_queued;
+  }
+  absl::Status s;
+  if (in_transfer) {
+    // Revoke the grants; the sinks release the blocks (→ OnSinkRelease →
+    // DecodeWorker::Abort) once no put of the request can still land.
+    for (auto& rank : ranks_) {
+      absl::Status c = rank.sink->Cancel(id);
+      if (!c.ok() && !absl::IsNotFound(c)) s.Update(c);
+    }
+  } else {
+    s = worker_->Abort(id);
+  }
+  reactor->Finish(rpc::ToGrpcStatus(s));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* DecodeService::GetLoad(
+    grpc::CallbackServerContext* context, const v1::GetLoadRequest*,
+    v1::DecodeLoad* response) {
+  const decode::LoadReport load = worker_->Load();
+  response->set_running(load.running);
+  response->set_waiting(load.waiting);
+  response->set_awaiting_kv(load.awaiting_kv);
+  response->set_kv_blocks_used(load.blocks_used);
+  response->set_kv_blocks_total(load.blocks_total);
+  response->set_steps(load.steps);
+  response->set_preemptions(load.preemptions);
+  response->set_spec_steps(load.spec_steps);
+  response->set_drafted_tokens(load.drafted_tokens);
+  response->set_accepted_tokens(load.accepted_tokens);
+  response->set_mean_acceptance_length(load.mean_acceptance_length());
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace pdserve::decode_worker

@@ -1,0 +1,136 @@
+// The gRPC face of a decode worker (proto/pdserve/v1/decode.proto) over a
+// decode::DecodeWorker, with every TP rank's KV pool registered with the
+// transport as a KvSink (one UcxWorker per rank: one sink per UCX worker).
+//
+// Request life on the wire:
+//   Admit       DecodeWorker::Admit allocates blocks (prefix reuse); each
+//               rank's sink grants the uncached suffix to the prefill side,
+//               under a lease that restarts with every write notice.
+//   KvComplete  waits (bounded) for every rank's sink to have every layer x
+//               token, then DecodeWorker::MarkKvComplete(first token).
+//   StreamTokens  the request's deltas, buffered in its Channel from the
+//               start so a stream may attach before or after KvComplete.
+//   Abort       KV still in flight: the grants are revoked first and the
+//               request is aborted when the sinks release its blocks (no late
+//               put can then land in reused blocks); otherwise at once.
+// A sink that gives up on a request (lease expiry, a writer's death, revoke)
+// aborts it in the worker; its stream ends with the sink's status.
+//
+// Threads: gRPC callback threads run the handlers and reactions; the
+// DecodeWorker's scheduler thread calls StreamCallbacks, which only queue into
+// the request's Channel (never block); one completer thread runs the bounded
+// sink waits of KvComplete; UCX progress threads call the sinks' release
+// callbacks, which only call DecodeWorker::Abort (non-blocking).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "decode/decode_worker.h"
+#include "model/model_config.h"
+#include "pdserve/v1/decode.grpc.pb.h"
+#include "transport/kv_transfer.h"
+#include "transport/ucx_worker.h"
+
+namespace pdserve::decode_worker {
+
+struct DecodeServiceOptions {
+  std::string model_name = "model";
+  // Sink lease: a request whose KV makes no progress this long is freed. The
+  // DecodeWorker's own kv_lease must be longer (it is only a backstop: the
+  // sink's lease restarts with every write, the worker's does not).
+  absl::Duration kv_lease = absl::Seconds(30);
+  // How long KvComplete waits for the sinks to confirm every layer x token.
+  absl::Duration kv_complete_timeout = absl::Seconds(10);
+  // Finished streams nobody attached to are dropped after this long.
+  absl::Duration unclaimed_stream_ttl = absl::Seconds(60);
+  transport::UcxWorkerOptions ucx;
+};
+
+// One request's token stream: deltas queued by the worker's callback, written
+// by at most one attached reactor. Internal; in the header for the reactor.
+struct Channel;
+
+class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
+ public:
+  // `worker` must outlive the service. Creates the UCX workers and sinks.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<DecodeService>> Create(
+      decode::DecodeWorker* worker, const model::ModelConfig& config,
+      const DecodeServiceOptions& options);
+  // Stop the gRPC server first (no handler may run during destruction).
+  ~DecodeService() override;
+  DecodeService(const DecodeService&) = delete;
+  DecodeService& operator=(const DecodeService&) = delete;
+
+  grpc::ServerUnaryReactor* Admit(
+      grpc::CallbackServerContext* context,
+      const pdserve::v1::AdmitRequest* request,
+      pdserve::v1::AdmitResponse* response) override;
+  grpc::ServerUnaryReactor* KvComplete(
+      grpc::CallbackServerContext* context,
+      const pdserve::v1::KvCompleteRequest* request,
+      pdserve::v1::KvCompleteResponse* response) override;
+  grpc::ServerWriteReactor<pdserve::v1::DecodeDelta>* StreamTokens(
+      grpc::CallbackServerContext* context,
+      const pdserve::v1::StreamTokensRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(
+      grpc::CallbackServerContext* context,
+      const pdserve::v1::AbortRequest* request,
+      pdserve::v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetLoad(grpc::CallbackServerContext* context,
+                                    const pdserve::v1::GetLoadRequest* request,
+                                    pdserve::v1::DecodeLoad* response) override;
+
+  // Requests with a channel (live, or finished and not yet streamed).
+  int64_t channels() const;
+  // The sink of rank r (tests).
+  transport::KvSink& sink(int rank) { return *ranks_[rank].sink; }
+
+  // Called by a stream reactor once it wrote the final delta.
+  void ForgetChannel(uint64_t request_id, const Channel* channel);
+
+ private:
+  struct Rank {
+    std::unique_ptr<transport::UcxWorker> ucx;
+    std::unique_ptr<transport::KvSink> sink;
+  };
+  struct CompleteJob {
+    uint64_t request_id = 0;
+    int32_t first_token = 0;
+    std::shared_ptr<Channel> channel;
+    grpc::ServerUnaryReactor* reactor = nullptr;
+  };
+
+  DecodeService(decode::DecodeWorker* worker, const model::ModelConfig& config,
+                const DecodeServiceOptions& options);
+  absl::Status AdmitImpl(const pdserve::v1::AdmitRequest& request,
+                         pdserve::v1::AdmitResponse* response);
+  // A sink released a failed request's blocks (UCX progress thread).
+  void OnSinkRelease(uint64_t request_id, const absl::Status& why);
+  void CompleterLoop();
+  absl::Status Complete(const CompleteJob& job);
+  std::shared_ptr<Channel> FindChannel(uint64_t request_id) const;
+
+  decode::DecodeWorker* const worker_;
+  const model::ModelConfig config_;
+  const DecodeServiceOptions options_;
+  std::vector<Rank> ranks_;  // fixed after Create
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<CompleteJob> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread completer_;
+};
+
+}  // namespace pdserve::decode_worker

@@ -1,0 +1,213 @@
+// decode_worker: serves pdserve.v1.DecodeWorker (proto/pdserve/v1/decode.proto)
+// plus grpc.health.v1 and reflection, with every TP rank's KV pool registered
+// with the UCX transport. See decode_worker/README.md.
+//
+//   decode_worker --model PATH [--format auto|gguf|safetensors|dummy]
+//                 [--tp T] [--host 0.0.0.0] [--port 0] [--block-size 16]
+//                 [--num-blocks N | --kv-memory-mb M] [--max-running 64]
+//                 [--max-step-tokens 512] [--threads-per-rank 1]
+//                 [--speculation off|ngram|draft] [--draft-layers L]
+//                 [--max-gamma 4] [--spec-max-batch B]
+//                 [--kv-lease-seconds 30] [--model-name NAME]
+//
+// Prints "listening on HOST:PORT" once serving; SIGINT/SIGTERM stop it.
+#include <csignal>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "decode/decode_worker.h"
+#include "decode_worker/decode_service.h"
+#include "model/weight_source.h"
+#include "rpc/server.h"
+#include "spec/truncated_weights.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pdserve::decode_worker {
+namespace {
+
+absl::StatusOr<std::map<std::string, std::string>> ParseFlags(int argc,
+                                                              char** argv) {
+  std::map<std::string, std::string> flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("unexpected argument '", arg, "'"));
+    arg = arg.substr(2);
+    if (auto eq = arg.find('='); eq != std::string::npos) {
+      flags[arg.substr(0, eq)] = arg.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      flags[arg] = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("flag --", arg, " needs a value"));
+    }
+  }
+  return flags;
+}
+
+class Flags {
+ public:
+  explicit Flags(std::map<std::string, std::string> flags)
+      : flags_(std::move(flags)) {}
+  std::string Str(const std::string& name, const std::string& def) {
+    auto it = flags_.find(name);
+    if (it == flags_.end()) return def;
+    std::string v = it->second;
+    flags_.erase(it);
+    return v;
+  }
+  template <typename T>
+  T Num(const std::string& name, T def) {
+    auto it = flags_.find(name);
+    if (it == flags_.end()) return def;
+    T v{};
+    bool ok;
+    if constexpr (std::is_floating_point_v<T>) {
+      ok = absl::SimpleAtod(it->second, &v);
+    } else {
+      ok = absl::SimpleAtoi(it->second, &v);
+    }
+    if (!ok && error_.ok())
+      error_ = absl::InvalidArgumentError(
+          absl::StrCat("--", name, ": not a number: '", it->second, "'"));
+    flags_.erase(it);
+    return v;
+  }
+  bool Has(const std::string& name) const { return flags_.count(name) != 0; }
+  // The first bad value, or the first flag nobody asked for.
+  absl::Status Check() const {
+    if (!error_.ok()) return error_;
+    if (!flags_.empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag --", flags_.begin()->first));
+    return absl::OkStatus();
+  }
+
+ private:
+  std::map<std::string, std::string> flags_;
+  absl::Status error_;
+};
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "decode_worker: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+int Main(int argc, char** argv) {
+  auto parsed = ParseFlags(argc, argv);
+  if (!parsed.ok()) return Fail(parsed.status());
+  Flags flags(std::move(*parsed));
+  const std::string model_path = flags.Str("model", "");
+  const std::string format_name = flags.Str("format", "auto");
+  const std::string host = flags.Str("host", "0.0.0.0");
+  const int port = flags.Num<int>("port", 0);
+  const std::string speculation = flags.Str("speculation", "off");
+  const int draft_layers = flags.Num<int>("draft-layers", 0);
+  const bool has_num_blocks = flags.Has("num-blocks");
+  const int64_t num_blocks = flags.Num<int64_t>("num-blocks", 512);
+  const int64_t kv_memory_mb = flags.Num<int64_t>("kv-memory-mb", 0);
+  const double lease_s = flags.Num<double>("kv-lease-seconds", 30.0);
+  decode::DecodeWorkerOptions wo;
+  wo.tp_size = flags.Num<int>("tp", 1);
+  wo.threads_per_rank = flags.Num<int>("threads-per-rank", 1);
+  wo.block_size = flags.Num<int>("block-size", 16);
+  wo.max_running = flags.Num<int>("max-running", wo.max_running);
+  wo.max_step_tokens = flags.Num<int>("max-step-tokens", wo.max_step_tokens);
+  wo.speculation.max_gamma = flags.Num<int>("max-gamma", 4);
+  wo.speculation.max_batch =
+      flags.Num<int>("spec-max-batch", wo.speculation.max_batch);
+  DecodeServiceOptions so;
+  so.model_name = flags.Str("model-name", "model");
+  if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  if (model_path.empty())
+    return Fail(absl::InvalidArgumentError("--model is required"));
+  if (has_num_blocks && kv_memory_mb > 0)
+    return Fail(absl::InvalidArgumentError(
+        "give --num-blocks or --kv-memory-mb, not both"));
+  if (lease_s <= 0)
+    return Fail(absl::InvalidArgumentError("--kv-lease-seconds must be > 0"));
+
+  auto format = model::ParseLoadFormat(format_name);
+  if (!format.ok()) return Fail(format.status());
+  auto weights = model::OpenModel(model_path, *format);
+  if (!weights.ok()) return Fail(weights.status());
+  const model::ModelConfig& config = (*weights)->config();
+  if (kv_memory_mb > 0) {
+    // Every rank together holds all layers x KV heads of a block.
+    const int64_t block_bytes =
+        int64_t{config.num_layers} * 2 * wo.block_size * config.kv_dim() * 4;
+    wo.num_blocks = kv_memory_mb * (int64_t{1} << 20) / block_bytes;
+  } else {
+    wo.num_blocks = num_blocks;
+  }
+  // The sink's lease restarts with every write; the worker's own lease is a
+  // backstop that must not fire first (it frees blocks a prefill may still be
+  // writing), so it also covers the sinks' revoke quarantine.
+  so.kv_lease = absl::Seconds(lease_s);
+  wo.kv_lease = so.kv_lease * 2 + absl::Seconds(10);
+
+  // Tokens only, no detokenized text: Debian's libsentencepiece carries its
+  // own protobuf 3.14 and aborts when loaded next to gRPC's libprotobuf 3.21
+  // (README.md). Text is the router's job until the tokenizer drops it.
+  const tokenizer::Tokenizer* tok = nullptr;
+  std::unique_ptr<model::WeightSource> draft;
+  if (speculation == "off") {
+    wo.speculation.mode = decode::SpeculationMode::kOff;
+  } else if (speculation == "ngram") {
+    wo.speculation.mode = decode::SpeculationMode::kNgram;
+  } else if (speculation == "draft") {
+    if (draft_layers <= 0)
+      return Fail(absl::InvalidArgumentError(
+          "--speculation draft needs --draft-layers L (the target's first L "
+          "layers are the draft)"));
+    auto d = spec::MakeLayerTruncatedWeights(**weights, draft_layers);
+    if (!d.ok()) return Fail(d.status());
+    draft = std::move(*d);
+    wo.speculation.mode = decode::SpeculationMode::kDraft;
+    wo.speculation.draft_weights = draft.get();
+  } else {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--speculation must be off, ngram or draft, got '", speculation, "'")));
+  }
+
+  // Signals are taken by sigwait below, not by async handlers: block them
+  // before any thread starts so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto worker = decode::DecodeWorker::Create(**weights, tok, wo);
+  if (!worker.ok()) return Fail(worker.status());
+  auto service = DecodeService::Create(worker->get(), config, so);
+  if (!service.ok()) return Fail(service.status());
+  auto server = rpc::RunningServer::Start(absl::StrCat(host, ":", port),
+                                          {service->get()});
+  if (!server.ok()) return Fail(server.status());
+  (*server)->SetServing(true);
+  std::printf("listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "decode_worker: signal %d, stopping\n", sig);
+  (*server)->SetServing(false);
+  (*server)->Shutdown(2.0);
+  server->reset();
+  service->reset();
+  worker->reset();
+  return 0;
+}
+
+}  // namespace
+}  // namespace pdserve::decode_worker
+
+int main(int argc, char** argv) {
+  return pdserve::decode_worker::Main(argc, argv);
+}

@@ -1,0 +1,174 @@
+// Bad requests to the decode worker's gRPC service get precise status codes,
+// and the server keeps serving (a golden request afterwards still streams
+// golden tokens).
+#include "decode_service_test_util.h"
+
+namespace pdserve::decode_worker {
+namespace {
+
+using namespace testing_util;  // NOLINT
+
+grpc::StatusCode AdmitCode(Server& server, const v1::AdmitRequest& req) {
+  v1::AdmitResponse resp;
+  return Admit(server.stub(), req, &resp).error_code();
+}
+
+grpc::StatusCode KvCompleteCode(Server& server, uint64_t id, int32_t token) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(30));
+  v1::KvCompleteRequest req;
+  req.set_request_id(id);
+  req.set_first_token(token);
+  v1::KvCompleteResponse resp;
+  return server.stub().KvComplete(&ctx, req, &resp).error_code();
+}
+
+grpc::StatusCode AbortCode(Server& server, uint64_t id) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(30));
+  v1::AbortRequest req;
+  req.set_request_id(id);
+  v1::AbortResponse resp;
+  return server.stub().Abort(&ctx, req, &resp).error_code();
+}
+
+TEST(DecodeServiceBadInputTest, PreciseCodesAndTheServerKeepsServing) {
+  Server server(/*tp=*/2, absl::Seconds(30), 128,
+                /*kv_complete_timeout=*/absl::Seconds(1));
+  const int64_t baseline = server.Load().kv_blocks_used();
+  const auto c = AllGoldenCases().front();
+  using grpc::StatusCode;
+
+  EXPECT_EQ(AdmitCode(server, MakeAdmit(1, {}, 8)),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(AdmitCode(server, MakeAdmit(1, {1, 100000}, 8)),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(AdmitCode(server, MakeAdmit(1, {1, -3}, 8)),
+            StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(AdmitCode(server, MakeAdmit(1, c.prompt_ids, -5)),
+            StatusCode::INVALID_ARGUMENT);
+  {
+    auto req = MakeAdmit(1, c.prompt_ids, 8);
+    req.mutable_sampling()->set_temperature(-1);
+    EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    auto req = MakeAdmit(1, c.prompt_ids, 8);
+    req.mutable_sampling()->set_top_p(1.5f);
+    EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    auto req = MakeAdmit(1, c.prompt_ids, 8);
+    req.mutable_sampling()->set_top_k(-2);
+    EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    auto req = MakeAdmit(1, c.prompt_ids, 8);
+    req.add_stop("");
+    EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
+  }
+  // More tokens than the context.
+  EXPECT_EQ(AdmitCode(server, MakeAdmit(1, c.prompt_ids, 1 << 20)),
+            StatusCode::INVALID_ARGUMENT);
+  // Nothing was admitted by any of those.
+  EXPECT_EQ(server.Load().kv_blocks_used(), baseline);
+  EXPECT_EQ(server.service().channels(), 0);
+
+  // Unknown ids.
+  EXPECT_EQ(KvCompleteCode(server, 424242, 5), StatusCode::NOT_FOUND);
+  EXPECT_EQ(AbortCode(server, 424242), StatusCode::NOT_FOUND);
+  {
+    Streamed s = ReadStream(server.stub(), 424242);
+    EXPECT_EQ(s.status.error_code(), StatusCode::NOT_FOUND);
+    EXPECT_EQ(s.deltas, 0);
+  }
+
+  // A live id twice; a second stream; completion twice; a bad first token.
+  v1::AdmitResponse admit;
+  ASSERT_TRUE(
+      Admit(server.stub(), MakeAdmit(2, c.prompt_ids, c.max_new_tokens), &admit)
+          .ok());
+  EXPECT_EQ(AdmitCode(server, MakeAdmit(2, c.prompt_ids, 8)),
+            StatusCode::ALREADY_EXISTS);
+  {
+    TestPrefill prefill;
+    ASSERT_TRUE(prefill.Run(server.stub(), 2, c.prompt_ids, admit).ok());
+    EXPECT_EQ(KvCompleteCode(server, 2, 5), StatusCode::FAILED_PRECONDITION);
+    Streamed s = ReadStream(server.stub(), 2);
+    EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+    EXPECT_EQ(s.tokens, c.greedy_ids);
+    // The stream was consumed: the id is gone.
+    Streamed again = ReadStream(server.stub(), 2);
+    EXPECT_EQ(again.status.error_code(), StatusCode::NOT_FOUND);
+    EXPECT_EQ(AbortCode(server, 2), StatusCode::NOT_FOUND);
+  }
+  {
+    // Two streams for one request: the second is refused, the first works.
+    v1::AdmitResponse a3;
+    ASSERT_TRUE(Admit(server.stub(), MakeAdmit(3, c.prompt_ids, 8), &a3).ok());
+    grpc::ClientContext ctx1;
+    ctx1.set_deadline(Deadline(60));
+    v1::StreamTokensRequest sr;
+    sr.set_request_id(3);
+    auto first = server.stub().StreamTokens(&ctx1, sr);
+    // The first stream attaches asynchronously: retry (bounded) until the
+    // second one is refused.
+    grpc::StatusCode second = StatusCode::OK;
+    for (int i = 0; i < 100 && second != StatusCode::ALREADY_EXISTS; ++i) {
+      absl::SleepFor(absl::Milliseconds(20));
+      grpc::ClientContext ctx2;
+      ctx2.set_deadline(Deadline(5));
+      auto r2 = server.stub().StreamTokens(&ctx2, sr);
+      v1::DecodeDelta ignored;
+      while (r2->Read(&ignored)) {
+      }
+      second = r2->Finish().error_code();
+    }
+    EXPECT_EQ(second, StatusCode::ALREADY_EXISTS);
+    TestPrefill prefill;
+    ASSERT_TRUE(prefill.Run(server.stub(), 3, c.prompt_ids, a3).ok());
+    v1::DecodeDelta d;
+    std::vector<int32_t> tokens;
+    while (first->Read(&d))
+      tokens.insert(tokens.end(), d.token_ids().begin(), d.token_ids().end());
+    EXPECT_TRUE(first->Finish().ok());
+    EXPECT_EQ(tokens.size(), 8u);
+  }
+  {
+    // The KV arrived but the first token is outside the vocabulary: the
+    // request is failed and freed.
+    v1::AdmitResponse a4;
+    ASSERT_TRUE(Admit(server.stub(), MakeAdmit(4, c.prompt_ids, 8), &a4).ok());
+    TestPrefill prefill;
+    EXPECT_EQ(
+        prefill.Run(server.stub(), 4, c.prompt_ids, a4, 100000).error_code(),
+        StatusCode::INVALID_ARGUMENT);
+    Streamed s = ReadStream(server.stub(), 4);
+    EXPECT_FALSE(s.status.ok());
+  }
+  {
+    // Completion claimed but nothing was written: the sinks never get the
+    // KV, completion fails after the service's bounded wait and frees it.
+    v1::AdmitResponse a6;
+    ASSERT_TRUE(Admit(server.stub(), MakeAdmit(6, c.prompt_ids, 8), &a6).ok());
+    EXPECT_EQ(KvCompleteCode(server, 6, 5), StatusCode::DEADLINE_EXCEEDED);
+    Streamed s = ReadStream(server.stub(), 6);
+    EXPECT_EQ(s.status.error_code(), StatusCode::DEADLINE_EXCEEDED);
+  }
+  EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(15)));
+
+  // Still serving.
+  v1::AdmitResponse a5;
+  ASSERT_TRUE(
+      Admit(server.stub(), MakeAdmit(5, c.prompt_ids, c.max_new_tokens), &a5)
+          .ok());
+  TestPrefill prefill;
+  ASSERT_TRUE(prefill.Run(server.stub(), 5, c.prompt_ids, a5).ok());
+  Streamed s = ReadStream(server.stub(), 5);
+  EXPECT_TRUE(s.status.ok());
+  EXPECT_EQ(s.tokens, c.greedy_ids);
+  EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(10)));
+}
+
+}  // namespace
+}  // namespace pdserve::decode_worker
