@@ -217,7 +217,7 @@ int VerifyCostCurve(const model::WeightSource& weights, int threads) {
   for (int b : {1, 2, 4, 8, 16, 32}) {
     double t1 = 1e30, t2 = 1e30, t5 = 1e30;
     // Interleaved best-of: the three shapes see the same noise.
-    for (int rep = 0; rep < 3; ++rep) {
+    for (int rep = 0; rep < 5; ++rep) {
       t1 = std::min(t1, ForwardSeconds(**engine, **pool, b, kContext, 1, 2));
       t2 = std::min(t2, ForwardSeconds(**engine, **pool, b, kContext, 2, 2));
       t5 = std::min(

@@ -55,12 +55,18 @@ struct SpeculationOptions {
   SpeculationMode mode = SpeculationMode::kOff;
   int max_gamma = 4;
   // Speculation is switched off for a step with more decoding requests than
-  // this: verification then turns compute-bound and extra verified tokens cost
-  // about as much as plain decode steps (see bench/decode_bench.cc).
-  int max_batch = 8;
+  // this. Measured (bench/decode_bench.cc, llama-110m, 2 cores, docs/
+  // PERFORMANCE.md "Decode"): a verify step feeds b·(1+γ) rows through every
+  // projection, and the CPU GEMMs stop being weight-bandwidth-bound at about
+  // 8-10 rows. The marginal cost of a verified token, c(b) in decode steps,
+  // is ~0.15-0.2 at b <= 2 but ~0.5 from b = 4 on, while n-gram drafts are
+  // accepted ~30% of the time: past b = 2 verification costs more than the
+  // accepted tokens save (n-gram at b = 8 measured ~0.94x of off).
+  int max_batch = 2;
   // Marginal cost of one more verified token per request relative to a
-  // decode step, for the adaptive γ (measured at batch 1, see the bench).
-  double verify_cost_per_token = 0.05;
+  // decode step, for the adaptive γ: c(1) at γ = 4 measured 0.15-0.2 (a
+  // 5-token verify costs ~1.7-1.8 decode steps at batch 1).
+  double verify_cost_per_token = 0.2;
   // kDraft: the draft model (must outlive the worker; same vocabulary).
   const model::WeightSource* draft_weights = nullptr;
   int64_t draft_kv_blocks = 512;

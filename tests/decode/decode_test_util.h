@@ -113,6 +113,11 @@ inline DecodeWorkerOptions Options(int tp, SpeculationMode mode) {
   o.block_size = 16;
   o.num_blocks = 128;
   o.speculation.mode = mode;
+  // These tests check speculation's correctness with several requests in the
+  // batch, not its economics: keep it on at any batch and with a cheap verify
+  // (the defaults switch it off past batch 2, see decode_worker.h).
+  o.speculation.max_batch = 1 << 20;
+  o.speculation.verify_cost_per_token = 0.05;
   o.speculation.draft_weights = Stories().draft.get();
   o.speculation.draft_kv_blocks = 128;
   return o;
