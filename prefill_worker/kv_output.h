@@ -28,6 +28,9 @@ struct KvWrite {
   int token_begin = 0;
   int token_end = 0;
   bool final_chunk = false;
+  // Prompt position of the destination's token 0 (see ChunkHeader); the
+  // stage never asks for positions below it.
+  int kv_dst_offset = 0;
   std::span<const int32_t> block_table;
   const kv::KvPool* pool = nullptr;
   // Destination grants, given with a request's first write only.

@@ -1,5 +1,7 @@
 #include "prefill_worker/pipeline_stage.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -160,15 +162,21 @@ void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
   {
     absl::MutexLock lock(&mu_);
     PendingWrites& pending = writes_[id];
-    if (kv_out_ != nullptr) ++pending.outstanding;
+    ++pending.outstanding;
     if (chunk.final_chunk) pending.final_issued = true;
   }
-  if (kv_out_ != nullptr) {
+  // Positions the decode side already holds (its cached prefix) are not sent;
+  // a chunk entirely below them writes nothing but its grants still must
+  // reach the output (they ride with the first chunk).
+  const int kv_begin = std::max(chunk.kv_begin, chunk.kv_dst_offset);
+  if (kv_out_ != nullptr &&
+      (kv_begin < chunk.token_end || !chunk.kv_grants.empty())) {
     KvWrite write;
     write.request_id = id;
     write.layer_begin = engine_->shard().layer_begin;
     write.layer_end = engine_->shard().layer_end;
-    write.token_begin = chunk.kv_begin;
+    write.kv_dst_offset = chunk.kv_dst_offset;
+    write.token_begin = std::min(kv_begin, chunk.token_end);
     write.token_end = chunk.token_end;
     write.final_chunk = chunk.final_chunk;
     write.block_table = chunk.block_table;
@@ -192,7 +200,7 @@ void PipelineStage::OnKvWriteDone(uint64_t request_id, absl::Status status) {
     auto it = writes_.find(request_id);
     if (it == writes_.end()) return;
     PendingWrites& pending = it->second;
-    if (kv_out_ != nullptr) --pending.outstanding;
+    --pending.outstanding;
     if (pending.status.ok()) pending.status = status;
     if (!pending.final_issued || pending.outstanding > 0) return;
     event.status = pending.status;

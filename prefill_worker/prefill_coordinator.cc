@@ -31,9 +31,29 @@ absl::StatusOr<PrefillOutcome> PrefillTicket::Wait(
   return *result_;
 }
 
+void PrefillTicket::OnDone(
+    std::function<void(const absl::StatusOr<PrefillOutcome>&)> fn) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!result_.has_value()) {
+      on_done_ = std::move(fn);
+      return;
+    }
+  }
+  // result_ never changes once set, so reading it unlocked is safe.
+  fn(*result_);
+}
+
 void PrefillTicket::Finish(absl::StatusOr<PrefillOutcome> result) {
-  absl::MutexLock lock(&mu_);
-  if (!result_.has_value()) result_ = std::move(result);
+  std::function<void(const absl::StatusOr<PrefillOutcome>&)> fn;
+  {
+    absl::MutexLock lock(&mu_);
+    if (result_.has_value()) return;
+    result_ = std::move(result);
+    fn = std::move(on_done_);
+  }
+  // Outside the lock: the callback may Wait() or inspect the ticket.
+  if (fn) fn(*result_);
 }
 
 // ---------------------------------------------------------------------------
@@ -64,6 +84,13 @@ absl::Status ValidatePrefillRequest(const model::ModelConfig& config,
   if (absl::Status s = request.sampling.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "request ", request.request_id, ": sampling: ", s.message()));
+  }
+  if (request.kv_dst_offset < 0 ||
+      request.kv_dst_offset >= static_cast<int64_t>(request.prompt.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request ", request.request_id, ": KV destination offset ",
+                     request.kv_dst_offset, " is outside the prompt [0, ",
+                     request.prompt.size(), ")"));
   }
   if (request.chunk_policy.has_value()) {
     if (absl::Status s = request.chunk_policy->Validate(); !s.ok()) {
@@ -151,6 +178,12 @@ absl::StatusOr<std::shared_ptr<PrefillTicket>> PrefillCoordinator::Submit(
   const int64_t needed_blocks =
       (static_cast<int64_t>(request.prompt.size()) + options_.block_size - 1) /
       options_.block_size;
+  if (request.kv_dst_offset % options_.block_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", request.request_id, ": KV destination offset ",
+        request.kv_dst_offset, " is not a multiple of the block size ",
+        options_.block_size));
+  }
   if (needed_blocks > blocks_->num_blocks()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "request ", request.request_id, ": prompt needs ", needed_blocks,
@@ -283,6 +316,7 @@ void PrefillCoordinator::Launch() {
                                 state.block_table.begin() + blocks);
       header.sampling = state.request.sampling;
       if (chunk.chunk_index == 0) header.kv_grants = state.request.kv_grants;
+      header.kv_dst_offset = state.request.kv_dst_offset;
       message.chunks.push_back(std::move(header));
       ++state.chunks_in_flight;
     }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,6 +45,9 @@ struct PrefillRequest {
   // Where the KV goes: grant blobs handed to every stage's KV output with the
   // request's first chunk (one per decode rank).
   std::vector<std::string> kv_grants;
+  // Prompt position of the grants' token 0 (decode-side cached prefix; a
+  // multiple of the block size, below the prompt length). See ChunkHeader.
+  int kv_dst_offset = 0;
 };
 
 struct PrefillOutcome {
@@ -65,12 +69,19 @@ class PrefillTicket {
   [[nodiscard]] absl::StatusOr<PrefillOutcome> Wait(
       absl::Duration timeout) const;
 
+  // Calls `fn` once with the result: at once (this thread) if done, else on
+  // the coordinator thread when it finishes, so `fn` must not block. At most
+  // one callback per ticket (a later one replaces an earlier, unfired one).
+  void OnDone(std::function<void(const absl::StatusOr<PrefillOutcome>&)> fn);
+
   void Finish(absl::StatusOr<PrefillOutcome> result);  // coordinator only
 
  private:
   const uint64_t request_id_;
   mutable absl::Mutex mu_;
   std::optional<absl::StatusOr<PrefillOutcome>> result_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const absl::StatusOr<PrefillOutcome>&)> on_done_
+      ABSL_GUARDED_BY(mu_);
 };
 
 struct SchedulerOptions {

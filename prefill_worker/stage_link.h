@@ -27,6 +27,11 @@ struct ChunkHeader {
   int token_begin = 0;  // positions [token_begin, token_end) are computed
   int token_end = 0;
   int kv_begin = 0;  // KV of [kv_begin, token_end) is sent after this chunk
+  // Prompt position of the destination's token 0 (a multiple of the block
+  // size): the decode side already holds the KV below it (its own prefix
+  // cache), so positions < kv_dst_offset are not sent and position p lands in
+  // grant token p - kv_dst_offset.
+  int kv_dst_offset = 0;
   bool final_chunk = false;
   std::vector<int32_t> tokens;  // prompt tokens [token_begin, token_end)
   std::vector<int32_t>

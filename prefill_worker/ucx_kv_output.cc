@@ -2,6 +2,8 @@
 
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 namespace pdserve::prefill {
 
 UcxKvOutput::UcxKvOutput(transport::KvSource* source,
@@ -15,19 +17,80 @@ UcxKvOutput::~UcxKvOutput() {
   if (waiter_.joinable()) waiter_.join();
 }
 
+namespace {
+constexpr size_t kMaxTombstones = 4096;
+}  // namespace
+
+absl::Status UcxKvOutput::AddGrants(std::span<const std::string> grants) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& grant : grants) {
+    if (absl::Status s = source_->AddGrant(grant);
+        !s.ok() && !absl::IsAlreadyExists(s)) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxKvOutput::Cancel(uint64_t request_id,
+                                 std::span<const std::string> grants) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& grant : grants) (void)source_->AddGrant(grant);
+  if (tombstones_.insert(request_id).second) {
+    tombstone_order_.push_back(request_id);
+    if (tombstone_order_.size() > kMaxTombstones) {
+      tombstones_.erase(tombstone_order_.front());
+      tombstone_order_.pop_front();
+    }
+  }
+  return source_->Cancel(request_id);
+}
+
 void UcxKvOutput::Write(const KvWrite& write,
                         std::function<void(absl::Status)> done) {
+  absl::ReleasableMutexLock lock(&mu_);
+  if (tombstones_.contains(write.request_id)) {
+    lock.Release();
+    done(absl::CancelledError(
+        absl::StrCat("request ", write.request_id, " was cancelled")));
+    return;
+  }
   for (const std::string& grant : write.grants) {
-    if (absl::Status s = source_->AddGrant(grant); !s.ok()) {
+    // ALREADY_EXISTS: stage 0 added it ahead (AddGrants).
+    if (absl::Status s = source_->AddGrant(grant);
+        !s.ok() && !absl::IsAlreadyExists(s)) {
+      lock.Release();
       done(s);
       return;
     }
   }
-  std::vector<int64_t> blocks(write.block_table.begin(),
+  if (write.token_begin >= write.token_end) {
+    lock.Release();
+    done(absl::OkStatus());  // grants only: nothing of this chunk is sent
+    return;
+  }
+  // The grant's token 0 is prompt position kv_dst_offset (a multiple of the
+  // block size), so dropping that many leading source blocks lines the two
+  // block lists up token for token.
+  const int64_t block_size = write.pool->layout().block_size;
+  const int64_t skip = write.kv_dst_offset / block_size;
+  if (write.kv_dst_offset % block_size != 0 ||
+      skip > static_cast<int64_t>(write.block_table.size()) ||
+      write.token_begin < write.kv_dst_offset) {
+    lock.Release();
+    done(absl::InvalidArgumentError(
+        absl::StrCat("KV destination offset ", write.kv_dst_offset,
+                     " does not fit the write of positions [",
+                     write.token_begin, ", ", write.token_end, ")")));
+    return;
+  }
+  std::vector<int64_t> blocks(write.block_table.begin() + skip,
                               write.block_table.end());
   auto handle =
       source_->Write(write.request_id, blocks, write.layer_begin,
-                     write.layer_end, write.token_begin, write.token_end);
+                     write.layer_end, write.token_begin - write.kv_dst_offset,
+                     write.token_end - write.kv_dst_offset);
+  lock.Release();
   if (!handle.ok()) {
     done(handle.status());
     return;

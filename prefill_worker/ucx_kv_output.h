@@ -8,9 +8,15 @@
 // computes the next microbatch while the bytes move.
 #pragma once
 
+#include <deque>
 #include <memory>
+#include <span>
+#include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "prefill_worker/closable_queue.h"
 #include "prefill_worker/kv_output.h"
@@ -32,6 +38,23 @@ class UcxKvOutput : public StageKvOutput {
   void Write(const KvWrite& write,
              std::function<void(absl::Status)> done) override;
 
+  // Adds a request's grants ahead of its first write (stage 0 does, so that
+  // a bad destination fails the submit, not the first chunk): the transport's
+  // error for a malformed grant, one from an unconnected sink or naming
+  // blocks outside it. Grants already added are skipped by Write.
+  [[nodiscard]] absl::Status AddGrants(std::span<const std::string> grants);
+
+  // Revokes the request at its sinks (KvSource::Cancel) and refuses its later
+  // writes (CANCELLED): chunks already on their way through the pipeline
+  // must not re-add the grants and write into blocks the decode side is
+  // freeing. `grants` (optional) are re-added first, so that the sinks hear
+  // the cancel even when this source already forgot the request (its own
+  // writes landed) or never had it. NOT_FOUND if no grant is known.
+  [[nodiscard]] absl::Status Cancel(uint64_t request_id,
+                                    std::span<const std::string> grants = {});
+  // Drops grants added ahead for a request that never ran.
+  void Forget(uint64_t request_id) { source_->Forget(request_id); }
+
  private:
   struct InFlight {
     uint64_t request_id = 0;
@@ -43,6 +66,13 @@ class UcxKvOutput : public StageKvOutput {
 
   transport::KvSource* const source_;
   const absl::Duration write_timeout_;
+  // Serializes Write against Cancel, so that a write either precedes the
+  // cancel (and the sink's revoke flushes it) or sees the tombstone.
+  absl::Mutex mu_;
+  // Cancelled ids, oldest first; bounded (a straggler chunk arrives within
+  // the pipeline depth, long before kMaxTombstones later cancels).
+  std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<uint64_t> tombstones_ ABSL_GUARDED_BY(mu_);
   ClosableQueue<InFlight> in_flight_;
   std::thread waiter_;
 };

@@ -54,6 +54,7 @@ std::string EncodeStageMessage(const StageMessage& message) {
     w.Put<int32_t>(c.token_begin);
     w.Put<int32_t>(c.token_end);
     w.Put<int32_t>(c.kv_begin);
+    w.Put<int32_t>(c.kv_dst_offset);
     w.Put<uint8_t>(c.final_chunk ? 1 : 0);
     PutVector(w, c.tokens);
     PutVector(w, c.block_table);
@@ -96,7 +97,8 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
     uint8_t final_chunk = 0;
     uint32_t grants = 0;
     if (!r.Get(&c.request_id) || !r.Get(&c.token_begin) ||
-        !r.Get(&c.token_end) || !r.Get(&c.kv_begin) || !r.Get(&final_chunk) ||
+        !r.Get(&c.token_end) || !r.Get(&c.kv_begin) ||
+        !r.Get(&c.kv_dst_offset) || !r.Get(&final_chunk) ||
         !GetVector(r, &c.tokens, kMaxItems) ||
         !GetVector(r, &c.block_table, kMaxItems) ||
         !r.Get(&c.sampling.temperature) || !r.Get(&c.sampling.top_k) ||
@@ -111,7 +113,7 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
     }
     c.final_chunk = final_chunk != 0;
     if (c.token_begin < 0 || c.token_end <= c.token_begin || c.kv_begin < 0 ||
-        c.kv_begin > c.token_begin ||
+        c.kv_begin > c.token_begin || c.kv_dst_offset < 0 ||
         (!c.tokens.empty() &&
          static_cast<int64_t>(c.tokens.size()) != c.num_tokens())) {
       return Malformed(absl::StrCat("chunk ", i, " has inconsistent ranges"));

@@ -1,0 +1,286 @@
+// prefill_worker: one pipeline stage of a prefill group per process.
+//
+//   prefill_worker --model PATH [--format auto|gguf|safetensors|dummy]
+//                  --stage I --stages S [--layer-split auto|2,2,1]
+//                  [--chunk-policy equal-cost|fixed] [--chunk-tokens 256]
+//                  [--microbatch-tokens 512] [--max-in-flight 0 (= S)]
+//                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
+//                  [--threads 1] [--host 0.0.0.0] [--port 0]
+//                  [--port-file PATH]
+//   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
+//                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
+//                  [--peer-wait-seconds 60]
+//   stage > 0:     [--orphan-seconds 30]
+//
+// Stage 0 serves pdserve.v1.PrefillGroup (+ health, reflection) on --port;
+// stage i > 0 serves pdserve.v1.PrefillStageControl there. Start stages
+// 1..S-1 first (any order), then stage 0 with their addresses: it wires the
+// pipeline and only then listens. With --port-file the bound "host:port" is
+// written there (atomically) once the process serves. A stage i > 0 that
+// stage 0 stopped pinging for --orphan-seconds exits. SIGINT/SIGTERM stop.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "model/weight_source.h"
+#include "prefill_worker/chunk_policy.h"
+#include "prefill_worker/layer_split.h"
+#include "prefill_worker/prefill_service.h"
+#include "prefill_worker/stage_control_service.h"
+#include "prefill_worker/stage_process.h"
+#include "rpc/server.h"
+
+namespace pdserve::prefill {
+namespace {
+
+class Flags {
+ public:
+  absl::Status Parse(int argc, char** argv) {
+    for (int i = 1; i < argc; ++i) {
+      std::string arg = argv[i];
+      if (arg.rfind("--", 0) != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unexpected argument '", arg, "'"));
+      }
+      arg = arg.substr(2);
+      if (auto eq = arg.find('='); eq != std::string::npos) {
+        flags_[arg.substr(0, eq)] = arg.substr(eq + 1);
+      } else if (i + 1 < argc) {
+        flags_[arg] = argv[++i];
+      } else {
+        return absl::InvalidArgumentError(
+            absl::StrCat("flag --", arg, " needs a value"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::string Str(const std::string& name, const std::string& def) {
+    auto it = flags_.find(name);
+    if (it == flags_.end()) return def;
+    std::string v = it->second;
+    flags_.erase(it);
+    return v;
+  }
+  int64_t Int(const std::string& name, int64_t def) {
+    auto it = flags_.find(name);
+    if (it == flags_.end()) return def;
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(it->second, &v) && error_.ok()) {
+      error_ = absl::InvalidArgumentError(
+          absl::StrCat("--", name, ": not an integer: '", it->second, "'"));
+    }
+    flags_.erase(it);
+    return v;
+  }
+  // The first bad value, or the first flag nobody asked for.
+  absl::Status Check() const {
+    if (!error_.ok()) return error_;
+    if (!flags_.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag --", flags_.begin()->first));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::map<std::string, std::string> flags_;
+  absl::Status error_;
+};
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "prefill_worker: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+absl::Status WritePortFile(const std::string& path, const std::string& text) {
+  if (path.empty()) return absl::OkStatus();
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp);
+    out << text << "\n";
+    if (!out.good()) {
+      return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
+    }
+  }
+  // Readers poll for the file: the rename makes it appear complete.
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot rename to ", path));
+  }
+  return absl::OkStatus();
+}
+
+// Waits for SIGINT/SIGTERM (blocked in every thread, see Main) up to
+// `timeout`; true when one arrived.
+bool WaitForSignal(absl::Duration timeout) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  timespec ts = absl::ToTimespec(timeout);
+  return sigtimedwait(&set, nullptr, &ts) > 0;
+}
+
+// Teardown waits are bounded, but a peer that vanished mid-shutdown must not
+// keep the process alive: exit hard if the orderly path takes too long.
+void ArmExitWatchdog() {
+  std::thread([] {
+    absl::SleepFor(absl::Seconds(10));
+    std::fprintf(stderr, "prefill_worker: shutdown took too long\n");
+    std::_Exit(2);
+  }).detach();
+}
+
+int Main(int argc, char** argv) {
+  // Signals are taken with sigtimedwait on this thread only.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+
+  Flags flags;
+  if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
+  const std::string model_path = flags.Str("model", "");
+  const std::string format_name = flags.Str("format", "auto");
+  const int stage = static_cast<int>(flags.Int("stage", 0));
+  const int stages = static_cast<int>(flags.Int("stages", 1));
+  const std::string split_text = flags.Str("layer-split", "auto");
+  const std::string policy_name = flags.Str("chunk-policy", "equal-cost");
+  const int chunk_tokens = static_cast<int>(flags.Int("chunk-tokens", 256));
+  const int microbatch_tokens =
+      static_cast<int>(flags.Int("microbatch-tokens", 512));
+  const int max_in_flight = static_cast<int>(flags.Int("max-in-flight", 0));
+  const int block_size = static_cast<int>(flags.Int("block-size", 16));
+  const int64_t num_blocks = flags.Int("num-blocks", 512);
+  const bool prefix_reuse = flags.Int("prefix-reuse", 1) != 0;
+  const int threads = static_cast<int>(flags.Int("threads", 1));
+  const std::string host = flags.Str("host", "0.0.0.0");
+  const int64_t port = flags.Int("port", 0);
+  const std::string port_file = flags.Str("port-file", "");
+  const std::string peers_text = flags.Str("peers", "");
+  const int64_t heartbeat_ms = flags.Int("heartbeat-ms", 200);
+  const int64_t heartbeat_timeout_ms = flags.Int("heartbeat-timeout-ms", 2000);
+  const int64_t peer_wait_s = flags.Int("peer-wait-seconds", 60);
+  const int64_t orphan_s = flags.Int("orphan-seconds", 30);
+  if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  if (model_path.empty()) {
+    return Fail(absl::InvalidArgumentError("--model is required"));
+  }
+  if (stages < 1 || stage < 0 || stage >= stages) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--stage ", stage, " is not in [0, --stages ", stages, ")")));
+  }
+  if (threads < 1) {
+    return Fail(absl::InvalidArgumentError("--threads must be >= 1"));
+  }
+  std::vector<std::string> peers;
+  if (!peers_text.empty()) peers = absl::StrSplit(peers_text, ',');
+  if (stage == 0 && static_cast<int>(peers.size()) != stages - 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("stage 0 of ", stages, " stages needs --peers with ",
+                     stages - 1, " addresses, got ", peers.size())));
+  }
+  if (stage != 0 && !peers.empty()) {
+    return Fail(absl::InvalidArgumentError("--peers is for stage 0 only"));
+  }
+  auto policy = ParseChunkPolicy(policy_name, chunk_tokens);
+  if (!policy.ok()) return Fail(policy.status());
+
+  auto format = model::ParseLoadFormat(format_name);
+  if (!format.ok()) return Fail(format.status());
+  auto weights = model::OpenModel(model_path, *format);
+  if (!weights.ok()) return Fail(weights.status());
+  const model::ModelConfig& config = (*weights)->config();
+  // `auto` uses the FLOP model, not timings: every stage process computes
+  // the split on its own and all must get the same answer.
+  auto split = ResolveLayerSplit(
+      split_text, stages, EstimateLayerCosts(config, microbatch_tokens, 1));
+  if (!split.ok()) return Fail(split.status());
+
+  StageProcessOptions stage_options;
+  stage_options.stage = stage;
+  stage_options.num_stages = stages;
+  stage_options.shard = SplitToShards(*split)[stage];
+  stage_options.block_size = block_size;
+  stage_options.num_blocks = num_blocks;
+  stage_options.threads = threads;
+  auto process = StageProcess::Create(**weights, stage_options);
+  if (!process.ok()) return Fail(process.status());
+  const std::string address = absl::StrCat(host, ":", port);
+  std::fprintf(stderr, "prefill_worker: stage %d/%d layers [%d, %d)\n", stage,
+               stages, stage_options.shard.layer_begin,
+               stage_options.shard.layer_end);
+
+  if (stage == 0) {
+    PrefillServiceOptions options;
+    options.scheduler.chunk_policy = *policy;
+    options.scheduler.microbatch_token_budget = microbatch_tokens;
+    options.scheduler.max_in_flight = max_in_flight;
+    options.scheduler.block_size = block_size;
+    options.scheduler.num_blocks = num_blocks;
+    options.scheduler.prefix_reuse = prefix_reuse;
+    options.peers = peers;
+    options.peer_wait = absl::Seconds(peer_wait_s);
+    options.heartbeat_period = absl::Milliseconds(heartbeat_ms);
+    options.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms);
+    auto service = PrefillService::Create(**weights, process->get(), options);
+    if (!service.ok()) return Fail(service.status());
+    auto server = rpc::RunningServer::Start(address, {service->get()});
+    if (!server.ok()) return Fail(server.status());
+    (*service)->Start(server->get());
+    if (auto s = WritePortFile(port_file, (*server)->address()); !s.ok()) {
+      return Fail(s);
+    }
+    std::fprintf(stderr, "prefill_worker: listening on %s\n",
+                 (*server)->address().c_str());
+    while (!WaitForSignal(absl::Seconds(1))) {
+    }
+    ArmExitWatchdog();
+    (*server)->Shutdown();
+    service->reset();
+    process->reset();
+    return 0;
+  }
+
+  StageControlService control(process->get(), config.Identity());
+  auto server = rpc::RunningServer::Start(address, {&control});
+  if (!server.ok()) return Fail(server.status());
+  if (auto s = WritePortFile(port_file, (*server)->address()); !s.ok()) {
+    return Fail(s);
+  }
+  std::fprintf(stderr, "prefill_worker: stage control on %s\n",
+               (*server)->address().c_str());
+  int code = 0;
+  while (!WaitForSignal(absl::Milliseconds(200))) {
+    const absl::Time last = control.last_ping();
+    if ((*process)->wired() && last != absl::InfinitePast() &&
+        absl::Now() - last > absl::Seconds(orphan_s)) {
+      std::fprintf(stderr,
+                   "prefill_worker: stage 0 stopped pinging; exiting\n");
+      code = 3;
+      break;
+    }
+  }
+  ArmExitWatchdog();
+  (*server)->Shutdown();
+  (*process)->Shutdown();
+  process->reset();
+  return code;
+}
+
+}  // namespace
+}  // namespace pdserve::prefill
+
+int main(int argc, char** argv) { return pdserve::prefill::Main(argc, argv); }
