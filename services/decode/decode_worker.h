@@ -59,9 +59,11 @@ struct SpeculationOptions {
   // PERFORMANCE.md "Decode"): a verify step feeds b·(1+γ) rows through every
   // projection, and the CPU GEMMs stop being weight-bandwidth-bound at about
   // 8-10 rows. The marginal cost of a verified token, c(b) in decode steps,
-  // is ~0.15-0.2 at b <= 2 but ~0.5 from b = 4 on, while n-gram drafts are
-  // accepted ~30% of the time: past b = 2 verification costs more than the
-  // accepted tokens save (n-gram at b = 8 measured ~0.94x of off).
+  // is 0.15-0.2 at b = 1 and 0.27-0.34 at b = 2, but 0.4-0.65 from b = 4 on,
+  // while n-gram drafts on the golden prompts are accepted 40-46% of the time
+  // (γ = 1 pays iff acceptance > c): past b = 2 verification costs about what
+  // the accepted tokens save. With this cutoff n-gram vs off at b = 8 and 32
+  // measured 1.10x and 1.04x (speculation off there: noise).
   int max_batch = 2;
   // Marginal cost of one more verified token per request relative to a
   // decode step, for the adaptive γ: c(1) at γ = 4 measured 0.15-0.2 (a
