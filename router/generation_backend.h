@@ -1,0 +1,130 @@
+// The seam between the router's public front-ends (OpenAI HTTP, gRPC
+// Generation) and whatever produces tokens. The front-ends only ever talk to a
+// GenerationBackend; the real one (admit on a decode worker, prefill on a
+// prefill group, stream from the decode worker) and the tests' fake both sit
+// behind it.
+//
+// Callback contract (both front-ends rely on it):
+//   * Start() either fails (no callback is ever made) or returns a call; the
+//     observer then gets zero or more OnDelta() and exactly one OnDone(), the
+//     last callback, from any thread, never two at once for one call.
+//   * OnDone(OK) follows a delta with `finished` set; OnDone(error) may come
+//     before any delta (the front-ends map it to a status code) or after some
+//     (a mid-stream error).
+//   * GenerationCall::Cancel() never blocks and never calls the observer
+//     synchronously; OnDone(CANCELLED) (or whatever came first) follows soon.
+//   * The observer must stay alive until OnDone() returns; the call handle may
+//     be destroyed at any time (destroying it does not cancel).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace pdserve::router {
+
+enum class FinishReason { kNone, kStop, kLength, kCancelled, kError };
+
+// "stop", "length", "cancelled", "error" ("" for kNone).
+const char* FinishReasonName(FinishReason reason);
+
+struct SamplingOptions {
+  float temperature = 0.0f;  // 0 = greedy
+  float top_p = 1.0f;        // 1 = off
+  int32_t top_k = 0;         // 0 = off
+  uint64_t seed = 0;
+};
+
+struct GenerationRequest {
+  std::string request_id;
+  std::string model;  // resolved: never empty once Start() is called
+  // Exactly one of the two is the prompt.
+  std::optional<std::string> prompt_text;
+  std::optional<std::vector<int32_t>> prompt_ids;
+  int32_t max_tokens = 16;
+  SamplingOptions sampling;
+  std::vector<std::string> stop;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct GenerationUsage {
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;
+  int32_t cached_prompt_tokens = 0;
+};
+
+struct GenerationTiming {
+  double time_to_first_token_seconds = 0;
+  double total_seconds = 0;
+  double queue_seconds = 0;
+  double prefill_seconds = 0;
+};
+
+struct GenerationDelta {
+  std::vector<int32_t> token_ids;
+  std::string text;  // never half a UTF-8 character
+  // Set on the last delta only.
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  GenerationUsage usage;
+  GenerationTiming timing;
+};
+
+class GenerationObserver {
+ public:
+  virtual ~GenerationObserver() = default;
+  virtual void OnDelta(GenerationDelta delta) = 0;
+  virtual void OnDone(absl::Status status) = 0;
+};
+
+class GenerationCall {
+ public:
+  virtual ~GenerationCall() = default;
+  // Asks the backend to stop (frees the request's KV everywhere). Idempotent
+  // and thread-safe: front-ends may call it from two threads at once.
+  virtual void Cancel() = 0;
+};
+
+struct ModelDescription {
+  std::string name;
+  int32_t context_length = 0;
+  int32_t vocab_size = 0;
+};
+
+class GenerationBackend {
+ public:
+  virtual ~GenerationBackend() = default;
+  // The models this cluster serves (usually one).
+  virtual std::vector<ModelDescription> ListModels() const = 0;
+  // OK when at least one prefill group and one decode worker can take work.
+  virtual absl::Status Health() const = 0;
+  // Errors: INVALID_ARGUMENT (bad request, e.g. prompt over the context),
+  // NOT_FOUND (model), RESOURCE_EXHAUSTED (admission limit), UNAVAILABLE
+  // (nothing healthy), DEADLINE_EXCEEDED.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<GenerationCall>> Start(
+      GenerationRequest request, GenerationObserver* observer) = 0;
+};
+
+// Front-end checks shared by HTTP and gRPC: one prompt, non-empty, valid
+// UTF-8; max_tokens >= 1; temperature >= 0; top_p in (0, 1]; top_k >= 0; stop
+// strings non-empty and at most kMaxStopStrings. INVALID_ARGUMENT naming the
+// field.
+inline constexpr int kMaxStopStrings = 16;
+[[nodiscard]] absl::Status ValidateGenerationRequest(
+    const GenerationRequest& request);
+
+// The served model for `requested`: "" means the only model (INVALID_ARGUMENT
+// when there are several); NOT_FOUND for a name the backend does not serve.
+[[nodiscard]] absl::StatusOr<ModelDescription> ResolveModel(
+    const GenerationBackend& backend, const std::string& requested);
+
+// A fresh request id ("req-" + 16 hex digits), unique within the process.
+std::string NewRequestId();
+
+}  // namespace pdserve::router

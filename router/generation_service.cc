@@ -1,0 +1,350 @@
+#include "router/generation_service.h"
+
+#include <atomic>
+#include <deque>
+
+#include "absl/synchronization/mutex.h"
+#include "rpc/status_conversion.h"
+
+namespace pdserve::router {
+namespace {
+
+v1::FinishReason ToProto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kError:
+      return v1::FINISH_REASON_ERROR;
+    case FinishReason::kNone:
+      break;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// Appends `delta` to `out` (the streaming item or the unary accumulator).
+void AppendDelta(const GenerationDelta& delta, v1::GenerateResponse* out) {
+  for (int32_t id : delta.token_ids) out->add_token_ids(id);
+  out->mutable_text()->append(delta.text);
+  if (!delta.finished) return;
+  out->set_finish_reason(ToProto(delta.finish_reason));
+  v1::Usage* usage = out->mutable_usage();
+  usage->set_prompt_tokens(delta.usage.prompt_tokens);
+  usage->set_completion_tokens(delta.usage.completion_tokens);
+  usage->set_cached_prompt_tokens(delta.usage.cached_prompt_tokens);
+  v1::Timing* timing = out->mutable_timing();
+  timing->set_time_to_first_token_seconds(
+      delta.timing.time_to_first_token_seconds);
+  timing->set_total_seconds(delta.timing.total_seconds);
+  timing->set_queue_seconds(delta.timing.queue_seconds);
+  timing->set_prefill_seconds(delta.timing.prefill_seconds);
+}
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+// Reference count shared by gRPC (released in OnDone) and the backend
+// (released in its OnDone): whoever is last deletes the reactor.
+class TwoOwners {
+ public:
+  // True when the caller was the last owner.
+  bool Release() { return refs_.fetch_sub(1) == 1; }
+
+ private:
+  std::atomic<int> refs_{2};
+};
+
+// ---------------------------------------------------------------------------
+// Generate (server streaming)
+// ---------------------------------------------------------------------------
+
+class GenerateReactor final
+    : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+      public GenerationObserver {
+ public:
+  GenerateReactor(GenerationBackend* backend,
+                  grpc::CallbackServerContext* context,
+                  const v1::GenerateRequest& request) {
+    absl::StatusOr<GenerationRequest> generation =
+        ToGenerationRequest(request, *backend, DeadlineOf(*context));
+    if (!generation.ok()) {
+      FailBeforeStart(generation.status());
+      return;
+    }
+    request_id_ = generation->request_id;
+    absl::StatusOr<std::unique_ptr<GenerationCall>> call =
+        backend->Start(std::move(generation).value(), this);
+    if (!call.ok()) {
+      FailBeforeStart(call.status());
+      return;
+    }
+    std::shared_ptr<GenerationCall> started = std::move(call).value();
+    bool cancel = false;
+    {
+      absl::MutexLock lock(&mu_);
+      call_ = started;
+      cancel = cancelled_;
+    }
+    // OnCancel may have run before call_ was set.
+    if (cancel) started->Cancel();
+  }
+
+  // --- backend side (any thread) ---
+  void OnDelta(GenerationDelta delta) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    v1::GenerateResponse& item = queue_.emplace_back();
+    item.set_request_id(request_id_);
+    AppendDelta(delta, &item);
+    if (!write_in_flight_) {
+      write_in_flight_ = true;
+      StartWrite(&queue_.front());
+    }
+  }
+
+  void OnDone(absl::Status status) override {
+    {
+      absl::MutexLock lock(&mu_);
+      backend_done_ = true;
+      backend_status_ = std::move(status);
+      if (!write_in_flight_) FinishOnce(rpc::ToGrpcStatus(backend_status_));
+    }
+    if (owners_.Release()) delete this;
+  }
+
+  // --- gRPC side ---
+  void OnWriteDone(bool ok) override {
+    std::shared_ptr<GenerationCall> cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      write_in_flight_ = false;
+      queue_.pop_front();
+      if (!ok) {
+        // The stream is broken (client gone): stop the generation.
+        FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "stream broken"));
+        cancel = call_;
+      } else if (finished_) {
+        // OnCancel finished the call meanwhile; drop the rest.
+      } else if (!queue_.empty()) {
+        write_in_flight_ = true;
+        StartWrite(&queue_.front());
+      } else if (backend_done_) {
+        FinishOnce(rpc::ToGrpcStatus(backend_status_));
+      }
+    }
+    if (cancel != nullptr) cancel->Cancel();
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<GenerationCall> cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      if (!backend_done_) cancel = call_;
+    }
+    if (cancel != nullptr) cancel->Cancel();
+  }
+
+  void OnDone() override {
+    if (owners_.Release()) delete this;
+  }
+
+ private:
+  // Before the backend took the request: no backend callback will come.
+  void FailBeforeStart(const absl::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      backend_done_ = true;
+      FinishOnce(rpc::ToGrpcStatus(status));
+    }
+    // gRPC still owns us until OnDone, so this is never the last release.
+    owners_.Release();
+  }
+
+  void FinishOnce(const grpc::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(status);
+  }
+
+  TwoOwners owners_;
+  std::string request_id_;
+  absl::Mutex mu_;
+  // Items not yet written; the front one is being written when
+  // write_in_flight_ (deque: push_back keeps the front's address stable).
+  std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool backend_done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status backend_status_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<GenerationCall> call_ ABSL_GUARDED_BY(mu_);
+};
+
+// ---------------------------------------------------------------------------
+// GenerateUnary
+// ---------------------------------------------------------------------------
+
+class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
+                                   public GenerationObserver {
+ public:
+  GenerateUnaryReactor(GenerationBackend* backend,
+                       grpc::CallbackServerContext* context,
+                       const v1::GenerateRequest& request,
+                       v1::GenerateResponse* response)
+      : response_(response) {
+    absl::StatusOr<GenerationRequest> generation =
+        ToGenerationRequest(request, *backend, DeadlineOf(*context));
+    if (!generation.ok()) {
+      FailBeforeStart(generation.status());
+      return;
+    }
+    response_->set_request_id(generation->request_id);
+    absl::StatusOr<std::unique_ptr<GenerationCall>> call =
+        backend->Start(std::move(generation).value(), this);
+    if (!call.ok()) {
+      FailBeforeStart(call.status());
+      return;
+    }
+    std::shared_ptr<GenerationCall> started = std::move(call).value();
+    bool cancel = false;
+    {
+      absl::MutexLock lock(&mu_);
+      call_ = started;
+      cancel = cancelled_;
+    }
+    if (cancel) started->Cancel();
+  }
+
+  void OnDelta(GenerationDelta delta) override {
+    absl::MutexLock lock(&mu_);
+    if (!finished_) AppendDelta(delta, response_);
+  }
+
+  void OnDone(absl::Status status) override {
+    {
+      absl::MutexLock lock(&mu_);
+      FinishOnce(rpc::ToGrpcStatus(status));
+    }
+    if (owners_.Release()) delete this;
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<GenerationCall> cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      cancel = call_;
+    }
+    if (cancel != nullptr) cancel->Cancel();
+  }
+
+  void OnDone() override {
+    if (owners_.Release()) delete this;
+  }
+
+ private:
+  void FailBeforeStart(const absl::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      FinishOnce(rpc::ToGrpcStatus(status));
+    }
+    owners_.Release();
+  }
+
+  void FinishOnce(const grpc::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    Finish(status);
+  }
+
+  TwoOwners owners_;
+  absl::Mutex mu_;
+  // Owned by gRPC; written only before Finish().
+  v1::GenerateResponse* const response_ ABSL_PT_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::shared_ptr<GenerationCall> call_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<GenerationRequest> ToGenerationRequest(
+    const v1::GenerateRequest& request, const GenerationBackend& backend,
+    absl::Time deadline) {
+  GenerationRequest out;
+  out.request_id =
+      request.request_id().empty() ? NewRequestId() : request.request_id();
+  absl::StatusOr<ModelDescription> model =
+      ResolveModel(backend, request.model());
+  if (!model.ok()) return model.status();
+  out.model = model->name;
+  switch (request.prompt_case()) {
+    case v1::GenerateRequest::kText:
+      out.prompt_text = request.text();
+      break;
+    case v1::GenerateRequest::kTokenIds:
+      out.prompt_ids.emplace(request.token_ids().ids().begin(),
+                             request.token_ids().ids().end());
+      break;
+    case v1::GenerateRequest::PROMPT_NOT_SET:
+      return absl::InvalidArgumentError(
+          "a prompt (text or token_ids) is required");
+  }
+  if (request.max_tokens() < 0) {
+    return absl::InvalidArgumentError("max_tokens must be >= 0 (0 = 16)");
+  }
+  out.max_tokens = request.max_tokens() == 0 ? 16 : request.max_tokens();
+  out.sampling.temperature = request.sampling().temperature();
+  // proto3 cannot tell an unset top_p from 0: 0 is read as "off".
+  out.sampling.top_p =
+      request.sampling().top_p() == 0 ? 1.0f : request.sampling().top_p();
+  out.sampling.top_k = request.sampling().top_k();
+  out.sampling.seed = request.sampling().seed();
+  out.stop.assign(request.stop().begin(), request.stop().end());
+  if (request.include_logprobs()) {
+    return absl::UnimplementedError("include_logprobs is not supported yet");
+  }
+  out.deadline = deadline;
+  if (absl::Status s = ValidateGenerationRequest(out); !s.ok()) return s;
+  return out;
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  return new GenerateReactor(backend_, context, *request);
+}
+
+grpc::ServerUnaryReactor* GenerationService::GenerateUnary(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request,
+    v1::GenerateResponse* response) {
+  return new GenerateUnaryReactor(backend_, context, *request, response);
+}
+
+grpc::ServerUnaryReactor* GenerationService::ListModels(
+    grpc::CallbackServerContext* context, const v1::ListModelsRequest*,
+    v1::ListModelsResponse* response) {
+  for (const ModelDescription& model : backend_->ListModels()) {
+    v1::ModelInfo* info = response->add_models();
+    info->set_name(model.name);
+    info->set_context_length(model.context_length);
+    info->set_vocab_size(model.vocab_size);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace pdserve::router

@@ -1,0 +1,45 @@
+// The public gRPC Generation service (proto/pdserve/v1/generate.proto) over a
+// GenerationBackend, with the callback API: no thread ever blocks in it.
+//
+// Generate is a ServerWriteReactor: backend deltas are queued, one write is in
+// flight at a time, the next starts from OnWriteDone; Finish is called exactly
+// once (backend done, write failure or OnCancel, whichever is first, under the
+// reactor's mutex); the reactor deletes itself when both gRPC (OnDone) and the
+// backend (its OnDone) are finished with it. Client cancellation and deadline
+// expiry reach the backend through GenerationCall::Cancel().
+#pragma once
+
+#include "absl/status/statusor.h"
+#include "pdserve/v1/generate.grpc.pb.h"
+#include "router/generation_backend.h"
+
+namespace pdserve::router {
+
+class GenerationService final : public v1::Generation::CallbackService {
+ public:
+  // `backend` is not owned and must outlive the service.
+  explicit GenerationService(GenerationBackend* backend) : backend_(backend) {}
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context,
+      const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* GenerateUnary(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request,
+      v1::GenerateResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(
+      grpc::CallbackServerContext* context,
+      const v1::ListModelsRequest* request,
+      v1::ListModelsResponse* response) override;
+
+ private:
+  GenerationBackend* const backend_;
+};
+
+// The backend request for a public request: fills defaults (max_tokens 0 =
+// 16, top_p 0 = 1, a request id, the only model), resolves the model
+// (NOT_FOUND) and validates (INVALID_ARGUMENT). `deadline` from the call.
+[[nodiscard]] absl::StatusOr<GenerationRequest> ToGenerationRequest(
+    const v1::GenerateRequest& request, const GenerationBackend& backend,
+    absl::Time deadline);
+
+}  // namespace pdserve::router

@@ -1,0 +1,57 @@
+// The router's OpenAI-compatible HTTP front-end over a GenerationBackend:
+//   POST /v1/completions, POST /v1/chat/completions (SSE when "stream": true,
+//   ending in `data: [DONE]`), GET /v1/models, GET /health.
+// Errors use OpenAI's JSON shape with the status codes of openai_api.h.
+//
+// Threads: one accept thread plus a fixed pool of connection threads
+// (cpp-httplib is thread-per-connection; a streaming response holds its
+// thread until the stream ends). Handlers block on a per-request buffer that
+// the backend's callbacks fill, bounded by the request deadline, so a stuck
+// backend cannot hold a thread forever.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "router/generation_backend.h"
+
+namespace pdserve::router {
+
+struct HttpServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0 = pick a free port (tests)
+  // Connection threads: the most concurrent requests served (streams
+  // included); more connections wait for a thread. Keep it above the
+  // admission limit so refusals are 429s, not waits.
+  int threads = 128;
+  size_t max_body_bytes = 4 << 20;  // larger bodies get 413
+  // Each request's deadline (the backend gets it; 504 when it passes).
+  absl::Duration request_timeout = absl::Minutes(10);
+};
+
+class OpenAiHttpServer {
+ public:
+  // Binds and starts serving. `backend` is not owned and must outlive the
+  // server. UNAVAILABLE when the address cannot be bound.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> Start(
+      const HttpServerOptions& options, GenerationBackend* backend);
+
+  ~OpenAiHttpServer();  // Stop()
+  OpenAiHttpServer(const OpenAiHttpServer&) = delete;
+  OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;
+
+  int port() const;
+  // Stops accepting, cancels open streams and joins every thread. Idempotent.
+  void Stop();
+
+  class Impl;
+
+ private:
+  explicit OpenAiHttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pdserve::router

@@ -1,0 +1,467 @@
+#include "router/openai_api.h"
+
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::router {
+namespace {
+
+using json = nlohmann::json;
+
+absl::Status FieldError(std::string_view field, std::string_view what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", absl::string_view(field.data(), field.size()), "' ",
+                   absl::string_view(what.data(), what.size())));
+}
+
+// Reads an optional number field into `out` (null = absent).
+absl::Status ReadNumber(const json& body, const char* field, double* out) {
+  auto it = body.find(field);
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number()) return FieldError(field, "must be a number");
+  *out = it->get<double>();
+  if (!std::isfinite(*out)) return FieldError(field, "must be finite");
+  return absl::OkStatus();
+}
+
+// Reads an optional integer field (a float with an integral value is not
+// accepted: OpenAI's schema says integer).
+absl::Status ReadInteger(const json& body, const char* field, int64_t* out) {
+  auto it = body.find(field);
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (it->is_number_unsigned()) {
+    uint64_t v = it->get<uint64_t>();
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return FieldError(field, "is out of range");
+    }
+    *out = static_cast<int64_t>(v);
+    return absl::OkStatus();
+  }
+  if (!it->is_number_integer()) return FieldError(field, "must be an integer");
+  *out = it->get<int64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status ReadBool(const json& body, const char* field, bool* out) {
+  auto it = body.find(field);
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_boolean()) return FieldError(field, "must be a boolean");
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
+// prompt: a string, a one-element array of strings, an array of token ids,
+// or a one-element array of token-id arrays. Batches (several prompts) are
+// not supported: the router streams one sequence per request.
+absl::Status ReadPrompt(const json& body, GenerationRequest* request) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) {
+    return FieldError("prompt", "is required");
+  }
+  const json* prompt = &*it;
+  if (prompt->is_array() && prompt->size() == 1 &&
+      ((*prompt)[0].is_string() || (*prompt)[0].is_array())) {
+    prompt = &(*prompt)[0];
+  }
+  if (prompt->is_string()) {
+    request->prompt_text = prompt->get<std::string>();
+    if (request->prompt_text->empty()) {
+      return FieldError("prompt", "must not be empty");
+    }
+    return absl::OkStatus();
+  }
+  if (prompt->is_array()) {
+    if (prompt->empty()) return FieldError("prompt", "must not be empty");
+    std::vector<int32_t> ids;
+    ids.reserve(prompt->size());
+    for (const json& id : *prompt) {
+      if (id.is_string() || id.is_array()) {
+        return FieldError("prompt", "with several prompts is not supported");
+      }
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+          id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+        return FieldError("prompt",
+                          "must be a string or an array of token ids");
+      }
+      ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
+    }
+    request->prompt_ids = std::move(ids);
+    return absl::OkStatus();
+  }
+  return FieldError("prompt", "must be a string or an array of token ids");
+}
+
+absl::Status ReadMessages(const json& body, std::vector<ChatMessage>* out) {
+  auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) {
+    return FieldError("messages", "is required");
+  }
+  if (!it->is_array() || it->empty()) {
+    return FieldError("messages", "must be a non-empty array");
+  }
+  for (const json& message : *it) {
+    if (!message.is_object()) {
+      return FieldError("messages", "must hold objects");
+    }
+    auto role = message.find("role");
+    if (role == message.end() || !role->is_string()) {
+      return FieldError("messages[].role", "is required");
+    }
+    std::string role_name = role->get<std::string>();
+    if (role_name != "system" && role_name != "user" &&
+        role_name != "assistant" && role_name != "developer") {
+      return FieldError("messages[].role",
+                        "must be system, developer, user or assistant");
+    }
+    if (role_name == "developer") role_name = "system";
+    auto content = message.find("content");
+    if (content == message.end() || content->is_null()) {
+      return FieldError("messages[].content", "is required");
+    }
+    std::string text;
+    if (content->is_string()) {
+      text = content->get<std::string>();
+    } else if (content->is_array()) {
+      // Content parts: only text parts exist for a text model.
+      for (const json& part : *content) {
+        auto type = part.is_object() ? part.find("type") : part.end();
+        if (!part.is_object() || type == part.end() || *type != "text" ||
+            !part.contains("text") || !part["text"].is_string()) {
+          return FieldError(
+              "messages[].content",
+              "parts must be {\"type\": \"text\", \"text\": ...}");
+        }
+        text += part["text"].get<std::string>();
+      }
+    } else {
+      return FieldError("messages[].content",
+                        "must be a string or an array of text parts");
+    }
+    out->push_back({std::move(role_name), std::move(text)});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadStop(const json& body, std::vector<std::string>* stop) {
+  auto it = body.find("stop");
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (it->is_string()) {
+    stop->push_back(it->get<std::string>());
+  } else if (it->is_array()) {
+    for (const json& s : *it) {
+      if (!s.is_string()) return FieldError("stop", "must hold strings");
+      stop->push_back(s.get<std::string>());
+    }
+  } else {
+    return FieldError("stop", "must be a string or an array of strings");
+  }
+  return absl::OkStatus();
+}
+
+// Options we cannot honour are refused rather than silently ignored, unless
+// they are at their neutral value.
+absl::Status RejectUnsupported(const json& body) {
+  for (const char* field : {"frequency_penalty", "presence_penalty"}) {
+    double v = 0;
+    if (absl::Status s = ReadNumber(body, field, &v); !s.ok()) return s;
+    if (v != 0) return FieldError(field, "is not supported (must be 0)");
+  }
+  for (const char* field : {"echo", "logprobs", "top_logprobs", "suffix",
+                            "logit_bias", "tools", "functions"}) {
+    auto it = body.find(field);
+    if (it == body.end() || it->is_null()) continue;
+    if ((it->is_boolean() && !it->get<bool>()) ||
+        (std::string_view(field) == "logit_bias" && it->is_object() &&
+         it->empty())) {
+      continue;
+    }
+    return FieldError(field, "is not supported");
+  }
+  for (const char* field : {"n", "best_of"}) {
+    int64_t n = 1;
+    if (absl::Status s = ReadInteger(body, field, &n); !s.ok()) return s;
+    if (n != 1) return FieldError(field, "must be 1");
+  }
+  return absl::OkStatus();
+}
+
+const char* ErrorType(int http_status) {
+  switch (http_status) {
+    case 400:
+    case 404:
+    case 413:
+      return "invalid_request_error";
+    case 429:
+      return "rate_limit_error";
+    case 499:
+      return "cancelled";
+    case 501:
+      return "not_implemented";
+    case 503:
+      return "service_unavailable";
+    case 504:
+      return "timeout";
+    default:
+      return "server_error";
+  }
+}
+
+const char* ObjectName(OpenAiEndpoint endpoint, bool chunk) {
+  if (endpoint == OpenAiEndpoint::kCompletions) return "text_completion";
+  return chunk ? "chat.completion.chunk" : "chat.completion";
+}
+
+json UsageJson(const GenerationUsage& usage) {
+  json out = {{"prompt_tokens", usage.prompt_tokens},
+              {"completion_tokens", usage.completion_tokens},
+              {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+  if (usage.cached_prompt_tokens > 0) {
+    out["prompt_tokens_details"] = {
+        {"cached_tokens", usage.cached_prompt_tokens}};
+  }
+  return out;
+}
+
+json FinishJson(FinishReason reason) {
+  std::string name = OpenAiFinishReason(reason);
+  return name.empty() ? json(nullptr) : json(name);
+}
+
+// Text from generated tokens is valid UTF-8 by the detokenizer's contract;
+// replacing (not throwing) keeps a broken backend from killing the thread.
+std::string Dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string Event(const json& value) {
+  return absl::StrCat("data: ", Dump(value), "\n\n");
+}
+
+}  // namespace
+
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
+                                                 std::string_view body_text) {
+  json body = json::parse(body_text, /*cb=*/nullptr,
+                          /*allow_exceptions=*/false);
+  if (body.is_discarded()) {
+    return absl::InvalidArgumentError(
+        "request body is not valid JSON (or not valid UTF-8)");
+  }
+  if (!body.is_object()) {
+    return absl::InvalidArgumentError("request body must be a JSON object");
+  }
+  OpenAiRequest request;
+  request.endpoint = endpoint;
+  GenerationRequest& gen = request.generation;
+
+  if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
+    if (!it->is_string()) return FieldError("model", "must be a string");
+    gen.model = it->get<std::string>();
+  }
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    if (absl::Status s = ReadPrompt(body, &gen); !s.ok()) return s;
+  } else {
+    if (absl::Status s = ReadMessages(body, &request.messages); !s.ok()) {
+      return s;
+    }
+    gen.prompt_text = RenderChatPrompt(request.messages);
+  }
+  if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
+
+  // OpenAI's default for completions is 16; chat has no limit there, so the
+  // backend's context bound applies through a large default clipped later.
+  int64_t max_tokens = 16;
+  if (absl::Status s = ReadInteger(body, "max_tokens", &max_tokens); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = ReadInteger(body, "max_completion_tokens", &max_tokens);
+      !s.ok()) {
+    return s;
+  }
+  if (max_tokens < 1 || max_tokens > std::numeric_limits<int32_t>::max()) {
+    return FieldError("max_tokens", absl::StrCat("must be at least 1 (got ",
+                                                 max_tokens, ")"));
+  }
+  gen.max_tokens = static_cast<int32_t>(max_tokens);
+
+  double temperature = 1.0;  // OpenAI's default
+  if (absl::Status s = ReadNumber(body, "temperature", &temperature); !s.ok()) {
+    return s;
+  }
+  if (temperature < 0 || temperature > 2) {
+    return FieldError("temperature", "must be in [0, 2]");
+  }
+  double top_p = 1.0;
+  if (absl::Status s = ReadNumber(body, "top_p", &top_p); !s.ok()) return s;
+  if (top_p <= 0 || top_p > 1) return FieldError("top_p", "must be in (0, 1]");
+  int64_t top_k = 0;
+  if (absl::Status s = ReadInteger(body, "top_k", &top_k); !s.ok()) return s;
+  if (top_k == -1) top_k = 0;  // vLLM's "off"
+  if (top_k < 0 || top_k > std::numeric_limits<int32_t>::max()) {
+    return FieldError("top_k", "must be >= 0 (or -1 for off)");
+  }
+  int64_t seed = 0;
+  if (absl::Status s = ReadInteger(body, "seed", &seed); !s.ok()) return s;
+  gen.sampling.temperature = static_cast<float>(temperature);
+  gen.sampling.top_p = static_cast<float>(top_p);
+  gen.sampling.top_k = static_cast<int32_t>(top_k);
+  gen.sampling.seed = static_cast<uint64_t>(seed);
+
+  if (absl::Status s = ReadStop(body, &gen.stop); !s.ok()) return s;
+  if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
+    return s;
+  }
+  if (auto it = body.find("stream_options");
+      it != body.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return FieldError("stream_options", "must be an object");
+    }
+    if (absl::Status s = ReadBool(*it, "include_usage", &request.include_usage);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = ValidateGenerationRequest(gen); !s.ok()) return s;
+  return request;
+}
+
+std::string RenderChatPrompt(const std::vector<ChatMessage>& messages) {
+  std::string prompt;
+  for (const ChatMessage& message : messages) {
+    const char* role = message.role == "system" ? "System"
+                       : message.role == "user" ? "User"
+                                                : "Assistant";
+    absl::StrAppend(&prompt, role, ": ", message.content, "\n");
+  }
+  absl::StrAppend(&prompt, "Assistant:");
+  return prompt;
+}
+
+int HttpStatusFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kFailedPrecondition:
+      return 400;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
+    case absl::StatusCode::kCancelled:
+      return 499;
+    case absl::StatusCode::kUnimplemented:
+      return 501;
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    case absl::StatusCode::kDeadlineExceeded:
+      return 504;
+    default:
+      return 500;
+  }
+}
+
+std::string ErrorBody(int http_status, std::string_view message) {
+  json error = {{"message", std::string(message)},
+                {"type", ErrorType(http_status)},
+                {"param", nullptr},
+                {"code", nullptr}};
+  if (http_status == 404) error["code"] = "model_not_found";
+  if (http_status == 429) error["code"] = "rate_limit_exceeded";
+  return Dump(json{{"error", std::move(error)}});
+}
+
+std::string ErrorBody(const absl::Status& status) {
+  return ErrorBody(
+      HttpStatusFor(status),
+      std::string_view(status.message().data(), status.message().size()));
+}
+
+std::string OpenAiFinishReason(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    default:
+      return "";
+  }
+}
+
+std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
+                           int64_t created, std::string_view model,
+                           const CompletionOutcome& outcome) {
+  json choice = {{"index", 0},
+                 {"logprobs", nullptr},
+                 {"finish_reason", FinishJson(outcome.finish_reason)}};
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    choice["text"] = outcome.text;
+  } else {
+    choice["message"] = {{"role", "assistant"}, {"content", outcome.text}};
+  }
+  json body = {{"id", std::string(id)},
+               {"object", ObjectName(endpoint, /*chunk=*/false)},
+               {"created", created},
+               {"model", std::string(model)},
+               {"choices", json::array({std::move(choice)})},
+               {"usage", UsageJson(outcome.usage)}};
+  return Dump(body);
+}
+
+std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
+                             int64_t created, std::string_view model,
+                             std::string_view text, FinishReason finish_reason,
+                             bool first) {
+  json choice = {{"index", 0},
+                 {"logprobs", nullptr},
+                 {"finish_reason", FinishJson(finish_reason)}};
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    choice["text"] = std::string(text);
+  } else {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || first) delta["content"] = std::string(text);
+    choice["delta"] = std::move(delta);
+  }
+  json chunk = {{"id", std::string(id)},
+                {"object", ObjectName(endpoint, /*chunk=*/true)},
+                {"created", created},
+                {"model", std::string(model)},
+                {"choices", json::array({std::move(choice)})}};
+  return Event(chunk);
+}
+
+std::string StreamUsageEvent(OpenAiEndpoint endpoint, std::string_view id,
+                             int64_t created, std::string_view model,
+                             const GenerationUsage& usage) {
+  json chunk = {{"id", std::string(id)},
+                {"object", ObjectName(endpoint, /*chunk=*/true)},
+                {"created", created},
+                {"model", std::string(model)},
+                {"choices", json::array()},
+                {"usage", UsageJson(usage)}};
+  return Event(chunk);
+}
+
+std::string StreamErrorEvent(const absl::Status& status) {
+  return absl::StrCat("data: ", ErrorBody(status), "\n\n");
+}
+
+std::string ModelsBody(const std::vector<ModelDescription>& models,
+                       int64_t created) {
+  json data = json::array();
+  for (const ModelDescription& model : models) {
+    data.push_back({{"id", model.name},
+                    {"object", "model"},
+                    {"created", created},
+                    {"owned_by", "pdserve"},
+                    {"max_model_len", model.context_length}});
+  }
+  return Dump(json{{"object", "list"}, {"data", std::move(data)}});
+}
+
+}  // namespace pdserve::router

@@ -1,0 +1,96 @@
+// The OpenAI-compatible wire format, as pure functions (no sockets): parsing
+// and validating /v1/completions and /v1/chat/completions bodies into a
+// GenerationRequest, the chat template for base models, response bodies, SSE
+// chunks and OpenAI's error shape. http_server.cc puts them on the wire.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "router/generation_backend.h"
+
+namespace pdserve::router {
+
+enum class OpenAiEndpoint { kCompletions, kChatCompletions };
+
+struct ChatMessage {
+  std::string role;  // "system", "user" or "assistant"
+  std::string content;
+};
+
+struct OpenAiRequest {
+  OpenAiEndpoint endpoint = OpenAiEndpoint::kCompletions;
+  // `model` may be empty (the cluster's only model); request_id is empty.
+  GenerationRequest generation;
+  std::vector<ChatMessage> messages;  // chat only; already rendered in prompt
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+};
+
+// Parses and validates a request body (INVALID_ARGUMENT naming the field for
+// malformed JSON, wrong types, n != 1, unsupported options, out-of-range
+// values). Unknown fields are ignored, as OpenAI's clients send many.
+[[nodiscard]] absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
+    OpenAiEndpoint endpoint, std::string_view body);
+
+// The chat template for base models (no template of their own):
+//
+//   System: <content>\n      (one line group per message, in order;
+//   User: <content>\n         roles capitalized)
+//   Assistant: <content>\n
+//   Assistant:               (the cue; the model continues after the colon)
+//
+// Plain role prefixes keep the prompt readable text a base model has seen in
+// training (dialogue), with no special tokens it would not know.
+std::string RenderChatPrompt(const std::vector<ChatMessage>& messages);
+
+// HTTP status for a backend/validation status: INVALID_ARGUMENT,
+// OUT_OF_RANGE, FAILED_PRECONDITION -> 400; NOT_FOUND -> 404;
+// RESOURCE_EXHAUSTED -> 429; UNAVAILABLE -> 503; DEADLINE_EXCEEDED -> 504;
+// CANCELLED -> 499 (client closed); UNIMPLEMENTED -> 501; else 500.
+int HttpStatusFor(const absl::Status& status);
+
+// {"error": {"message", "type", "param": null, "code"}} with the type (and
+// code) OpenAI uses for that HTTP status.
+std::string ErrorBody(int http_status, std::string_view message);
+std::string ErrorBody(const absl::Status& status);
+
+// What a finished generation produced (non-streaming bodies, final chunks).
+struct CompletionOutcome {
+  std::string text;
+  FinishReason finish_reason = FinishReason::kNone;
+  GenerationUsage usage;
+};
+
+// "stop" or "length" for OpenAI (cancelled/error are not OpenAI reasons and
+// map to null).
+std::string OpenAiFinishReason(FinishReason reason);
+
+// The complete non-streaming response body.
+std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
+                           int64_t created, std::string_view model,
+                           const CompletionOutcome& outcome);
+
+// One SSE event "data: {...}\n\n" carrying a text delta; `finish_reason`
+// kNone keeps it null. For chat, `first` adds the assistant role to delta.
+std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
+                             int64_t created, std::string_view model,
+                             std::string_view text, FinishReason finish_reason,
+                             bool first);
+// The trailing usage chunk (stream_options.include_usage): empty choices.
+std::string StreamUsageEvent(OpenAiEndpoint endpoint, std::string_view id,
+                             int64_t created, std::string_view model,
+                             const GenerationUsage& usage);
+// An error after the stream started: "data: {"error": ...}\n\n".
+std::string StreamErrorEvent(const absl::Status& status);
+inline constexpr std::string_view kStreamDoneEvent = "data: [DONE]\n\n";
+
+// GET /v1/models body.
+std::string ModelsBody(const std::vector<ModelDescription>& models,
+                       int64_t created);
+
+}  // namespace pdserve::router

@@ -1,0 +1,297 @@
+// The public gRPC Generation service through a real channel to a
+// RunningServer on 127.0.0.1:0, over the fake backend: streaming, unary,
+// ListModels, health, status codes, cancellation reaching the backend, and
+// deadlines.
+#include "router/generation_service.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "router/admission_limiter.h"
+#include "rpc/server.h"
+#include "tests/router/fake_backend.h"
+
+namespace pdserve::router {
+namespace {
+
+using testing::FakeBackend;
+
+class GenerationServiceTest : public ::testing::Test {
+ protected:
+  void Start(GenerationBackend* backend) {
+    service_ = std::make_unique<GenerationService>(backend);
+    absl::StatusOr<std::unique_ptr<rpc::RunningServer>> server =
+        rpc::RunningServer::Start("127.0.0.1:0", {service_.get()});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    channel_ = grpc::CreateChannel(server_->address(),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::Generation::NewStub(channel_);
+  }
+  void SetUp() override { Start(&backend_); }
+  void TearDown() override {
+    EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(10)));
+    server_.reset();
+  }
+
+  static v1::GenerateRequest Request(const std::string& text, int max_tokens) {
+    v1::GenerateRequest request;
+    request.set_text(text);
+    request.set_max_tokens(max_tokens);
+    return request;
+  }
+
+  // Reads a whole stream; the items and the final status.
+  std::pair<std::vector<v1::GenerateResponse>, grpc::Status> ReadAll(
+      const v1::GenerateRequest& request,
+      absl::Duration timeout = absl::Seconds(30)) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+    auto reader = stub_->Generate(&context, request);
+    std::vector<v1::GenerateResponse> items;
+    v1::GenerateResponse item;
+    while (reader->Read(&item)) items.push_back(item);
+    return {items, reader->Finish()};
+  }
+
+  FakeBackend backend_;
+  std::unique_ptr<GenerationService> service_;
+  std::unique_ptr<rpc::RunningServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Generation::Stub> stub_;
+};
+
+TEST_F(GenerationServiceTest, StreamsDeltasWithTheSummaryOnTheLastItem) {
+  v1::GenerateRequest request = Request("Once upon", 5);
+  request.set_request_id("my-id");
+  request.mutable_sampling()->set_temperature(0.7f);
+  request.mutable_sampling()->set_seed(9);
+  request.add_stop("\n");
+  auto [items, status] = ReadAll(request);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(items.size(), 5u);
+  std::string text;
+  for (size_t i = 0; i < items.size(); ++i) {
+    EXPECT_EQ(items[i].request_id(), "my-id");
+    ASSERT_EQ(items[i].token_ids_size(), 1);
+    EXPECT_EQ(items[i].token_ids(0), 100 + static_cast<int>(i));
+    text += items[i].text();
+    if (i + 1 < items.size()) {
+      EXPECT_EQ(items[i].finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+      EXPECT_FALSE(items[i].has_usage());
+    }
+  }
+  EXPECT_EQ(text, " w0 w1 w2 w3 w4");
+  EXPECT_EQ(items.back().finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(items.back().usage().completion_tokens(), 5);
+  EXPECT_EQ(items.back().usage().prompt_tokens(), 9);
+  EXPECT_GT(items.back().timing().time_to_first_token_seconds(), 0);
+  GenerationRequest seen = backend_.last_request();
+  EXPECT_EQ(seen.model, "stories260K");
+  EXPECT_FLOAT_EQ(seen.sampling.temperature, 0.7f);
+  EXPECT_FLOAT_EQ(seen.sampling.top_p, 1.0f);  // 0 on the wire = off
+  EXPECT_EQ(seen.sampling.seed, 9u);
+  EXPECT_EQ(seen.stop, std::vector<std::string>{"\n"});
+  EXPECT_LT(seen.deadline, absl::InfiniteFuture());
+}
+
+TEST_F(GenerationServiceTest, TokenIdPromptsAndDefaults) {
+  v1::GenerateRequest request;
+  request.mutable_token_ids()->add_ids(1);
+  request.mutable_token_ids()->add_ids(42);
+  auto [items, status] = ReadAll(request);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(items.size(), 16u);  // max_tokens 0 = 16
+  EXPECT_FALSE(items[0].request_id().empty());
+  EXPECT_EQ(backend_.last_request().prompt_ids, (std::vector<int32_t>{1, 42}));
+}
+
+TEST_F(GenerationServiceTest, UnaryAndListModels) {
+  grpc::ClientContext context;
+  v1::GenerateResponse response;
+  grpc::Status status =
+      stub_->GenerateUnary(&context, Request("stop", 10), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.text(), " w0");
+  EXPECT_EQ(response.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(response.usage().completion_tokens(), 1);
+
+  grpc::ClientContext context2;
+  v1::GenerateResponse many;
+  ASSERT_TRUE(stub_->GenerateUnary(&context2, Request("x", 4), &many).ok());
+  EXPECT_EQ(many.text(), " w0 w1 w2 w3");
+  EXPECT_EQ(many.token_ids_size(), 4);
+
+  grpc::ClientContext context3;
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(
+      stub_->ListModels(&context3, v1::ListModelsRequest(), &models).ok());
+  ASSERT_EQ(models.models_size(), 1);
+  EXPECT_EQ(models.models(0).name(), "stories260K");
+  EXPECT_EQ(models.models(0).context_length(), 512);
+}
+
+TEST_F(GenerationServiceTest, HealthAndReflectionServed) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  ASSERT_TRUE(health->Check(&context, request, &response).ok());
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(GenerationServiceTest, BadRequestsAreInvalidArgument) {
+  std::vector<v1::GenerateRequest> bad;
+  bad.push_back(v1::GenerateRequest());  // no prompt
+  bad.push_back(Request("", 4));
+  // (Invalid UTF-8 in `text` never reaches us: protobuf refuses to parse a
+  // string field holding it.)
+  bad.push_back(Request("a", -1));
+  v1::GenerateRequest temp = Request("a", 4);
+  temp.mutable_sampling()->set_temperature(-1);
+  bad.push_back(temp);
+  v1::GenerateRequest top_p = Request("a", 4);
+  top_p.mutable_sampling()->set_top_p(1.5f);
+  bad.push_back(top_p);
+  v1::GenerateRequest top_k = Request("a", 4);
+  top_k.mutable_sampling()->set_top_k(-2);
+  bad.push_back(top_k);
+  v1::GenerateRequest empty_ids;
+  empty_ids.mutable_token_ids();
+  bad.push_back(empty_ids);
+  v1::GenerateRequest stop = Request("a", 4);
+  stop.add_stop("");
+  bad.push_back(stop);
+  for (const v1::GenerateRequest& request : bad) {
+    auto [items, status] = ReadAll(request);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << request.DebugString();
+    EXPECT_TRUE(items.empty());
+    grpc::ClientContext context;
+    v1::GenerateResponse response;
+    EXPECT_EQ(stub_->GenerateUnary(&context, request, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  v1::GenerateRequest model = Request("a", 4);
+  model.set_model("gpt-9");
+  EXPECT_EQ(ReadAll(model).second.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(backend_.started(), 0);
+  // Still serving.
+  EXPECT_TRUE(ReadAll(Request("a", 2)).second.ok());
+}
+
+TEST_F(GenerationServiceTest, BackendStatusesPassThrough) {
+  EXPECT_EQ(ReadAll(Request("fail:unavailable", 4)).second.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(ReadAll(Request("fail:exhausted", 4)).second.error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  auto [items, status] = ReadAll(Request("midfail", 8));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(items.size(), 2u);
+  backend_.set_start_error(absl::UnavailableError("nothing healthy"));
+  EXPECT_EQ(ReadAll(Request("a", 2)).second.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  grpc::ClientContext context;
+  v1::GenerateResponse response;
+  EXPECT_EQ(
+      stub_->GenerateUnary(&context, Request("a", 2), &response).error_code(),
+      grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(GenerationServiceTest, ClientCancelReachesTheBackend) {
+  grpc::ClientContext context;
+  auto reader = stub_->Generate(&context, Request("hang", 4));
+  absl::Time until = absl::Now() + absl::Seconds(5);
+  while (backend_.active() == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(backend_.active(), 1);
+  context.TryCancel();
+  v1::GenerateResponse item;
+  EXPECT_FALSE(reader->Read(&item));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(5)));
+  EXPECT_EQ(backend_.cancelled(), 1);
+}
+
+TEST_F(GenerationServiceTest, CancelMidStreamWhileWritesAreInFlight) {
+  FakeBackend fast(absl::Microseconds(50));
+  service_.reset();
+  server_.reset();
+  Start(&fast);
+  for (int round = 0; round < 20; ++round) {
+    grpc::ClientContext context;
+    auto reader = stub_->Generate(&context, Request("x", 100000));
+    v1::GenerateResponse item;
+    for (int i = 0; i < round && reader->Read(&item); ++i) {
+    }
+    context.TryCancel();
+    while (reader->Read(&item)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  EXPECT_TRUE(fast.WaitIdle(absl::Seconds(10)));
+  // A call cancelled before the server saw it never reaches the backend;
+  // every one that did was cancelled there.
+  EXPECT_GE(fast.started(), 19);
+  EXPECT_EQ(fast.cancelled(), fast.started());
+  server_.reset();
+}
+
+TEST_F(GenerationServiceTest, DeadlineEndsTheCallAndTheBackendWork) {
+  auto [items, status] = ReadAll(Request("hang", 4), absl::Milliseconds(200));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(5)));
+
+  grpc::ClientContext context;
+  context.set_deadline(
+      absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)));
+  v1::GenerateResponse response;
+  EXPECT_EQ(stub_->GenerateUnary(&context, Request("hang", 4), &response)
+                .error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(5)));
+}
+
+TEST_F(GenerationServiceTest, AdmissionLimitIsResourceExhausted) {
+  AdmissionLimiter limiter(&backend_, 2);
+  service_.reset();
+  server_.reset();
+  Start(&limiter);
+  grpc::ClientContext c1, c2;
+  auto r1 = stub_->Generate(&c1, Request("hang", 4));
+  auto r2 = stub_->Generate(&c2, Request("hang", 4));
+  absl::Time until = absl::Now() + absl::Seconds(5);
+  while (limiter.in_flight() < 2 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(limiter.in_flight(), 2);
+  EXPECT_EQ(ReadAll(Request("a", 2)).second.error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  c1.TryCancel();
+  c2.TryCancel();
+  r1->Finish();
+  r2->Finish();
+  EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(5)));
+  EXPECT_EQ(limiter.in_flight(), 0);
+  EXPECT_TRUE(ReadAll(Request("a", 2)).second.ok());
+  server_.reset();
+}
+
+TEST_F(GenerationServiceTest, ManyConcurrentStreams) {
+  constexpr int kStreams = 32;
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      auto [items, status] = ReadAll(Request("x", 1 + i % 7));
+      if (status.ok() && static_cast<int>(items.size()) == 1 + i % 7) good++;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(good.load(), kStreams);
+}
+
+}  // namespace
+}  // namespace pdserve::router

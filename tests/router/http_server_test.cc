@@ -1,0 +1,343 @@
+// The OpenAI HTTP front-end through a real server on 127.0.0.1:0 and
+// cpp-httplib's client, over the fake backend: SSE framing, non-streaming
+// bodies, chat, models, health, and every error shape and status code.
+#include "router/http_server.h"
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "absl/strings/str_split.h"
+#include "router/admission_limiter.h"
+#include "tests/router/fake_backend.h"
+
+namespace pdserve::router {
+namespace {
+
+using json = nlohmann::json;
+using testing::FakeBackend;
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void StartServer(GenerationBackend* backend, HttpServerOptions options = {}) {
+    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> server =
+        OpenAiHttpServer::Start(options, backend);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", server_->port());
+    client_->set_read_timeout(30, 0);
+  }
+  void SetUp() override { StartServer(&backend_); }
+  void TearDown() override {
+    if (server_ != nullptr) server_->Stop();
+    EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(10)));
+  }
+
+  httplib::Result Post(const std::string& path, const std::string& body) {
+    return client_->Post(path.c_str(), body, "application/json");
+  }
+
+  // Checks OpenAI's error shape and returns the message.
+  static std::string ExpectError(const httplib::Result& res, int status) {
+    EXPECT_TRUE(res) << "no response";
+    if (!res) return "";
+    EXPECT_EQ(res->status, status) << res->body;
+    json body = json::parse(res->body, nullptr, false);
+    EXPECT_TRUE(body.is_object() && body.contains("error")) << res->body;
+    if (!body.is_object() || !body.contains("error")) return "";
+    const json& error = body["error"];
+    EXPECT_TRUE(error["message"].is_string());
+    EXPECT_TRUE(error["type"].is_string());
+    EXPECT_TRUE(error.contains("param"));
+    EXPECT_TRUE(error.contains("code"));
+    EXPECT_EQ(res->get_header_value("Content-Type"), "application/json");
+    return error["message"].is_string() ? error["message"].get<std::string>()
+                                        : "";
+  }
+
+  // Splits an SSE body into its `data:` payloads, checking the framing:
+  // every event is one "data: ..." line followed by a blank line.
+  static std::vector<std::string> Events(const std::string& body) {
+    std::vector<std::string> events;
+    EXPECT_TRUE(body.size() >= 2 && body.substr(body.size() - 2) == "\n\n")
+        << body;
+    for (absl::string_view event : absl::StrSplit(body, "\n\n")) {
+      if (event.empty()) continue;
+      EXPECT_TRUE(absl::StartsWith(event, "data: ")) << event;
+      EXPECT_EQ(event.find('\n'), absl::string_view::npos) << event;
+      events.emplace_back(event.substr(6));
+    }
+    return events;
+  }
+
+  FakeBackend backend_;
+  std::unique_ptr<OpenAiHttpServer> server_;
+  std::unique_ptr<httplib::Client> client_;
+};
+
+TEST_F(HttpServerTest, NonStreamingCompletion) {
+  auto res = Post("/v1/completions",
+                  R"({"model": "stories260K", "prompt": "Once upon a time",
+                      "max_tokens": 3, "temperature": 0, "seed": 5})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  json body = json::parse(res->body);
+  EXPECT_EQ(body["object"], "text_completion");
+  EXPECT_EQ(body["model"], "stories260K");
+  EXPECT_TRUE(absl::StartsWith(body["id"].get<std::string>(), "cmpl-"));
+  EXPECT_EQ(body["choices"].size(), 1u);
+  EXPECT_EQ(body["choices"][0]["text"], " w0 w1 w2");
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(body["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 16);
+  EXPECT_EQ(body["usage"]["total_tokens"], 19);
+  GenerationRequest seen = backend_.last_request();
+  EXPECT_EQ(seen.max_tokens, 3);
+  EXPECT_EQ(seen.sampling.seed, 5u);
+  EXPECT_EQ(seen.sampling.temperature, 0.0f);
+  EXPECT_LT(seen.deadline, absl::InfiniteFuture());
+}
+
+TEST_F(HttpServerTest, StreamingCompletionSseFraming) {
+  auto res = Post("/v1/completions",
+                  R"({"prompt": "Once", "max_tokens": 4, "stream": true,
+                      "stream_options": {"include_usage": true}})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_TRUE(absl::StartsWith(res->get_header_value("Content-Type"),
+                               "text/event-stream"));
+  std::vector<std::string> events = Events(res->body);
+  // 4 token chunks, the usage chunk, [DONE].
+  ASSERT_EQ(events.size(), 6u) << res->body;
+  std::string text;
+  for (int i = 0; i < 4; ++i) {
+    json chunk = json::parse(events[i]);
+    EXPECT_EQ(chunk["object"], "text_completion");
+    text += chunk["choices"][0]["text"].get<std::string>();
+    if (i < 3) {
+      EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+    } else {
+      EXPECT_EQ(chunk["choices"][0]["finish_reason"], "length");
+    }
+  }
+  EXPECT_EQ(text, " w0 w1 w2 w3");
+  json usage = json::parse(events[4]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 4);
+  EXPECT_EQ(events[5], "[DONE]");
+}
+
+TEST_F(HttpServerTest, ChatStreamingAndNot) {
+  auto res = Post("/v1/chat/completions",
+                  R"({"messages": [{"role": "user", "content": "Hi"}],
+                      "max_tokens": 2})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  json body = json::parse(res->body);
+  EXPECT_EQ(body["object"], "chat.completion");
+  EXPECT_EQ(body["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(body["choices"][0]["message"]["content"], " w0 w1");
+  EXPECT_EQ(backend_.last_request().prompt_text, "User: Hi\nAssistant:");
+
+  auto streamed = Post("/v1/chat/completions",
+                       R"({"messages": [{"role": "user", "content": "Hi"}],
+                           "max_tokens": 2, "stream": true})");
+  ASSERT_TRUE(streamed);
+  ASSERT_EQ(streamed->status, 200);
+  std::vector<std::string> events = Events(streamed->body);
+  ASSERT_EQ(events.size(), 3u) << streamed->body;
+  json first = json::parse(events[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(first["choices"][0]["delta"]["content"], " w0");
+  json last = json::parse(events[1]);
+  EXPECT_FALSE(last["choices"][0]["delta"].contains("role"));
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(events[2], "[DONE]");
+}
+
+TEST_F(HttpServerTest, ModelsAndHealth) {
+  auto models = client_->Get("/v1/models");
+  ASSERT_TRUE(models);
+  ASSERT_EQ(models->status, 200);
+  json body = json::parse(models->body);
+  EXPECT_EQ(body["object"], "list");
+  EXPECT_EQ(body["data"][0]["id"], "stories260K");
+  EXPECT_EQ(body["data"][0]["object"], "model");
+
+  auto health = client_->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  backend_.set_health(absl::UnavailableError("no decode worker"));
+  ExpectError(client_->Get("/health"), 503);
+}
+
+TEST_F(HttpServerTest, BadRequestsGet400AndTheServerKeepsServing) {
+  for (const char* body :
+       {"{", "[]", "not json", "{\"prompt\": \"\"}",
+        "{\"prompt\": \"a\", "
+        "\"max_tokens\": 0}",
+        "{\"prompt\": \"a\", \"temperature\": -1}",
+        "{\"prompt\": \"a\", \"n\": 2}", "{\"prompt\": \"\xc3\x28\"}",
+        "{\"model\": \"stories260K\"}"}) {
+    std::string message = ExpectError(Post("/v1/completions", body), 400);
+    EXPECT_FALSE(message.empty()) << body;
+  }
+  ExpectError(Post("/v1/chat/completions", "{\"messages\": []}"), 400);
+  EXPECT_EQ(backend_.started(), 0);
+  auto ok = Post("/v1/completions", R"({"prompt": "a", "max_tokens": 1})");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+}
+
+TEST_F(HttpServerTest, UnknownModelIs404) {
+  std::string message = ExpectError(
+      Post("/v1/completions", R"({"model": "gpt-9", "prompt": "a"})"), 404);
+  EXPECT_NE(message.find("gpt-9"), std::string::npos);
+  auto res = Post("/v1/completions", R"({"model": "gpt-9", "prompt": "a"})");
+  EXPECT_EQ(json::parse(res->body)["error"]["code"], "model_not_found");
+}
+
+TEST_F(HttpServerTest, BackendErrorsMapToStatusCodes) {
+  const std::pair<const char*, int> cases[] = {{"fail:unavailable", 503},
+                                               {"fail:exhausted", 429},
+                                               {"fail:invalid", 400},
+                                               {"fail:deadline", 504},
+                                               {"fail:internal", 500}};
+  for (const auto& [prompt, status] : cases) {
+    for (bool stream : {false, true}) {
+      json body = {{"prompt", prompt}, {"stream", stream}};
+      ExpectError(Post("/v1/completions", body.dump()), status);
+    }
+  }
+  backend_.set_start_error(absl::UnavailableError("nothing healthy"));
+  ExpectError(Post("/v1/completions", R"({"prompt": "a"})"), 503);
+}
+
+TEST_F(HttpServerTest, MidStreamErrorIsAnSseErrorEvent) {
+  auto res = Post("/v1/completions",
+                  R"({"prompt": "midfail", "max_tokens": 8, "stream": true})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200);
+  std::vector<std::string> events = Events(res->body);
+  ASSERT_EQ(events.size(), 4u) << res->body;
+  json error = json::parse(events[2]);
+  EXPECT_EQ(error["error"]["type"], "server_error");
+  EXPECT_EQ(events[3], "[DONE]");
+  // Not streaming: the whole request fails.
+  ExpectError(Post("/v1/completions", R"({"prompt": "midfail",
+                                          "max_tokens": 8})"),
+              500);
+}
+
+TEST_F(HttpServerTest, OversizedBodyIs413) {
+  server_->Stop();
+  HttpServerOptions options;
+  options.max_body_bytes = 1024;
+  StartServer(&backend_, options);
+  std::string prompt(4096, 'a');
+  json body = {{"prompt", prompt}};
+  ExpectError(Post("/v1/completions", body.dump()), 413);
+  auto ok = Post("/v1/completions", R"({"prompt": "a", "max_tokens": 1})");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+}
+
+TEST_F(HttpServerTest, UnknownPathIs404InOpenAiShape) {
+  ExpectError(client_->Get("/v1/nothing"), 404);
+}
+
+TEST_F(HttpServerTest, DeadlineIs504AndCancelsTheBackend) {
+  server_->Stop();
+  HttpServerOptions options;
+  options.request_timeout = absl::Milliseconds(200);
+  StartServer(&backend_, options);
+  ExpectError(Post("/v1/completions", R"({"prompt": "hang"})"), 504);
+  ExpectError(Post("/v1/completions", R"({"prompt": "hang", "stream": true})"),
+              504);
+}
+
+TEST_F(HttpServerTest, AdmissionLimitIs429) {
+  server_->Stop();
+  AdmissionLimiter limiter(&backend_, 1);
+  StartServer(&limiter);
+  // One stream holds the only slot.
+  std::atomic<bool> got_first{false};
+  std::thread holder([&] {
+    httplib::Client client("127.0.0.1", server_->port());
+    client.set_read_timeout(30, 0);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = R"({"prompt": "hang", "stream": true})";
+    req.set_header("Content-Type", "application/json");
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      got_first = true;
+      return true;
+    };
+    client.send(req);
+  });
+  absl::Time until = absl::Now() + absl::Seconds(5);
+  while (limiter.in_flight() == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(limiter.in_flight(), 1);
+  std::string message =
+      ExpectError(Post("/v1/completions", R"({"prompt": "a"})"), 429);
+  EXPECT_NE(message.find("admission"), std::string::npos);
+  // Stopping the server cancels the held stream.
+  server_->Stop();
+  holder.join();
+  EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(5)));
+  EXPECT_EQ(limiter.in_flight(), 0);
+}
+
+TEST_F(HttpServerTest, ClientDisconnectCancelsTheGeneration) {
+  server_->Stop();
+  FakeBackend slow(absl::Milliseconds(20));
+  StartServer(&slow);
+  int chunks = 0;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = R"({"prompt": "slow", "max_tokens": 1000, "stream": true})";
+  req.set_header("Content-Type", "application/json");
+  req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+    return ++chunks < 3;  // hang up after a few chunks
+  };
+  client_->send(req);
+  EXPECT_TRUE(slow.WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(slow.cancelled(), 1);
+  server_->Stop();
+}
+
+TEST_F(HttpServerTest, ConcurrentStreams) {
+  constexpr int kStreams = 64;
+  std::vector<std::thread> threads;
+  std::atomic<int> good{0};
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      httplib::Client client("127.0.0.1", server_->port());
+      client.set_read_timeout(30, 0);
+      json body = {
+          {"prompt", "x"}, {"max_tokens", 1 + i % 5}, {"stream", true}};
+      auto res =
+          client.Post("/v1/completions", body.dump(), "application/json");
+      if (res && res->status == 200 &&
+          res->body.find("data: [DONE]\n\n") != std::string::npos) {
+        good++;
+      } else {
+        ADD_FAILURE() << "stream " << i << ": "
+                      << (res ? absl::StrCat(res->status, " ", res->body)
+                              : httplib::to_string(res.error()));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(good.load(), kStreams);
+}
+
+}  // namespace
+}  // namespace pdserve::router

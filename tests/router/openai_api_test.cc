@@ -1,0 +1,203 @@
+// The OpenAI wire format without sockets: parsing, validation, chat template,
+// response and error shapes.
+#include "router/openai_api.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace pdserve::router {
+namespace {
+
+using json = nlohmann::json;
+
+absl::StatusOr<OpenAiRequest> Completion(const std::string& body) {
+  return ParseOpenAiRequest(OpenAiEndpoint::kCompletions, body);
+}
+absl::StatusOr<OpenAiRequest> Chat(const std::string& body) {
+  return ParseOpenAiRequest(OpenAiEndpoint::kChatCompletions, body);
+}
+
+TEST(OpenAiApiTest, ParsesCompletionWithEveryField) {
+  absl::StatusOr<OpenAiRequest> r = Completion(R"({
+    "model": "stories260K", "prompt": "Once upon", "max_tokens": 7,
+    "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 42,
+    "stop": ["\n", "The end"], "stream": true,
+    "stream_options": {"include_usage": true}, "n": 1, "user": "ignored"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generation.model, "stories260K");
+  EXPECT_EQ(r->generation.prompt_text, "Once upon");
+  EXPECT_EQ(r->generation.max_tokens, 7);
+  EXPECT_FLOAT_EQ(r->generation.sampling.temperature, 0.5f);
+  EXPECT_FLOAT_EQ(r->generation.sampling.top_p, 0.9f);
+  EXPECT_EQ(r->generation.sampling.top_k, 40);
+  EXPECT_EQ(r->generation.sampling.seed, 42u);
+  EXPECT_EQ(r->generation.stop, (std::vector<std::string>{"\n", "The end"}));
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+}
+
+TEST(OpenAiApiTest, DefaultsFollowOpenAi) {
+  absl::StatusOr<OpenAiRequest> r = Completion(R"({"prompt": "x"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generation.model, "");
+  EXPECT_EQ(r->generation.max_tokens, 16);
+  EXPECT_FLOAT_EQ(r->generation.sampling.temperature, 1.0f);
+  EXPECT_FALSE(r->stream);
+}
+
+TEST(OpenAiApiTest, PromptForms) {
+  auto one = Completion(R"({"prompt": ["only one"]})");
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->generation.prompt_text, "only one");
+  auto ids = Completion(R"({"prompt": [1, 2, 3]})");
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(ids->generation.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  auto nested = Completion(R"({"prompt": [[1, 5]]})");
+  ASSERT_TRUE(nested.ok());
+  EXPECT_EQ(nested->generation.prompt_ids, (std::vector<int32_t>{1, 5}));
+  auto stop = Completion(R"({"prompt": "a", "stop": "x"})");
+  ASSERT_TRUE(stop.ok());
+  EXPECT_EQ(stop->generation.stop, std::vector<std::string>{"x"});
+}
+
+TEST(OpenAiApiTest, ChatTemplateForBaseModels) {
+  auto r = Chat(R"({"messages": [
+      {"role": "system", "content": "Be brief."},
+      {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+      {"role": "user", "content": "Tell a story"}],
+      "max_completion_tokens": 5})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r->generation.prompt_text,
+            "System: Be brief.\nUser: Hi\nAssistant: Hello\nUser: Tell a "
+            "story\nAssistant:");
+  EXPECT_EQ(r->generation.max_tokens, 5);
+  EXPECT_EQ(r->messages.size(), 4u);
+}
+
+struct BadCase {
+  const char* name;
+  OpenAiEndpoint endpoint;
+  std::string body;
+  const char* mentions;
+};
+
+class OpenAiBadInputTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(OpenAiBadInputTest, IsInvalidArgumentNamingTheProblem) {
+  const BadCase& c = GetParam();
+  absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(c.endpoint, c.body);
+  ASSERT_FALSE(r.ok()) << c.body;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find(c.mentions), absl::string_view::npos)
+      << r.status();
+  EXPECT_EQ(HttpStatusFor(r.status()), 400);
+}
+
+constexpr auto kC = OpenAiEndpoint::kCompletions;
+constexpr auto kChat = OpenAiEndpoint::kChatCompletions;
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, OpenAiBadInputTest,
+    ::testing::Values(
+        BadCase{"malformed_json", kC, R"({"prompt": "x",)", "not valid JSON"},
+        BadCase{"invalid_utf8", kC, "{\"prompt\": \"\xff\xfe\"}",
+                "not valid JSON"},
+        BadCase{"not_object", kC, R"(["prompt"])", "JSON object"},
+        BadCase{"empty_body", kC, "", "not valid JSON"},
+        BadCase{"no_prompt", kC, R"({"model": "m"})", "'prompt'"},
+        BadCase{"empty_prompt", kC, R"({"prompt": ""})", "'prompt'"},
+        BadCase{"empty_ids", kC, R"({"prompt": []})", "'prompt'"},
+        BadCase{"negative_id", kC, R"({"prompt": [1, -2]})", "'prompt'"},
+        BadCase{"batch", kC, R"({"prompt": ["a", "b"]})", "several prompts"},
+        BadCase{"prompt_number", kC, R"({"prompt": 5})", "'prompt'"},
+        BadCase{"model_number", kC, R"({"prompt": "a", "model": 3})",
+                "'model'"},
+        BadCase{"max_tokens_zero", kC, R"({"prompt": "a", "max_tokens": 0})",
+                "max_tokens"},
+        BadCase{"max_tokens_float", kC, R"({"prompt": "a", "max_tokens": 1.5})",
+                "max_tokens"},
+        BadCase{"max_tokens_huge", kC,
+                R"({"prompt": "a", "max_tokens": 99999999999})", "max_tokens"},
+        BadCase{"negative_temperature", kC,
+                R"({"prompt": "a", "temperature": -0.1})", "temperature"},
+        BadCase{"temperature_string", kC,
+                R"({"prompt": "a", "temperature": "hot"})", "temperature"},
+        BadCase{"top_p_zero", kC, R"({"prompt": "a", "top_p": 0})", "top_p"},
+        BadCase{"top_k_negative", kC, R"({"prompt": "a", "top_k": -5})",
+                "top_k"},
+        BadCase{"n_two", kC, R"({"prompt": "a", "n": 2})", "'n'"},
+        BadCase{"best_of", kC, R"({"prompt": "a", "best_of": 3})", "best_of"},
+        BadCase{"echo", kC, R"({"prompt": "a", "echo": true})", "echo"},
+        BadCase{"logprobs", kC, R"({"prompt": "a", "logprobs": 2})",
+                "logprobs"},
+        BadCase{"penalty", kC, R"({"prompt": "a", "presence_penalty": 0.5})",
+                "presence_penalty"},
+        BadCase{"stream_string", kC, R"({"prompt": "a", "stream": "yes"})",
+                "stream"},
+        BadCase{"stop_number", kC, R"({"prompt": "a", "stop": 1})", "stop"},
+        BadCase{"stop_empty", kC, R"({"prompt": "a", "stop": [""]})", "stop"},
+        BadCase{"too_many_stops", kC,
+                R"({"prompt": "a", "stop": ["1","2","3","4","5","6","7","8",
+                    "9","10","11","12","13","14","15","16","17"]})",
+                "stop"},
+        BadCase{"no_messages", kChat, R"({"model": "m"})", "messages"},
+        BadCase{"empty_messages", kChat, R"({"messages": []})", "messages"},
+        BadCase{"bad_role", kChat,
+                R"({"messages": [{"role": "tool", "content": "x"}]})", "role"},
+        BadCase{"no_content", kChat, R"({"messages": [{"role": "user"}]})",
+                "content"},
+        BadCase{"image_part", kChat,
+                R"({"messages": [{"role": "user", "content":
+                    [{"type": "image_url", "image_url": {}}]}]})",
+                "content"}),
+    [](const ::testing::TestParamInfo<BadCase>& info) {
+      return std::string(info.param.name);
+    });
+
+TEST(OpenAiApiTest, StatusCodes) {
+  EXPECT_EQ(HttpStatusFor(absl::InvalidArgumentError("")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::NotFoundError("")), 404);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError("")), 429);
+  EXPECT_EQ(HttpStatusFor(absl::UnavailableError("")), 503);
+  EXPECT_EQ(HttpStatusFor(absl::DeadlineExceededError("")), 504);
+  EXPECT_EQ(HttpStatusFor(absl::InternalError("")), 500);
+}
+
+TEST(OpenAiApiTest, ErrorShape) {
+  json body = json::parse(ErrorBody(absl::NotFoundError("no such model")));
+  ASSERT_TRUE(body.contains("error"));
+  EXPECT_EQ(body["error"]["message"], "no such model");
+  EXPECT_EQ(body["error"]["type"], "invalid_request_error");
+  EXPECT_TRUE(body["error"]["param"].is_null());
+  EXPECT_EQ(body["error"]["code"], "model_not_found");
+  json limited = json::parse(ErrorBody(absl::ResourceExhaustedError("full")));
+  EXPECT_EQ(limited["error"]["code"], "rate_limit_exceeded");
+}
+
+TEST(OpenAiApiTest, ResponseShapes) {
+  CompletionOutcome outcome{" w0 w1", FinishReason::kLength, {3, 2, 0}};
+  json c = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcome));
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["choices"][0]["text"], " w0 w1");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(c["usage"]["total_tokens"], 5);
+  json chat = json::parse(CompletionBody(kChat, "chatcmpl-1", 7, "m", outcome));
+  EXPECT_EQ(chat["object"], "chat.completion");
+  EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["choices"][0]["message"]["content"], " w0 w1");
+
+  std::string event =
+      StreamChunkEvent(kChat, "id", 7, "m", "hi", FinishReason::kNone, true);
+  ASSERT_EQ(event.rfind("data: ", 0), 0u);
+  ASSERT_EQ(event.substr(event.size() - 2), "\n\n");
+  json chunk = json::parse(event.substr(6));
+  EXPECT_EQ(chunk["object"], "chat.completion.chunk");
+  EXPECT_EQ(chunk["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(chunk["choices"][0]["delta"]["content"], "hi");
+  EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+}
+
+}  // namespace
+}  // namespace pdserve::router
