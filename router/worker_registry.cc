@@ -16,6 +16,8 @@
 #include "absl/strings/strip.h"
 #include "common/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "pdserve/v1/decode.grpc.pb.h"
+#include "pdserve/v1/prefill.grpc.pb.h"
 
 namespace pdserve::router {
 namespace {
@@ -133,25 +135,55 @@ class SystemResolver final : public Resolver {
   }
 };
 
-class GrpcHealthProber final : public WorkerProber {
+// grpc.health.v1 Check, then the worker's own GetLoad (DecodeWorker or
+// PrefillGroup) over one cached channel per address.
+class GrpcWorkerProber final : public WorkerProber {
  public:
-  ProbeResult Probe(WorkerRole, const std::string& address,
+  ProbeResult Probe(WorkerRole role, const std::string& address,
                     absl::Duration timeout) override {
-    grpc::health::v1::Health::Stub* stub = StubFor(address);
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-    grpc::health::v1::HealthCheckRequest request;
-    grpc::health::v1::HealthCheckResponse response;
-    grpc::Status status = stub->Check(&context, request, &response);
+    std::shared_ptr<Stubs> stubs = StubsFor(address);
+    const auto deadline = absl::ToChronoTime(absl::Now() + timeout);
     ProbeResult result;
-    if (!status.ok()) {
-      result.error =
-          absl::StrCat("health check failed: ", status.error_message());
-    } else if (response.status() !=
-               grpc::health::v1::HealthCheckResponse::SERVING) {
-      result.error = "health: not serving";
+    {
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      grpc::health::v1::HealthCheckResponse response;
+      grpc::Status status = stubs->health->Check(
+          &context, grpc::health::v1::HealthCheckRequest(), &response);
+      if (!status.ok()) {
+        result.error =
+            absl::StrCat("health check failed: ", status.error_message());
+        return result;
+      }
+      if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+        result.error = "health: not serving";
+        return result;
+      }
+    }
+    result.serving = true;
+    // The load report is best effort: a worker without it (UNIMPLEMENTED,
+    // or a slow answer) stays in rotation with the router's own counts.
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    if (role == WorkerRole::kDecode) {
+      v1::DecodeLoad load;
+      if (stubs->decode->GetLoad(&context, v1::GetLoadRequest(), &load).ok()) {
+        result.load =
+            WorkerLoad{load.waiting() + load.awaiting_kv(), load.running(),
+                       load.kv_blocks_used(), load.kv_blocks_total()};
+      }
     } else {
-      result.serving = true;
+      v1::PrefillLoad load;
+      if (stubs->prefill->GetLoad(&context, v1::PrefillLoadRequest(), &load)
+              .ok()) {
+        result.load = WorkerLoad{load.queued(), load.in_flight(),
+                                 load.kv_blocks_used(), load.kv_blocks_total()};
+        // A group with a stage down reports itself not serving.
+        if (!load.serving()) {
+          result.serving = false;
+          result.error = "prefill group: a stage is down";
+        }
+      }
     }
     return result;
   }
@@ -162,22 +194,30 @@ class GrpcHealthProber final : public WorkerProber {
   }
 
  private:
-  grpc::health::v1::Health::Stub* StubFor(const std::string& address) {
+  struct Stubs {
+    std::unique_ptr<grpc::health::v1::Health::Stub> health;
+    std::unique_ptr<v1::DecodeWorker::Stub> decode;
+    std::unique_ptr<v1::PrefillGroup::Stub> prefill;
+  };
+
+  std::shared_ptr<Stubs> StubsFor(const std::string& address) {
     absl::MutexLock lock(&mu_);
-    auto& stub = stubs_[address];
-    if (stub == nullptr) {
-      stub = grpc::health::v1::Health::NewStub(
-          grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    std::shared_ptr<Stubs>& stubs = stubs_[address];
+    if (stubs == nullptr) {
+      auto channel =
+          grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+      stubs = std::make_shared<Stubs>();
+      stubs->health = grpc::health::v1::Health::NewStub(channel);
+      stubs->decode = v1::DecodeWorker::NewStub(channel);
+      stubs->prefill = v1::PrefillGroup::NewStub(channel);
     }
-    return stub.get();
+    return stubs;
   }
 
   absl::Mutex mu_;
-  // Entries are removed only by Forget(), from the same (refresh) thread
-  // that probes, so a returned pointer stays valid for the probe.
-  absl::flat_hash_map<std::string,
-                      std::unique_ptr<grpc::health::v1::Health::Stub>>
-      stubs_ ABSL_GUARDED_BY(mu_);
+  // shared_ptr: a probe keeps its stubs even if Forget() runs meanwhile.
+  absl::flat_hash_map<std::string, std::shared_ptr<Stubs>> stubs_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -293,8 +333,8 @@ std::unique_ptr<Resolver> MakeSystemResolver() {
   return std::make_unique<SystemResolver>();
 }
 
-std::unique_ptr<WorkerProber> MakeGrpcHealthProber() {
-  return std::make_unique<GrpcHealthProber>();
+std::unique_ptr<WorkerProber> MakeGrpcWorkerProber() {
+  return std::make_unique<GrpcWorkerProber>();
 }
 
 // ---------------------------------------------------------------------------

@@ -88,10 +88,13 @@ class WorkerProber {
   // The address left the registry (drop cached channels).
   virtual void Forget(const std::string& address) {}
 };
-// grpc.health.v1 Check ("" service) over a cached channel per address. Load
-// and identity are not filled: they come from the workers' own services
-// (DecodeWorker.GetLoad, PrefillGroup.GetLoad) in the real prober.
-std::unique_ptr<WorkerProber> MakeGrpcHealthProber();
+// grpc.health.v1 Check ("" service), then the load report:
+// DecodeWorker.GetLoad (queued = waiting + awaiting_kv) or PrefillGroup.GetLoad
+// (queued, in_flight; `serving` false = a stage is down = not serving). A
+// worker answering health but not GetLoad stays in rotation without a report.
+// Identity is not filled: neither worker API reports it outside Admit / the
+// stage Hello yet (see README, What remains).
+std::unique_ptr<WorkerProber> MakeGrpcWorkerProber();
 
 // One worker's state, for /health, metrics and tests.
 struct WorkerStatus {

@@ -7,7 +7,10 @@
 
 #include <map>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "pdserve/v1/decode.grpc.pb.h"
+#include "pdserve/v1/prefill.grpc.pb.h"
 #include "rpc/server.h"
 
 namespace pdserve::router {
@@ -270,7 +273,7 @@ TEST(WorkerRegistryTest, RealHealthProbeAndSystemResolver) {
   RegistryConfig config;
   config.decode = {absl::StrCat("localhost:", (*server)->port())};
   config.refresh_interval = absl::Milliseconds(50);
-  WorkerRegistry registry(config, MakeSystemResolver(), MakeGrpcHealthProber());
+  WorkerRegistry registry(config, MakeSystemResolver(), MakeGrpcWorkerProber());
   registry.Refresh();
   std::vector<WorkerStatus> workers = registry.Workers();
   ASSERT_GE(workers.size(), 1u);  // localhost: 127.0.0.1 and maybe ::1
@@ -289,6 +292,70 @@ TEST(WorkerRegistryTest, RealHealthProbeAndSystemResolver) {
     for (const WorkerStatus& w : registry.Workers()) all_down &= !w.serving;
   }
   EXPECT_TRUE(all_down);
+}
+
+// Stand-ins for the workers' GetLoad (the rest of their APIs is unused).
+class FakeDecodeWorker final : public v1::DecodeWorker::Service {
+  grpc::Status GetLoad(grpc::ServerContext*, const v1::GetLoadRequest*,
+                       v1::DecodeLoad* load) override {
+    load->set_running(3);
+    load->set_waiting(1);
+    load->set_awaiting_kv(2);
+    load->set_kv_blocks_used(30);
+    load->set_kv_blocks_total(120);
+    return grpc::Status::OK;
+  }
+};
+
+class FakePrefillGroup final : public v1::PrefillGroup::Service {
+ public:
+  std::atomic<bool> serving{true};
+  grpc::Status GetLoad(grpc::ServerContext*, const v1::PrefillLoadRequest*,
+                       v1::PrefillLoad* load) override {
+    load->set_serving(serving.load());
+    load->set_queued(4);
+    load->set_in_flight(2);
+    load->set_kv_blocks_used(10);
+    load->set_kv_blocks_total(40);
+    return grpc::Status::OK;
+  }
+};
+
+TEST(WorkerRegistryTest, RealProbeReadsTheWorkersLoadReports) {
+  FakeDecodeWorker decode;
+  FakePrefillGroup prefill;
+  auto decode_server = rpc::RunningServer::Start("127.0.0.1:0", {&decode});
+  auto prefill_server = rpc::RunningServer::Start("127.0.0.1:0", {&prefill});
+  ASSERT_TRUE(decode_server.ok() && prefill_server.ok());
+  RegistryConfig config;
+  config.decode = {(*decode_server)->address()};
+  config.prefill = {(*prefill_server)->address()};
+  WorkerRegistry registry(config, MakeSystemResolver(), MakeGrpcWorkerProber());
+  registry.Refresh();
+  std::vector<WorkerView> d = registry.Snapshot(WorkerRole::kDecode);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_TRUE(d[0].eligible);
+  EXPECT_EQ(d[0].load.queued, 3);  // waiting + awaiting_kv
+  EXPECT_EQ(d[0].load.running, 3);
+  EXPECT_DOUBLE_EQ(d[0].load.KvUsage(), 0.25);
+  std::vector<WorkerView> p = registry.Snapshot(WorkerRole::kPrefill);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_TRUE(p[0].eligible);
+  EXPECT_EQ(p[0].load.queued, 4);
+  EXPECT_EQ(p[0].load.running, 2);
+
+  // A prefill group with a stage down leaves the rotation, and rejoins.
+  prefill.serving = false;
+  registry.Refresh();
+  EXPECT_FALSE(registry.Snapshot(WorkerRole::kPrefill)[0].eligible);
+  prefill.serving = true;
+  registry.Refresh();
+  EXPECT_TRUE(registry.Snapshot(WorkerRole::kPrefill)[0].eligible);
+
+  // A worker that is gone is unhealthy within one probe timeout.
+  decode_server->reset();
+  registry.Refresh();
+  EXPECT_FALSE(registry.Snapshot(WorkerRole::kDecode)[0].eligible);
 }
 
 }  // namespace
