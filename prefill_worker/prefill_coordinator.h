@@ -26,11 +26,11 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/closable_queue.h"
 #include "engine/sampler.h"
 #include "kv/block_manager.h"
 #include "model/model_config.h"
 #include "prefill_worker/chunk_policy.h"
-#include "prefill_worker/closable_queue.h"
 #include "prefill_worker/microbatch_former.h"
 #include "prefill_worker/stage_link.h"
 

@@ -14,8 +14,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/closable_queue.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
-#include "prefill_worker/closable_queue.h"
 #include "prefill_worker/stage_process.h"
 
 namespace pdserve::prefill {

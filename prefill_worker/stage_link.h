@@ -16,8 +16,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/closable_queue.h"
 #include "engine/sampler.h"
-#include "prefill_worker/closable_queue.h"
 
 namespace pdserve::prefill {
 

@@ -18,7 +18,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "prefill_worker/closable_queue.h"
+#include "common/closable_queue.h"
 #include "prefill_worker/kv_output.h"
 #include "transport/kv_transfer.h"
 

@@ -20,7 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "prefill_worker/closable_queue.h"
+#include "common/closable_queue.h"
 #include "prefill_worker/stage_link.h"
 #include "transport/ucx_worker.h"
 

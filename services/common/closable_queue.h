@@ -1,6 +1,6 @@
 // A FIFO that producers can close: Pop blocks until an item arrives or the
-// queue is closed and drained. How the scheduler hands step work to its TP
-// rank threads and collects their results.
+// queue is closed and drained. How threads hand work to each other (the
+// decode scheduler to its TP ranks, the prefill coordinator to its stages).
 #pragma once
 
 #include <deque>
@@ -9,7 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 
-namespace pdserve::decode {
+namespace pdserve {
 
 template <typename T>
 class ClosableQueue {
@@ -21,7 +21,7 @@ class ClosableQueue {
     items_.push_back(std::move(item));
     return true;
   }
-  // Blocks; nullopt when closed and empty.
+  // Blocks; nullopt once closed and empty.
   std::optional<T> Pop() {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(
@@ -38,11 +38,15 @@ class ClosableQueue {
     absl::MutexLock lock(&mu_);
     closed_ = true;
   }
+  size_t size() const {
+    absl::MutexLock lock(&mu_);
+    return items_.size();
+  }
 
  private:
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<T> items_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-}  // namespace pdserve::decode
+}  // namespace pdserve
