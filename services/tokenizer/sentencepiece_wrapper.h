@@ -1,5 +1,6 @@
 // Private to services/tokenizer: a narrow, Abseil-free face of
-// sentencepiece::SentencePieceProcessor.
+// sentencepiece::SentencePieceProcessor, served by the shim library that
+// sentencepiece_backend.h explains.
 //
 // Why: Debian's sentencepiece_processor.h declares
 // `namespace absl { using std::string_view; }`, which collides with Abseil's
@@ -13,19 +14,9 @@
 #include <string_view>
 #include <vector>
 
-namespace sentencepiece {
-class SentencePieceProcessor;
-}  // namespace sentencepiece
+#include "tokenizer/sentencepiece_backend.h"
 
 namespace pdserve::tokenizer::internal {
-
-// A SentencePiece status; `code` uses absl::StatusCode numbering (SentencePiece
-// mirrors it value for value).
-struct SpStatus {
-  int code = 0;
-  std::string message;
-  bool ok() const { return code == 0; }
-};
 
 class SentencePieceModel {
  public:
@@ -54,7 +45,8 @@ class SentencePieceModel {
   int pad_id() const;
 
  private:
-  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  // Null when the shim could not be loaded; every call then reports why.
+  std::unique_ptr<SentencePieceBackend> sp_;
 };
 
 }  // namespace pdserve::tokenizer::internal
