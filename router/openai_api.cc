@@ -271,8 +271,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   }
   if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
 
-  // OpenAI's default for completions is 16; chat has no limit there, so the
-  // backend's context bound applies through a large default clipped later.
+  // 16 when absent, for both endpoints: OpenAI's completions default and the
+  // gRPC API's (max_tokens 0 = 16). OpenAI's chat would run to the context;
+  // a fixed default keeps a forgotten field from holding KV for minutes.
   int64_t max_tokens = 16;
   if (absl::Status s = ReadInteger(body, "max_tokens", &max_tokens); !s.ok()) {
     return s;
