@@ -151,10 +151,16 @@ int Main(int argc, char** argv) {
   so.kv_lease = absl::Seconds(lease_s);
   wo.kv_lease = so.kv_lease * 2 + absl::Seconds(10);
 
-  // Tokens only, no detokenized text: Debian's libsentencepiece carries its
-  // own protobuf 3.14 and aborts when loaded next to gRPC's libprotobuf 3.21
-  // (README.md). Text is the router's job until the tokenizer drops it.
-  const tokenizer::Tokenizer* tok = nullptr;
+  // Text deltas and stop strings need the model's tokenizer; a dummy-weight
+  // model has none and streams token ids only. (libsentencepiece lives in the
+  // tokenizer's dlopen'ed shim, so it no longer clashes with gRPC's protobuf.)
+  std::unique_ptr<tokenizer::Tokenizer> loaded_tokenizer;
+  if (auto spec = (*weights)->tokenizer_spec(); spec.ok()) {
+    auto loaded = tokenizer::LoadTokenizerForModel(**weights);
+    if (!loaded.ok()) return Fail(loaded.status());
+    loaded_tokenizer = std::move(*loaded);
+  }
+  const tokenizer::Tokenizer* tok = loaded_tokenizer.get();
   std::unique_ptr<model::WeightSource> draft;
   if (speculation == "off") {
     wo.speculation.mode = decode::SpeculationMode::kOff;
