@@ -879,6 +879,10 @@ absl::StatusOr<std::unique_ptr<KvSource>> KvSource::Create(
   return std::unique_ptr<KvSource>(new KvSource(std::move(impl)));
 }
 
+void KvSource::IgnoreRevokesForTest() {
+  impl_->worker->SetMessageHandler(kRevoke, [](uint64_t, std::string) {});
+}
+
 KvSource::~KvSource() {
   for (uint16_t kind : {kHelloAck, kRevoke}) {
     impl_->worker->SetMessageHandler(kind, nullptr);

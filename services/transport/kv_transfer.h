@@ -180,6 +180,10 @@ class KvSource {
   // Drops the request's grants once its transfers completed.
   void Forget(uint64_t request_id);
 
+  // Test-only: stay connected but never answer a sink's revoke, the way a
+  // stuck source would (exercises the sink's quarantine).
+  void IgnoreRevokesForTest();
+
   struct Impl;
 
  private:
