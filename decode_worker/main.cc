@@ -19,6 +19,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/command_line_flags.h"
 #include "decode/decode_worker.h"
 #include "decode_worker/decode_service.h"
 #include "model/weight_source.h"
@@ -29,79 +30,14 @@
 namespace pdserve::decode_worker {
 namespace {
 
-absl::StatusOr<std::map<std::string, std::string>> ParseFlags(int argc,
-                                                              char** argv) {
-  std::map<std::string, std::string> flags;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0)
-      return absl::InvalidArgumentError(
-          absl::StrCat("unexpected argument '", arg, "'"));
-    arg = arg.substr(2);
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      flags[arg.substr(0, eq)] = arg.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      flags[arg] = argv[++i];
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag --", arg, " needs a value"));
-    }
-  }
-  return flags;
-}
-
-class Flags {
- public:
-  explicit Flags(std::map<std::string, std::string> flags)
-      : flags_(std::move(flags)) {}
-  std::string Str(const std::string& name, const std::string& def) {
-    auto it = flags_.find(name);
-    if (it == flags_.end()) return def;
-    std::string v = it->second;
-    flags_.erase(it);
-    return v;
-  }
-  template <typename T>
-  T Num(const std::string& name, T def) {
-    auto it = flags_.find(name);
-    if (it == flags_.end()) return def;
-    T v{};
-    bool ok;
-    if constexpr (std::is_floating_point_v<T>) {
-      ok = absl::SimpleAtod(it->second, &v);
-    } else {
-      ok = absl::SimpleAtoi(it->second, &v);
-    }
-    if (!ok && error_.ok())
-      error_ = absl::InvalidArgumentError(
-          absl::StrCat("--", name, ": not a number: '", it->second, "'"));
-    flags_.erase(it);
-    return v;
-  }
-  bool Has(const std::string& name) const { return flags_.count(name) != 0; }
-  // The first bad value, or the first flag nobody asked for.
-  absl::Status Check() const {
-    if (!error_.ok()) return error_;
-    if (!flags_.empty())
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", flags_.begin()->first));
-    return absl::OkStatus();
-  }
-
- private:
-  std::map<std::string, std::string> flags_;
-  absl::Status error_;
-};
-
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "decode_worker: %s\n", s.ToString().c_str());
   return 1;
 }
 
 int Main(int argc, char** argv) {
-  auto parsed = ParseFlags(argc, argv);
-  if (!parsed.ok()) return Fail(parsed.status());
-  Flags flags(std::move(*parsed));
+  CommandLineFlags flags;
+  if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
   const std::string model_path = flags.Str("model", "");
   const std::string format_name = flags.Str("format", "auto");
   const std::string host = flags.Str("host", "0.0.0.0");

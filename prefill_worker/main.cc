@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/command_line_flags.h"
 #include "model/weight_source.h"
 #include "prefill_worker/chunk_policy.h"
 #include "prefill_worker/layer_split.h"
@@ -44,60 +45,6 @@
 
 namespace pdserve::prefill {
 namespace {
-
-class Flags {
- public:
-  absl::Status Parse(int argc, char** argv) {
-    for (int i = 1; i < argc; ++i) {
-      std::string arg = argv[i];
-      if (arg.rfind("--", 0) != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("unexpected argument '", arg, "'"));
-      }
-      arg = arg.substr(2);
-      if (auto eq = arg.find('='); eq != std::string::npos) {
-        flags_[arg.substr(0, eq)] = arg.substr(eq + 1);
-      } else if (i + 1 < argc) {
-        flags_[arg] = argv[++i];
-      } else {
-        return absl::InvalidArgumentError(
-            absl::StrCat("flag --", arg, " needs a value"));
-      }
-    }
-    return absl::OkStatus();
-  }
-  std::string Str(const std::string& name, const std::string& def) {
-    auto it = flags_.find(name);
-    if (it == flags_.end()) return def;
-    std::string v = it->second;
-    flags_.erase(it);
-    return v;
-  }
-  int64_t Int(const std::string& name, int64_t def) {
-    auto it = flags_.find(name);
-    if (it == flags_.end()) return def;
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(it->second, &v) && error_.ok()) {
-      error_ = absl::InvalidArgumentError(
-          absl::StrCat("--", name, ": not an integer: '", it->second, "'"));
-    }
-    flags_.erase(it);
-    return v;
-  }
-  // The first bad value, or the first flag nobody asked for.
-  absl::Status Check() const {
-    if (!error_.ok()) return error_;
-    if (!flags_.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", flags_.begin()->first));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  std::map<std::string, std::string> flags_;
-  absl::Status error_;
-};
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "prefill_worker: %s\n", s.ToString().c_str());
@@ -150,30 +97,33 @@ int Main(int argc, char** argv) {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 
-  Flags flags;
+  CommandLineFlags flags;
   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
   const std::string model_path = flags.Str("model", "");
   const std::string format_name = flags.Str("format", "auto");
-  const int stage = static_cast<int>(flags.Int("stage", 0));
-  const int stages = static_cast<int>(flags.Int("stages", 1));
+  const int stage = static_cast<int>(flags.Num<int64_t>("stage", 0));
+  const int stages = static_cast<int>(flags.Num<int64_t>("stages", 1));
   const std::string split_text = flags.Str("layer-split", "auto");
   const std::string policy_name = flags.Str("chunk-policy", "equal-cost");
-  const int chunk_tokens = static_cast<int>(flags.Int("chunk-tokens", 256));
+  const int chunk_tokens =
+      static_cast<int>(flags.Num<int64_t>("chunk-tokens", 256));
   const int microbatch_tokens =
-      static_cast<int>(flags.Int("microbatch-tokens", 512));
-  const int max_in_flight = static_cast<int>(flags.Int("max-in-flight", 0));
-  const int block_size = static_cast<int>(flags.Int("block-size", 16));
-  const int64_t num_blocks = flags.Int("num-blocks", 512);
-  const bool prefix_reuse = flags.Int("prefix-reuse", 1) != 0;
-  const int threads = static_cast<int>(flags.Int("threads", 1));
+      static_cast<int>(flags.Num<int64_t>("microbatch-tokens", 512));
+  const int max_in_flight =
+      static_cast<int>(flags.Num<int64_t>("max-in-flight", 0));
+  const int block_size = static_cast<int>(flags.Num<int64_t>("block-size", 16));
+  const int64_t num_blocks = flags.Num<int64_t>("num-blocks", 512);
+  const bool prefix_reuse = flags.Num<int64_t>("prefix-reuse", 1) != 0;
+  const int threads = static_cast<int>(flags.Num<int64_t>("threads", 1));
   const std::string host = flags.Str("host", "0.0.0.0");
-  const int64_t port = flags.Int("port", 0);
+  const int64_t port = flags.Num<int64_t>("port", 0);
   const std::string port_file = flags.Str("port-file", "");
   const std::string peers_text = flags.Str("peers", "");
-  const int64_t heartbeat_ms = flags.Int("heartbeat-ms", 200);
-  const int64_t heartbeat_timeout_ms = flags.Int("heartbeat-timeout-ms", 2000);
-  const int64_t peer_wait_s = flags.Int("peer-wait-seconds", 60);
-  const int64_t orphan_s = flags.Int("orphan-seconds", 30);
+  const int64_t heartbeat_ms = flags.Num<int64_t>("heartbeat-ms", 200);
+  const int64_t heartbeat_timeout_ms =
+      flags.Num<int64_t>("heartbeat-timeout-ms", 2000);
+  const int64_t peer_wait_s = flags.Num<int64_t>("peer-wait-seconds", 60);
+  const int64_t orphan_s = flags.Num<int64_t>("orphan-seconds", 30);
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));

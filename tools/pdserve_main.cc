@@ -16,6 +16,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/command_line_flags.h"
 #include "common/status_macros.h"
 #include "engine/llama_engine.h"
 #include "engine/sampler.h"
@@ -33,81 +34,29 @@ constexpr char kUsage[] =
     "                        [--top-p P] [--top-k K] [--seed S] [--format F] "
     "[--threads N]\n";
 
-// --key value / --key=value pairs after the subcommand.
-absl::StatusOr<std::map<std::string, std::string>> ParseFlags(int argc,
-                                                              char** argv,
-                                                              int first) {
-  std::map<std::string, std::string> flags;
-  for (int i = first; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unexpected argument '", arg, "'"));
-    }
-    arg = arg.substr(2);
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      flags[arg.substr(0, eq)] = arg.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      flags[arg] = argv[++i];
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag --", arg, " needs a value"));
-    }
-  }
-  return flags;
-}
-
-template <typename T>
-absl::Status TakeNumber(std::map<std::string, std::string>& flags,
-                        const std::string& name, T* out) {
-  auto it = flags.find(name);
-  if (it == flags.end()) return absl::OkStatus();
-  bool ok;
-  if constexpr (std::is_same_v<T, float>) {
-    ok = absl::SimpleAtof(it->second, out);
-  } else {
-    ok = absl::SimpleAtoi(it->second, out);
-  }
-  if (!ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", name, ": '", it->second, "' is not a number"));
-  }
-  flags.erase(it);
-  return absl::OkStatus();
-}
-
 absl::Status Generate(int argc, char** argv) {
-  PDS_ASSIGN_OR_RETURN(auto flags, ParseFlags(argc, argv, 2));
-  if (!flags.count("model"))
+  CommandLineFlags flags;
+  PDS_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
+  if (!flags.Has("model"))
     return absl::InvalidArgumentError("--model is required");
-  if (!flags.count("prompt"))
+  if (!flags.Has("prompt")) {
     return absl::InvalidArgumentError("--prompt is required");
-  const std::string model_path = flags["model"];
-  const std::string prompt = flags["prompt"];
-  flags.erase("model");
-  flags.erase("prompt");
+  }
+  const std::string model_path = flags.Str("model", "");
+  const std::string prompt = flags.Str("prompt", "");
   model::LoadFormat format = model::LoadFormat::kAuto;
-  if (flags.count("format")) {
-    PDS_ASSIGN_OR_RETURN(format, model::ParseLoadFormat(flags["format"]));
-    flags.erase("format");
+  if (flags.Has("format")) {
+    PDS_ASSIGN_OR_RETURN(format,
+                         model::ParseLoadFormat(flags.Str("format", "auto")));
   }
-  int max_tokens = 64;
-  int threads = 0;
+  int max_tokens = flags.Num<int>("max-tokens", 64);
+  const int threads = flags.Num<int>("threads", 0);
   engine::SamplingParams sampling;
-  int top_k = 0;
-  int64_t seed = 0;
-  PDS_RETURN_IF_ERROR(TakeNumber(flags, "max-tokens", &max_tokens));
-  PDS_RETURN_IF_ERROR(TakeNumber(flags, "threads", &threads));
-  PDS_RETURN_IF_ERROR(TakeNumber(flags, "temperature", &sampling.temperature));
-  PDS_RETURN_IF_ERROR(TakeNumber(flags, "top-p", &sampling.top_p));
-  PDS_RETURN_IF_ERROR(TakeNumber(flags, "top-k", &top_k));
-  PDS_RETURN_IF_ERROR(TakeNumber(flags, "seed", &seed));
-  if (!flags.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown flag --", flags.begin()->first));
-  }
-  sampling.top_k = top_k;
-  sampling.seed = static_cast<uint64_t>(seed);
+  sampling.temperature = flags.Num<float>("temperature", 0.0f);
+  sampling.top_p = flags.Num<float>("top-p", 1.0f);
+  sampling.top_k = flags.Num<int>("top-k", 0);
+  sampling.seed = static_cast<uint64_t>(flags.Num<int64_t>("seed", 0));
+  PDS_RETURN_IF_ERROR(flags.Check());
   PDS_RETURN_IF_ERROR(sampling.Validate());
   if (max_tokens <= 0)
     return absl::InvalidArgumentError("--max-tokens must be positive");
