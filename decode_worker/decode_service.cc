@@ -365,14 +365,7 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   response->mutable_block_ids()->Add(admitted->block_ids.begin(),
                                      admitted->block_ids.end());
   response->set_cached_tokens(cached);
-  auto* model = response->mutable_model();
-  model->set_name(options_.model_name);
-  model->set_config_identity(config_.Identity());
-  model->set_num_layers(config_.num_layers);
-  model->set_num_kv_heads(config_.num_kv_heads);
-  model->set_head_dim(config_.head_dim);
-  model->set_block_size(block_size);
-  model->set_kv_dtype("f32");
+  FillIdentity(response->mutable_model());
   response->set_lease_seconds(absl::ToDoubleSeconds(options_.kv_lease));
   return absl::OkStatus();
 }
@@ -508,6 +501,16 @@ grpc::ServerUnaryReactor* DecodeService::Abort(
   return reactor;
 }
 
+void DecodeService::FillIdentity(v1::ModelIdentity* model) const {
+  model->set_name(options_.model_name);
+  model->set_config_identity(config_.Identity());
+  model->set_num_layers(config_.num_layers);
+  model->set_num_kv_heads(config_.num_kv_heads);
+  model->set_head_dim(config_.head_dim);
+  model->set_block_size(worker_->block_manager().block_size());
+  model->set_kv_dtype("f32");
+}
+
 grpc::ServerUnaryReactor* DecodeService::GetLoad(
     grpc::CallbackServerContext* context, const v1::GetLoadRequest*,
     v1::DecodeLoad* response) {
@@ -523,6 +526,7 @@ grpc::ServerUnaryReactor* DecodeService::GetLoad(
   response->set_drafted_tokens(load.drafted_tokens);
   response->set_accepted_tokens(load.accepted_tokens);
   response->set_mean_acceptance_length(load.mean_acceptance_length());
+  FillIdentity(response->mutable_model());
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
