@@ -324,6 +324,19 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   std::vector<int32_t> prompt(request.prompt_ids().begin(),
                               request.prompt_ids().end());
   const int64_t n = static_cast<int64_t>(prompt.size());
+  if (request.local_prefill()) {
+    // Colocated: this worker prefills the prompt itself; no KV destination
+    // is handed out and the stream starts without a KvComplete.
+    absl::Status submitted =
+        worker_->Submit(id, std::move(prompt), params,
+                        [ch](const decode::TokenDelta& d) { Push(*ch, d); });
+    if (!submitted.ok()) {
+      ForgetChannel(id, ch.get());
+      return submitted;
+    }
+    FillIdentity(response->mutable_model());
+    return absl::OkStatus();
+  }
   auto admitted =
       worker_->Admit(id, std::move(prompt), params,
                      [ch](const decode::TokenDelta& d) { Push(*ch, d); });

@@ -160,6 +160,7 @@ absl::Status ClusterBackend::Health() const {
   for (const WorkerView& w : registry_->Snapshot(WorkerRole::kDecode)) {
     decode += w.eligible ? 1 : 0;
   }
+  if (options_.colocated) prefill = 1;  // not needed
   if (prefill == 0 || decode == 0) {
     return absl::UnavailableError(
         absl::StrCat("no healthy ", prefill == 0 ? "prefill group" : "",
@@ -321,6 +322,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       admit_request.set_max_tokens(request.max_tokens);
       *admit_request.mutable_sampling() = sampling;
       for (const std::string& s : request.stop) admit_request.add_stop(s);
+      admit_request.set_local_prefill(options_.colocated);
       grpc::ClientContext context;
       context.set_deadline(Deadline(request.deadline, options_.rpc_timeout));
       if (!call->Enter(&context)) {
@@ -363,68 +365,70 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     usage.cached_prompt_tokens = static_cast<int32_t>(admit.cached_tokens());
 
     // --- Prefill group: compute the prompt, write its KV, first token. ---
-    absl::StatusOr<WorkerLease> prefill_lease =
-        registry_->Assign(WorkerRole::kPrefill, *prefill_policy_, assignment);
-    if (!prefill_lease.ok()) {
-      abort_decode();
-      return finish(prefill_lease.status());
-    }
-    const std::string prefill_address = prefill_lease->address();
-    auto prefill = v1::PrefillGroup::NewStub(ChannelFor(prefill_address));
-    v1::PrefillSubmitResponse prefilled;
-    {
-      v1::PrefillSubmitRequest submit;
-      submit.set_request_id(wire_id);
-      submit.mutable_prompt_ids()->Add(prompt_ids.begin(), prompt_ids.end());
-      *submit.mutable_sampling() = sampling;
-      v1::PrefillDestination* destination = submit.mutable_destination();
-      destination->set_decode_address(decode_address);
-      destination->set_cached_tokens(admit.cached_tokens());
-      for (const v1::KvRankDestination& rank : admit.ranks()) {
-        v1::PrefillKvRank* out = destination->add_ranks();
-        out->set_sink_descriptor(rank.sink_descriptor());
-        out->set_grant(rank.grant());
-      }
-      grpc::ClientContext context;
-      context.set_deadline(
-          Deadline(request.deadline, options_.prefill_timeout));
-      if (!call->Enter(&context)) {
+    if (!options_.colocated) {
+      absl::StatusOr<WorkerLease> prefill_lease =
+          registry_->Assign(WorkerRole::kPrefill, *prefill_policy_, assignment);
+      if (!prefill_lease.ok()) {
         abort_decode();
-        return finish(absl::CancelledError("cancelled"));
+        return finish(prefill_lease.status());
       }
-      absl::Status s =
-          rpc::FromGrpcStatus(prefill->Prefill(&context, submit, &prefilled));
-      call->Leave();
-      if (!s.ok()) {
-        // Stop the group's work for this request (it may still be running
-        // when our side gave up) and free the decode side's blocks.
-        grpc::ClientContext cancel_context;
-        cancel_context.set_deadline(
-            Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
-        v1::PrefillCancelRequest cancel;
-        cancel.set_request_id(wire_id);
-        v1::PrefillCancelResponse ignored;
-        (void)prefill->Cancel(&cancel_context, cancel, &ignored);
-        abort_decode();
-        if (call->cancelled.load()) {
+      const std::string prefill_address = prefill_lease->address();
+      auto prefill = v1::PrefillGroup::NewStub(ChannelFor(prefill_address));
+      v1::PrefillSubmitResponse prefilled;
+      {
+        v1::PrefillSubmitRequest submit;
+        submit.set_request_id(wire_id);
+        submit.mutable_prompt_ids()->Add(prompt_ids.begin(), prompt_ids.end());
+        *submit.mutable_sampling() = sampling;
+        v1::PrefillDestination* destination = submit.mutable_destination();
+        destination->set_decode_address(decode_address);
+        destination->set_cached_tokens(admit.cached_tokens());
+        for (const v1::KvRankDestination& rank : admit.ranks()) {
+          v1::PrefillKvRank* out = destination->add_ranks();
+          out->set_sink_descriptor(rank.sink_descriptor());
+          out->set_grant(rank.grant());
+        }
+        grpc::ClientContext context;
+        context.set_deadline(
+            Deadline(request.deadline, options_.prefill_timeout));
+        if (!call->Enter(&context)) {
+          abort_decode();
           return finish(absl::CancelledError("cancelled"));
         }
-        last_error = Annotate(s, "prefill group", prefill_address);
-        if (absl::IsUnavailable(s)) {
-          registry_->MarkUnhealthy(prefill_address, std::string(s.message()));
-        }
-        if (absl::IsDeadlineExceeded(s) && absl::Now() >= request.deadline) {
+        absl::Status s =
+            rpc::FromGrpcStatus(prefill->Prefill(&context, submit, &prefilled));
+        call->Leave();
+        if (!s.ok()) {
+          // Stop the group's work for this request (it may still be running
+          // when our side gave up) and free the decode side's blocks.
+          grpc::ClientContext cancel_context;
+          cancel_context.set_deadline(
+              Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+          v1::PrefillCancelRequest cancel;
+          cancel.set_request_id(wire_id);
+          v1::PrefillCancelResponse ignored;
+          (void)prefill->Cancel(&cancel_context, cancel, &ignored);
+          abort_decode();
+          if (call->cancelled.load()) {
+            return finish(absl::CancelledError("cancelled"));
+          }
+          last_error = Annotate(s, "prefill group", prefill_address);
+          if (absl::IsUnavailable(s)) {
+            registry_->MarkUnhealthy(prefill_address, std::string(s.message()));
+          }
+          if (absl::IsDeadlineExceeded(s) && absl::Now() >= request.deadline) {
+            return finish(last_error);
+          }
+          if (Retryable(s)) continue;
           return finish(last_error);
         }
-        if (Retryable(s)) continue;
-        return finish(last_error);
       }
+      usage.cached_prompt_tokens = static_cast<int32_t>(
+          std::max<int64_t>(admit.cached_tokens(), prefilled.cached_tokens()));
+      timing.queue_seconds = prefilled.queue_seconds();
+      timing.prefill_seconds =
+          prefilled.prefill_seconds() + prefilled.notify_seconds();
     }
-    usage.cached_prompt_tokens = static_cast<int32_t>(
-        std::max<int64_t>(admit.cached_tokens(), prefilled.cached_tokens()));
-    timing.queue_seconds = prefilled.queue_seconds();
-    timing.prefill_seconds =
-        prefilled.prefill_seconds() + prefilled.notify_seconds();
 
     // --- Decode worker: stream the tokens. ---
     grpc::ClientContext context;

@@ -54,6 +54,10 @@ struct ClusterBackendOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);
   // Upper bound of one Prefill call (the request's deadline may be sooner).
   absl::Duration prefill_timeout = absl::Seconds(300);
+  // Colocated serving: decode workers prefill prompts themselves
+  // (AdmitRequest.local_prefill); no prefill groups are used. The baseline
+  // that disaggregation is measured against, and a fallback layout.
+  bool colocated = false;
 };
 
 // Counters for tests, logs and metrics.

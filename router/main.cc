@@ -11,7 +11,10 @@
 //          [--grpc-port-file PATH] [--http-port-file PATH]
 //          [--http-threads 0 (= max-in-flight + 16)]
 //          [--request-timeout-seconds 600] [--refresh-ms 1000]
-//          [--block-size 16]
+//          [--block-size 16] [--colocated 0|1]
+//
+// --colocated 1: the decode workers prefill prompts themselves (no prefill
+// groups; the layout disaggregation is measured against).
 //
 // The model path gives the tokenizer, the context length and the vocabulary;
 // the workers load the same model. --model-name must match the workers'
@@ -89,6 +92,7 @@ int Main(int argc, char** argv) {
       flags.Num<double>("request-timeout-seconds", 600);
   const int refresh_ms = flags.Num<int>("refresh-ms", 1000);
   const int block_size = flags.Num<int>("block-size", 16);
+  const bool colocated = flags.Num<int>("colocated", 0) != 0;
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -122,10 +126,11 @@ int Main(int argc, char** argv) {
     registry_config.decode = *std::move(decode);
     registry_config.refresh_interval = absl::Milliseconds(refresh_ms);
   }
-  if (registry_config.prefill.empty() || registry_config.decode.empty()) {
+  if ((registry_config.prefill.empty() && !colocated) ||
+      registry_config.decode.empty()) {
     return Fail(absl::InvalidArgumentError(
-        "at least one prefill group and one decode worker are required "
-        "(--prefill, --decode or --config)"));
+        "at least one prefill group (unless --colocated 1) and one decode "
+        "worker are required (--prefill, --decode or --config)"));
   }
 
   // The model: tokenizer and limits.
@@ -161,6 +166,7 @@ int Main(int argc, char** argv) {
   backend_options.model.vocab_size = (*weights)->config().vocab_size;
   backend_options.block_size = block_size;
   backend_options.max_attempts = max_attempts;
+  backend_options.colocated = colocated;
   absl::StatusOr<std::unique_ptr<ClusterBackend>> backend =
       ClusterBackend::Create(backend_options, tokenizer.get(), &registry,
                              *std::move(prefill_policy),

@@ -68,9 +68,10 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   for (int w = 0; w < options.decode_workers; ++w) {
     PDS_RETURN_IF_ERROR(cluster->StartDecode(w));
   }
-  cluster->groups_.resize(options.prefill_groups);
-  cluster->prefill_addresses_.resize(options.prefill_groups);
-  for (int g = 0; g < options.prefill_groups; ++g) {
+  const int groups = options.colocated ? 0 : options.prefill_groups;
+  cluster->groups_.resize(groups);
+  cluster->prefill_addresses_.resize(groups);
+  for (int g = 0; g < groups; ++g) {
     PDS_RETURN_IF_ERROR(cluster->StartPrefillGroup(g, 0));
   }
   PDS_RETURN_IF_ERROR(cluster->StartRouter());
@@ -229,7 +230,8 @@ absl::Status LocalCluster::StartRouter() {
       "--http-port",      absl::StrCat(options_.http_port),
       "--grpc-port-file", grpc_file,
       "--http-port-file", http_file,
-      "--refresh-ms",     absl::StrCat(options_.refresh_ms)};
+      "--refresh-ms",     absl::StrCat(options_.refresh_ms),
+      "--colocated",      options_.colocated ? "1" : "0"};
   PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));
   PDS_ASSIGN_OR_RETURN(
       grpc_address_, process::WaitForPortFile(grpc_file, options_.start_timeout,
@@ -298,6 +300,9 @@ std::string LocalCluster::Describe() const {
       "pdserve local cluster: model '", options_.model_name, "' (",
       options_.model_path, ")\n", "  router gRPC   ", grpc_address_, "\n",
       "  router HTTP   http://", http_address_, "\n");
+  if (options_.colocated) {
+    absl::StrAppend(&out, "  colocated     decode workers prefill\n");
+  }
   for (size_t g = 0; g < prefill_addresses_.size(); ++g) {
     absl::StrAppend(&out, "  prefill group ", g, "  ", prefill_addresses_[g],
                     "  (", options_.stages, " stages, split ",

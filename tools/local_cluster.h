@@ -36,6 +36,9 @@ struct LocalClusterOptions {
   std::string bin_dir;
   std::string work_dir;  // logs and port files; "" = a fresh temp folder
 
+  // No prefill groups: the decode workers prefill themselves (the router runs
+  // with --colocated 1).
+  bool colocated = false;
   int prefill_groups = 1;
   int stages = 1;  // S per group
   std::string layer_split = "auto";

@@ -4,7 +4,7 @@
 //               [--speculation ngram|off|draft] [--draft-layers L]
 //               [--grpc-port 50051] [--http-port 8000] [--host 127.0.0.1]
 //               [--prefill-policy least-loaded] [--decode-policy prefix-aware]
-//               [--work-dir DIR] [--bin-dir DIR]
+//               [--work-dir DIR] [--bin-dir DIR] [--colocated 0|1]
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -45,6 +45,7 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   o.format = flags.Str("format", "auto");
   o.model_name = flags.Str("model-name", "");
   o.prefill_groups = flags.Num<int>("prefill-groups", 1);
+  o.colocated = flags.Num<int>("colocated", 0) != 0;
   o.stages = flags.Num<int>("stages", 2);
   o.layer_split = flags.Str("layer-split", "auto");
   o.chunk_tokens = flags.Num<int>("chunk-tokens", 256);
