@@ -128,17 +128,28 @@ absl::Status LocalCluster::StartDecode(int worker) {
   const std::string port_file =
       absl::StrCat(options_.work_dir, "/", name, ".port");
   std::remove(port_file.c_str());
-  std::vector<std::string> args = {
-      "--model",       options_.model_path,
-      "--format",      options_.format,
-      "--model-name",  options_.model_name,
-      "--tp",          absl::StrCat(options_.tp),
-      "--host",        options_.host,
-      "--port",        "0",
-      "--port-file",   port_file,
-      "--num-blocks",  absl::StrCat(options_.decode_blocks),
-      "--max-running", absl::StrCat(options_.max_running),
-      "--speculation", options_.speculation};
+  std::vector<std::string> args = {"--model",
+                                   options_.model_path,
+                                   "--format",
+                                   options_.format,
+                                   "--model-name",
+                                   options_.model_name,
+                                   "--tp",
+                                   absl::StrCat(options_.tp),
+                                   "--host",
+                                   options_.host,
+                                   "--port",
+                                   "0",
+                                   "--port-file",
+                                   port_file,
+                                   "--num-blocks",
+                                   absl::StrCat(options_.decode_blocks),
+                                   "--max-running",
+                                   absl::StrCat(options_.max_running),
+                                   "--speculation",
+                                   options_.speculation,
+                                   "--threads-per-rank",
+                                   absl::StrCat(options_.decode_threads)};
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
@@ -175,7 +186,8 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
         "--chunk-tokens", absl::StrCat(options_.chunk_tokens),
         "--num-blocks",   absl::StrCat(options_.prefill_blocks),
         "--host",         options_.host,
-        "--port-file",    port_file};
+        "--port-file",    port_file,
+        "--threads",      absl::StrCat(options_.prefill_threads)};
   };
   // Stages 1..S-1 first: stage 0 wires the pipeline to them at start.
   std::vector<std::string> peers;

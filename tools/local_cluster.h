@@ -45,6 +45,7 @@ struct LocalClusterOptions {
   std::string chunk_policy = "equal-cost";
   int chunk_tokens = 256;
   int64_t prefill_blocks = 512;
+  int prefill_threads = 1;  // compute threads per stage
 
   int decode_workers = 1;
   int tp = 1;                       // T per decode worker
@@ -52,6 +53,7 @@ struct LocalClusterOptions {
   int draft_layers = 0;             // for draft: target's first L layers
   int64_t decode_blocks = 1024;
   int max_running = 64;
+  int decode_threads = 1;  // compute threads per TP rank
 
   std::string host = "127.0.0.1";
   int grpc_port = 0;  // router; 0 = any free port
