@@ -151,8 +151,8 @@ int Main(int argc, char** argv) {
               "tokens/s", "TTFT 1st", "TTFT last", "bubble", "busy per stage");
   double base = 0;
   for (int stages : stage_counts) {
-    absl::StatusOr<Result> r =
-        RunOnce(**weights, stages, prompt, requests, policy, microbatch);
+    absl::StatusOr<Result> r = RunOnce(**weights, stages, prompt, requests,
+                                       policy, microbatch, max_in_flight);
     if (!r.ok()) {
       std::fprintf(stderr, "S=%d: %s\n", stages, r.status().ToString().c_str());
       return 1;
