@@ -3,7 +3,7 @@
 //   prefill_worker --model PATH [--format auto|gguf|safetensors|dummy]
 //                  --stage I --stages S [--layer-split auto|2,2,1]
 //                  [--chunk-policy equal-cost|fixed] [--chunk-tokens 256]
-//                  [--microbatch-tokens 512] [--max-in-flight 0 (= S)]
+//                  [--microbatch-tokens 512] [--max-in-flight 0 (= 2S)]
 //                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
 //                  [--threads 1] [--host 0.0.0.0] [--port 0]
 //                  [--port-file PATH] [--model-name NAME]
