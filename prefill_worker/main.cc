@@ -7,6 +7,8 @@
 //                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
 //                  [--threads 1] [--host 0.0.0.0] [--port 0]
 //                  [--port-file PATH] [--model-name NAME]
+//                  [--ucx-peer-errors 1]  (0: shared-memory endpoints, same
+//                  host; see decode_worker)
 //   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
@@ -109,6 +111,7 @@ int Main(int argc, char** argv) {
       flags.Num<int64_t>("heartbeat-timeout-ms", 2000);
   const int64_t peer_wait_s = flags.Num<int64_t>("peer-wait-seconds", 60);
   const int64_t orphan_s = flags.Num<int64_t>("orphan-seconds", 30);
+  const bool ucx_peer_errors = flags.Num<int>("ucx-peer-errors", 1) != 0;
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -151,6 +154,7 @@ int Main(int argc, char** argv) {
   stage_options.block_size = block_size;
   stage_options.num_blocks = num_blocks;
   stage_options.threads = threads;
+  stage_options.ucx.peer_error_handling = ucx_peer_errors;
   auto process = StageProcess::Create(**weights, stage_options);
   if (!process.ok()) return Fail(process.status());
   const std::string address = absl::StrCat(host, ":", port);

@@ -339,8 +339,7 @@ TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
 }
 
-// ---- Faults
-// -------------------------------------------------------------------
+// ---- Faults -----------------------------------------------------------------
 
 TEST(ClusterTest, DecodeWorkerKilledMidStreamEndsItsStreamsAndOthersServe) {
   LocalClusterOptions o = BaseOptions();
@@ -445,8 +444,59 @@ TEST(ClusterTest, KilledPrefillStageTakesItsGroupOutUntilItReturns) {
   EXPECT_TRUE(PrefillLoadOf(group1).serving());
 }
 
-// ---- Bad requests against the real cluster
-// ------------------------------------
+// A stage killed while long prompts stream their KV into the decode worker:
+// the decode worker survives (UCX 1.13 aborts a software-RMA target over tcp
+// when the writer dies; the local layout writes by shared memory), every
+// request ends (retried on the other group, or with a clear error), and the
+// decode side's KV returns to baseline.
+TEST(ClusterTest, StageKilledMidTransferLeavesTheDecodeWorkerServing) {
+  LocalClusterOptions o = BaseOptions();
+  o.prefill_groups = 2;
+  o.stages = 2;
+  o.prefill_policy = "round-robin";
+  o.chunk_tokens = 16;  // many chunks: the transfer is spread out
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string decode = cluster->decode_addresses()[0];
+  const int64_t baseline = DecodeBlocksUsed(decode);
+  const testing::GoldenCase long_case =
+      testing::LoadGoldenCases("golden_long.jsonl")[0];
+  constexpr int kRequests = 12;
+  std::vector<Generated> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] =
+          GrpcGenerate(cluster->grpc_address(),
+                       TextRequest(long_case.prompt, 8), absl::Seconds(60));
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  cluster->KillPrefillStage(0, 1);
+  for (auto& t : threads) t.join();
+  int ok = 0;
+  for (const Generated& g : results) {
+    if (g.status.ok()) {
+      ++ok;
+      EXPECT_EQ(g.ids, std::vector<int32_t>(long_case.greedy_ids.begin(),
+                                            long_case.greedy_ids.begin() + 8));
+    } else {
+      EXPECT_EQ(g.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+          << g.status.error_message();
+    }
+  }
+  EXPECT_GT(ok, 0);
+  EXPECT_TRUE(Eventually([&] { return DecodeBlocksUsed(decode) == baseline; },
+                         absl::Seconds(20)))
+      << "decode blocks used " << DecodeBlocksUsed(decode) << " vs " << baseline
+      << "\n"
+      << cluster->LogTail("decode-0");
+  Generated after =
+      GrpcGenerate(cluster->grpc_address(), TextRequest(long_case.prompt, 8));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// ---- Bad requests against the real cluster ---------------------------------
 
 TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
   LocalClusterOptions o = BaseOptions();
