@@ -9,8 +9,11 @@
 //                 [--speculation off|ngram|draft] [--draft-layers L]
 //                 [--max-gamma 4] [--spec-max-batch B]
 //                 [--kv-lease-seconds 30] [--model-name NAME]
+//                 [--metrics-port -1 (off; 0 = any free port)]
+//                 [--metrics-host HOST (default --host)] [--worker-id ID]
 //
-// Prints "listening on HOST:PORT" once serving; SIGINT/SIGTERM stop it.
+// Prints "metrics on HOST:PORT" (with --metrics-port) and then "listening on
+// HOST:PORT" once serving; SIGINT/SIGTERM stop it.
 #include <csignal>
 #include <cstdio>
 #include <map>
@@ -22,6 +25,8 @@
 #include "common/command_line_flags.h"
 #include "decode/decode_worker.h"
 #include "decode_worker/decode_service.h"
+#include "decode_worker/worker_metrics.h"
+#include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "rpc/server.h"
 #include "spec/truncated_weights.h"
@@ -59,6 +64,10 @@ int Main(int argc, char** argv) {
       flags.Num<int>("spec-max-batch", wo.speculation.max_batch);
   DecodeServiceOptions so;
   so.model_name = flags.Str("model-name", "model");
+  const int metrics_port = flags.Num<int>("metrics-port", -1);
+  const std::string metrics_host = flags.Str("metrics-host", host);
+  const std::string worker_id =
+      flags.Str("worker-id", metrics::DefaultWorkerId());
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty())
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -125,10 +134,28 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Metrics are off unless asked for: no step observer, no HTTP thread.
+  std::shared_ptr<metrics::MetricsRegistry> registry;
+  std::unique_ptr<DecodeWorkerMetrics> worker_metrics;
+  if (metrics_port >= 0) {
+    registry = std::make_shared<metrics::MetricsRegistry>(
+        metrics::Layout{"decode", worker_id, 0, 1, wo.tp_size});
+    worker_metrics = std::make_unique<DecodeWorkerMetrics>(*registry);
+    wo.step_observer = worker_metrics->StepObserver();
+  }
   auto worker = decode::DecodeWorker::Create(**weights, tok, wo);
   if (!worker.ok()) return Fail(worker.status());
   auto service = DecodeService::Create(worker->get(), config, so);
   if (!service.ok()) return Fail(service.status());
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (worker_metrics != nullptr) {
+    worker_metrics->Bind(worker->get(), service->get());
+    auto started =
+        metrics::MetricsServer::Start(metrics_host, metrics_port, registry);
+    if (!started.ok()) return Fail(started.status());
+    metrics_server = std::move(*started);
+    std::printf("metrics on %s\n", metrics_server->address().c_str());
+  }
   auto server = rpc::RunningServer::Start(absl::StrCat(host, ":", port),
                                           {service->get()});
   if (!server.ok()) return Fail(server.status());
@@ -142,6 +169,8 @@ int Main(int argc, char** argv) {
   (*server)->SetServing(false);
   (*server)->Shutdown(2.0);
   server->reset();
+  metrics_server.reset();
+  if (worker_metrics != nullptr) worker_metrics->Unbind();
   service->reset();
   worker->reset();
   return 0;
