@@ -153,7 +153,10 @@ void TransferFinding(const Window& w, LayoutReport* report) {
   Finding f;
   f.topic = "KV transfer share of TTFT";
   const double ttft = w.Sum("pdserve_router_ttft_seconds_sum");
-  if (ttft > 0) {
+  // A router that measures TTFT but not its phases cannot split it.
+  const double phased = w.Sum("pdserve_router_ttft_phase_seconds_count",
+                              Where("phase", "kv_transfer"));
+  if (ttft > 0 && phased > 0) {
     f.value = w.Sum("pdserve_router_ttft_phase_seconds_sum",
                     Where("phase", "kv_transfer")) /
               ttft;

@@ -64,8 +64,9 @@ std::string Router(double ttft_sum, double kv_sum) {
       "# TYPE pdserve_router_ttft_seconds histogram\n"
       "pdserve_router_ttft_seconds_sum{%s} %g\n"
       "pdserve_router_ttft_phase_seconds_sum{%s,phase=\"kv_transfer\"} %g\n"
+      "pdserve_router_ttft_phase_seconds_count{%s,phase=\"kv_transfer\"} %g\n"
       "pdserve_router_ttft_phase_seconds_sum{%s,phase=\"prefill\"} %g\n",
-      l, ttft_sum, l, kv_sum, l, ttft_sum - kv_sum);
+      l, ttft_sum, l, kv_sum, l, ttft_sum, l, ttft_sum - kv_sum);
 }
 
 std::vector<Sample> Parse(const std::string& text) {
