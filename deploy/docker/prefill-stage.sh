@@ -11,13 +11,15 @@
 #   PREFILL_PORT         every stage's gRPC port (default 50051)
 #   PDSERVE_PEERS        stage 0's --peers, overriding the DNS names (tests
 #                        map them to loopback)
+#   PDSERVE_BIN_DIR      where prefill_worker is (default: this script's
+#                        folder, as in the image)
 set -eu
 stage="${PDSERVE_STAGE:-${HOSTNAME##*-}}"
 stages="${PREFILL_STAGES:?PREFILL_STAGES is required}"
 sts="${PREFILL_STATEFULSET:-prefill}"
 svc="${PREFILL_SERVICE:-prefill}"
 port="${PREFILL_PORT:-50051}"
-bin="$(dirname "$0")/prefill_worker"
+bin="${PDSERVE_BIN_DIR:-$(dirname "$0")}/prefill_worker"
 if [ "$stage" = 0 ] && [ "$stages" -gt 1 ]; then
   peers="${PDSERVE_PEERS:-}"
   if [ -z "$peers" ]; then

@@ -8,6 +8,7 @@ real Prometheus scraping real workers. $__rate_interval is Grafana's.
 """
 import json
 import os
+import sys
 
 DS = {"type": "prometheus", "uid": "prometheus"}
 R = "$__rate_interval"
@@ -290,7 +291,8 @@ def kv_transfer():
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
-    out = os.path.join(here, "dashboards")
+    # An output folder other than dashboards/ lets a test compare the two.
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "dashboards")
     os.makedirs(out, exist_ok=True)
     for name, d in [("overview", overview()), ("prefill", prefill()),
                     ("decode", decode()), ("kv-transfer", kv_transfer())]:

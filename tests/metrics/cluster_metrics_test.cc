@@ -31,6 +31,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
+#include "metrics/cluster_util.h"
 #include "metrics/metrics.h"
 #include "metrics/router_metrics.h"
 #include "nlohmann/json.hpp"
@@ -43,87 +44,11 @@ namespace {
 
 namespace v1 = ::pdserve::v1;
 namespace fs = std::filesystem;
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-// The first "metrics on HOST:PORT" in a log, or "".
-std::string MetricsAddress(const std::string& log) {
-  std::smatch m;
-  static const std::regex re("metrics on ([0-9.]+:[0-9]+)");
-  return std::regex_search(log, m, re) ? m[1].str() : "";
-}
-
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// A child process with stdout+stderr in `log`; killed with the test.
-class Child {
- public:
-  Child(const std::vector<std::string>& argv, const std::string& log)
-      : log_(log) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<char*> args;
-      std::vector<std::string> copy = argv;
-      for (auto& a : copy) args.push_back(a.data());
-      args.push_back(nullptr);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  std::string Log() const { return Slurp(log_); }
-  bool Alive() const {
-    int status = 0;
-    return waitpid(pid_, &status, WNOHANG) == 0;
-  }
-  // Waits (bounded) until `re`'s first group appears in the log.
-  std::string WaitFor(const std::string& pattern, absl::Duration timeout) {
-    const std::regex re(pattern);
-    const absl::Time end = absl::Now() + timeout;
-    while (absl::Now() < end && Alive()) {
-      std::smatch m;
-      const std::string log = Log();
-      if (std::regex_search(log, m, re)) return m[1].str();
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    ADD_FAILURE() << "no /" << pattern << "/ in " << log_ << ":\n" << Log();
-    return "";
-  }
-
- private:
-  std::string log_;
-  pid_t pid_ = -1;
-};
-
-nlohmann::json Query(httplib::Client& prom, const std::string& expr) {
-  const httplib::Params params = {{"query", expr}};
-  auto res = prom.Get("/api/v1/query", params, httplib::Headers{});
-  if (!res) return {};
-  auto json = nlohmann::json::parse(res->body, nullptr, false);
-  return json.is_discarded() ? nlohmann::json{} : json;
-}
+using testing::Child;
+using testing::FreePort;
+using testing::MetricsAddress;
+using testing::Query;
+using testing::Slurp;
 
 // Every "expr" of every panel target in the shipped dashboards.
 std::vector<std::pair<std::string, std::string>> DashboardExpressions() {
@@ -222,61 +147,22 @@ TEST(ClusterMetricsTest, EveryDashboardExpressionReturnsDataFromRealWorkers) {
   std::atomic<int> in_flight{0};
   auto run = [&](uint64_t id, const pdserve::testing::GoldenCase& c) {
     router.SetInFlight(++in_flight);
-    const absl::Time start = absl::Now();
-    v1::AdmitRequest admit;
-    admit.set_request_id(id);
-    for (int32_t t : c.prompt_ids) admit.add_prompt_ids(t);
-    admit.set_max_tokens(c.max_new_tokens);
-    v1::AdmitResponse admitted;
-    grpc::ClientContext actx;
-    actx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
-    grpc::Status s = decode_stub->Admit(&actx, admit, &admitted);
-    ASSERT_TRUE(s.ok()) << s.error_message();
     router.OnRouting("test_driver", "decode", decode_address);
     router.OnRouting("test_driver", "prefill", "prefill-0");
-    v1::PrefillSubmitRequest submit;
-    submit.set_request_id(id);
-    for (int32_t t : c.prompt_ids) submit.add_prompt_ids(t);
-    auto* dst = submit.mutable_destination();
-    dst->set_decode_address(decode_address);
-    dst->set_cached_tokens(admitted.cached_tokens());
-    for (const auto& rank : admitted.ranks()) {
-      auto* r = dst->add_ranks();
-      r->set_sink_descriptor(rank.sink_descriptor());
-      r->set_grant(rank.grant());
+    testing::RequestTimes times;
+    const std::vector<int32_t> tokens = testing::RunRequest(
+        *decode_stub, decode_address,
+        [&](const v1::PrefillSubmitRequest& r, v1::PrefillSubmitResponse* out) {
+          return group.Prefill(r, out);
+        },
+        id, c.prompt_ids, c.max_new_tokens, &times);
+    router.OnRequest("grpc_generate", tokens.empty() ? "ERROR" : "OK");
+    router.ObserveTtft(times.ttft);
+    for (double gap : times.gaps) router.ObserveItl(gap);
+    router.ObserveE2e(times.e2e);
+    if (tokens.size() > 1) {
+      router.ObserveTpot((times.e2e - times.ttft) / (tokens.size() - 1));
     }
-    v1::PrefillSubmitResponse prefilled;
-    s = group.Prefill(submit, &prefilled);
-    ASSERT_TRUE(s.ok()) << s.error_message() << group.Logs();
-    grpc::ClientContext sctx;
-    sctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
-    v1::StreamTokensRequest stream_request;
-    stream_request.set_request_id(id);
-    auto reader = decode_stub->StreamTokens(&sctx, stream_request);
-    v1::DecodeDelta delta;
-    std::vector<int32_t> tokens;
-    absl::Time last = start;
-    double first = -1;
-    while (reader->Read(&delta)) {
-      const absl::Time now = absl::Now();
-      if (delta.token_ids_size() > 0) {
-        if (first < 0) {
-          first = absl::ToDoubleSeconds(now - start);
-          router.ObserveTtft(first);
-        } else {
-          router.ObserveItl(absl::ToDoubleSeconds(now - last));
-        }
-        last = now;
-      }
-      for (int32_t t : delta.token_ids()) tokens.push_back(t);
-    }
-    s = reader->Finish();
-    router.OnRequest("grpc_generate", s.ok() ? "OK" : "ERROR");
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    const double e2e = absl::ToDoubleSeconds(absl::Now() - start);
-    router.ObserveE2e(e2e);
-    if (tokens.size() > 1)
-      router.ObserveTpot((e2e - first) / (tokens.size() - 1));
     router.OnTokens(c.prompt_ids.size(), tokens.size());
     router.SetInFlight(--in_flight);
     // The cluster is only worth measuring if it computes the right thing.
