@@ -62,6 +62,14 @@ void RouterMetrics::OnRequest(const std::string& api, const std::string& code) {
   c->Increment();
 }
 
+void RouterMetrics::OnRequest(const std::string& api, int http_status) {
+  OnRequest(api, absl::StrCat(http_status));
+}
+
+void RouterMetrics::OnRequest(const std::string& api, absl::StatusCode code) {
+  OnRequest(api, absl::StatusCodeToString(code));
+}
+
 void RouterMetrics::ObserveTtft(double seconds) { ttft_.Observe(seconds); }
 
 void RouterMetrics::ObserveTtftBreakdown(const TtftBreakdown& b) {

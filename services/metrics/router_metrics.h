@@ -27,6 +27,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "metrics/metrics.h"
 
@@ -52,6 +53,10 @@ class RouterMetrics {
   // One finished request: `api` is "openai_completions", "openai_chat",
   // "grpc_generate", ...; `code` the HTTP status or gRPC code name.
   void OnRequest(const std::string& api, const std::string& code);
+  // HTTP status (code="200", "429", ...) and gRPC/absl codes (code="OK",
+  // "INVALID_ARGUMENT", ...: gRPC's code numbers are absl's).
+  void OnRequest(const std::string& api, int http_status);
+  void OnRequest(const std::string& api, absl::StatusCode code);
   void ObserveTtft(double seconds);
   void ObserveTtftBreakdown(const TtftBreakdown& breakdown);
   // Gap between two consecutive streamed tokens of one request.

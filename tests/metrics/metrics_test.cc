@@ -183,7 +183,8 @@ TEST(RouterMetricsTest, EveryFamilyIsExportedWithItsLabels) {
   RouterMetrics m(*registry);
   m.OnRequest("openai_completions", "200");
   m.OnRequest("openai_completions", "200");
-  m.OnRequest("grpc_generate", "INVALID_ARGUMENT");
+  m.OnRequest("grpc_generate", absl::StatusCode::kInvalidArgument);
+  m.OnRequest("openai_chat", 429);
   m.ObserveTtft(0.25);
   m.ObserveTtftBreakdown({0.01, 0.2, 0.03, 0.01});
   m.ObserveItl(0.02);
@@ -208,6 +209,9 @@ TEST(RouterMetricsTest, EveryFamilyIsExportedWithItsLabels) {
       FindSample(samples, "pdserve_router_requests_total",
                  {{"api", "grpc_generate"}, {"code", "INVALID_ARGUMENT"}}),
       nullptr);
+  ASSERT_NE(FindSample(samples, "pdserve_router_requests_total",
+                       {{"api", "openai_chat"}, {"code", "429"}}),
+            nullptr);
   EXPECT_EQ(FindSample(samples, "pdserve_router_ttft_seconds_count")->value, 1);
   EXPECT_DOUBLE_EQ(
       FindSample(samples, "pdserve_router_ttft_seconds_sum")->value, 0.25);
