@@ -329,6 +329,19 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   std::vector<int32_t> prompt(request.prompt_ids().begin(),
                               request.prompt_ids().end());
   const int64_t n = static_cast<int64_t>(prompt.size());
+  if (request.local_prefill()) {
+    // Colocated: this worker prefills the prompt itself; no KV destination
+    // is handed out and the stream starts without a KvComplete.
+    absl::Status submitted =
+        worker_->Submit(id, std::move(prompt), params,
+                        [ch](const decode::TokenDelta& d) { Push(*ch, d); });
+    if (!submitted.ok()) {
+      ForgetChannel(id, ch.get());
+      return submitted;
+    }
+    FillIdentity(response->mutable_model());
+    return absl::OkStatus();
+  }
   auto admitted =
       worker_->Admit(id, std::move(prompt), params,
                      [ch](const decode::TokenDelta& d) { Push(*ch, d); });
@@ -370,14 +383,7 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   response->mutable_block_ids()->Add(admitted->block_ids.begin(),
                                      admitted->block_ids.end());
   response->set_cached_tokens(cached);
-  auto* model = response->mutable_model();
-  model->set_name(options_.model_name);
-  model->set_config_identity(config_.Identity());
-  model->set_num_layers(config_.num_layers);
-  model->set_num_kv_heads(config_.num_kv_heads);
-  model->set_head_dim(config_.head_dim);
-  model->set_block_size(block_size);
-  model->set_kv_dtype("f32");
+  FillIdentity(response->mutable_model());
   response->set_lease_seconds(absl::ToDoubleSeconds(options_.kv_lease));
   return absl::OkStatus();
 }
@@ -513,6 +519,16 @@ grpc::ServerUnaryReactor* DecodeService::Abort(
   return reactor;
 }
 
+void DecodeService::FillIdentity(v1::ModelIdentity* model) const {
+  model->set_name(options_.model_name);
+  model->set_config_identity(config_.Identity());
+  model->set_num_layers(config_.num_layers);
+  model->set_num_kv_heads(config_.num_kv_heads);
+  model->set_head_dim(config_.head_dim);
+  model->set_block_size(worker_->block_manager().block_size());
+  model->set_kv_dtype("f32");
+}
+
 grpc::ServerUnaryReactor* DecodeService::GetLoad(
     grpc::CallbackServerContext* context, const v1::GetLoadRequest*,
     v1::DecodeLoad* response) {
@@ -528,6 +544,7 @@ grpc::ServerUnaryReactor* DecodeService::GetLoad(
   response->set_drafted_tokens(load.drafted_tokens);
   response->set_accepted_tokens(load.accepted_tokens);
   response->set_mean_acceptance_length(load.mean_acceptance_length());
+  FillIdentity(response->mutable_model());
   auto* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

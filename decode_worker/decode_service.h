@@ -104,6 +104,8 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   void ForgetChannel(uint64_t request_id, const Channel* channel);
 
  private:
+  // The model and KV layout this worker serves (Admit and GetLoad report it).
+  void FillIdentity(pdserve::v1::ModelIdentity* model) const;
   struct Rank {
     std::unique_ptr<transport::UcxWorker> ucx;
     std::unique_ptr<transport::KvSink> sink;

@@ -9,6 +9,7 @@
 //                 [--speculation off|ngram|draft] [--draft-layers L]
 //                 [--max-gamma 4] [--spec-max-batch B]
 //                 [--kv-lease-seconds 30] [--model-name NAME]
+//                 [--port-file PATH]
 //                 [--metrics-port -1 (off; 0 = any free port)]
 //                 [--metrics-host HOST (default --host)] [--worker-id ID]
 //
@@ -28,6 +29,7 @@
 #include "decode_worker/worker_metrics.h"
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
+#include "process/port_file.h"
 #include "rpc/server.h"
 #include "spec/truncated_weights.h"
 #include "tokenizer/tokenizer.h"
@@ -47,6 +49,7 @@ int Main(int argc, char** argv) {
   const std::string format_name = flags.Str("format", "auto");
   const std::string host = flags.Str("host", "0.0.0.0");
   const int port = flags.Num<int>("port", 0);
+  const std::string port_file = flags.Str("port-file", "");
   const std::string speculation = flags.Str("speculation", "off");
   const int draft_layers = flags.Num<int>("draft-layers", 0);
   const bool has_num_blocks = flags.Has("num-blocks");
@@ -162,6 +165,11 @@ int Main(int argc, char** argv) {
   (*server)->SetServing(true);
   std::printf("listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
+  // Written last: a launcher polling for it then finds a serving worker.
+  if (auto s = process::WritePortFile(port_file, (*server)->address());
+      !s.ok()) {
+    return Fail(s);
+  }
 
   int sig = 0;
   sigwait(&signals, &sig);

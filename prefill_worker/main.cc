@@ -6,7 +6,7 @@
 //                  [--microbatch-tokens 512] [--max-in-flight 0 (= S)]
 //                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
 //                  [--threads 1] [--host 0.0.0.0] [--port 0]
-//                  [--port-file PATH]
+//                  [--port-file PATH] [--model-name NAME]
 //   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
@@ -48,6 +48,7 @@
 #include "prefill_worker/stage_control_service.h"
 #include "prefill_worker/stage_metrics.h"
 #include "prefill_worker/stage_process.h"
+#include "process/port_file.h"
 #include "rpc/server.h"
 
 namespace pdserve::prefill {
@@ -56,23 +57,6 @@ namespace {
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "prefill_worker: %s\n", s.ToString().c_str());
   return 1;
-}
-
-absl::Status WritePortFile(const std::string& path, const std::string& text) {
-  if (path.empty()) return absl::OkStatus();
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  {
-    std::ofstream out(tmp);
-    out << text << "\n";
-    if (!out.good()) {
-      return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
-    }
-  }
-  // Readers poll for the file: the rename makes it appear complete.
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot rename to ", path));
-  }
-  return absl::OkStatus();
 }
 
 // Waits for SIGINT/SIGTERM (blocked in every thread, see Main) up to
@@ -125,6 +109,7 @@ int Main(int argc, char** argv) {
   const std::string host = flags.Str("host", "0.0.0.0");
   const int64_t port = flags.Num<int64_t>("port", 0);
   const std::string port_file = flags.Str("port-file", "");
+  const std::string model_name = flags.Str("model-name", "model");
   const std::string peers_text = flags.Str("peers", "");
   const int64_t heartbeat_ms = flags.Num<int64_t>("heartbeat-ms", 200);
   const int64_t heartbeat_timeout_ms =
@@ -214,6 +199,7 @@ int Main(int argc, char** argv) {
 
   if (stage == 0) {
     PrefillServiceOptions options;
+    options.model_name = model_name;
     options.scheduler.chunk_policy = *policy;
     options.scheduler.microbatch_token_budget = microbatch_tokens;
     options.scheduler.max_in_flight = max_in_flight;
@@ -230,7 +216,8 @@ int Main(int argc, char** argv) {
     auto server = rpc::RunningServer::Start(address, {service->get()});
     if (!server.ok()) return Fail(server.status());
     (*service)->Start(server->get());
-    if (auto s = WritePortFile(port_file, (*server)->address()); !s.ok()) {
+    if (auto s = process::WritePortFile(port_file, (*server)->address());
+        !s.ok()) {
       return Fail(s);
     }
     std::fprintf(stderr, "prefill_worker: listening on %s\n",
@@ -249,7 +236,8 @@ int Main(int argc, char** argv) {
   StageControlService control(process->get(), config.Identity());
   auto server = rpc::RunningServer::Start(address, {&control});
   if (!server.ok()) return Fail(server.status());
-  if (auto s = WritePortFile(port_file, (*server)->address()); !s.ok()) {
+  if (auto s = process::WritePortFile(port_file, (*server)->address());
+      !s.ok()) {
     return Fail(s);
   }
   std::fprintf(stderr, "prefill_worker: stage control on %s\n",

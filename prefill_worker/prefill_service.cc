@@ -507,6 +507,16 @@ v1::PrefillLoad PrefillService::Load() const {
   response->set_completed(stats.completed);
   response->set_failed(stats.failed);
   response->set_cached_tokens(stats.cached_tokens);
+  const model::ModelConfig& config = weights_.config();
+  v1::ModelIdentity* model = response->mutable_model();
+  model->set_name(options_.model_name);
+  model->set_config_identity(config.Identity());
+  model->set_num_layers(config.num_layers);
+  model->set_num_kv_heads(config.num_kv_heads);
+  model->set_head_dim(config.head_dim);
+  model->set_block_size(options_.scheduler.block_size);
+  // Stages compute and send f32 KV (the engine's only KV dtype on CPU).
+  model->set_kv_dtype("f32");
   return result;
 }
 

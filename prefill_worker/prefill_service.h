@@ -52,6 +52,9 @@
 namespace pdserve::prefill {
 
 struct PrefillServiceOptions {
+  // Served model name, reported in the load report's identity (the router
+  // checks it against the decode workers').
+  std::string model_name = "model";
   SchedulerOptions scheduler;
   // PrefillStageControl addresses of stages 1..S-1, in stage order.
   std::vector<std::string> peers;

@@ -171,6 +171,7 @@ class GrpcWorkerProber final : public WorkerProber {
         result.load =
             WorkerLoad{load.waiting() + load.awaiting_kv(), load.running(),
                        load.kv_blocks_used(), load.kv_blocks_total()};
+        if (load.has_model()) result.identity = load.model();
       }
     } else {
       v1::PrefillLoad load;
@@ -178,6 +179,7 @@ class GrpcWorkerProber final : public WorkerProber {
               .ok()) {
         result.load = WorkerLoad{load.queued(), load.in_flight(),
                                  load.kv_blocks_used(), load.kv_blocks_total()};
+        if (load.has_model()) result.identity = load.model();
         // A group with a stage down reports itself not serving.
         if (!load.serving()) {
           result.serving = false;

@@ -92,8 +92,8 @@ class WorkerProber {
 // DecodeWorker.GetLoad (queued = waiting + awaiting_kv) or PrefillGroup.GetLoad
 // (queued, in_flight; `serving` false = a stage is down = not serving). A
 // worker answering health but not GetLoad stays in rotation without a report.
-// Identity is not filled: neither worker API reports it outside Admit / the
-// stage Hello yet (see README, What remains).
+// Both load reports carry the worker's ModelIdentity, which the registry
+// checks against the cluster's.
 std::unique_ptr<WorkerProber> MakeGrpcWorkerProber();
 
 // One worker's state, for /health, metrics and tests.

@@ -4,8 +4,14 @@
 //                    [--temperature T] [--top-p P] [--top-k K] [--seed S]
 //                    [--format auto|gguf|safetensors] [--threads N]
 //
+//   pdserve local  [--model PATH] [--stages S] [--tp T] [--speculation X] ...
+//   pdserve client --router HOST:PORT --prompt TEXT [--max-tokens N] ...
+//
 // `generate` runs the single-process reference engine and streams the text of
-// the continuation to stdout as it is produced.
+// the continuation to stdout as it is produced. `local` starts a whole
+// cluster (router, prefill group, decode worker) on this machine; `client`
+// sends one request to a router's gRPC API (tools/local_command.cc,
+// tools/client_command.cc).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +30,7 @@
 #include "model/weight_source.h"
 #include "tokenizer/detokenizer.h"
 #include "tokenizer/tokenizer.h"
+#include "tools/commands.h"
 
 namespace pdserve {
 namespace {
@@ -32,7 +39,16 @@ constexpr char kUsage[] =
     "usage: pdserve generate --model PATH --prompt TEXT [--max-tokens N] "
     "[--temperature T]\n"
     "                        [--top-p P] [--top-k K] [--seed S] [--format F] "
-    "[--threads N]\n";
+    "[--threads N]\n"
+    "       pdserve local [--model PATH] [--prefill-groups G] [--stages S] "
+    "[--tp T]\n"
+    "                     [--decode-workers W] [--speculation off|ngram|draft] "
+    "[--draft-layers L]\n"
+    "                     [--grpc-port P] [--http-port P] [--work-dir DIR]\n"
+    "       pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
+    "[--max-tokens N]\n"
+    "                      [--temperature T] [--seed S] [--stop S] "
+    "[--show-ids 1]\n";
 
 absl::Status Generate(int argc, char** argv) {
   CommandLineFlags flags;
@@ -146,6 +162,10 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "generate") {
     status = pdserve::Generate(argc, argv);
+  } else if (command == "local") {
+    status = pdserve::tools::RunLocalCluster(argc, argv);
+  } else if (command == "client") {
+    status = pdserve::tools::RunClient(argc, argv);
   } else {
     std::fprintf(stderr, "pdserve: unknown command '%s'\n%s", command.c_str(),
                  pdserve::kUsage);

@@ -161,6 +161,16 @@ float DotProduct(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+void GemmRowMajor(bool transpose_b, int64_t m, int64_t n, int64_t k,
+                  float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans,
+              transpose_b ? CblasTrans : CblasNoTrans, static_cast<int>(m),
+              static_cast<int>(n), static_cast<int>(k), alpha, a,
+              static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f, c,
+              static_cast<int>(ldc));
+}
+
 void Axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }

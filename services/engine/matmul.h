@@ -34,6 +34,16 @@ float DotProduct(const float* a, const float* b, int64_t n);
 // y[i] += alpha · x[i].
 void Axpy(float alpha, const float* x, float* y, int64_t n);
 
+// C[m x n] = alpha · A[m x k] · op(B) on the calling thread (row-major, with
+// leading dimensions), where op(B) is B[k x n], or B[n x k] transposed when
+// `transpose_b`. C is overwritten.
+void GemmRowMajor(bool transpose_b, int64_t m, int64_t n, int64_t k,
+                  float alpha, const float* a, int64_t lda, const float* b,
+                  int64_t ldb, float* c, int64_t ldc);
+
+// Prefill chunks of at least this many queries take the GEMM attention path.
+inline constexpr int kTiledAttentionMinQueries = 8;
+
 // Makes OpenBLAS run every call on the calling thread (process-wide). The
 // engine parallelizes GEMMs itself; BLAS threads would only contend.
 void UseSingleThreadedBlas();

@@ -1,0 +1,497 @@
+#include "router/cluster_backend.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <list>
+#include <thread>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "kv/block_manager.h"
+#include "pdserve/v1/decode.grpc.pb.h"
+#include "pdserve/v1/prefill.grpc.pb.h"
+#include "rpc/status_conversion.h"
+
+namespace pdserve::router {
+
+// Lives as long as the longest of the backend and its call threads: the
+// threads report their end here, and the destructor waits on it.
+struct ClusterBackend::Shared {
+  absl::Mutex mu;
+  std::list<std::weak_ptr<CallState>> calls ABSL_GUARDED_BY(mu);
+  ClusterBackendStats stats ABSL_GUARDED_BY(mu);
+};
+
+struct ClusterBackend::CallState {
+  std::atomic<bool> cancelled{false};
+  absl::Mutex mu;
+  // The RPC in flight, which Cancel() interrupts.
+  grpc::ClientContext* active ABSL_GUARDED_BY(mu) = nullptr;
+
+  void Cancel() {
+    cancelled.store(true);
+    absl::MutexLock lock(&mu);
+    if (active != nullptr) active->TryCancel();
+  }
+  // Registers `context` for cancellation; false when already cancelled.
+  bool Enter(grpc::ClientContext* context) {
+    absl::MutexLock lock(&mu);
+    if (cancelled.load()) return false;
+    active = context;
+    return true;
+  }
+  void Leave() {
+    absl::MutexLock lock(&mu);
+    active = nullptr;
+  }
+};
+
+namespace {
+
+class ClusterCall final : public GenerationCall {
+ public:
+  explicit ClusterCall(std::shared_ptr<ClusterBackend::CallState> state)
+      : state_(std::move(state)) {}
+  void Cancel() override { state_->Cancel(); }
+
+ private:
+  std::shared_ptr<ClusterBackend::CallState> state_;
+};
+
+// The errors after which another worker may well succeed.
+bool Retryable(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsResourceExhausted(status) ||
+         absl::IsAborted(status);
+}
+
+absl::Status Annotate(const absl::Status& status, absl::string_view what,
+                      const std::string& address) {
+  return absl::Status(status.code(),
+                      absl::StrCat(what, " ", address, ": ", status.message()));
+}
+
+FinishReason MapFinish(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_STOP:
+      return FinishReason::kStop;
+    case v1::FINISH_REASON_LENGTH:
+      return FinishReason::kLength;
+    case v1::FINISH_REASON_CANCELLED:
+      return FinishReason::kCancelled;
+    case v1::FINISH_REASON_ERROR:
+      return FinishReason::kError;
+    default:
+      return FinishReason::kNone;
+  }
+}
+
+uint64_t NewWireId() {
+  // Random, not a counter: several routers share the workers, and a collision
+  // (ALREADY_EXISTS) would only cost a retry.
+  thread_local absl::BitGen gen;
+  return absl::Uniform<uint64_t>(gen, 1, UINT64_MAX);
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Time request_deadline,
+                                               absl::Duration bound) {
+  return absl::ToChronoTime(std::min(request_deadline, absl::Now() + bound));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(
+    ClusterBackendOptions options, const tokenizer::Tokenizer* tokenizer,
+    WorkerRegistry* registry, std::unique_ptr<AssignmentPolicy> prefill_policy,
+    std::unique_ptr<AssignmentPolicy> decode_policy) {
+  if (registry == nullptr || prefill_policy == nullptr ||
+      decode_policy == nullptr) {
+    return absl::InvalidArgumentError(
+        "cluster backend needs a registry and both policies");
+  }
+  if (options.model.name.empty() || options.model.context_length <= 0 ||
+      options.model.vocab_size <= 0) {
+    return absl::InvalidArgumentError(
+        "cluster backend needs the model's name, context and vocabulary size");
+  }
+  if (options.block_size <= 0 || options.max_attempts < 1) {
+    return absl::InvalidArgumentError(
+        "block_size and max_attempts must be >= 1");
+  }
+  return std::unique_ptr<ClusterBackend>(
+      new ClusterBackend(std::move(options), tokenizer, registry,
+                         std::move(prefill_policy), std::move(decode_policy)));
+}
+
+ClusterBackend::ClusterBackend(ClusterBackendOptions options,
+                               const tokenizer::Tokenizer* tokenizer,
+                               WorkerRegistry* registry,
+                               std::unique_ptr<AssignmentPolicy> prefill_policy,
+                               std::unique_ptr<AssignmentPolicy> decode_policy)
+    : options_(std::move(options)),
+      tokenizer_(tokenizer),
+      registry_(registry),
+      prefill_policy_(std::move(prefill_policy)),
+      decode_policy_(std::move(decode_policy)),
+      shared_(std::make_shared<Shared>()) {}
+
+ClusterBackend::~ClusterBackend() {
+  absl::MutexLock lock(&shared_->mu);
+  for (auto& weak : shared_->calls) {
+    if (auto call = weak.lock()) call->Cancel();
+  }
+  // Each thread's cancellation path makes only bounded RPCs (rpc_timeout).
+  shared_->mu.Await(absl::Condition(
+      +[](ClusterBackendStats* s) { return s->active == 0; }, &shared_->stats));
+}
+
+std::vector<ModelDescription> ClusterBackend::ListModels() const {
+  return {options_.model};
+}
+
+absl::Status ClusterBackend::Health() const {
+  int prefill = 0;
+  int decode = 0;
+  for (const WorkerView& w : registry_->Snapshot(WorkerRole::kPrefill)) {
+    prefill += w.eligible ? 1 : 0;
+  }
+  for (const WorkerView& w : registry_->Snapshot(WorkerRole::kDecode)) {
+    decode += w.eligible ? 1 : 0;
+  }
+  if (options_.colocated) prefill = 1;  // not needed
+  if (prefill == 0 || decode == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("no healthy ", prefill == 0 ? "prefill group" : "",
+                     prefill == 0 && decode == 0 ? " and no healthy " : "",
+                     decode == 0 ? "decode worker" : ""));
+  }
+  return absl::OkStatus();
+}
+
+ClusterBackendStats ClusterBackend::stats() const {
+  absl::MutexLock lock(&shared_->mu);
+  return shared_->stats;
+}
+
+std::shared_ptr<grpc::Channel> ClusterBackend::ChannelFor(
+    const std::string& address) {
+  absl::MutexLock lock(&channels_mu_);
+  std::shared_ptr<grpc::Channel>& channel = channels_[address];
+  if (channel == nullptr) {
+    grpc::ChannelArguments args;
+    // Long token streams: no cap on a message stream's lifetime, but a
+    // worker that went away must be noticed on reconnect quickly.
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    channel = grpc::CreateCustomChannel(
+        address, grpc::InsecureChannelCredentials(), args);
+  }
+  return channel;
+}
+
+absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
+    GenerationRequest request, GenerationObserver* observer) {
+  PDS_RETURN_IF_ERROR(ValidateGenerationRequest(request));
+  if (request.model != options_.model.name) {
+    return absl::NotFoundError(
+        absl::StrCat("model '", request.model, "' is not served here"));
+  }
+  std::vector<int32_t> ids;
+  if (request.prompt_ids.has_value()) {
+    ids = *request.prompt_ids;
+    for (int32_t id : ids) {
+      if (id < 0 || id >= options_.model.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "prompt token id ", id, " is outside the vocabulary [0, ",
+            options_.model.vocab_size, ")"));
+      }
+    }
+  } else {
+    if (tokenizer_ == nullptr) {
+      return absl::InvalidArgumentError(
+          "this router has no tokenizer: send token ids");
+    }
+    PDS_ASSIGN_OR_RETURN(ids, tokenizer_->Encode(*request.prompt_text));
+  }
+  const int64_t context = options_.model.context_length;
+  const int64_t n = static_cast<int64_t>(ids.size());
+  if (n == 0) return absl::InvalidArgumentError("prompt is empty");
+  if (n >= context) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt has ", n, " tokens; the model's context is ",
+                     context, " tokens"));
+  }
+  if (n + request.max_tokens > context) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens ", request.max_tokens,
+                     " exceeds the context: the prompt's ", n, " tokens leave ",
+                     context - n, " of ", context));
+  }
+  if (absl::Now() >= request.deadline) {
+    return absl::DeadlineExceededError("deadline passed before the start");
+  }
+  auto state = std::make_shared<CallState>();
+  {
+    absl::MutexLock lock(&shared_->mu);
+    // Forget finished calls while here, so the list stays as long as the
+    // number of live calls.
+    shared_->calls.remove_if(
+        [](const std::weak_ptr<CallState>& w) { return w.expired(); });
+    shared_->calls.push_back(state);
+    ++shared_->stats.started;
+    ++shared_->stats.active;
+  }
+  std::thread([this, state, request = std::move(request), ids = std::move(ids),
+               observer]() mutable {
+    std::shared_ptr<Shared> shared = shared_;
+    Run(state, std::move(request), std::move(ids), observer);
+    // Nothing of `this` is touched from here on: the destructor may run.
+    absl::MutexLock lock(&shared->mu);
+    --shared->stats.active;
+  }).detach();
+  return std::make_unique<ClusterCall>(std::move(state));
+}
+
+void ClusterBackend::Run(std::shared_ptr<CallState> call,
+                         GenerationRequest request,
+                         std::vector<int32_t> prompt_ids,
+                         GenerationObserver* observer) {
+  const absl::Time started = absl::Now();
+  const std::vector<uint64_t> hashes =
+      kv::FullBlockHashes(prompt_ids, options_.block_size);
+  AssignmentContext assignment{hashes};
+  v1::SamplingParams sampling;
+  sampling.set_temperature(request.sampling.temperature);
+  sampling.set_top_p(request.sampling.top_p);
+  sampling.set_top_k(request.sampling.top_k);
+  sampling.set_seed(request.sampling.seed);
+
+  GenerationUsage usage;
+  usage.prompt_tokens = static_cast<int32_t>(prompt_ids.size());
+  GenerationTiming timing;
+  bool delivered = false;  // a delta reached the observer: no more retries
+
+  auto finish = [&](absl::Status status) {
+    {
+      absl::MutexLock lock(&shared_->mu);
+      if (status.ok()) {
+        ++shared_->stats.succeeded;
+      } else if (absl::IsCancelled(status)) {
+        ++shared_->stats.cancelled;
+      } else {
+        ++shared_->stats.failed;
+      }
+    }
+    observer->OnDone(std::move(status));
+  };
+
+  absl::Status last_error = absl::UnavailableError("no attempt made");
+  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+    if (attempt > 0) {
+      absl::MutexLock lock(&shared_->mu);
+      ++shared_->stats.retries;
+    }
+    if (call->cancelled.load())
+      return finish(absl::CancelledError("cancelled"));
+    if (absl::Now() >= request.deadline) {
+      return finish(absl::DeadlineExceededError(
+          absl::StrCat("deadline exceeded before the first token (last error: ",
+                       last_error.message(), ")")));
+    }
+
+    // --- Decode worker: admit (allocates the KV destination). ---
+    absl::StatusOr<WorkerLease> decode_lease =
+        registry_->Assign(WorkerRole::kDecode, *decode_policy_, assignment);
+    if (!decode_lease.ok()) {
+      return finish(attempt == 0
+                        ? decode_lease.status()
+                        : absl::UnavailableError(absl::StrCat(
+                              decode_lease.status().message(),
+                              "; last error: ", last_error.message())));
+    }
+    const std::string decode_address = decode_lease->address();
+    auto decode = v1::DecodeWorker::NewStub(ChannelFor(decode_address));
+    const uint64_t wire_id = NewWireId();
+    v1::AdmitResponse admit;
+    {
+      v1::AdmitRequest admit_request;
+      admit_request.set_request_id(wire_id);
+      admit_request.mutable_prompt_ids()->Add(prompt_ids.begin(),
+                                              prompt_ids.end());
+      admit_request.set_max_tokens(request.max_tokens);
+      *admit_request.mutable_sampling() = sampling;
+      for (const std::string& s : request.stop) admit_request.add_stop(s);
+      admit_request.set_local_prefill(options_.colocated);
+      grpc::ClientContext context;
+      context.set_deadline(Deadline(request.deadline, options_.rpc_timeout));
+      if (!call->Enter(&context)) {
+        return finish(absl::CancelledError("cancelled"));
+      }
+      absl::Status s =
+          rpc::FromGrpcStatus(decode->Admit(&context, admit_request, &admit));
+      call->Leave();
+      if (!s.ok()) {
+        if (call->cancelled.load()) {
+          // The Admit may have landed: free it.
+          grpc::ClientContext abort_context;
+          abort_context.set_deadline(
+              Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+          v1::AbortRequest abort;
+          abort.set_request_id(wire_id);
+          v1::AbortResponse ignored;
+          (void)decode->Abort(&abort_context, abort, &ignored);
+          return finish(absl::CancelledError("cancelled"));
+        }
+        last_error = Annotate(s, "decode worker", decode_address);
+        if (absl::IsUnavailable(s)) {
+          registry_->MarkUnhealthy(decode_address, std::string(s.message()));
+        }
+        if (Retryable(s)) continue;
+        return finish(last_error);
+      }
+    }
+    // From here on the decode worker holds KV blocks for `wire_id`: every
+    // exit path below frees them (Abort), unless the stream finished.
+    auto abort_decode = [&] {
+      grpc::ClientContext context;
+      context.set_deadline(
+          Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+      v1::AbortRequest abort;
+      abort.set_request_id(wire_id);
+      v1::AbortResponse ignored;
+      (void)decode->Abort(&context, abort, &ignored);
+    };
+    usage.cached_prompt_tokens = static_cast<int32_t>(admit.cached_tokens());
+
+    // --- Prefill group: compute the prompt, write its KV, first token. ---
+    if (!options_.colocated) {
+      absl::StatusOr<WorkerLease> prefill_lease =
+          registry_->Assign(WorkerRole::kPrefill, *prefill_policy_, assignment);
+      if (!prefill_lease.ok()) {
+        abort_decode();
+        return finish(prefill_lease.status());
+      }
+      const std::string prefill_address = prefill_lease->address();
+      auto prefill = v1::PrefillGroup::NewStub(ChannelFor(prefill_address));
+      v1::PrefillSubmitResponse prefilled;
+      {
+        v1::PrefillSubmitRequest submit;
+        submit.set_request_id(wire_id);
+        submit.mutable_prompt_ids()->Add(prompt_ids.begin(), prompt_ids.end());
+        *submit.mutable_sampling() = sampling;
+        v1::PrefillDestination* destination = submit.mutable_destination();
+        destination->set_decode_address(decode_address);
+        destination->set_cached_tokens(admit.cached_tokens());
+        for (const v1::KvRankDestination& rank : admit.ranks()) {
+          v1::PrefillKvRank* out = destination->add_ranks();
+          out->set_sink_descriptor(rank.sink_descriptor());
+          out->set_grant(rank.grant());
+        }
+        grpc::ClientContext context;
+        context.set_deadline(
+            Deadline(request.deadline, options_.prefill_timeout));
+        if (!call->Enter(&context)) {
+          abort_decode();
+          return finish(absl::CancelledError("cancelled"));
+        }
+        absl::Status s =
+            rpc::FromGrpcStatus(prefill->Prefill(&context, submit, &prefilled));
+        call->Leave();
+        if (!s.ok()) {
+          // Stop the group's work for this request (it may still be running
+          // when our side gave up) and free the decode side's blocks.
+          grpc::ClientContext cancel_context;
+          cancel_context.set_deadline(
+              Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+          v1::PrefillCancelRequest cancel;
+          cancel.set_request_id(wire_id);
+          v1::PrefillCancelResponse ignored;
+          (void)prefill->Cancel(&cancel_context, cancel, &ignored);
+          abort_decode();
+          if (call->cancelled.load()) {
+            return finish(absl::CancelledError("cancelled"));
+          }
+          last_error = Annotate(s, "prefill group", prefill_address);
+          if (absl::IsUnavailable(s)) {
+            registry_->MarkUnhealthy(prefill_address, std::string(s.message()));
+          }
+          if (absl::IsDeadlineExceeded(s) && absl::Now() >= request.deadline) {
+            return finish(last_error);
+          }
+          if (Retryable(s)) continue;
+          return finish(last_error);
+        }
+      }
+      usage.cached_prompt_tokens = static_cast<int32_t>(
+          std::max<int64_t>(admit.cached_tokens(), prefilled.cached_tokens()));
+      timing.queue_seconds = prefilled.queue_seconds();
+      timing.prefill_seconds =
+          prefilled.prefill_seconds() + prefilled.notify_seconds();
+    }
+
+    // --- Decode worker: stream the tokens. ---
+    grpc::ClientContext context;
+    if (request.deadline != absl::InfiniteFuture()) {
+      context.set_deadline(absl::ToChronoTime(request.deadline));
+    }
+    if (!call->Enter(&context)) {
+      abort_decode();
+      return finish(absl::CancelledError("cancelled"));
+    }
+    v1::StreamTokensRequest stream_request;
+    stream_request.set_request_id(wire_id);
+    std::unique_ptr<grpc::ClientReader<v1::DecodeDelta>> reader =
+        decode->StreamTokens(&context, stream_request);
+    v1::DecodeDelta in;
+    bool finished = false;
+    while (reader->Read(&in)) {
+      GenerationDelta out;
+      out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
+      out.text = in.text();
+      usage.completion_tokens += static_cast<int32_t>(out.token_ids.size());
+      const absl::Duration since_start = absl::Now() - started;
+      if (!delivered && !out.token_ids.empty()) {
+        timing.time_to_first_token_seconds = absl::ToDoubleSeconds(since_start);
+      }
+      if (in.finished()) {
+        finished = true;
+        out.finished = true;
+        out.finish_reason = MapFinish(in.finish_reason());
+        out.usage = usage;
+        timing.total_seconds = absl::ToDoubleSeconds(since_start);
+        out.timing = timing;
+      }
+      if (out.finished || !out.token_ids.empty() || !out.text.empty()) {
+        delivered = true;
+        observer->OnDelta(std::move(out));
+      }
+      if (finished) break;
+    }
+    absl::Status s = rpc::FromGrpcStatus(reader->Finish());
+    call->Leave();
+    if (finished) return finish(absl::OkStatus());
+    if (call->cancelled.load()) {
+      abort_decode();  // the cancelled stream aborted it already; be sure
+      return finish(absl::CancelledError("cancelled"));
+    }
+    if (s.ok()) {
+      s = absl::InternalError("token stream ended without a finished item");
+    }
+    last_error = Annotate(s, "decode worker", decode_address);
+    if (absl::IsUnavailable(s)) {
+      registry_->MarkUnhealthy(decode_address, std::string(s.message()));
+    }
+    abort_decode();
+    if (absl::IsDeadlineExceeded(s) && absl::Now() >= request.deadline) {
+      return finish(last_error);
+    }
+    if (!delivered && Retryable(s)) continue;
+    return finish(last_error);
+  }
+  finish(absl::UnavailableError(
+      absl::StrCat("gave up after ", options_.max_attempts,
+                   " attempts; last error: ", last_error.message())));
+}
+
+}  // namespace pdserve::router

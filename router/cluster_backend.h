@@ -1,0 +1,120 @@
+// The real GenerationBackend: runs each request through a prefill group and a
+// decode worker of the registry.
+//
+//   1. tokenize (the prompt and prompt + max_tokens must fit the context);
+//   2. decode worker <- --decode-policy; DecodeWorker.Admit allocates the KV
+//      blocks (reusing its prefix cache) and answers where the prefill writes;
+//   3. prefill group <- --prefill-policy; PrefillGroup.Prefill with that
+//      destination: the stages write the prompt's KV straight into the decode
+//      worker's blocks and tell it the first token;
+//   4. DecodeWorker.StreamTokens -> the observer (token ids and text deltas;
+//      the decode worker detokenizes and applies stop strings).
+//
+// Failures before the first token (a worker unreachable, a group with a stage
+// down, a decode worker dying before it streamed) are retried on other
+// workers, up to `max_attempts`, and the failed worker is marked unhealthy in
+// the registry until its next successful probe. After the first token an
+// error ends the stream (the tokens already sent cannot be taken back).
+// Cancel() stops whichever RPC is in flight and frees the request's KV on
+// both sides (PrefillGroup.Cancel + DecodeWorker.Abort).
+//
+// Threads: every call runs on a thread of its own with blocking gRPC calls,
+// so a request costs one thread for its lifetime; the router's admission
+// limit bounds them. (The callback API would save the threads; at the
+// concurrency one router sees — hundreds of streams — the simpler control
+// flow of a thread per call wins.)
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "router/assignment_policy.h"
+#include "router/generation_backend.h"
+#include "router/worker_registry.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pdserve::router {
+
+struct ClusterBackendOptions {
+  ModelDescription model;  // the served model (name, context, vocabulary)
+  // Block size of the workers' KV (for the prefix-aware policy's hashes).
+  int block_size = 16;
+  // Tries per request before the first token (each on a freshly assigned
+  // worker pair).
+  int max_attempts = 3;
+  // Admit, Abort, Cancel.
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  // Upper bound of one Prefill call (the request's deadline may be sooner).
+  absl::Duration prefill_timeout = absl::Seconds(300);
+  // Colocated serving: decode workers prefill prompts themselves
+  // (AdmitRequest.local_prefill); no prefill groups are used. The baseline
+  // that disaggregation is measured against, and a fallback layout.
+  bool colocated = false;
+};
+
+// Counters for tests, logs and metrics.
+struct ClusterBackendStats {
+  int64_t started = 0;
+  int64_t succeeded = 0;
+  int64_t failed = 0;
+  int64_t cancelled = 0;
+  int64_t retries = 0;
+  int64_t active = 0;
+};
+
+class ClusterBackend final : public GenerationBackend {
+ public:
+  // `tokenizer` (may be null: then only token-id prompts are accepted) and
+  // `registry` must outlive the backend.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<ClusterBackend>> Create(
+      ClusterBackendOptions options, const tokenizer::Tokenizer* tokenizer,
+      WorkerRegistry* registry,
+      std::unique_ptr<AssignmentPolicy> prefill_policy,
+      std::unique_ptr<AssignmentPolicy> decode_policy);
+  // Cancels every call still running and waits for their threads.
+  ~ClusterBackend() override;
+  ClusterBackend(const ClusterBackend&) = delete;
+  ClusterBackend& operator=(const ClusterBackend&) = delete;
+
+  std::vector<ModelDescription> ListModels() const override;
+  absl::Status Health() const override;
+  absl::StatusOr<std::unique_ptr<GenerationCall>> Start(
+      GenerationRequest request, GenerationObserver* observer) override;
+
+  ClusterBackendStats stats() const;
+
+  struct CallState;  // internal, shared by a call's handle and its thread
+  struct Shared;     // internal, outlives the backend until the last thread
+
+ private:
+  ClusterBackend(ClusterBackendOptions options,
+                 const tokenizer::Tokenizer* tokenizer,
+                 WorkerRegistry* registry,
+                 std::unique_ptr<AssignmentPolicy> prefill_policy,
+                 std::unique_ptr<AssignmentPolicy> decode_policy);
+
+  void Run(std::shared_ptr<CallState> call, GenerationRequest request,
+           std::vector<int32_t> prompt_ids, GenerationObserver* observer);
+  std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+
+  const ClusterBackendOptions options_;
+  const tokenizer::Tokenizer* const tokenizer_;
+  WorkerRegistry* const registry_;
+  const std::unique_ptr<AssignmentPolicy> prefill_policy_;
+  const std::unique_ptr<AssignmentPolicy> decode_policy_;
+  const std::shared_ptr<Shared> shared_;
+
+  absl::Mutex channels_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
+      ABSL_GUARDED_BY(channels_mu_);
+};
+
+}  // namespace pdserve::router

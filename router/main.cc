@@ -1,0 +1,232 @@
+// router: the public face of a pdserve cluster. Serves pdserve.v1.Generation
+// (+ grpc.health.v1, reflection) over gRPC and the OpenAI API over HTTP, and
+// runs every request through a prefill group and a decode worker.
+//
+//   router --model PATH [--format auto|gguf|safetensors|dummy]
+//          [--model-name NAME] (--prefill H:P,... --decode H:P,... |
+//          --config FILE.json)
+//          [--prefill-policy round-robin|least-loaded|prefix-aware]
+//          [--decode-policy ...] [--max-in-flight 256] [--max-attempts 3]
+//          [--host 0.0.0.0] [--grpc-port 0] [--http-port 0]
+//          [--grpc-port-file PATH] [--http-port-file PATH]
+//          [--http-threads 0 (= max-in-flight + 16)]
+//          [--request-timeout-seconds 600] [--refresh-ms 1000]
+//          [--block-size 16] [--colocated 0|1]
+//
+// --colocated 1: the decode workers prefill prompts themselves (no prefill
+// groups; the layout disaggregation is measured against).
+//
+// The model path gives the tokenizer, the context length and the vocabulary;
+// the workers load the same model. --model-name must match the workers'
+// (--model-name of decode_worker and prefill_worker): the registry keeps a
+// worker whose identity differs out of rotation. SIGINT/SIGTERM stop.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/command_line_flags.h"
+#include "model/weight_source.h"
+#include "process/port_file.h"
+#include "router/admission_limiter.h"
+#include "router/cluster_backend.h"
+#include "router/generation_service.h"
+#include "router/http_server.h"
+#include "router/worker_registry.h"
+#include "rpc/server.h"
+#include "tokenizer/tokenizer.h"
+
+namespace pdserve::router {
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "router: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+int Main(int argc, char** argv) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A client that disconnects mid-write must not kill the process.
+  signal(SIGPIPE, SIG_IGN);
+
+  CommandLineFlags flags;
+  if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
+  const std::string model_path = flags.Str("model", "");
+  const std::string format_name = flags.Str("format", "auto");
+  const std::string model_name = flags.Str("model-name", "model");
+  const std::string prefill_list = flags.Str("prefill", "");
+  const std::string decode_list = flags.Str("decode", "");
+  const std::string config_path = flags.Str("config", "");
+  const std::string prefill_policy_name =
+      flags.Str("prefill-policy", "least-loaded");
+  const std::string decode_policy_name =
+      flags.Str("decode-policy", "prefix-aware");
+  const int max_in_flight = flags.Num<int>("max-in-flight", 256);
+  const int max_attempts = flags.Num<int>("max-attempts", 3);
+  const std::string host = flags.Str("host", "0.0.0.0");
+  const int grpc_port = flags.Num<int>("grpc-port", 0);
+  const int http_port = flags.Num<int>("http-port", 0);
+  const std::string grpc_port_file = flags.Str("grpc-port-file", "");
+  const std::string http_port_file = flags.Str("http-port-file", "");
+  const int http_threads = flags.Num<int>("http-threads", 0);
+  const double request_timeout_s =
+      flags.Num<double>("request-timeout-seconds", 600);
+  const int refresh_ms = flags.Num<int>("refresh-ms", 1000);
+  const int block_size = flags.Num<int>("block-size", 16);
+  const bool colocated = flags.Num<int>("colocated", 0) != 0;
+  if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  if (model_path.empty()) {
+    return Fail(absl::InvalidArgumentError("--model is required"));
+  }
+  if (max_in_flight < 1 || request_timeout_s <= 0 || refresh_ms < 10) {
+    return Fail(absl::InvalidArgumentError(
+        "--max-in-flight >= 1, --request-timeout-seconds > 0 and "
+        "--refresh-ms >= 10 are required"));
+  }
+
+  // Workers.
+  RegistryConfig registry_config;
+  if (!config_path.empty()) {
+    if (!prefill_list.empty() || !decode_list.empty()) {
+      return Fail(absl::InvalidArgumentError(
+          "give --config or --prefill/--decode, not both"));
+    }
+    absl::StatusOr<std::string> text = ReadFile(config_path);
+    if (!text.ok()) return Fail(text.status());
+    absl::StatusOr<RegistryConfig> parsed = ParseRegistryConfig(*text);
+    if (!parsed.ok()) return Fail(parsed.status());
+    registry_config = *std::move(parsed);
+  } else {
+    absl::StatusOr<std::vector<std::string>> prefill =
+        ParseTargetList(prefill_list);
+    if (!prefill.ok()) return Fail(prefill.status());
+    absl::StatusOr<std::vector<std::string>> decode =
+        ParseTargetList(decode_list);
+    if (!decode.ok()) return Fail(decode.status());
+    registry_config.prefill = *std::move(prefill);
+    registry_config.decode = *std::move(decode);
+    registry_config.refresh_interval = absl::Milliseconds(refresh_ms);
+  }
+  if ((registry_config.prefill.empty() && !colocated) ||
+      registry_config.decode.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "at least one prefill group (unless --colocated 1) and one decode "
+        "worker are required (--prefill, --decode or --config)"));
+  }
+
+  // The model: tokenizer and limits.
+  absl::StatusOr<model::LoadFormat> format =
+      model::ParseLoadFormat(format_name);
+  if (!format.ok()) return Fail(format.status());
+  absl::StatusOr<std::unique_ptr<model::WeightSource>> weights =
+      model::OpenModel(model_path, *format);
+  if (!weights.ok()) return Fail(weights.status());
+  std::unique_ptr<tokenizer::Tokenizer> tokenizer;
+  if (*format != model::LoadFormat::kDummy) {
+    absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> loaded =
+        tokenizer::LoadTokenizerForModel(**weights);
+    if (!loaded.ok()) return Fail(loaded.status());
+    tokenizer = *std::move(loaded);
+  }
+
+  absl::StatusOr<std::unique_ptr<AssignmentPolicy>> prefill_policy =
+      MakeAssignmentPolicy(prefill_policy_name);
+  if (!prefill_policy.ok()) return Fail(prefill_policy.status());
+  absl::StatusOr<std::unique_ptr<AssignmentPolicy>> decode_policy =
+      MakeAssignmentPolicy(decode_policy_name);
+  if (!decode_policy.ok()) return Fail(decode_policy.status());
+
+  WorkerRegistry registry(registry_config, MakeSystemResolver(),
+                          MakeGrpcWorkerProber());
+  registry.StartBackgroundRefresh();
+
+  ClusterBackendOptions backend_options;
+  backend_options.model.name = model_name;
+  backend_options.model.context_length =
+      (*weights)->config().max_position_embeddings;
+  backend_options.model.vocab_size = (*weights)->config().vocab_size;
+  backend_options.block_size = block_size;
+  backend_options.max_attempts = max_attempts;
+  backend_options.colocated = colocated;
+  absl::StatusOr<std::unique_ptr<ClusterBackend>> backend =
+      ClusterBackend::Create(backend_options, tokenizer.get(), &registry,
+                             *std::move(prefill_policy),
+                             *std::move(decode_policy));
+  if (!backend.ok()) return Fail(backend.status());
+  AdmissionLimiter limiter(backend->get(), max_in_flight);
+
+  GenerationService generation(&limiter);
+  absl::StatusOr<std::unique_ptr<rpc::RunningServer>> grpc_server =
+      rpc::RunningServer::Start(absl::StrCat(host, ":", grpc_port),
+                                {&generation});
+  if (!grpc_server.ok()) return Fail(grpc_server.status());
+
+  HttpServerOptions http_options;
+  http_options.host = host;
+  http_options.port = http_port;
+  http_options.threads = http_threads > 0 ? http_threads : max_in_flight + 16;
+  http_options.request_timeout = absl::Seconds(request_timeout_s);
+  absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
+      OpenAiHttpServer::Start(http_options, &limiter);
+  if (!http_server.ok()) return Fail(http_server.status());
+  const std::string http_address =
+      absl::StrCat(host, ":", (*http_server)->port());
+
+  // gRPC health follows the cluster: serving while at least one prefill
+  // group and one decode worker are (what /health says over HTTP).
+  absl::Notification stop_health;
+  std::thread health_thread([&] {
+    do {
+      (*grpc_server)->SetServing(limiter.Health().ok());
+    } while (
+        !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(250)));
+  });
+
+  std::printf("router: gRPC on %s, HTTP on %s, model '%s'\n",
+              (*grpc_server)->address().c_str(), http_address.c_str(),
+              model_name.c_str());
+  std::fflush(stdout);
+  if (auto s =
+          process::WritePortFile(grpc_port_file, (*grpc_server)->address());
+      !s.ok()) {
+    return Fail(s);
+  }
+  if (auto s = process::WritePortFile(http_port_file, http_address); !s.ok()) {
+    return Fail(s);
+  }
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "router: signal %d, stopping\n", sig);
+  stop_health.Notify();
+  health_thread.join();
+  (*grpc_server)->SetServing(false);
+  (*http_server)->Stop();
+  (*grpc_server)->Shutdown(2.0);
+  backend->reset();
+  return 0;
+}
+
+}  // namespace
+}  // namespace pdserve::router
+
+int main(int argc, char** argv) { return pdserve::router::Main(argc, argv); }

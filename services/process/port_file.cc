@@ -1,0 +1,57 @@
+#include "process/port_file.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "process/child_process.h"
+
+namespace pdserve::process {
+
+absl::Status WritePortFile(const std::string& path, const std::string& text) {
+  if (path.empty()) return absl::OkStatus();
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp);
+    out << text << "\n";
+    if (!out.good()) {
+      return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
+    }
+  }
+  // Readers poll for the file: the rename makes it appear complete.
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot rename to ", path));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> WaitForPortFile(const std::string& path,
+                                            absl::Duration timeout,
+                                            ChildProcess* writer) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    {
+      std::ifstream in(path);
+      std::string line;
+      if (in && std::getline(in, line) && !line.empty()) return line;
+    }
+    if (writer != nullptr) {
+      if (std::optional<int> status = writer->ExitStatus()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            writer->options().binary, " exited (",
+            ChildProcess::DescribeStatus(*status), ") before writing ", path,
+            "; its log ends:\n", writer->LogTail(2048)));
+      }
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no address in ", path, " after ", absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+}  // namespace pdserve::process

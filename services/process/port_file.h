@@ -1,0 +1,27 @@
+// Port files: a server started with port 0 writes the "host:port" it bound to
+// a file, so a launcher learns the address without parsing logs.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace pdserve::process {
+
+class ChildProcess;
+
+// Writes `text` + "\n" to `path` atomically (a temporary file renamed into
+// place), so a reader polling for the file never sees half of it. An empty
+// path is a no-op.
+[[nodiscard]] absl::Status WritePortFile(const std::string& path,
+                                         const std::string& text);
+
+// Polls for `path` until it holds a non-empty first line and returns that
+// line. DEADLINE_EXCEEDED after `timeout`; FAILED_PRECONDITION as soon as
+// `writer` (optional) has exited, since the file would then never come.
+[[nodiscard]] absl::StatusOr<std::string> WaitForPortFile(
+    const std::string& path, absl::Duration timeout,
+    ChildProcess* writer = nullptr);
+
+}  // namespace pdserve::process

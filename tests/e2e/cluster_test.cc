@@ -1,0 +1,509 @@
+// End-to-end: real clusters of real processes (router, prefill_worker stages,
+// decode_worker with TP ranks) started by the same launcher as `pdserve
+// local`, called through the public gRPC and OpenAI HTTP APIs on loopback.
+#include <grpcpp/grpcpp.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "pdserve/v1/decode.grpc.pb.h"
+#include "pdserve/v1/generate.grpc.pb.h"
+#include "pdserve/v1/prefill.grpc.pb.h"
+#include "testing/golden.h"
+#include "tools/local_cluster.h"
+
+namespace pdserve {
+namespace {
+
+using json = nlohmann::json;
+using tools::LocalCluster;
+using tools::LocalClusterOptions;
+
+LocalClusterOptions BaseOptions() {
+  LocalClusterOptions o;
+  o.model_path = testing::Stories260KDir();
+  o.bin_dir = PDSERVE_BINARY_DIR;
+  o.model_name = "stories260K";
+  o.decode_blocks = 512;
+  o.prefill_blocks = 256;
+  o.refresh_ms = 100;
+  return o;
+}
+
+std::unique_ptr<LocalCluster> StartCluster(const LocalClusterOptions& o) {
+  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster =
+      LocalCluster::Start(o);
+  EXPECT_TRUE(cluster.ok()) << cluster.status();
+  return cluster.ok() ? *std::move(cluster) : nullptr;
+}
+
+struct Generated {
+  grpc::Status status;
+  std::vector<int32_t> ids;
+  std::string text;
+  v1::GenerateResponse last;
+  int items = 0;
+};
+
+// One streaming Generate; `on_item` may cancel `context` after item k.
+Generated GrpcGenerate(const std::string& address,
+                       const v1::GenerateRequest& request,
+                       absl::Duration timeout = absl::Seconds(60),
+                       int cancel_after_items = -1) {
+  auto stub = v1::Generation::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  auto reader = stub->Generate(&context, request);
+  Generated out;
+  v1::GenerateResponse item;
+  while (reader->Read(&item)) {
+    out.ids.insert(out.ids.end(), item.token_ids().begin(),
+                   item.token_ids().end());
+    out.text += item.text();
+    out.last = item;
+    ++out.items;
+    if (out.items == cancel_after_items) context.TryCancel();
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+v1::GenerateRequest TextRequest(const std::string& prompt, int max_tokens) {
+  v1::GenerateRequest r;
+  r.set_text(prompt);
+  r.set_max_tokens(max_tokens);
+  return r;
+}
+
+struct HttpReply {
+  int status = 0;
+  std::string body;
+};
+
+HttpReply HttpPost(const std::string& address, const std::string& path,
+                   const std::string& body) {
+  const size_t colon = address.rfind(':');
+  httplib::Client client(address.substr(0, colon),
+                         std::stoi(address.substr(colon + 1)));
+  client.set_read_timeout(60, 0);
+  auto res = client.Post(path.c_str(), body, "application/json");
+  if (!res) return {0, "no response"};
+  return {res->status, res->body};
+}
+
+// Concatenated SSE text deltas of a streamed completion ("" on a bad frame).
+std::string SseText(const std::string& body, bool* done) {
+  std::string text;
+  *done = false;
+  size_t pos = 0;
+  while ((pos = body.find("data: ", pos)) != std::string::npos) {
+    const size_t end = body.find("\n\n", pos);
+    const std::string data = body.substr(pos + 6, end - pos - 6);
+    pos = end == std::string::npos ? body.size() : end;
+    if (data == "[DONE]") {
+      *done = true;
+      continue;
+    }
+    json event = json::parse(data, nullptr, false);
+    if (event.is_discarded() || !event.contains("choices")) continue;
+    for (const auto& choice : event["choices"]) {
+      if (choice.contains("text") && choice["text"].is_string()) {
+        text += choice["text"].get<std::string>();
+      }
+    }
+  }
+  return text;
+}
+
+std::vector<testing::GoldenCase> AllGoldens() {
+  std::vector<testing::GoldenCase> cases = testing::LoadGoldenCases();
+  for (auto& c : testing::LoadGoldenCases("golden_long.jsonl")) {
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// ---- Layouts: every golden prompt, both APIs -------------------------------
+
+struct Layout {
+  int stages;
+  int tp;
+  std::string speculation;
+};
+
+class LayoutTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
+  const Layout layout = GetParam();
+  LocalClusterOptions o = BaseOptions();
+  o.stages = layout.stages;
+  o.tp = layout.tp;
+  o.speculation = layout.speculation;
+  o.draft_layers = 2;  // the draft: the target's first two layers
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  for (const testing::GoldenCase& c : AllGoldens()) {
+    SCOPED_TRACE(c.prompt.substr(0, 40));
+    Generated g = GrpcGenerate(cluster->grpc_address(),
+                               TextRequest(c.prompt, c.max_new_tokens));
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << "\n"
+                               << cluster->LogTail("router");
+    EXPECT_EQ(g.ids, c.greedy_ids);
+    EXPECT_EQ(g.text, c.text);
+    EXPECT_EQ(g.last.finish_reason(), v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(g.last.usage().prompt_tokens(),
+              static_cast<int>(c.prompt_ids.size()));
+    EXPECT_EQ(g.last.usage().completion_tokens(), c.max_new_tokens);
+    EXPECT_GT(g.last.timing().time_to_first_token_seconds(), 0);
+
+    // The same prompt as token ids, answered in one message.
+    {
+      v1::GenerateRequest r;
+      r.mutable_token_ids()->mutable_ids()->Add(c.prompt_ids.begin(),
+                                                c.prompt_ids.end());
+      r.set_max_tokens(c.max_new_tokens);
+      auto stub = v1::Generation::NewStub(grpc::CreateChannel(
+          cluster->grpc_address(), grpc::InsecureChannelCredentials()));
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+      v1::GenerateResponse unary;
+      grpc::Status s = stub->GenerateUnary(&context, r, &unary);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(std::vector<int32_t>(unary.token_ids().begin(),
+                                     unary.token_ids().end()),
+                c.greedy_ids);
+    }
+
+    // OpenAI completions, whole and streamed.
+    const json body = {{"model", "stories260K"},
+                       {"prompt", c.prompt},
+                       {"max_tokens", c.max_new_tokens},
+                       {"temperature", 0}};
+    HttpReply whole =
+        HttpPost(cluster->http_address(), "/v1/completions", body.dump());
+    ASSERT_EQ(whole.status, 200) << whole.body;
+    json reply = json::parse(whole.body);
+    EXPECT_EQ(reply["choices"][0]["text"], c.text);
+    EXPECT_EQ(reply["choices"][0]["finish_reason"], "length");
+    EXPECT_EQ(reply["usage"]["completion_tokens"], c.max_new_tokens);
+
+    json streamed_body = body;
+    streamed_body["stream"] = true;
+    HttpReply streamed = HttpPost(cluster->http_address(), "/v1/completions",
+                                  streamed_body.dump());
+    ASSERT_EQ(streamed.status, 200) << streamed.body;
+    bool done = false;
+    EXPECT_EQ(SseText(streamed.body, &done), c.text);
+    EXPECT_TRUE(done);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, LayoutTest,
+    ::testing::Values(Layout{1, 1, "off"}, Layout{2, 2, "ngram"},
+                      Layout{5, 4, "draft"}, Layout{3, 1, "ngram"}),
+    [](const ::testing::TestParamInfo<Layout>& info) {
+      return absl::StrCat("S", info.param.stages, "_T", info.param.tp, "_",
+                          info.param.speculation);
+    });
+
+// Colocated (the decode worker prefills itself): the baseline layout the
+// benchmarks compare disaggregation with must be exact too.
+TEST(ClusterTest, ColocatedLayoutGivesGoldenTokens) {
+  LocalClusterOptions o = BaseOptions();
+  o.colocated = true;
+  o.tp = 2;
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  EXPECT_TRUE(cluster->prefill_addresses().empty());
+  for (const testing::GoldenCase& c : AllGoldens()) {
+    Generated g = GrpcGenerate(cluster->grpc_address(),
+                               TextRequest(c.prompt, c.max_new_tokens));
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.ids, c.greedy_ids);
+    EXPECT_EQ(g.text, c.text);
+  }
+}
+
+// ---- Many streams at once ---------------------------------------------------
+
+TEST(ClusterTest, SixtyFourConcurrentStreamsOfMixedLengthsAreAllCorrect) {
+  LocalClusterOptions o = BaseOptions();
+  o.stages = 2;
+  o.tp = 2;
+  o.speculation = "ngram";
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::vector<testing::GoldenCase> cases = AllGoldens();
+  constexpr int kStreams = 64;
+  std::vector<Generated> results(kStreams);
+  std::vector<int> lengths(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    const testing::GoldenCase& c = cases[i % cases.size()];
+    // Mixed output lengths: 1 .. the golden length.
+    lengths[i] = 1 + (i * 7) % c.max_new_tokens;
+    threads.emplace_back([&, i, &c = c] {
+      results[i] =
+          GrpcGenerate(cluster->grpc_address(),
+                       TextRequest(c.prompt, lengths[i]), absl::Seconds(120));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    const testing::GoldenCase& c = cases[i % cases.size()];
+    ASSERT_TRUE(results[i].status.ok())
+        << i << ": " << results[i].status.error_message();
+    EXPECT_EQ(results[i].ids,
+              std::vector<int32_t>(c.greedy_ids.begin(),
+                                   c.greedy_ids.begin() + lengths[i]))
+        << "stream " << i;
+  }
+}
+
+// ---- Cancel: KV back to baseline on both sides ------------------------------
+
+int64_t DecodeBlocksUsed(const std::string& address) {
+  auto stub = v1::DecodeWorker::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::DecodeLoad load;
+  grpc::Status s = stub->GetLoad(&context, v1::GetLoadRequest(), &load);
+  return s.ok() ? load.kv_blocks_used() : -1;
+}
+
+v1::PrefillLoad PrefillLoadOf(const std::string& address) {
+  auto stub = v1::PrefillGroup::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::PrefillLoad load;
+  (void)stub->GetLoad(&context, v1::PrefillLoadRequest(), &load);
+  return load;
+}
+
+template <typename F>
+bool Eventually(F condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return condition();
+}
+
+TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
+  LocalClusterOptions o = BaseOptions();
+  o.stages = 2;
+  o.tp = 2;
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string decode = cluster->decode_addresses()[0];
+  const std::string prefill = cluster->prefill_addresses()[0];
+  const int64_t decode_baseline = DecodeBlocksUsed(decode);
+  const int64_t prefill_baseline = PrefillLoadOf(prefill).kv_blocks_used();
+  ASSERT_GE(decode_baseline, 0);
+  // A long continuation, cancelled after a few items.
+  Generated g = GrpcGenerate(cluster->grpc_address(),
+                             TextRequest("Once upon a time", 400),
+                             absl::Seconds(60), /*cancel_after_items=*/3);
+  EXPECT_EQ(g.status.error_code(), grpc::StatusCode::CANCELLED)
+      << g.status.error_message();
+  EXPECT_LT(g.ids.size(), 400u);
+  EXPECT_TRUE(
+      Eventually([&] { return DecodeBlocksUsed(decode) == decode_baseline; },
+                 absl::Seconds(10)))
+      << "decode blocks used " << DecodeBlocksUsed(decode) << " vs "
+      << decode_baseline;
+  EXPECT_TRUE(Eventually(
+      [&] {
+        v1::PrefillLoad load = PrefillLoadOf(prefill);
+        return load.kv_blocks_used() == prefill_baseline &&
+               load.in_flight() == 0;
+      },
+      absl::Seconds(10)));
+  // Still serving.
+  Generated after =
+      GrpcGenerate(cluster->grpc_address(), TextRequest("Once upon a time", 8));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// ---- Faults
+// -------------------------------------------------------------------
+
+TEST(ClusterTest, DecodeWorkerKilledMidStreamEndsItsStreamsAndOthersServe) {
+  LocalClusterOptions o = BaseOptions();
+  o.decode_workers = 2;
+  o.decode_policy = "round-robin";
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  // Four long streams (round-robin: two on each decode worker).
+  constexpr int kStreams = 4;
+  std::vector<Generated> results(kStreams);
+  std::vector<absl::Time> ended(kStreams);
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = v1::Generation::NewStub(grpc::CreateChannel(
+          cluster->grpc_address(), grpc::InsecureChannelCredentials()));
+      grpc::ClientContext context;
+      context.set_deadline(
+          absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+      auto reader =
+          stub->Generate(&context, TextRequest("Once upon a time", 450));
+      v1::GenerateResponse item;
+      bool counted = false;
+      while (reader->Read(&item)) {
+        results[i].ids.insert(results[i].ids.end(), item.token_ids().begin(),
+                              item.token_ids().end());
+        if (!counted) {
+          counted = true;
+          started.fetch_add(1);
+        }
+        // Slow reader: keeps the streams open long enough to kill mid-way.
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+      results[i].status = reader->Finish();
+      ended[i] = absl::Now();
+    });
+  }
+  ASSERT_TRUE(Eventually([&] { return started.load() == kStreams; },
+                         absl::Seconds(60)));
+  const absl::Time killed = absl::Now();
+  cluster->KillDecode(0);
+  for (auto& t : threads) t.join();
+  int failed = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    if (results[i].status.ok()) continue;
+    ++failed;
+    EXPECT_EQ(results[i].status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << results[i].status.error_message();
+    EXPECT_NE(results[i].status.error_message().find("decode worker"),
+              std::string::npos)
+        << results[i].status.error_message();
+    EXPECT_LT(ended[i] - killed, absl::Seconds(5));
+  }
+  EXPECT_GE(failed, 1) << "no stream was on the killed worker";
+  // New requests go to the survivor, first try or after a retry.
+  for (int i = 0; i < 4; ++i) {
+    Generated g = GrpcGenerate(cluster->grpc_address(),
+                               TextRequest("Once upon a time", 8));
+    EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+  }
+}
+
+TEST(ClusterTest, KilledPrefillStageTakesItsGroupOutUntilItReturns) {
+  LocalClusterOptions o = BaseOptions();
+  o.prefill_groups = 2;
+  o.stages = 2;
+  o.prefill_policy = "round-robin";
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string group0 = cluster->prefill_addresses()[0];
+  const std::string group1 = cluster->prefill_addresses()[1];
+  cluster->KillPrefillStage(0, 1);
+  // Every request still succeeds: on group 1, or retried there.
+  for (int i = 0; i < 6; ++i) {
+    Generated g =
+        GrpcGenerate(cluster->grpc_address(),
+                     TextRequest("Lily and Tom went to the park.", 8));
+    EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+  }
+  // The heartbeat (2 s without an answer) takes the group out.
+  EXPECT_TRUE(Eventually([&] { return !PrefillLoadOf(group0).serving(); },
+                         absl::Seconds(10)));
+  for (int i = 0; i < 4; ++i) {
+    Generated g = GrpcGenerate(cluster->grpc_address(),
+                               TextRequest("Once upon a time", 8));
+    EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+  }
+  // Back: the group serves and takes its share of requests again.
+  ASSERT_TRUE(cluster->RestartPrefillGroup(0).ok());
+  ASSERT_TRUE(Eventually([&] { return PrefillLoadOf(group0).serving(); },
+                         absl::Seconds(20)));
+  const int64_t before = PrefillLoadOf(group0).completed();
+  ASSERT_TRUE(Eventually(
+      [&] {
+        Generated g = GrpcGenerate(cluster->grpc_address(),
+                                   TextRequest("Once upon a time", 4));
+        return g.status.ok() && PrefillLoadOf(group0).completed() > before;
+      },
+      absl::Seconds(20)))
+      << "group 0 never got a request after its restart";
+  EXPECT_TRUE(PrefillLoadOf(group1).serving());
+}
+
+// ---- Bad requests against the real cluster
+// ------------------------------------
+
+TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
+  LocalClusterOptions o = BaseOptions();
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string http = cluster->http_address();
+  struct Case {
+    std::string body;
+    int status;
+    std::string mentions;
+  };
+  const std::string long_prompt(6000, 'a');
+  const std::vector<Case> cases = {
+      {"{\"prompt\": \"\\xff\\xfe\", \"max_tokens\": 4}", 400, ""},
+      {"{\"prompt\": \"\", \"max_tokens\": 4}", 400, "prompt"},
+      {"{\"prompt\": \"Hi\", \"max_tokens\": 0}", 400, "max_tokens"},
+      {"{\"prompt\": \"Hi\", \"max_tokens\": 600}", 400, "context"},
+      {"{\"prompt\": \"Hi\", \"temperature\": -1}", 400, "temperature"},
+      {"{\"prompt\": \"Hi\", \"model\": \"gpt-9\"}", 404, "gpt-9"},
+      {"{\"prompt\": [1, 99999], \"max_tokens\": 4}", 400, "vocabulary"},
+      {"{\"prompt\": \"Hi\",", 400, ""},
+      {absl::StrCat("{\"prompt\": \"", long_prompt, "\"}"), 400, "context"},
+      {absl::StrCat("{\"prompt\": \"", std::string(5 << 20, 'x'), "\"}"), 413,
+       ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.body.substr(0, 60));
+    HttpReply reply = HttpPost(http, "/v1/completions", c.body);
+    EXPECT_EQ(reply.status, c.status) << reply.body.substr(0, 300);
+    json error = json::parse(reply.body, nullptr, false);
+    ASSERT_FALSE(error.is_discarded()) << reply.body.substr(0, 300);
+    ASSERT_TRUE(error.contains("error")) << reply.body.substr(0, 300);
+    if (!c.mentions.empty()) {
+      EXPECT_NE(error["error"]["message"].get<std::string>().find(c.mentions),
+                std::string::npos)
+          << error.dump();
+    }
+  }
+  // gRPC: the same rules, as status codes.
+  {
+    v1::GenerateRequest r = TextRequest("Hi", 1000);
+    Generated g = GrpcGenerate(cluster->grpc_address(), r);
+    EXPECT_EQ(g.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(g.status.error_message().find("context"), std::string::npos)
+        << g.status.error_message();
+    r = TextRequest("Hi", 4);
+    r.set_model("nope");
+    EXPECT_EQ(GrpcGenerate(cluster->grpc_address(), r).status.error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+  // Still serving, with the right answer.
+  const testing::GoldenCase golden = testing::LoadGoldenCases()[0];
+  Generated g = GrpcGenerate(cluster->grpc_address(),
+                             TextRequest(golden.prompt, golden.max_new_tokens));
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.ids, golden.greedy_ids);
+}
+
+}  // namespace
+}  // namespace pdserve

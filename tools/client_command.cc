@@ -1,0 +1,113 @@
+// pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3)
+//                [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0]
+//                [--seed 0] [--stop STRING] [--model NAME]
+//                [--timeout-seconds 120] [--show-ids 1]
+//
+// Streams the continuation's text to stdout; a summary (tokens, finish
+// reason, time to first token) goes to stderr. Errors print the gRPC status.
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/command_line_flags.h"
+#include "common/status_macros.h"
+#include "pdserve/v1/generate.grpc.pb.h"
+#include "rpc/status_conversion.h"
+#include "tools/commands.h"
+
+namespace pdserve::tools {
+namespace {
+
+const char* FinishName(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    case v1::FINISH_REASON_ERROR:
+      return "error";
+    default:
+      return "unspecified";
+  }
+}
+
+}  // namespace
+
+absl::Status RunClient(int argc, char** argv) {
+  CommandLineFlags flags;
+  PDS_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
+  const std::string router = flags.Str("router", "127.0.0.1:50051");
+  const std::string prompt = flags.Str("prompt", "");
+  const std::string ids_text = flags.Str("ids", "");
+  const bool show_ids = flags.Num<int>("show-ids", 0) != 0;
+  v1::GenerateRequest request;
+  request.set_model(flags.Str("model", ""));
+  request.set_max_tokens(flags.Num<int>("max-tokens", 64));
+  request.mutable_sampling()->set_temperature(
+      flags.Num<float>("temperature", 0.0f));
+  request.mutable_sampling()->set_top_p(flags.Num<float>("top-p", 1.0f));
+  request.mutable_sampling()->set_top_k(flags.Num<int>("top-k", 0));
+  request.mutable_sampling()->set_seed(
+      static_cast<uint64_t>(flags.Num<int64_t>("seed", 0)));
+  if (flags.Has("stop")) request.add_stop(flags.Str("stop", ""));
+  const double timeout_s = flags.Num<double>("timeout-seconds", 120);
+  PDS_RETURN_IF_ERROR(flags.Check());
+  if (prompt.empty() == ids_text.empty()) {
+    return absl::InvalidArgumentError("give exactly one of --prompt, --ids");
+  }
+  if (!ids_text.empty()) {
+    for (absl::string_view part : absl::StrSplit(ids_text, ',')) {
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(part, &id)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--ids: '", part, "' is not a token id"));
+      }
+      request.mutable_token_ids()->add_ids(id);
+    }
+  } else {
+    request.set_text(prompt);
+  }
+
+  auto stub = v1::Generation::NewStub(
+      grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(
+      absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s)));
+  auto reader = stub->Generate(&context, request);
+  v1::GenerateResponse response;
+  v1::GenerateResponse last;
+  std::vector<int32_t> ids;
+  while (reader->Read(&response)) {
+    std::fputs(response.text().c_str(), stdout);
+    std::fflush(stdout);
+    ids.insert(ids.end(), response.token_ids().begin(),
+               response.token_ids().end());
+    last = response;
+  }
+  std::printf("\n");
+  PDS_RETURN_IF_ERROR(rpc::FromGrpcStatus(reader->Finish()));
+  if (show_ids) {
+    std::string list;
+    for (int32_t id : ids) absl::StrAppend(&list, list.empty() ? "" : ",", id);
+    std::printf("ids: %s\n", list.c_str());
+  }
+  std::fprintf(stderr,
+               "[%s: %d prompt tokens, %d generated, finish %s, first token "
+               "%.1f ms, total %.1f ms]\n",
+               last.request_id().c_str(), last.usage().prompt_tokens(),
+               last.usage().completion_tokens(),
+               FinishName(last.finish_reason()),
+               last.timing().time_to_first_token_seconds() * 1e3,
+               last.timing().total_seconds() * 1e3);
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::tools

@@ -1,0 +1,344 @@
+#include "tools/local_cluster.h"
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "process/port_file.h"
+
+namespace pdserve::tools {
+namespace {
+
+bool IsExecutable(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+         access(path.c_str(), X_OK) == 0;
+}
+
+std::string DefaultModelName(const std::string& path) {
+  std::filesystem::path p(path);
+  while (!p.empty() && p.filename().empty()) p = p.parent_path();
+  return p.stem().string();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
+    LocalClusterOptions options) {
+  if (options.model_path.empty()) {
+    return absl::InvalidArgumentError("a model path is required");
+  }
+  if (options.prefill_groups < 1 || options.stages < 1 ||
+      options.decode_workers < 1 || options.tp < 1) {
+    return absl::InvalidArgumentError(
+        "prefill groups, stages, decode workers and TP must all be >= 1");
+  }
+  if (options.model_name.empty()) {
+    options.model_name = DefaultModelName(options.model_path);
+  }
+  if (options.work_dir.empty()) {
+    char pattern[] = "/tmp/pdserve-local.XXXXXX";
+    if (mkdtemp(pattern) == nullptr) {
+      return absl::UnavailableError("cannot create a work folder in /tmp");
+    }
+    options.work_dir = pattern;
+  } else {
+    std::error_code ec;
+    std::filesystem::create_directories(options.work_dir, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot create ", options.work_dir, ": ", ec.message()));
+    }
+  }
+  auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster(options));
+  // Decode workers first (they take longest to load with large TP), then
+  // the prefill groups, then the router that needs both.
+  for (int w = 0; w < options.decode_workers; ++w) {
+    PDS_RETURN_IF_ERROR(cluster->StartDecode(w));
+  }
+  const int groups = options.colocated ? 0 : options.prefill_groups;
+  cluster->groups_.resize(groups);
+  cluster->prefill_addresses_.resize(groups);
+  for (int g = 0; g < groups; ++g) {
+    PDS_RETURN_IF_ERROR(cluster->StartPrefillGroup(g, 0));
+  }
+  PDS_RETURN_IF_ERROR(cluster->StartRouter());
+  absl::Status serving = cluster->WaitRouterServing(options.start_timeout);
+  if (!serving.ok()) {
+    return absl::Status(serving.code(),
+                        absl::StrCat(serving.message(), "; router log:\n",
+                                     cluster->LogTail("router", 2048)));
+  }
+  return cluster;
+}
+
+LocalCluster::~LocalCluster() { Stop(); }
+
+void LocalCluster::Stop() {
+  if (router_ != nullptr) router_->Stop();
+  for (Group& group : groups_) {
+    // Stage 0 first: the others would otherwise see it vanish and wait out
+    // their orphan timeout.
+    for (auto& stage : group.stages) {
+      if (stage != nullptr) stage->Stop();
+    }
+  }
+  for (auto& decode : decodes_) {
+    if (decode != nullptr) decode->Stop();
+  }
+}
+
+absl::StatusOr<std::string> LocalCluster::Binary(
+    const std::string& name) const {
+  const std::string direct = absl::StrCat(options_.bin_dir, "/", name);
+  if (IsExecutable(direct)) return direct;
+  const std::string nested =
+      absl::StrCat(options_.bin_dir, "/", name, "/", name);
+  if (IsExecutable(nested)) return nested;
+  return absl::NotFoundError(absl::StrCat("no ", name, " binary at ", direct,
+                                          " or ", nested,
+                                          " (build it, or set the bin dir)"));
+}
+
+absl::StatusOr<std::unique_ptr<process::ChildProcess>> LocalCluster::Launch(
+    const std::string& binary, const std::string& name,
+    std::vector<std::string> args) {
+  PDS_ASSIGN_OR_RETURN(std::string path, Binary(binary));
+  process::SpawnOptions spawn;
+  spawn.binary = path;
+  spawn.args = std::move(args);
+  spawn.log_path = absl::StrCat(options_.work_dir, "/", name, ".log");
+  return process::ChildProcess::Spawn(std::move(spawn));
+}
+
+absl::Status LocalCluster::StartDecode(int worker) {
+  const std::string name = absl::StrCat("decode-", worker);
+  const std::string port_file =
+      absl::StrCat(options_.work_dir, "/", name, ".port");
+  std::remove(port_file.c_str());
+  std::vector<std::string> args = {"--model",
+                                   options_.model_path,
+                                   "--format",
+                                   options_.format,
+                                   "--model-name",
+                                   options_.model_name,
+                                   "--tp",
+                                   absl::StrCat(options_.tp),
+                                   "--host",
+                                   options_.host,
+                                   "--port",
+                                   "0",
+                                   "--port-file",
+                                   port_file,
+                                   "--num-blocks",
+                                   absl::StrCat(options_.decode_blocks),
+                                   "--max-running",
+                                   absl::StrCat(options_.max_running),
+                                   "--speculation",
+                                   options_.speculation,
+                                   "--threads-per-rank",
+                                   absl::StrCat(options_.decode_threads)};
+  if (options_.speculation == "draft") {
+    args.insert(args.end(),
+                {"--draft-layers", absl::StrCat(options_.draft_layers)});
+  }
+  PDS_ASSIGN_OR_RETURN(auto child, Launch("decode_worker", name, args));
+  PDS_ASSIGN_OR_RETURN(
+      std::string address,
+      process::WaitForPortFile(port_file, options_.start_timeout, child.get()));
+  if (static_cast<int>(decodes_.size()) <= worker) {
+    decodes_.resize(worker + 1);
+    decode_addresses_.resize(worker + 1);
+  }
+  decodes_[worker] = std::move(child);
+  decode_addresses_[worker] = address;
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
+  static int launch = 0;  // port files are never reused across restarts
+  ++launch;
+  Group& g = groups_[group];
+  g.stages.clear();
+  g.stages.resize(options_.stages);
+  const int s_count = options_.stages;
+  auto common_args = [&](int stage, const std::string& port_file) {
+    return std::vector<std::string>{
+        "--model",        options_.model_path,
+        "--format",       options_.format,
+        "--model-name",   options_.model_name,
+        "--stage",        absl::StrCat(stage),
+        "--stages",       absl::StrCat(s_count),
+        "--layer-split",  options_.layer_split,
+        "--chunk-policy", options_.chunk_policy,
+        "--chunk-tokens", absl::StrCat(options_.chunk_tokens),
+        "--num-blocks",   absl::StrCat(options_.prefill_blocks),
+        "--host",         options_.host,
+        "--port-file",    port_file,
+        "--threads",      absl::StrCat(options_.prefill_threads)};
+  };
+  // Stages 1..S-1 first: stage 0 wires the pipeline to them at start.
+  std::vector<std::string> peers;
+  for (int stage = 1; stage < s_count; ++stage) {
+    const std::string name = absl::StrCat("prefill-", group, "-stage-", stage);
+    const std::string port_file =
+        absl::StrCat(options_.work_dir, "/", name, ".", launch, ".port");
+    std::vector<std::string> args = common_args(stage, port_file);
+    args.insert(args.end(), {"--port", "0"});
+    PDS_ASSIGN_OR_RETURN(g.stages[stage], Launch("prefill_worker", name, args));
+    PDS_ASSIGN_OR_RETURN(
+        std::string address,
+        process::WaitForPortFile(port_file, options_.start_timeout,
+                                 g.stages[stage].get()));
+    peers.push_back(address);
+  }
+  const std::string name = absl::StrCat("prefill-", group, "-stage-0");
+  const std::string port_file =
+      absl::StrCat(options_.work_dir, "/", name, ".", launch, ".port");
+  std::vector<std::string> args = common_args(0, port_file);
+  args.insert(args.end(), {"--port", absl::StrCat(port)});
+  if (!peers.empty()) {
+    args.insert(args.end(), {"--peers", absl::StrJoin(peers, ",")});
+  }
+  PDS_ASSIGN_OR_RETURN(g.stages[0], Launch("prefill_worker", name, args));
+  PDS_ASSIGN_OR_RETURN(
+      std::string address,
+      process::WaitForPortFile(port_file, options_.start_timeout,
+                               g.stages[0].get()));
+  prefill_addresses_[group] = address;
+  const size_t colon = address.rfind(':');
+  g.port = std::atoi(address.c_str() + colon + 1);
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::StartRouter() {
+  const std::string grpc_file = absl::StrCat(options_.work_dir, "/router.grpc");
+  const std::string http_file = absl::StrCat(options_.work_dir, "/router.http");
+  std::remove(grpc_file.c_str());
+  std::remove(http_file.c_str());
+  std::vector<std::string> args = {
+      "--model",          options_.model_path,
+      "--format",         options_.format,
+      "--model-name",     options_.model_name,
+      "--prefill",        absl::StrJoin(prefill_addresses_, ","),
+      "--decode",         absl::StrJoin(decode_addresses_, ","),
+      "--prefill-policy", options_.prefill_policy,
+      "--decode-policy",  options_.decode_policy,
+      "--max-in-flight",  absl::StrCat(options_.max_in_flight),
+      "--host",           options_.host,
+      "--grpc-port",      absl::StrCat(options_.grpc_port),
+      "--http-port",      absl::StrCat(options_.http_port),
+      "--grpc-port-file", grpc_file,
+      "--http-port-file", http_file,
+      "--refresh-ms",     absl::StrCat(options_.refresh_ms),
+      "--colocated",      options_.colocated ? "1" : "0"};
+  PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));
+  PDS_ASSIGN_OR_RETURN(
+      grpc_address_, process::WaitForPortFile(grpc_file, options_.start_timeout,
+                                              router_.get()));
+  PDS_ASSIGN_OR_RETURN(
+      http_address_, process::WaitForPortFile(http_file, options_.start_timeout,
+                                              router_.get()));
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::WaitRouterServing(absl::Duration timeout) const {
+  auto channel =
+      grpc::CreateChannel(grpc_address_, grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string last = "no answer";
+  while (absl::Now() < deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::Status s = health->Check(
+        &context, grpc::health::v1::HealthCheckRequest(), &response);
+    if (s.ok() &&
+        response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+      return absl::OkStatus();
+    }
+    last = s.ok() ? "NOT_SERVING" : s.error_message();
+    if (router_ != nullptr && !router_->Running()) {
+      return absl::FailedPreconditionError("the router exited");
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("router at ", grpc_address_, " not serving after ",
+                   absl::FormatDuration(timeout), " (", last, ")"));
+}
+
+void LocalCluster::KillDecode(int worker) {
+  if (worker < static_cast<int>(decodes_.size()) && decodes_[worker]) {
+    decodes_[worker]->Signal(SIGKILL);
+    (void)decodes_[worker]->Wait(absl::Seconds(10));
+  }
+}
+
+void LocalCluster::KillPrefillStage(int group, int stage) {
+  if (group < static_cast<int>(groups_.size()) &&
+      stage < static_cast<int>(groups_[group].stages.size()) &&
+      groups_[group].stages[stage]) {
+    groups_[group].stages[stage]->Signal(SIGKILL);
+    (void)groups_[group].stages[stage]->Wait(absl::Seconds(10));
+  }
+}
+
+absl::Status LocalCluster::RestartPrefillGroup(int group) {
+  if (group < 0 || group >= static_cast<int>(groups_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("no prefill group ", group));
+  }
+  for (auto& stage : groups_[group].stages) {
+    if (stage != nullptr) stage->Stop();
+  }
+  return StartPrefillGroup(group, groups_[group].port);
+}
+
+std::string LocalCluster::Describe() const {
+  std::string out = absl::StrCat(
+      "pdserve local cluster: model '", options_.model_name, "' (",
+      options_.model_path, ")\n", "  router gRPC   ", grpc_address_, "\n",
+      "  router HTTP   http://", http_address_, "\n");
+  if (options_.colocated) {
+    absl::StrAppend(&out, "  colocated     decode workers prefill\n");
+  }
+  for (size_t g = 0; g < prefill_addresses_.size(); ++g) {
+    absl::StrAppend(&out, "  prefill group ", g, "  ", prefill_addresses_[g],
+                    "  (", options_.stages, " stages, split ",
+                    options_.layer_split, ")\n");
+  }
+  for (size_t w = 0; w < decode_addresses_.size(); ++w) {
+    absl::StrAppend(&out, "  decode worker ", w, "  ", decode_addresses_[w],
+                    "  (TP ", options_.tp, ", speculation ",
+                    options_.speculation, ")\n");
+  }
+  absl::StrAppend(&out, "  logs          ", options_.work_dir, "\n");
+  return out;
+}
+
+std::string LocalCluster::LogTail(const std::string& name,
+                                  size_t max_bytes) const {
+  std::ifstream in(absl::StrCat(options_.work_dir, "/", name, ".log"),
+                   std::ios::binary);
+  if (!in) return "";
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  std::string text = buffer.str();
+  if (text.size() > max_bytes) text = text.substr(text.size() - max_bytes);
+  return text;
+}
+
+}  // namespace pdserve::tools

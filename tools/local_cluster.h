@@ -1,0 +1,130 @@
+// A whole pdserve cluster on this machine, as real processes: G prefill
+// groups of S stages each (prefill_worker), W decode workers of T ranks each
+// (decode_worker) and a router in front. `pdserve local` runs one for a
+// person; the end-to-end tests run the same thing and then kill and restart
+// parts of it.
+//
+// Every process binds port 0 (unless told otherwise) and reports its address
+// through a port file in `work_dir`, so clusters never collide on ports; logs
+// go to `work_dir/<name>.log`. Start() returns once the router reports
+// SERVING over grpc.health.v1 (it does when its registry found a healthy
+// prefill group and decode worker), or fails with the log tail of the process
+// that did not come up. The destructor stops everything (router first, so no
+// new work arrives; then the prefill groups; then the decode workers); if the
+// launcher itself dies, its children die with it (PR_SET_PDEATHSIG).
+//
+// Not thread-safe: one thread drives a LocalCluster (the one that started
+// it — children are tied to the thread that forked them).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "process/child_process.h"
+
+namespace pdserve::tools {
+
+struct LocalClusterOptions {
+  std::string model_path;       // a GGUF file or a Hugging Face folder
+  std::string format = "auto";  // auto|gguf|safetensors|dummy
+  std::string model_name;       // "" = the file or folder name
+  // Where the binaries are: `<bin_dir>/<name>` or `<bin_dir>/<name>/<name>`
+  // (the build tree's layout) for prefill_worker, decode_worker and router.
+  std::string bin_dir;
+  std::string work_dir;  // logs and port files; "" = a fresh temp folder
+
+  // No prefill groups: the decode workers prefill themselves (the router runs
+  // with --colocated 1).
+  bool colocated = false;
+  int prefill_groups = 1;
+  int stages = 1;  // S per group
+  std::string layer_split = "auto";
+  std::string chunk_policy = "equal-cost";
+  int chunk_tokens = 256;
+  int64_t prefill_blocks = 512;
+  int prefill_threads = 1;  // compute threads per stage
+
+  int decode_workers = 1;
+  int tp = 1;                       // T per decode worker
+  std::string speculation = "off";  // off|ngram|draft
+  int draft_layers = 0;             // for draft: target's first L layers
+  int64_t decode_blocks = 1024;
+  int max_running = 64;
+  int decode_threads = 1;  // compute threads per TP rank
+
+  std::string host = "127.0.0.1";
+  int grpc_port = 0;  // router; 0 = any free port
+  int http_port = 0;
+  std::string prefill_policy = "least-loaded";
+  std::string decode_policy = "prefix-aware";
+  int max_in_flight = 256;
+  int refresh_ms = 250;  // router's probe interval
+  absl::Duration start_timeout = absl::Seconds(120);
+};
+
+class LocalCluster {
+ public:
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(
+      LocalClusterOptions options);
+  ~LocalCluster();  // Stop()
+  LocalCluster(const LocalCluster&) = delete;
+  LocalCluster& operator=(const LocalCluster&) = delete;
+
+  const LocalClusterOptions& options() const { return options_; }
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& http_address() const { return http_address_; }
+  const std::string& model_name() const { return options_.model_name; }
+  // Stage 0 of each group / each decode worker: gRPC "host:port".
+  const std::vector<std::string>& prefill_addresses() const {
+    return prefill_addresses_;
+  }
+  const std::vector<std::string>& decode_addresses() const {
+    return decode_addresses_;
+  }
+
+  // SIGKILL, as a crash would.
+  void KillDecode(int worker);
+  void KillPrefillStage(int group, int stage);
+  // Stops what is left of the group and starts all its stages again, stage 0
+  // on its old port (the router's registry knows the group by it).
+  [[nodiscard]] absl::Status RestartPrefillGroup(int group);
+  // Until the router answers SERVING (DEADLINE_EXCEEDED otherwise).
+  [[nodiscard]] absl::Status WaitRouterServing(absl::Duration timeout) const;
+  // Stops every process. Idempotent.
+  void Stop();
+  // The endpoints, for people.
+  std::string Describe() const;
+  // A process's log, for test failures ("router", "decode-0",
+  // "prefill-1-stage-0").
+  std::string LogTail(const std::string& name, size_t max_bytes = 4096) const;
+
+ private:
+  struct Group {
+    std::vector<std::unique_ptr<process::ChildProcess>> stages;
+    int port = 0;
+  };
+  explicit LocalCluster(LocalClusterOptions options)
+      : options_(std::move(options)) {}
+
+  absl::StatusOr<std::string> Binary(const std::string& name) const;
+  absl::StatusOr<std::unique_ptr<process::ChildProcess>> Launch(
+      const std::string& binary, const std::string& name,
+      std::vector<std::string> args);
+  absl::Status StartPrefillGroup(int group, int port);
+  absl::Status StartDecode(int worker);
+  absl::Status StartRouter();
+
+  LocalClusterOptions options_;
+  std::vector<Group> groups_;
+  std::vector<std::unique_ptr<process::ChildProcess>> decodes_;
+  std::unique_ptr<process::ChildProcess> router_;
+  std::vector<std::string> prefill_addresses_;
+  std::vector<std::string> decode_addresses_;
+  std::string grpc_address_;
+  std::string http_address_;
+};
+
+}  // namespace pdserve::tools

@@ -1,0 +1,96 @@
+// pdserve local [--model PATH] [--format F] [--model-name NAME]
+//               [--prefill-groups 1] [--stages 2] [--layer-split auto]
+//               [--chunk-tokens 256] [--decode-workers 1] [--tp 2]
+//               [--speculation ngram|off|draft] [--draft-layers L]
+//               [--grpc-port 50051] [--http-port 8000] [--host 127.0.0.1]
+//               [--prefill-policy least-loaded] [--decode-policy prefix-aware]
+//               [--work-dir DIR] [--bin-dir DIR] [--colocated 0|1]
+//
+// Starts the router, the prefill groups and the decode workers as separate
+// processes, waits until the router serves, prints the endpoints and example
+// requests, and runs until Ctrl-C (then stops everything).
+#include <signal.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/command_line_flags.h"
+#include "common/status_macros.h"
+#include "tools/commands.h"
+#include "tools/local_cluster.h"
+
+namespace pdserve::tools {
+namespace {
+
+// The folder of this executable: the other binaries live there (installed)
+// or in sub-folders of it (the build tree).
+std::string ExecutableDir() {
+  char buffer[PATH_MAX] = {};
+  const ssize_t n = readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
+  if (n <= 0) return ".";
+  return std::filesystem::path(std::string(buffer, n)).parent_path().string();
+}
+
+}  // namespace
+
+absl::Status RunLocalCluster(int argc, char** argv) {
+  CommandLineFlags flags;
+  PDS_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
+  LocalClusterOptions o;
+  o.model_path = flags.Str("model", "../shared/models/stories260K");
+  o.format = flags.Str("format", "auto");
+  o.model_name = flags.Str("model-name", "");
+  o.prefill_groups = flags.Num<int>("prefill-groups", 1);
+  o.colocated = flags.Num<int>("colocated", 0) != 0;
+  o.stages = flags.Num<int>("stages", 2);
+  o.layer_split = flags.Str("layer-split", "auto");
+  o.chunk_tokens = flags.Num<int>("chunk-tokens", 256);
+  o.decode_workers = flags.Num<int>("decode-workers", 1);
+  o.tp = flags.Num<int>("tp", 2);
+  o.speculation = flags.Str("speculation", "ngram");
+  o.draft_layers = flags.Num<int>("draft-layers", 0);
+  o.grpc_port = flags.Num<int>("grpc-port", 50051);
+  o.http_port = flags.Num<int>("http-port", 8000);
+  o.host = flags.Str("host", "127.0.0.1");
+  o.prefill_policy = flags.Str("prefill-policy", o.prefill_policy);
+  o.decode_policy = flags.Str("decode-policy", o.decode_policy);
+  o.work_dir = flags.Str("work-dir", "");
+  o.bin_dir = flags.Str("bin-dir", ExecutableDir());
+  PDS_RETURN_IF_ERROR(flags.Check());
+
+  // Ctrl-C is for us: block it before the children start (they reset their
+  // masks) so sigwait below receives it.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::fprintf(stderr,
+               "pdserve local: starting %d prefill group(s) of %d "
+               "stage(s), %d decode worker(s) of TP %d, router...\n",
+               o.prefill_groups, o.stages, o.decode_workers, o.tp);
+  PDS_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster,
+                       LocalCluster::Start(o));
+  std::printf("%s", cluster->Describe().c_str());
+  std::printf(
+      "\ntry:\n  %s/pdserve client --router %s --prompt \"Once upon a time\" "
+      "--max-tokens 32\n"
+      "  curl -s http://%s/v1/completions -H 'Content-Type: application/json' "
+      "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'\n"
+      "\nCtrl-C stops the cluster.\n",
+      ExecutableDir().c_str(), cluster->grpc_address().c_str(),
+      cluster->http_address().c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "pdserve local: stopping\n");
+  cluster->Stop();
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::tools
