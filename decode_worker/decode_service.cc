@@ -289,7 +289,12 @@ int64_t DecodeService::channels() const {
 void DecodeService::OnSinkRelease(uint64_t id, const absl::Status& why) {
   if (auto ch = FindChannel(id)) {
     absl::MutexLock lock(&ch->mu);
-    if (ch->sink_failure.ok()) ch->sink_failure = why;
+    if (ch->sink_failure.ok()) {
+      ch->sink_failure = why;
+      // Every rank's sink releases the request: count it once.
+      if (absl::IsDeadlineExceeded(why))
+        lease_expiries_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   // The blocks are safe to reuse now (the sink's quarantine is over).
   (void)worker_->Abort(id);

@@ -23,6 +23,7 @@
 // callbacks, which only call DecodeWorker::Abort (non-blocking).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -96,6 +97,10 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
 
   // Requests with a channel (live, or finished and not yet streamed).
   int64_t channels() const;
+  // Requests whose sinks gave up waiting for KV (the sink lease expired).
+  int64_t lease_expiries() const {
+    return lease_expiries_.load(std::memory_order_relaxed);
+  }
   // The sink of rank r (tests).
   transport::KvSink& sink(int rank) { return *ranks_[rank].sink; }
 
@@ -138,6 +143,7 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   std::deque<CompleteJob> jobs_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread completer_;
+  std::atomic<int64_t> lease_expiries_{0};
 };
 
 }  // namespace pdserve::decode_worker

@@ -10,6 +10,8 @@
 //                 [--max-gamma 4] [--spec-max-batch B]
 //                 [--kv-lease-seconds 30] [--model-name NAME]
 //                 [--port-file PATH] [--ucx-peer-errors 1]
+//                 [--metrics-port -1 (off; 0 = any free port)]
+//                 [--metrics-host HOST (default --host)] [--worker-id ID]
 //
 // Every rank's KV pool is allocated and registered by its UCX worker, so a
 // prefill's puts land by shared memory on this host (or RDMA across hosts).
@@ -17,7 +19,8 @@
 // both sides must agree: pass it to the prefill workers too); 1 (default)
 // keeps endpoints that report a dead peer at once (tcp here, verbs).
 //
-// Prints "listening on HOST:PORT" once serving; SIGINT/SIGTERM stop it.
+// Prints "metrics on HOST:PORT" (with --metrics-port) and then "listening on
+// HOST:PORT" once serving; SIGINT/SIGTERM stop it.
 #include <csignal>
 #include <cstdio>
 #include <map>
@@ -29,6 +32,8 @@
 #include "common/command_line_flags.h"
 #include "decode/decode_worker.h"
 #include "decode_worker/decode_service.h"
+#include "decode_worker/worker_metrics.h"
+#include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "process/port_file.h"
 #include "rpc/server.h"
@@ -71,6 +76,10 @@ int Main(int argc, char** argv) {
   DecodeServiceOptions so;
   so.model_name = flags.Str("model-name", "model");
   so.ucx.peer_error_handling = flags.Num<int>("ucx-peer-errors", 1) != 0;
+  const int metrics_port = flags.Num<int>("metrics-port", -1);
+  const std::string metrics_host = flags.Str("metrics-host", host);
+  const std::string worker_id =
+      flags.Str("worker-id", metrics::DefaultWorkerId());
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty())
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -151,10 +160,28 @@ int Main(int argc, char** argv) {
                                        int64_t blocks) {
     return transport::AllocateKvPool(rank_workers[rank].get(), layout, blocks);
   };
+  // Metrics are off unless asked for: no step observer, no HTTP thread.
+  std::shared_ptr<metrics::MetricsRegistry> registry;
+  std::unique_ptr<DecodeWorkerMetrics> worker_metrics;
+  if (metrics_port >= 0) {
+    registry = std::make_shared<metrics::MetricsRegistry>(
+        metrics::Layout{"decode", worker_id, 0, 1, wo.tp_size});
+    worker_metrics = std::make_unique<DecodeWorkerMetrics>(*registry);
+    wo.step_observer = worker_metrics->StepObserver();
+  }
   auto worker = decode::DecodeWorker::Create(**weights, tok, wo);
   if (!worker.ok()) return Fail(worker.status());
   auto service = DecodeService::Create(worker->get(), config, so);
   if (!service.ok()) return Fail(service.status());
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (worker_metrics != nullptr) {
+    worker_metrics->Bind(worker->get(), service->get());
+    auto started =
+        metrics::MetricsServer::Start(metrics_host, metrics_port, registry);
+    if (!started.ok()) return Fail(started.status());
+    metrics_server = std::move(*started);
+    std::printf("metrics on %s\n", metrics_server->address().c_str());
+  }
   auto server = rpc::RunningServer::Start(absl::StrCat(host, ":", port),
                                           {service->get()});
   if (!server.ok()) return Fail(server.status());
@@ -173,6 +200,8 @@ int Main(int argc, char** argv) {
   (*server)->SetServing(false);
   (*server)->Shutdown(2.0);
   server->reset();
+  metrics_server.reset();
+  if (worker_metrics != nullptr) worker_metrics->Unbind();
   service->reset();
   worker->reset();
   return 0;

@@ -13,13 +13,18 @@
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
 //   stage > 0:     [--orphan-seconds 30]
+//   metrics:       [--metrics-port -1 (off; 0 = any free port)]
+//                  [--metrics-host HOST (default --host)]
+//                  [--worker-id GROUP (shared by the group's stages)]
 //
 // Stage 0 serves pdserve.v1.PrefillGroup (+ health, reflection) on --port;
 // stage i > 0 serves pdserve.v1.PrefillStageControl there. Start stages
 // 1..S-1 first (any order), then stage 0 with their addresses: it wires the
 // pipeline and only then listens. With --port-file the bound "host:port" is
 // written there (atomically) once the process serves. A stage i > 0 that
-// stage 0 stopped pinging for --orphan-seconds exits. SIGINT/SIGTERM stop.
+// stage 0 stopped pinging for --orphan-seconds exits. With --metrics-port
+// the stage serves /metrics and logs "metrics on HOST:PORT" (stderr).
+// SIGINT/SIGTERM stop.
 #include <signal.h>
 #include <unistd.h>
 
@@ -37,11 +42,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
+#include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "prefill_worker/chunk_policy.h"
 #include "prefill_worker/layer_split.h"
 #include "prefill_worker/prefill_service.h"
 #include "prefill_worker/stage_control_service.h"
+#include "prefill_worker/stage_metrics.h"
 #include "prefill_worker/stage_process.h"
 #include "process/port_file.h"
 #include "rpc/server.h"
@@ -112,6 +119,10 @@ int Main(int argc, char** argv) {
   const int64_t peer_wait_s = flags.Num<int64_t>("peer-wait-seconds", 60);
   const int64_t orphan_s = flags.Num<int64_t>("orphan-seconds", 30);
   const bool ucx_peer_errors = flags.Num<int>("ucx-peer-errors", 1) != 0;
+  const int metrics_port =
+      static_cast<int>(flags.Num<int64_t>("metrics-port", -1));
+  const std::string metrics_host = flags.Str("metrics-host", host);
+  const std::string worker_id = flags.Str("worker-id", "prefill");
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -155,8 +166,36 @@ int Main(int argc, char** argv) {
   stage_options.num_blocks = num_blocks;
   stage_options.threads = threads;
   stage_options.ucx.peer_error_handling = ucx_peer_errors;
+  // Metrics are off unless asked for: no observers, no HTTP thread.
+  std::shared_ptr<metrics::MetricsRegistry> registry;
+  std::unique_ptr<PrefillStageMetrics> stage_metrics;
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (metrics_port >= 0) {
+    registry = std::make_shared<metrics::MetricsRegistry>(
+        metrics::Layout{"prefill", worker_id, stage, stages, 1});
+    stage_metrics = std::make_unique<PrefillStageMetrics>(*registry);
+    stage_options.observer = stage_metrics->Observer();
+  }
   auto process = StageProcess::Create(**weights, stage_options);
   if (!process.ok()) return Fail(process.status());
+  // Serves before wiring (zeros until the stage runs), so Prometheus sees
+  // the stage as soon as it exists.
+  auto start_metrics = [&](const PrefillService* service) -> absl::Status {
+    if (stage_metrics == nullptr) return absl::OkStatus();
+    stage_metrics->Bind(process->get(), service);
+    if (metrics_server != nullptr) return absl::OkStatus();
+    auto started =
+        metrics::MetricsServer::Start(metrics_host, metrics_port, registry);
+    if (!started.ok()) return started.status();
+    metrics_server = std::move(*started);
+    std::fprintf(stderr, "prefill_worker: metrics on %s\n",
+                 metrics_server->address().c_str());
+    return absl::OkStatus();
+  };
+  auto stop_metrics = [&] {
+    metrics_server.reset();
+    if (stage_metrics != nullptr) stage_metrics->Unbind();
+  };
   const std::string address = absl::StrCat(host, ":", port);
   std::fprintf(stderr, "prefill_worker: stage %d/%d layers [%d, %d)\n", stage,
                stages, stage_options.shard.layer_begin,
@@ -177,6 +216,7 @@ int Main(int argc, char** argv) {
     options.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms);
     auto service = PrefillService::Create(**weights, process->get(), options);
     if (!service.ok()) return Fail(service.status());
+    if (auto s = start_metrics(service->get()); !s.ok()) return Fail(s);
     auto server = rpc::RunningServer::Start(address, {service->get()});
     if (!server.ok()) return Fail(server.status());
     (*service)->Start(server->get());
@@ -190,11 +230,13 @@ int Main(int argc, char** argv) {
     }
     ArmExitWatchdog();
     (*server)->Shutdown();
+    stop_metrics();
     service->reset();
     process->reset();
     return 0;
   }
 
+  if (auto s = start_metrics(nullptr); !s.ok()) return Fail(s);
   StageControlService control(process->get(), config.Identity());
   auto server = rpc::RunningServer::Start(address, {&control});
   if (!server.ok()) return Fail(server.status());
@@ -217,6 +259,7 @@ int Main(int argc, char** argv) {
   }
   ArmExitWatchdog();
   (*server)->Shutdown();
+  stop_metrics();
   (*process)->Shutdown();
   process->reset();
   return code;

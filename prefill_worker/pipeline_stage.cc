@@ -56,6 +56,10 @@ PipelineStage::PipelineStage(const PipelineStageOptions& options,
 PipelineStage::~PipelineStage() { Join(); }
 
 void PipelineStage::Start() {
+  {
+    absl::MutexLock lock(&mu_);
+    started_ = absl::Now();
+  }
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -65,7 +69,12 @@ void PipelineStage::Join() {
 
 StageStats PipelineStage::stats() const {
   absl::MutexLock lock(&mu_);
-  return stats_;
+  StageStats s = stats_;
+  if (started_ != absl::InfinitePast()) {
+    s.idle_seconds = std::max(
+        0.0, absl::ToDoubleSeconds(absl::Now() - started_) - s.busy_seconds);
+  }
+  return s;
 }
 
 std::vector<std::pair<absl::Time, absl::Time>>
@@ -116,6 +125,11 @@ void PipelineStage::Process(StageMessage message) {
     stats_.chunks += static_cast<int64_t>(message.chunks.size());
     if (!status.ok()) ++stats_.failures;
     intervals_.emplace_back(done.start, done.end);
+  }
+  if (options_.observer.on_microbatch) {
+    options_.observer.on_microbatch(
+        done.tokens, static_cast<int>(message.chunks.size()),
+        absl::ToDoubleSeconds(done.end - done.start));
   }
   if (!status.ok()) {
     done.status = absl::Status(

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -36,6 +37,16 @@
 
 namespace pdserve::prefill {
 
+// Per-event hooks for metrics. on_microbatch runs on the stage thread after
+// every microbatch's compute, on_kv_transfer on the KV output's completion
+// thread once a write landed or failed; both must be quick (no blocking).
+struct StageObserver {
+  std::function<void(int64_t tokens, int chunks, double seconds)> on_microbatch;
+  // `bytes` is the KV payload of the stage's layers (every KV head once);
+  // `seconds` runs from issuing the write until it landed or failed.
+  std::function<void(int64_t bytes, double seconds, bool ok)> on_kv_transfer;
+};
+
 struct PipelineStageOptions {
   int stage_index = 0;
   int num_stages = 1;
@@ -43,11 +54,15 @@ struct PipelineStageOptions {
   int block_size = 16;
   int64_t num_blocks = 0;  // group-wide block count
   int threads = 1;         // engine threads (counting the stage thread)
+  StageObserver observer;
 };
 
 // Counters for metrics (names settled by the observability issue).
 struct StageStats {
   double busy_seconds = 0;
+  // Since Start, not computing: the pipeline bubble while the group has work
+  // queued (and plain idleness when it has none).
+  double idle_seconds = 0;
   int64_t microbatches = 0;
   int64_t tokens = 0;
   int64_t chunks = 0;
@@ -117,6 +132,7 @@ class PipelineStage {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, PendingWrites> writes_ ABSL_GUARDED_BY(mu_);
   StageStats stats_ ABSL_GUARDED_BY(mu_);
+  absl::Time started_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::pair<absl::Time, absl::Time>> intervals_
       ABSL_GUARDED_BY(mu_);
 };

@@ -481,6 +481,15 @@ void PrefillService::CancelKvEverywhere(const KvToCancel& requests) {
 grpc::ServerUnaryReactor* PrefillService::GetLoad(
     grpc::CallbackServerContext* context, const v1::PrefillLoadRequest*,
     v1::PrefillLoad* response) {
+  *response = Load();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+v1::PrefillLoad PrefillService::Load() const {
+  v1::PrefillLoad result;
+  v1::PrefillLoad* response = &result;
   const CoordinatorStats stats = coordinator_->stats();
   v1::PrefillStageLoad local;
   FillStageLoad(stage0_->options(), stage0_->stats(), &local);
@@ -488,8 +497,9 @@ grpc::ServerUnaryReactor* PrefillService::GetLoad(
     absl::MutexLock lock(&mu_);
     response->set_serving(down_.ok());
     response->set_queued(queued_);
-    stage_loads_[0] = local;
-    for (const auto& load : stage_loads_) *response->add_stages() = load;
+    // Stage 0's own entry is current; the others are as of the last ping.
+    for (size_t i = 0; i < stage_loads_.size(); ++i)
+      *response->add_stages() = i == 0 ? local : stage_loads_[i];
   }
   response->set_in_flight(static_cast<int32_t>(stats.active_requests));
   response->set_kv_blocks_used(stats.used_blocks);
@@ -507,9 +517,7 @@ grpc::ServerUnaryReactor* PrefillService::GetLoad(
   model->set_block_size(options_.scheduler.block_size);
   // Stages compute and send f32 KV (the engine's only KV dtype on CPU).
   model->set_kv_dtype("f32");
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return result;
 }
 
 // ---------------------------------------------------------------------------

@@ -100,6 +100,9 @@ class PrefillService final : public pdserve::v1::PrefillGroup::CallbackService {
       pdserve::v1::PrefillLoad* response) override;
 
   bool serving() const;
+  // What GetLoad answers (metrics read it too): queue depth, in flight,
+  // blocks, completed/failed, per-stage counters.
+  pdserve::v1::PrefillLoad Load() const;
 
  private:
   struct Peer {

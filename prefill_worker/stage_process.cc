@@ -116,6 +116,7 @@ absl::Status StageProcess::Build(StageReceiver* in, const std::string& next,
   stage_options.block_size = options_.block_size;
   stage_options.num_blocks = options_.num_blocks;
   stage_options.threads = options_.threads;
+  stage_options.observer = options_.observer;
   PDS_ASSIGN_OR_RETURN(
       stage_, PipelineStage::Create(weights_, stage_options, in, sender_.get(),
                                     events, nullptr));
@@ -127,7 +128,8 @@ absl::Status StageProcess::Build(StageReceiver* in, const std::string& next,
       source_, transport::KvSource::Create(kv_worker_.get(),
                                            stage_->mutable_pool(), spec));
   kv_output_ =
-      std::make_unique<UcxKvOutput>(source_.get(), options_.kv_write_timeout);
+      std::make_unique<UcxKvOutput>(source_.get(), options_.kv_write_timeout,
+                                    options_.observer.on_kv_transfer);
   stage_->set_kv_output(kv_output_.get());
   stage_->Start();
   wired_ = true;

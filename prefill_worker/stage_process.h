@@ -46,6 +46,7 @@ struct StageProcessOptions {
   int threads = 1;           // engine threads of the stage
   absl::Duration kv_write_timeout = absl::Seconds(30);
   transport::UcxWorkerOptions ucx;
+  StageObserver observer;  // metrics hooks (optional)
 };
 
 class StageProcess {

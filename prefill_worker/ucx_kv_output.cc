@@ -3,12 +3,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace pdserve::prefill {
 
 UcxKvOutput::UcxKvOutput(transport::KvSource* source,
-                         absl::Duration write_timeout)
-    : source_(source), write_timeout_(write_timeout) {
+                         absl::Duration write_timeout,
+                         std::function<void(int64_t, double, bool)> on_transfer)
+    : source_(source),
+      write_timeout_(write_timeout),
+      on_transfer_(std::move(on_transfer)) {
   waiter_ = std::thread([this] { WaitLoop(); });
 }
 
@@ -86,6 +90,12 @@ void UcxKvOutput::Write(const KvWrite& write,
   }
   std::vector<int64_t> blocks(write.block_table.begin() + skip,
                               write.block_table.end());
+  const kv::KvCacheLayout& layout = write.pool->layout();
+  const int64_t bytes = int64_t{write.token_end - write.token_begin} *
+                        (write.layer_end - write.layer_begin) * 2 *
+                        layout.num_kv_heads * layout.head_dim *
+                        static_cast<int64_t>(kv::KvDTypeSize(layout.dtype));
+  const absl::Time issued = absl::Now();
   auto handle =
       source_->Write(write.request_id, blocks, write.layer_begin,
                      write.layer_end, write.token_begin - write.kv_dst_offset,
@@ -95,8 +105,12 @@ void UcxKvOutput::Write(const KvWrite& write,
     done(handle.status());
     return;
   }
-  InFlight item{write.request_id, write.final_chunk, std::move(*handle),
-                std::move(done)};
+  InFlight item{write.request_id,
+                write.final_chunk,
+                std::move(*handle),
+                std::move(done),
+                bytes,
+                issued};
   if (!in_flight_.Push(std::move(item))) {
     // Only after destruction began; the caller is shutting down too.
     return;
@@ -106,6 +120,11 @@ void UcxKvOutput::Write(const KvWrite& write,
 void UcxKvOutput::WaitLoop() {
   while (std::optional<InFlight> item = in_flight_.Pop()) {
     absl::Status status = item->handle->Wait(write_timeout_);
+    if (on_transfer_) {
+      on_transfer_(item->bytes,
+                   absl::ToDoubleSeconds(absl::Now() - item->issued),
+                   status.ok());
+    }
     // The request's grants are no longer needed once its last write landed.
     if (item->final_chunk) source_->Forget(item->request_id);
     item->done(status);

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -28,8 +29,12 @@ class UcxKvOutput : public StageKvOutput {
  public:
   // `source` (not owned) reads from the stage's pool and is connected to the
   // sinks already; it must outlive this object.
-  explicit UcxKvOutput(transport::KvSource* source,
-                       absl::Duration write_timeout = absl::Seconds(30));
+  // `on_transfer` (optional, see StageObserver::on_kv_transfer) runs on the
+  // completion thread for every write that issued puts.
+  explicit UcxKvOutput(
+      transport::KvSource* source,
+      absl::Duration write_timeout = absl::Seconds(30),
+      std::function<void(int64_t, double, bool)> on_transfer = nullptr);
   // Waits (bounded) for the writes in flight and calls their `done`.
   ~UcxKvOutput() override;
   UcxKvOutput(const UcxKvOutput&) = delete;
@@ -61,11 +66,14 @@ class UcxKvOutput : public StageKvOutput {
     bool final_chunk = false;
     std::shared_ptr<transport::OpHandle> handle;
     std::function<void(absl::Status)> done;
+    int64_t bytes = 0;
+    absl::Time issued;
   };
   void WaitLoop();
 
   transport::KvSource* const source_;
   const absl::Duration write_timeout_;
+  const std::function<void(int64_t, double, bool)> on_transfer_;
   // Serializes Write against Cancel, so that a write either precedes the
   // cancel (and the sink's revoke flushes it) or sees the tombstone.
   absl::Mutex mu_;

@@ -88,6 +88,9 @@ struct RankDone {
   int rank = 0;
   absl::Status status;
   std::vector<float> logits;
+  // The rank's running total inside collectives: read on the rank's own
+  // thread (the communicator is not thread-safe to read from elsewhere).
+  double collective_seconds = 0;
 };
 
 struct Rank {
@@ -304,6 +307,7 @@ void DecodeWorker::Impl::RankLoop(int r) {
     d.rank = r;
     d.status = rank.engine->Forward((*work)->batch, *rank.pool, &result);
     if (r == 0) d.logits = std::move(result.logits);
+    if (group) d.collective_seconds = group->rank(r)->seconds_in_collectives();
     done.Push(std::move(d));
   }
 }
@@ -417,6 +421,7 @@ void DecodeWorker::Impl::CheckLeases() {
       auto it = ids.find(r->id);
       if (it != ids.end() && it->second != IdState::kAwaitingKv) continue;
     }
+    ++counters.lease_expiries;
     Finish(r, FinishReason::kError,
            absl::DeadlineExceededError(absl::StrCat(
                "request ", r->id, ": KV not completed within the lease of ",
@@ -560,9 +565,11 @@ void DecodeWorker::Impl::RunStep() {
     }
     work->batch.sequences.push_back(std::move(step));
   }
+  const absl::Time step_start = absl::Now();
   for (auto& rank : ranks) rank.work->Push(work);
   absl::Status step_status;
   std::vector<float> logits;
+  double collective_seconds = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
     std::optional<RankDone> d = done.Pop();
     if (!d) {
@@ -571,8 +578,15 @@ void DecodeWorker::Impl::RunStep() {
     }
     if (!d->status.ok() && step_status.ok()) step_status = d->status;
     if (d->rank == 0) logits = std::move(d->logits);
+    collective_seconds += d->collective_seconds;
   }
   ++counters.steps;
+  counters.allreduce_seconds = collective_seconds / ranks.size();
+  StepStats step_stats;
+  step_stats.seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+  step_stats.sequences = static_cast<int>(plan.size());
+  for (const Planned& p : plan)
+    step_stats.tokens_fed += p.history_feed + static_cast<int>(p.drafts.size());
   if (!step_status.ok()) {
     // Requests were validated on entry, so this is a bug or a shutdown: fail
     // the step's requests rather than the worker.
@@ -626,7 +640,10 @@ void DecodeWorker::Impl::RunStep() {
       counters.accepted_tokens += outcome->accepted_drafts;
       counters.spec_emitted_tokens +=
           static_cast<int64_t>(outcome->tokens.size());
+      step_stats.acceptance_lengths.push_back(
+          static_cast<int>(outcome->tokens.size()));
     }
+    step_stats.output_tokens += static_cast<int>(outcome->tokens.size());
     // KV is valid for the fed history and the accepted drafts; the rejected
     // drafts' slots are rolled back.
     r->kv_tokens += p.history_feed + outcome->accepted_drafts;
@@ -636,6 +653,7 @@ void DecodeWorker::Impl::RunStep() {
     (void)r->sequence->PublishFullBlocks(
         std::span<const int32_t>(r->history).first(r->kv_tokens));
   }
+  if (options.step_observer) options.step_observer(step_stats);
 }
 
 bool DecodeWorker::Impl::AppendTokens(Request* r,

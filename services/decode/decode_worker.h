@@ -78,6 +78,16 @@ struct SpeculationOptions {
   std::vector<std::vector<int32_t>> scripted;
 };
 
+// What one forward step did, for metrics (DecodeWorkerOptions::step_observer).
+struct StepStats {
+  int sequences = 0;      // requests in the step's batch
+  int tokens_fed = 0;     // history + draft tokens through the model
+  int output_tokens = 0;  // tokens the step emitted (streamed)
+  double seconds = 0;     // the forward on every rank, until the last is done
+  // Per speculative verify in the step: tokens it emitted (accepted + 1).
+  std::vector<int> acceptance_lengths;
+};
+
 struct DecodeWorkerOptions {
   int tp_size = 1;
   int threads_per_rank = 1;
@@ -94,6 +104,9 @@ struct DecodeWorkerOptions {
   std::function<absl::StatusOr<std::unique_ptr<kv::KvPool>>(
       int rank, const kv::KvCacheLayout& layout, int64_t num_blocks)>
       kv_pool_factory;
+  // Called on the scheduler thread after every step (no lock held). Must be
+  // quick: it delays the next step (metrics observe histograms here).
+  std::function<void(const StepStats&)> step_observer;
 };
 
 struct RequestParams {
@@ -128,6 +141,10 @@ struct LoadReport {
   int64_t blocks_total = 0;
   int64_t steps = 0;
   int64_t preemptions = 0;
+  // Requests freed because their KV was not completed within kv_lease.
+  int64_t lease_expiries = 0;
+  // Seconds inside all-reduces, mean over the TP ranks (0 at tp_size 1).
+  double allreduce_seconds = 0;
   // Speculation: verify steps with drafts, drafts proposed and accepted, and
   // tokens those verify steps emitted (accepted + one each).
   int64_t spec_steps = 0;

@@ -1,0 +1,292 @@
+#include "metrics/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "prometheus/exposer.h"
+#include "prometheus/text_serializer.h"
+
+namespace pdserve::metrics {
+
+std::string DefaultWorkerId() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "localhost");
+  return absl::StrCat(host, "-", getpid());
+}
+
+prometheus::Labels LayoutLabels(const Layout& layout) {
+  return {{"role", layout.role},
+          {"worker_id", layout.worker_id},
+          {"stage", absl::StrCat(layout.stage)},
+          {"num_stages", absl::StrCat(layout.num_stages)},
+          {"tp", absl::StrCat(layout.tp)}};
+}
+
+void SyncCounter(prometheus::Counter& counter, double total) {
+  const double now = counter.Value();
+  if (total > now) counter.Increment(total - now);
+}
+
+std::vector<double> LatencyBuckets() {
+  std::vector<double> b;
+  for (double v = 0.0005; v < 70; v *= 2) b.push_back(v);
+  return b;
+}
+
+std::vector<double> CountBuckets(double max) {
+  std::vector<double> b;
+  for (double v = 1; v <= max; v *= 2) b.push_back(v);
+  return b;
+}
+
+// ---- MetricsRegistry
+// ---------------------------------------------------------
+
+MetricsRegistry::MetricsRegistry(Layout layout)
+    : layout_(std::move(layout)),
+      labels_(LayoutLabels(layout_)),
+      registry_(std::make_shared<prometheus::Registry>()) {
+  uptime_ = &Gauge("pdserve_process_uptime_seconds",
+                   "Seconds since the process's metrics registry was made");
+}
+
+MetricsRegistry::~MetricsRegistry() = default;
+
+namespace {
+void CheckName(const std::string& name) {
+  // A misnamed family is a programming error, caught by every test that
+  // builds the registry.
+  if (!absl::StartsWith(name, "pdserve_")) {
+    std::fprintf(stderr, "metric %s must start with pdserve_\n", name.c_str());
+    std::abort();
+  }
+}
+}  // namespace
+
+prometheus::Family<prometheus::Counter>& MetricsRegistry::CounterFamily(
+    const std::string& name, const std::string& help) {
+  CheckName(name);
+  return prometheus::BuildCounter()
+      .Name(name)
+      .Help(help)
+      .Labels(labels_)
+      .Register(*registry_);
+}
+
+prometheus::Family<prometheus::Gauge>& MetricsRegistry::GaugeFamily(
+    const std::string& name, const std::string& help) {
+  CheckName(name);
+  return prometheus::BuildGauge()
+      .Name(name)
+      .Help(help)
+      .Labels(labels_)
+      .Register(*registry_);
+}
+
+prometheus::Family<prometheus::Histogram>& MetricsRegistry::HistogramFamily(
+    const std::string& name, const std::string& help) {
+  CheckName(name);
+  return prometheus::BuildHistogram()
+      .Name(name)
+      .Help(help)
+      .Labels(labels_)
+      .Register(*registry_);
+}
+
+prometheus::Counter& MetricsRegistry::Counter(const std::string& name,
+                                              const std::string& help) {
+  return CounterFamily(name, help).Add({});
+}
+
+prometheus::Gauge& MetricsRegistry::Gauge(const std::string& name,
+                                          const std::string& help) {
+  return GaugeFamily(name, help).Add({});
+}
+
+prometheus::Histogram& MetricsRegistry::Histogram(
+    const std::string& name, const std::string& help,
+    const std::vector<double>& buckets) {
+  return HistogramFamily(name, help).Add({}, buckets);
+}
+
+MetricsRegistry::HookHandle MetricsRegistry::OnScrape(
+    std::function<void()> hook) {
+  absl::MutexLock lock(&hooks_mu_);
+  hooks_.push_back(std::move(hook));
+  return HookHandle(this, std::prev(hooks_.end()));
+}
+
+MetricsRegistry::HookHandle::HookHandle(HookHandle&& other) noexcept
+    : registry_(std::exchange(other.registry_, nullptr)), it_(other.it_) {}
+
+MetricsRegistry::HookHandle& MetricsRegistry::HookHandle::operator=(
+    HookHandle&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    registry_ = std::exchange(other.registry_, nullptr);
+    it_ = other.it_;
+  }
+  return *this;
+}
+
+MetricsRegistry::HookHandle::~HookHandle() { Reset(); }
+
+void MetricsRegistry::HookHandle::Reset() {
+  if (registry_ == nullptr) return;
+  // Waits for a scrape running the hook: it never runs after this returns.
+  absl::MutexLock lock(&registry_->hooks_mu_);
+  registry_->hooks_.erase(it_);
+  registry_ = nullptr;
+}
+
+std::vector<prometheus::MetricFamily> MetricsRegistry::Collect() const {
+  uptime_->Set(absl::ToDoubleSeconds(absl::Now() - start_));
+  {
+    absl::MutexLock lock(&hooks_mu_);
+    for (const auto& hook : hooks_) hook();
+  }
+  return registry_->Collect();
+}
+
+std::string MetricsRegistry::RenderText() const {
+  return prometheus::TextSerializer().Serialize(Collect());
+}
+
+// ---- MetricsServer
+// -----------------------------------------------------------
+
+namespace {
+
+// civetweb only says "null context" when it cannot listen; bind a probe
+// socket first so the error names the reason (address in use, no such
+// address, permission).
+absl::Status ProbeBind(const std::string& host, int port) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  int family = AF_INET;
+  if (auto* a4 = reinterpret_cast<sockaddr_in*>(&addr);
+      inet_pton(AF_INET, host.c_str(), &a4->sin_addr) == 1) {
+    a4->sin_family = AF_INET;
+    a4->sin_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(sockaddr_in);
+  } else if (in6_addr a6; inet_pton(AF_INET6, host.c_str(), &a6) == 1) {
+    // Debian's prometheus-cpp embeds a civetweb built without IPv6.
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics host '", host,
+                     "' is IPv6; this prometheus-cpp build serves IPv4 only "
+                     "(use 0.0.0.0 or an IPv4 address)"));
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics host '", host, "' is not a numeric IPv4 address"));
+  }
+  const int fd = socket(family, SOCK_STREAM, 0);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: socket(): ", std::strerror(errno)));
+  }
+  // civetweb sets SO_REUSEADDR too, so a port in TIME_WAIT is no error.
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const int rc = bind(fd, reinterpret_cast<sockaddr*>(&addr), len);
+  const int err = errno;
+  close(fd);
+  if (rc != 0) {
+    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ",
+                                               host, ":", port, ": ",
+                                               std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& host, int port,
+    std::shared_ptr<MetricsRegistry> registry) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics port ", port, " is not in [0, 65535]"));
+  }
+  if (registry == nullptr) {
+    return absl::InvalidArgumentError("metrics server needs a registry");
+  }
+  if (absl::Status s = ProbeBind(host, port); !s.ok()) return s;
+  const bool v6 = absl::StrContains(host, ':');
+  const std::string bind =
+      v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    // Two HTTP threads: Prometheus plus one person or tool at a time.
+    exposer = std::make_unique<prometheus::Exposer>(bind, 2);
+  } catch (const std::exception& e) {
+    // The port was free a moment ago: someone took it in between.
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot listen on ", bind, ": ", e.what()));
+  }
+  const std::vector<int> ports = exposer->GetListeningPorts();
+  if (ports.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: no listening port on ", bind));
+  }
+  exposer->RegisterCollectable(registry);
+  return std::unique_ptr<MetricsServer>(new MetricsServer(
+      host, ports.front(), std::move(registry), std::move(exposer)));
+}
+
+MetricsServer::MetricsServer(std::string host, int port,
+                             std::shared_ptr<MetricsRegistry> registry,
+                             std::unique_ptr<prometheus::Exposer> exposer)
+    : host_(std::move(host)),
+      port_(port),
+      registry_(std::move(registry)),
+      exposer_(std::move(exposer)) {}
+
+namespace {
+// Connects to the server's own port until `done`: civetweb's accept loop
+// polls its listening socket in 2 s quanta and only then sees the stop flag;
+// an incoming connection wakes it at once (shutdown then takes milliseconds).
+void WakeAcceptLoop(const std::string& host, int port,
+                    const std::atomic<bool>* done) {
+  const std::string target =
+      host == "0.0.0.0" || host.empty() ? "127.0.0.1" : host;
+  while (!done->load()) {
+    absl::SleepFor(absl::Milliseconds(20));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (inet_pton(AF_INET, target.c_str(), &addr.sin_addr) != 1) return;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return;
+    (void)connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    close(fd);
+  }
+}
+}  // namespace
+
+MetricsServer::~MetricsServer() {
+  // Stops the HTTP threads (no scrape runs after this) before the registry
+  // reference goes.
+  std::atomic<bool> done{false};
+  std::thread waker(WakeAcceptLoop, host_, port_, &done);
+  exposer_.reset();
+  done = true;
+  waker.join();
+}
+
+std::string MetricsServer::address() const {
+  return absl::StrContains(host_, ':') ? absl::StrCat("[", host_, "]:", port_)
+                                       : absl::StrCat(host_, ":", port_);
+}
+
+}  // namespace pdserve::metrics

@@ -1,0 +1,125 @@
+#include "metrics/router_metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::metrics {
+
+RouterMetrics::RouterMetrics(MetricsRegistry& registry)
+    : requests_(
+          registry.CounterFamily("pdserve_router_requests_total",
+                                 "Finished requests by API and status code")),
+      ttft_(registry.Histogram(
+          "pdserve_router_ttft_seconds",
+          "Time to first token measured at the router (queue + prefill + KV "
+          "transfer + first decode step)",
+          LatencyBuckets())),
+      ttft_phase_(
+          registry.HistogramFamily("pdserve_router_ttft_phase_seconds",
+                                   "Time to first token broken down by phase")),
+      itl_(registry.Histogram("pdserve_router_itl_seconds",
+                              "Gap between consecutive streamed tokens",
+                              LatencyBuckets())),
+      tpot_(registry.Histogram(
+          "pdserve_router_tpot_seconds",
+          "Time per output token after the first, per request",
+          LatencyBuckets())),
+      e2e_(registry.Histogram("pdserve_router_e2e_seconds",
+                              "End-to-end request latency", LatencyBuckets())),
+      in_flight_(registry.Gauge("pdserve_router_in_flight_requests",
+                                "Requests between admission and finish")),
+      queued_(registry.Gauge("pdserve_router_queued_requests",
+                             "Requests waiting for a worker")),
+      routing_(registry.CounterFamily(
+          "pdserve_router_routing_decisions_total",
+          "Workers picked, by policy, side (prefill|decode) and worker")),
+      retries_(registry.CounterFamily(
+          "pdserve_router_retries_total",
+          "Requests retried on another worker, by side")),
+      prompt_tokens_(registry.Counter("pdserve_router_prompt_tokens_total",
+                                      "Prompt tokens of admitted requests")),
+      output_tokens_(registry.Counter("pdserve_router_output_tokens_total",
+                                      "Output tokens streamed to clients")) {
+  // The four phases exist from the start, so dashboards show them at zero.
+  phase_queue_ = &ttft_phase_.Add({{"phase", "queue"}}, LatencyBuckets());
+  phase_prefill_ = &ttft_phase_.Add({{"phase", "prefill"}}, LatencyBuckets());
+  phase_kv_ = &ttft_phase_.Add({{"phase", "kv_transfer"}}, LatencyBuckets());
+  phase_first_step_ =
+      &ttft_phase_.Add({{"phase", "first_step"}}, LatencyBuckets());
+  absl::MutexLock lock(&mu_);
+  for (const char* side : {"prefill", "decode"})
+    retry_counters_[side] = &retries_.Add({{"side", side}});
+}
+
+void RouterMetrics::OnRequest(const std::string& api, const std::string& code) {
+  prometheus::Counter* c = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] =
+        request_counters_.try_emplace(absl::StrCat(api, "\x1f", code));
+    if (inserted) it->second = &requests_.Add({{"api", api}, {"code", code}});
+    c = it->second;
+  }
+  c->Increment();
+}
+
+void RouterMetrics::OnRequest(const std::string& api, int http_status) {
+  OnRequest(api, absl::StrCat(http_status));
+}
+
+void RouterMetrics::OnRequest(const std::string& api, absl::StatusCode code) {
+  OnRequest(api, absl::StatusCodeToString(code));
+}
+
+void RouterMetrics::ObserveTtft(double seconds) { ttft_.Observe(seconds); }
+
+void RouterMetrics::ObserveTtftBreakdown(const TtftBreakdown& b) {
+  phase_queue_->Observe(b.queue);
+  phase_prefill_->Observe(b.prefill);
+  phase_kv_->Observe(b.kv_transfer);
+  phase_first_step_->Observe(b.first_step);
+}
+
+void RouterMetrics::ObserveItl(double seconds) { itl_.Observe(seconds); }
+void RouterMetrics::ObserveTpot(double seconds) { tpot_.Observe(seconds); }
+void RouterMetrics::ObserveE2e(double seconds) { e2e_.Observe(seconds); }
+void RouterMetrics::SetInFlight(int64_t n) {
+  in_flight_.Set(static_cast<double>(n));
+}
+void RouterMetrics::SetQueued(int64_t n) {
+  queued_.Set(static_cast<double>(n));
+}
+
+void RouterMetrics::OnRouting(const std::string& policy,
+                              const std::string& side,
+                              const std::string& worker) {
+  prometheus::Counter* c = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = routing_counters_.try_emplace(
+        absl::StrCat(policy, "\x1f", side, "\x1f", worker));
+    if (inserted) {
+      it->second = &routing_.Add(
+          {{"policy", policy}, {"side", side}, {"worker", worker}});
+    }
+    c = it->second;
+  }
+  c->Increment();
+}
+
+void RouterMetrics::OnRetry(const std::string& side) {
+  prometheus::Counter* c = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = retry_counters_.try_emplace(side);
+    if (inserted) it->second = &retries_.Add({{"side", side}});
+    c = it->second;
+  }
+  c->Increment();
+}
+
+void RouterMetrics::OnTokens(int64_t prompt_tokens, int64_t output_tokens) {
+  if (prompt_tokens > 0) prompt_tokens_.Increment(prompt_tokens);
+  if (output_tokens > 0) output_tokens_.Increment(output_tokens);
+}
+
+}  // namespace pdserve::metrics

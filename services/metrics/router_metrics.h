@@ -1,0 +1,104 @@
+// The router's metric families (role "router"), as one object the router
+// calls at the natural points of a request's life. Every method is cheap
+// (atomic counters; a histogram observation takes a per-histogram lock) and
+// thread-safe. Label sets (api/code, policy/side/worker, side) are looked up
+// under a lock on first use and cached, so a handful of distinct values is
+// the intended use, never per-request ids.
+//
+// Families (all carry the layout labels role, worker_id, stage, num_stages,
+// tp; the router may set num_stages/tp to the layout of the cluster it
+// fronts so its latency series can be compared across layouts):
+//   pdserve_router_requests_total{api,code}        OnRequest
+//   pdserve_router_ttft_seconds                   ObserveTtft (end to end)
+//   pdserve_router_ttft_phase_seconds{phase}      ObserveTtftBreakdown
+//       phase = queue | prefill | kv_transfer | first_step
+//   pdserve_router_itl_seconds                    ObserveItl (per token gap)
+//   pdserve_router_tpot_seconds                   ObserveTpot (per request)
+//   pdserve_router_e2e_seconds                    ObserveE2e
+//   pdserve_router_in_flight_requests             SetInFlight / InFlightGauge
+//   pdserve_router_queued_requests                SetQueued
+//   pdserve_router_routing_decisions_total{policy,side,worker}  OnRouting
+//   pdserve_router_retries_total{side}            OnRetry
+//   pdserve_router_prompt_tokens_total            OnTokens
+//   pdserve_router_output_tokens_total            OnTokens
+#pragma once
+
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "metrics/metrics.h"
+
+namespace pdserve::metrics {
+
+// Where a request spent its time to first token (seconds). `first_step` is
+// from KvComplete accepted to the first token reaching the router.
+struct TtftBreakdown {
+  double queue = 0;        // accepted until a prefill group was picked
+  double prefill = 0;      // prefill submitted until its first token
+  double kv_transfer = 0;  // KV writes landed + KvComplete notice
+  double first_step = 0;   // decode's token 0 reaching the router
+};
+
+class RouterMetrics {
+ public:
+  // Registers the families in `registry` (whose layout role should be
+  // "router"); `registry` must outlive this object.
+  explicit RouterMetrics(MetricsRegistry& registry);
+  RouterMetrics(const RouterMetrics&) = delete;
+  RouterMetrics& operator=(const RouterMetrics&) = delete;
+
+  // One finished request: `api` is "openai_completions", "openai_chat",
+  // "grpc_generate", ...; `code` the HTTP status or gRPC code name.
+  void OnRequest(const std::string& api, const std::string& code);
+  // HTTP status (code="200", "429", ...) and gRPC/absl codes (code="OK",
+  // "INVALID_ARGUMENT", ...: gRPC's code numbers are absl's).
+  void OnRequest(const std::string& api, int http_status);
+  void OnRequest(const std::string& api, absl::StatusCode code);
+  void ObserveTtft(double seconds);
+  void ObserveTtftBreakdown(const TtftBreakdown& breakdown);
+  // Gap between two consecutive streamed tokens of one request.
+  void ObserveItl(double seconds);
+  // (e2e - ttft) / (output tokens - 1), once per request with >= 2 tokens.
+  void ObserveTpot(double seconds);
+  void ObserveE2e(double seconds);
+  void SetInFlight(int64_t n);
+  void SetQueued(int64_t n);
+  // `policy` e.g. "round_robin", "least_load", "prefix"; `side` "prefill"
+  // or "decode"; `worker` the chosen worker's address or id.
+  void OnRouting(const std::string& policy, const std::string& side,
+                 const std::string& worker);
+  void OnRetry(const std::string& side);
+  void OnTokens(int64_t prompt_tokens, int64_t output_tokens);
+
+ private:
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Histogram& ttft_;
+  prometheus::Family<prometheus::Histogram>& ttft_phase_;
+  prometheus::Histogram* phase_queue_;
+  prometheus::Histogram* phase_prefill_;
+  prometheus::Histogram* phase_kv_;
+  prometheus::Histogram* phase_first_step_;
+  prometheus::Histogram& itl_;
+  prometheus::Histogram& tpot_;
+  prometheus::Histogram& e2e_;
+  prometheus::Gauge& in_flight_;
+  prometheus::Gauge& queued_;
+  prometheus::Family<prometheus::Counter>& routing_;
+  prometheus::Family<prometheus::Counter>& retries_;
+  prometheus::Counter& prompt_tokens_;
+  prometheus::Counter& output_tokens_;
+
+  // Cached label sets (Family::Add hashes and locks on every call).
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, prometheus::Counter*> request_counters_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, prometheus::Counter*> routing_counters_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, prometheus::Counter*> retry_counters_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pdserve::metrics
