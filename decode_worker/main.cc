@@ -12,6 +12,7 @@
 //                 [--port-file PATH] [--ucx-peer-errors 1]
 //                 [--metrics-port -1 (off; 0 = any free port)]
 //                 [--metrics-host HOST (default --host)] [--worker-id ID]
+//                 [--metrics-port-file PATH]
 //
 // Every rank's KV pool is allocated and registered by its UCX worker, so a
 // prefill's puts land by shared memory on this host (or RDMA across hosts).
@@ -77,6 +78,7 @@ int Main(int argc, char** argv) {
   so.model_name = flags.Str("model-name", "model");
   so.ucx.peer_error_handling = flags.Num<int>("ucx-peer-errors", 1) != 0;
   const int metrics_port = flags.Num<int>("metrics-port", -1);
+  const std::string metrics_port_file = flags.Str("metrics-port-file", "");
   const std::string metrics_host = flags.Str("metrics-host", host);
   const std::string worker_id =
       flags.Str("worker-id", metrics::DefaultWorkerId());
@@ -181,6 +183,11 @@ int Main(int argc, char** argv) {
     if (!started.ok()) return Fail(started.status());
     metrics_server = std::move(*started);
     std::printf("metrics on %s\n", metrics_server->address().c_str());
+    if (auto s = process::WritePortFile(metrics_port_file,
+                                        metrics_server->address());
+        !s.ok()) {
+      return Fail(s);
+    }
   }
   auto server = rpc::RunningServer::Start(absl::StrCat(host, ":", port),
                                           {service->get()});

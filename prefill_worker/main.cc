@@ -15,6 +15,7 @@
 //   stage > 0:     [--orphan-seconds 30]
 //   metrics:       [--metrics-port -1 (off; 0 = any free port)]
 //                  [--metrics-host HOST (default --host)]
+//                  [--metrics-port-file PATH]
 //                  [--worker-id GROUP (shared by the group's stages)]
 //
 // Stage 0 serves pdserve.v1.PrefillGroup (+ health, reflection) on --port;
@@ -119,6 +120,7 @@ int Main(int argc, char** argv) {
   const int64_t peer_wait_s = flags.Num<int64_t>("peer-wait-seconds", 60);
   const int64_t orphan_s = flags.Num<int64_t>("orphan-seconds", 30);
   const bool ucx_peer_errors = flags.Num<int>("ucx-peer-errors", 1) != 0;
+  const std::string metrics_port_file = flags.Str("metrics-port-file", "");
   const int metrics_port =
       static_cast<int>(flags.Num<int64_t>("metrics-port", -1));
   const std::string metrics_host = flags.Str("metrics-host", host);
@@ -190,7 +192,7 @@ int Main(int argc, char** argv) {
     metrics_server = std::move(*started);
     std::fprintf(stderr, "prefill_worker: metrics on %s\n",
                  metrics_server->address().c_str());
-    return absl::OkStatus();
+    return process::WritePortFile(metrics_port_file, metrics_server->address());
   };
   auto stop_metrics = [&] {
     metrics_server.reset();

@@ -23,6 +23,10 @@ struct ClusterBackend::Shared {
   absl::Mutex mu;
   std::list<std::weak_ptr<CallState>> calls ABSL_GUARDED_BY(mu);
   ClusterBackendStats stats ABSL_GUARDED_BY(mu);
+  // Requests started and not yet at their first token (the "queued" gauge:
+  // the router itself never queues, so this is time spent in admission,
+  // prefill and KV transfer).
+  std::atomic<int64_t> awaiting_first_token{0};
 };
 
 struct ClusterBackend::CallState {
@@ -271,8 +275,32 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
   usage.prompt_tokens = static_cast<int32_t>(prompt_ids.size());
   GenerationTiming timing;
   bool delivered = false;  // a delta reached the observer: no more retries
+  metrics::RouterMetrics* const m = options_.metrics;
+  bool awaiting_first = true;
+  if (m != nullptr) {
+    m->SetQueued(shared_->awaiting_first_token.fetch_add(1) + 1);
+  }
+  auto first_token_reached = [&] {
+    if (!awaiting_first) return;
+    awaiting_first = false;
+    if (m != nullptr) {
+      m->SetQueued(shared_->awaiting_first_token.fetch_sub(1) - 1);
+    }
+  };
+  absl::Time first_token_at = absl::InfinitePast();
+  absl::Time last_token_at = absl::InfinitePast();
+  std::string retry_side;
 
   auto finish = [&](absl::Status status) {
+    first_token_reached();
+    if (m != nullptr && status.ok()) {
+      m->ObserveE2e(absl::ToDoubleSeconds(absl::Now() - started));
+      if (usage.completion_tokens >= 2) {
+        m->ObserveTpot(absl::ToDoubleSeconds(last_token_at - first_token_at) /
+                       (usage.completion_tokens - 1));
+      }
+      m->OnTokens(usage.prompt_tokens, usage.completion_tokens);
+    }
     {
       absl::MutexLock lock(&shared_->mu);
       if (status.ok()) {
@@ -289,6 +317,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
   absl::Status last_error = absl::UnavailableError("no attempt made");
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     if (attempt > 0) {
+      if (m != nullptr) m->OnRetry(retry_side);
       absl::MutexLock lock(&shared_->mu);
       ++shared_->stats.retries;
     }
@@ -311,6 +340,11 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
                               "; last error: ", last_error.message())));
     }
     const std::string decode_address = decode_lease->address();
+    if (m != nullptr) {
+      m->OnRouting(std::string(decode_policy_->name()), "decode",
+                   decode_address);
+    }
+    retry_side = "decode";
     auto decode = v1::DecodeWorker::NewStub(ChannelFor(decode_address));
     const uint64_t wire_id = NewWireId();
     v1::AdmitResponse admit;
@@ -365,6 +399,11 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     usage.cached_prompt_tokens = static_cast<int32_t>(admit.cached_tokens());
 
     // --- Prefill group: compute the prompt, write its KV, first token. ---
+    // TTFT phases (metrics): colocated requests have no prefill call, their
+    // whole TTFT counts as the first step.
+    absl::Time prefill_submitted_at = absl::Now();
+    absl::Time prefill_returned_at = prefill_submitted_at;
+    metrics::TtftBreakdown breakdown;
     if (!options_.colocated) {
       absl::StatusOr<WorkerLease> prefill_lease =
           registry_->Assign(WorkerRole::kPrefill, *prefill_policy_, assignment);
@@ -373,6 +412,11 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         return finish(prefill_lease.status());
       }
       const std::string prefill_address = prefill_lease->address();
+      if (m != nullptr) {
+        m->OnRouting(std::string(prefill_policy_->name()), "prefill",
+                     prefill_address);
+      }
+      retry_side = "prefill";
       auto prefill = v1::PrefillGroup::NewStub(ChannelFor(prefill_address));
       v1::PrefillSubmitResponse prefilled;
       {
@@ -395,8 +439,10 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
           abort_decode();
           return finish(absl::CancelledError("cancelled"));
         }
+        prefill_submitted_at = absl::Now();
         absl::Status s =
             rpc::FromGrpcStatus(prefill->Prefill(&context, submit, &prefilled));
+        prefill_returned_at = absl::Now();
         call->Leave();
         if (!s.ok()) {
           // Stop the group's work for this request (it may still be running
@@ -428,6 +474,10 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       timing.queue_seconds = prefilled.queue_seconds();
       timing.prefill_seconds =
           prefilled.prefill_seconds() + prefilled.notify_seconds();
+      breakdown.queue = absl::ToDoubleSeconds(prefill_submitted_at - started) +
+                        prefilled.queue_seconds();
+      breakdown.prefill = prefilled.prefill_seconds();
+      breakdown.kv_transfer = prefilled.notify_seconds();
     }
 
     // --- Decode worker: stream the tokens. ---
@@ -451,8 +501,29 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       out.text = in.text();
       usage.completion_tokens += static_cast<int32_t>(out.token_ids.size());
       const absl::Duration since_start = absl::Now() - started;
-      if (!delivered && !out.token_ids.empty()) {
-        timing.time_to_first_token_seconds = absl::ToDoubleSeconds(since_start);
+      if (!out.token_ids.empty()) {
+        const absl::Time now = absl::Now();
+        if (first_token_at == absl::InfinitePast()) {
+          first_token_at = now;
+          timing.time_to_first_token_seconds =
+              absl::ToDoubleSeconds(since_start);
+          first_token_reached();
+          if (m != nullptr) {
+            m->ObserveTtft(timing.time_to_first_token_seconds);
+            breakdown.first_step =
+                absl::ToDoubleSeconds(now - prefill_returned_at);
+            m->ObserveTtftBreakdown(breakdown);
+          }
+        } else if (m != nullptr) {
+          // A speculative step delivers several tokens at once: spread the
+          // gap over them, as a client reading tokens sees it.
+          const double per_token = absl::ToDoubleSeconds(now - last_token_at) /
+                                   static_cast<double>(out.token_ids.size());
+          for (size_t k = 0; k < out.token_ids.size(); ++k) {
+            m->ObserveItl(per_token);
+          }
+        }
+        last_token_at = now;
       }
       if (in.finished()) {
         finished = true;
@@ -486,6 +557,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     if (absl::IsDeadlineExceeded(s) && absl::Now() >= request.deadline) {
       return finish(last_error);
     }
+    retry_side = "decode";
     if (!delivered && Retryable(s)) continue;
     return finish(last_error);
   }

@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "metrics/router_metrics.h"
 #include "router/assignment_policy.h"
 #include "router/generation_backend.h"
 #include "router/worker_registry.h"
@@ -58,6 +59,9 @@ struct ClusterBackendOptions {
   // (AdmitRequest.local_prefill); no prefill groups are used. The baseline
   // that disaggregation is measured against, and a fallback layout.
   bool colocated = false;
+  // Routing decisions, retries, TTFT (and its phases), ITL, TPOT, end to end,
+  // requests waiting for their first token. Optional, not owned.
+  metrics::RouterMetrics* metrics = nullptr;
 };
 
 // Counters for tests, logs and metrics.

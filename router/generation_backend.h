@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +44,9 @@ struct SamplingOptions {
 
 struct GenerationRequest {
   std::string request_id;
+  // Which public API it came through ("openai_completions", "openai_chat",
+  // "grpc_generate", "grpc_generate_unary"): a metrics label.
+  std::string api;
   std::string model;  // resolved: never empty once Start() is called
   // Exactly one of the two is the prompt.
   std::optional<std::string> prompt_text;
@@ -123,6 +127,12 @@ inline constexpr int kMaxStopStrings = 16;
 // when there are several); NOT_FOUND for a name the backend does not serve.
 [[nodiscard]] absl::StatusOr<ModelDescription> ResolveModel(
     const GenerationBackend& backend, const std::string& requested);
+
+// Called by a front-end for a request it refused before reaching the
+// backend (malformed body, unknown model, invalid field): metrics count every
+// request, not only those a backend saw. `api` as GenerationRequest::api.
+using RejectionHook =
+    std::function<void(const std::string& api, absl::StatusCode code)>;
 
 // A fresh request id ("req-" + 16 hex digits), unique within the process.
 std::string NewRequestId();

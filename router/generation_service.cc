@@ -72,13 +72,16 @@ class GenerateReactor final
  public:
   GenerateReactor(GenerationBackend* backend,
                   grpc::CallbackServerContext* context,
-                  const v1::GenerateRequest& request) {
+                  const v1::GenerateRequest& request,
+                  const RejectionHook& on_rejected) {
     absl::StatusOr<GenerationRequest> generation =
         ToGenerationRequest(request, *backend, DeadlineOf(*context));
     if (!generation.ok()) {
+      if (on_rejected) on_rejected("grpc_generate", generation.status().code());
       FailBeforeStart(generation.status());
       return;
     }
+    generation->api = "grpc_generate";
     request_id_ = generation->request_id;
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
@@ -201,14 +204,19 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
   GenerateUnaryReactor(GenerationBackend* backend,
                        grpc::CallbackServerContext* context,
                        const v1::GenerateRequest& request,
-                       v1::GenerateResponse* response)
+                       v1::GenerateResponse* response,
+                       const RejectionHook& on_rejected)
       : response_(response) {
     absl::StatusOr<GenerationRequest> generation =
         ToGenerationRequest(request, *backend, DeadlineOf(*context));
     if (!generation.ok()) {
+      if (on_rejected) {
+        on_rejected("grpc_generate_unary", generation.status().code());
+      }
       FailBeforeStart(generation.status());
       return;
     }
+    generation->api = "grpc_generate_unary";
     response_->set_request_id(generation->request_id);
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
@@ -324,13 +332,14 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return new GenerateReactor(backend_, context, *request);
+  return new GenerateReactor(backend_, context, *request, on_rejected_);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GenerateUnary(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request,
     v1::GenerateResponse* response) {
-  return new GenerateUnaryReactor(backend_, context, *request, response);
+  return new GenerateUnaryReactor(backend_, context, *request, response,
+                                  on_rejected_);
 }
 
 grpc::ServerUnaryReactor* GenerationService::ListModels(

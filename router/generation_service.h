@@ -18,7 +18,9 @@ namespace pdserve::router {
 class GenerationService final : public v1::Generation::CallbackService {
  public:
   // `backend` is not owned and must outlive the service.
-  explicit GenerationService(GenerationBackend* backend) : backend_(backend) {}
+  explicit GenerationService(GenerationBackend* backend,
+                             RejectionHook on_rejected = nullptr)
+      : backend_(backend), on_rejected_(std::move(on_rejected)) {}
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context,
@@ -33,6 +35,7 @@ class GenerationService final : public v1::Generation::CallbackService {
 
  private:
   GenerationBackend* const backend_;
+  const RejectionHook on_rejected_;
 };
 
 // The backend request for a public request: fills defaults (max_tokens 0 =

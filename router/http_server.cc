@@ -236,13 +236,21 @@ class OpenAiHttpServer::Impl {
 void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
                                             const httplib::Request& req,
                                             httplib::Response& res) {
+  const std::string api = endpoint == OpenAiEndpoint::kCompletions
+                              ? "openai_completions"
+                              : "openai_chat";
+  auto reject = [&](const absl::Status& status) {
+    if (options_.on_rejected) options_.on_rejected(api, status.code());
+    SendError(res, status);
+  };
   absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(endpoint, req.body);
-  if (!parsed.ok()) return SendError(res, parsed.status());
+  if (!parsed.ok()) return reject(parsed.status());
   absl::StatusOr<ModelDescription> model =
       ResolveModel(*backend_, parsed->generation.model);
-  if (!model.ok()) return SendError(res, model.status());
+  if (!model.ok()) return reject(model.status());
 
   GenerationRequest generation = std::move(parsed->generation);
+  generation.api = api;
   generation.model = model->name;
   generation.request_id = NewRequestId();
   const absl::Time deadline = absl::Now() + options_.request_timeout;

@@ -30,6 +30,8 @@ struct HttpServerOptions {
   size_t max_body_bytes = 4 << 20;  // larger bodies get 413
   // Each request's deadline (the backend gets it; 504 when it passes).
   absl::Duration request_timeout = absl::Minutes(10);
+  // Told about requests refused before the backend (optional).
+  RejectionHook on_rejected;
 };
 
 class OpenAiHttpServer {

@@ -12,6 +12,8 @@
 //          [--http-threads 0 (= max-in-flight + 16)]
 //          [--request-timeout-seconds 600] [--refresh-ms 1000]
 //          [--block-size 16] [--colocated 0|1]
+//          [--metrics-port -1 (off; 0 = any free port)] [--metrics-host HOST]
+//          [--worker-id ID] [--metrics-port-file PATH]
 //
 // --colocated 1: the decode workers prefill prompts themselves (no prefill
 // groups; the layout disaggregation is measured against).
@@ -33,12 +35,15 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
+#include "metrics/metrics.h"
+#include "metrics/router_metrics.h"
 #include "model/weight_source.h"
 #include "process/port_file.h"
 #include "router/admission_limiter.h"
 #include "router/cluster_backend.h"
 #include "router/generation_service.h"
 #include "router/http_server.h"
+#include "router/metered_backend.h"
 #include "router/worker_registry.h"
 #include "rpc/server.h"
 #include "tokenizer/tokenizer.h"
@@ -93,6 +98,11 @@ int Main(int argc, char** argv) {
   const int refresh_ms = flags.Num<int>("refresh-ms", 1000);
   const int block_size = flags.Num<int>("block-size", 16);
   const bool colocated = flags.Num<int>("colocated", 0) != 0;
+  const int metrics_port = flags.Num<int>("metrics-port", -1);
+  const std::string metrics_host = flags.Str("metrics-host", host);
+  const std::string worker_id =
+      flags.Str("worker-id", metrics::DefaultWorkerId());
+  const std::string metrics_port_file = flags.Str("metrics-port-file", "");
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -182,14 +192,38 @@ int Main(int argc, char** argv) {
   backend_options.block_size = block_size;
   backend_options.max_attempts = max_attempts;
   backend_options.colocated = colocated;
+  // Metrics are always collected (cheap); served only with --metrics-port.
+  auto metrics_registry = std::make_shared<metrics::MetricsRegistry>(
+      metrics::Layout{"router", worker_id, 0, 1, 1});
+  metrics::RouterMetrics router_metrics(*metrics_registry);
+  backend_options.metrics = &router_metrics;
   absl::StatusOr<std::unique_ptr<ClusterBackend>> backend =
       ClusterBackend::Create(backend_options, tokenizer.get(), &registry,
                              *std::move(prefill_policy),
                              *std::move(decode_policy));
   if (!backend.ok()) return Fail(backend.status());
   AdmissionLimiter limiter(backend->get(), max_in_flight);
+  // Outside the limiter: its refusals (429) are counted too.
+  MeteredBackend metered(&limiter, &router_metrics);
+  RejectionHook on_rejected = [&metered](const std::string& api,
+                                         absl::StatusCode code) {
+    metered.OnRejected(api, code);
+  };
+  std::unique_ptr<metrics::MetricsServer> metrics_server;
+  if (metrics_port >= 0) {
+    auto started = metrics::MetricsServer::Start(metrics_host, metrics_port,
+                                                 metrics_registry);
+    if (!started.ok()) return Fail(started.status());
+    metrics_server = std::move(*started);
+    std::printf("metrics on %s\n", metrics_server->address().c_str());
+    if (auto s = process::WritePortFile(metrics_port_file,
+                                        metrics_server->address());
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
 
-  GenerationService generation(&limiter);
+  GenerationService generation(&metered, on_rejected);
   absl::StatusOr<std::unique_ptr<rpc::RunningServer>> grpc_server =
       rpc::RunningServer::Start(absl::StrCat(host, ":", grpc_port),
                                 {&generation});
@@ -200,8 +234,9 @@ int Main(int argc, char** argv) {
   http_options.port = http_port;
   http_options.threads = http_threads > 0 ? http_threads : max_in_flight + 16;
   http_options.request_timeout = absl::Seconds(request_timeout_s);
+  http_options.on_rejected = on_rejected;
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
-      OpenAiHttpServer::Start(http_options, &limiter);
+      OpenAiHttpServer::Start(http_options, &metered);
   if (!http_server.ok()) return Fail(http_server.status());
   const std::string http_address =
       absl::StrCat(host, ":", (*http_server)->port());

@@ -123,6 +123,32 @@ absl::StatusOr<std::unique_ptr<process::ChildProcess>> LocalCluster::Launch(
   return process::ChildProcess::Spawn(std::move(spawn));
 }
 
+std::string LocalCluster::MetricsArgs(const std::string& name, int offset,
+                                      std::vector<std::string>* args) const {
+  if (options_.metrics_port_base < 0) return "";
+  const std::string port_file =
+      absl::StrCat(options_.work_dir, "/", name, ".metrics");
+  std::remove(port_file.c_str());
+  const int port =
+      options_.metrics_port_base == 0 ? 0 : options_.metrics_port_base + offset;
+  args->insert(
+      args->end(),
+      {"--metrics-port", absl::StrCat(port), "--metrics-host", options_.host,
+       "--metrics-port-file", port_file, "--worker-id", name});
+  return port_file;
+}
+
+absl::Status LocalCluster::RecordMetrics(const std::string& name,
+                                         const std::string& port_file,
+                                         process::ChildProcess* child) {
+  if (port_file.empty()) return absl::OkStatus();
+  PDS_ASSIGN_OR_RETURN(
+      std::string address,
+      process::WaitForPortFile(port_file, options_.start_timeout, child));
+  metrics_addresses_[name] = address;
+  return absl::OkStatus();
+}
+
 absl::Status LocalCluster::StartDecode(int worker) {
   const std::string name = absl::StrCat("decode-", worker);
   const std::string port_file =
@@ -156,10 +182,12 @@ absl::Status LocalCluster::StartDecode(int worker) {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
   }
+  const std::string metrics_file = MetricsArgs(name, 20 + worker, &args);
   PDS_ASSIGN_OR_RETURN(auto child, Launch("decode_worker", name, args));
   PDS_ASSIGN_OR_RETURN(
       std::string address,
       process::WaitForPortFile(port_file, options_.start_timeout, child.get()));
+  PDS_RETURN_IF_ERROR(RecordMetrics(name, metrics_file, child.get()));
   if (static_cast<int>(decodes_.size()) <= worker) {
     decodes_.resize(worker + 1);
     decode_addresses_.resize(worker + 1);
@@ -212,11 +240,15 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
         absl::StrCat(options_.work_dir, "/", name, ".", launch, ".port");
     std::vector<std::string> args = common_args(stage, port_file);
     args.insert(args.end(), {"--port", "0"});
+    const std::string metrics_file =
+        MetricsArgs(name, 10 + group * s_count + stage, &args);
     PDS_ASSIGN_OR_RETURN(g.stages[stage], Launch("prefill_worker", name, args));
     PDS_ASSIGN_OR_RETURN(
         std::string address,
         process::WaitForPortFile(port_file, options_.start_timeout,
                                  g.stages[stage].get()));
+    PDS_RETURN_IF_ERROR(
+        RecordMetrics(name, metrics_file, g.stages[stage].get()));
     peers.push_back(address);
   }
   const std::string name = absl::StrCat("prefill-", group, "-stage-0");
@@ -227,11 +259,14 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
   if (!peers.empty()) {
     args.insert(args.end(), {"--peers", absl::StrJoin(peers, ",")});
   }
+  const std::string metrics_file =
+      MetricsArgs(name, 10 + group * s_count, &args);
   PDS_ASSIGN_OR_RETURN(g.stages[0], Launch("prefill_worker", name, args));
   PDS_ASSIGN_OR_RETURN(
       std::string address,
       process::WaitForPortFile(port_file, options_.start_timeout,
                                g.stages[0].get()));
+  PDS_RETURN_IF_ERROR(RecordMetrics(name, metrics_file, g.stages[0].get()));
   prefill_addresses_[group] = address;
   const size_t colon = address.rfind(':');
   g.port = std::atoi(address.c_str() + colon + 1);
@@ -259,6 +294,7 @@ absl::Status LocalCluster::StartRouter() {
       "--http-port-file", http_file,
       "--refresh-ms",     absl::StrCat(options_.refresh_ms),
       "--colocated",      options_.colocated ? "1" : "0"};
+  const std::string metrics_file = MetricsArgs("router", 0, &args);
   PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));
   PDS_ASSIGN_OR_RETURN(
       grpc_address_, process::WaitForPortFile(grpc_file, options_.start_timeout,
@@ -266,6 +302,7 @@ absl::Status LocalCluster::StartRouter() {
   PDS_ASSIGN_OR_RETURN(
       http_address_, process::WaitForPortFile(http_file, options_.start_timeout,
                                               router_.get()));
+  PDS_RETURN_IF_ERROR(RecordMetrics("router", metrics_file, router_.get()));
   return absl::OkStatus();
 }
 
@@ -339,6 +376,10 @@ std::string LocalCluster::Describe() const {
     absl::StrAppend(&out, "  decode worker ", w, "  ", decode_addresses_[w],
                     "  (TP ", options_.tp, ", speculation ",
                     options_.speculation, ")\n");
+  }
+  for (const auto& [name, address] : metrics_addresses_) {
+    absl::StrAppend(&out, "  metrics       http://", address, "/metrics  (",
+                    name, ")\n");
   }
   absl::StrAppend(&out, "  logs          ", options_.work_dir, "\n");
   return out;

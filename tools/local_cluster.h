@@ -17,6 +17,7 @@
 // it — children are tied to the thread that forked them).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,6 +69,11 @@ struct LocalClusterOptions {
   int max_in_flight = 256;
   int refresh_ms = 250;  // router's probe interval
   absl::Duration start_timeout = absl::Seconds(120);
+  // /metrics on every process: -1 off; 0 any free port (read back through
+  // port files); B > 0 the ports of deploy/prometheus/prometheus-local.yml:
+  // router B, prefill group g stage i B + 10 + g * stages + i, decode worker
+  // w B + 20 + w.
+  int metrics_port_base = -1;
 };
 
 class LocalCluster {
@@ -100,6 +106,11 @@ class LocalCluster {
   [[nodiscard]] absl::Status WaitRouterServing(absl::Duration timeout) const;
   // Stops every process. Idempotent.
   void Stop();
+  // Process name ("router", "decode-0", "prefill-1-stage-0") -> its
+  // /metrics address, for every process that serves one.
+  const std::map<std::string, std::string>& metrics_addresses() const {
+    return metrics_addresses_;
+  }
   // The endpoints, for people.
   std::string Describe() const;
   // A process's log, for test failures ("router", "decode-0",
@@ -118,6 +129,14 @@ class LocalCluster {
   absl::StatusOr<std::unique_ptr<process::ChildProcess>> Launch(
       const std::string& binary, const std::string& name,
       std::vector<std::string> args);
+  // Appends the metrics flags for process `name` (port `offset` from the
+  // base) and returns its metrics port file ("" when metrics are off).
+  std::string MetricsArgs(const std::string& name, int offset,
+                          std::vector<std::string>* args) const;
+  // Reads the metrics port file once the process serves.
+  absl::Status RecordMetrics(const std::string& name,
+                             const std::string& port_file,
+                             process::ChildProcess* child);
   absl::Status StartPrefillGroup(int group, int port);
   absl::Status StartDecode(int worker);
   absl::Status StartRouter();
@@ -130,6 +149,7 @@ class LocalCluster {
   std::vector<std::string> decode_addresses_;
   std::string grpc_address_;
   std::string http_address_;
+  std::map<std::string, std::string> metrics_addresses_;
 };
 
 }  // namespace pdserve::tools

@@ -5,6 +5,7 @@
 //               [--grpc-port 50051] [--http-port 8000] [--host 127.0.0.1]
 //               [--prefill-policy least-loaded] [--decode-policy prefix-aware]
 //               [--work-dir DIR] [--bin-dir DIR] [--colocated 0|1]
+//               [--metrics-port-base 9100 (-1 = off, 0 = any free ports)]
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -59,6 +60,8 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   o.prefill_policy = flags.Str("prefill-policy", o.prefill_policy);
   o.decode_policy = flags.Str("decode-policy", o.decode_policy);
   o.work_dir = flags.Str("work-dir", "");
+  // The ports deploy/prometheus/prometheus-local.yml scrapes; -1 = off.
+  o.metrics_port_base = flags.Num<int>("metrics-port-base", 9100);
   o.bin_dir = flags.Str("bin-dir", ExecutableDir());
   PDS_RETURN_IF_ERROR(flags.Check());
 

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "metrics/exposition.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "pdserve/v1/generate.grpc.pb.h"
@@ -498,6 +500,110 @@ TEST(ClusterTest, StageKilledMidTransferLeavesTheDecodeWorkerServing) {
   Generated after =
       GrpcGenerate(cluster->grpc_address(), TextRequest(long_case.prompt, 8));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// ---- Router metrics
+// -----------------------------------------------------------
+
+double SumOf(const std::vector<metrics::Sample>& samples,
+             const std::string& name,
+             const std::map<std::string, std::string>& labels = {}) {
+  double sum = 0;
+  for (const metrics::Sample& sample : samples) {
+    if (sample.name != name) continue;
+    bool match = true;
+    for (const auto& [key, value] : labels) {
+      match = match && sample.Label(key) == value;
+    }
+    if (match) sum += sample.value;
+  }
+  return sum;
+}
+
+std::vector<metrics::Sample> Scrape(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  httplib::Client client(address.substr(0, colon),
+                         std::stoi(address.substr(colon + 1)));
+  auto res = client.Get("/metrics");
+  EXPECT_TRUE(res && res->status == 200);
+  if (!res) return {};
+  auto samples = metrics::ParseExposition(res->body);
+  EXPECT_TRUE(samples.ok()) << samples.status();
+  return samples.ok() ? *samples : std::vector<metrics::Sample>{};
+}
+
+// Every process of a local cluster serves /metrics; the router counts
+// requests by API and code (front-end refusals included), times TTFT and its
+// phases, ITL, TPOT and end to end, and records its routing decisions.
+TEST(ClusterTest, RouterAndWorkersExportTheirMetrics) {
+  LocalClusterOptions o = BaseOptions();
+  o.stages = 2;
+  o.metrics_port_base = 0;
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const auto& addresses = cluster->metrics_addresses();
+  for (const char* name :
+       {"router", "decode-0", "prefill-0-stage-0", "prefill-0-stage-1"}) {
+    EXPECT_EQ(addresses.count(name), 1u) << name;
+  }
+  for (int i = 0; i < 3; ++i) {
+    Generated g = GrpcGenerate(cluster->grpc_address(),
+                               TextRequest("Once upon a time", 8));
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  }
+  const json good = {{"prompt", "Once upon a time"}, {"max_tokens", 4}};
+  ASSERT_EQ(
+      HttpPost(cluster->http_address(), "/v1/completions", good.dump()).status,
+      200);
+  ASSERT_EQ(
+      HttpPost(cluster->http_address(), "/v1/completions", "{oops").status,
+      400);
+  EXPECT_EQ(GrpcGenerate(cluster->grpc_address(), TextRequest("Hi", 100000))
+                .status.error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  const std::vector<metrics::Sample> router = Scrape(addresses.at("router"));
+  const std::string requests = "pdserve_router_requests_total";
+  EXPECT_EQ(SumOf(router, requests, {{"api", "grpc_generate"}, {"code", "OK"}}),
+            3);
+  EXPECT_EQ(
+      SumOf(router, requests, {{"api", "openai_completions"}, {"code", "OK"}}),
+      1);
+  EXPECT_EQ(
+      SumOf(router, requests,
+            {{"api", "openai_completions"}, {"code", "INVALID_ARGUMENT"}}),
+      1);
+  EXPECT_EQ(SumOf(router, requests,
+                  {{"api", "grpc_generate"}, {"code", "INVALID_ARGUMENT"}}),
+            1);
+  EXPECT_EQ(SumOf(router, "pdserve_router_ttft_seconds_count"), 4);
+  EXPECT_EQ(SumOf(router, "pdserve_router_e2e_seconds_count"), 4);
+  EXPECT_EQ(SumOf(router, "pdserve_router_ttft_phase_seconds_count",
+                  {{"phase", "prefill"}}),
+            4);
+  EXPECT_GT(SumOf(router, "pdserve_router_itl_seconds_count"), 0);
+  EXPECT_EQ(SumOf(router, "pdserve_router_output_tokens_total"), 3 * 8 + 4);
+  EXPECT_EQ(
+      SumOf(router, "pdserve_router_routing_decisions_total",
+            {{"side", "decode"}, {"worker", cluster->decode_addresses()[0]}}),
+      4);
+  EXPECT_EQ(SumOf(router, "pdserve_router_routing_decisions_total",
+                  {{"side", "prefill"}}),
+            4);
+  EXPECT_EQ(SumOf(router, "pdserve_router_in_flight_requests"), 0);
+  // The layout labels ride on every series.
+  for (const metrics::Sample& sample : router) {
+    if (sample.name.rfind("pdserve_router_", 0) != 0) continue;
+    EXPECT_EQ(sample.Label("role"), "router") << sample.name;
+  }
+  const std::vector<metrics::Sample> decode = Scrape(addresses.at("decode-0"));
+  bool decode_series = false;
+  for (const metrics::Sample& sample : decode) {
+    decode_series =
+        decode_series || (sample.name.rfind("pdserve_decode_", 0) == 0 &&
+                          sample.Label("role") == "decode");
+  }
+  EXPECT_TRUE(decode_series);
 }
 
 // ---- P/D compatibility at registration
