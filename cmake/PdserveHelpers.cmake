@@ -37,6 +37,9 @@ function(pdserve_test)
     # only these.
     set_property(GLOBAL APPEND PROPERTY PDSERVE_BADINPUT_TESTS ${ARG_NAME})
   endif()
+  if("gpu" IN_LIST ARG_LABELS)
+    set_property(GLOBAL APPEND PROPERTY PDSERVE_GPU_TESTS ${ARG_NAME})
+  endif()
   gtest_discover_tests(${ARG_NAME}
     PROPERTIES LABELS "${_labels}" TIMEOUT ${ARG_TIMEOUT}
     DISCOVERY_TIMEOUT 60)
