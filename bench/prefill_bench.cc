@@ -4,7 +4,7 @@
 //   prefill_bench [--config ../shared/models/bench-configs/llama-110m.json]
 //                 [--prompt 2048] [--requests 4] [--stages 1,2]
 //                 [--chunk-tokens 512] [--microbatch-tokens 512]
-//                 [--policy equal-cost|fixed] [--max-in-flight 0 (= S)]
+//                 [--policy equal-cost|fixed] [--max-in-flight 0 (= 2S)]
 //
 // The whole queue is submitted at once (a full queue: every stage can have
 // work). Reported per S: prefill tokens/s over the queue, TTFT of the first

@@ -226,19 +226,30 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
   spec.num_layers = config.num_layers;
   spec.num_kv_heads = config.num_kv_heads;
   DecodeService* self = service.get();
+  if (!options.rank_workers.empty() &&
+      static_cast<int>(options.rank_workers.size()) != worker->tp_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.rank_workers.size(), " UCX workers for ",
+                     worker->tp_size(), " ranks"));
+  }
   for (int r = 0; r < worker->tp_size(); ++r) {
     Rank rank;
-    auto ucx = transport::UcxWorker::Create(options.ucx);
-    if (!ucx.ok()) return ucx.status();
-    rank.ucx = std::move(*ucx);
+    if (options.rank_workers.empty()) {
+      auto ucx = transport::UcxWorker::Create(options.ucx);
+      if (!ucx.ok()) return ucx.status();
+      rank.owned_ucx = std::move(*ucx);
+      rank.ucx = rank.owned_ucx.get();
+    } else {
+      rank.ucx = options.rank_workers[r];
+    }
     transport::KvSinkOptions so;
     so.default_lease = options.kv_lease;
     so.release_blocks = [self](uint64_t id, const std::vector<int64_t>&,
                                const absl::Status& why) {
       self->OnSinkRelease(id, why);
     };
-    auto sink = transport::KvSink::Create(rank.ucx.get(), &worker->kv_pool(r),
-                                          spec, std::move(so));
+    auto sink = transport::KvSink::Create(rank.ucx, &worker->kv_pool(r), spec,
+                                          std::move(so));
     if (!sink.ok()) return sink.status();
     rank.sink = std::move(*sink);
     service->ranks_.push_back(std::move(rank));

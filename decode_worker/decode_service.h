@@ -55,6 +55,10 @@ struct DecodeServiceOptions {
   // Finished streams nobody attached to are dropped after this long.
   absl::Duration unclaimed_stream_ttl = absl::Seconds(60);
   transport::UcxWorkerOptions ucx;
+  // One UCX worker per TP rank for the sinks, made by the caller (who may
+  // have allocated the ranks' KV pools through them; they must outlive the
+  // service). Empty: the service makes its own from `ucx`.
+  std::vector<transport::UcxWorker*> rank_workers;
 };
 
 // One request's token stream: deltas queued by the worker's callback, written
@@ -107,7 +111,8 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   // The model and KV layout this worker serves (Admit and GetLoad report it).
   void FillIdentity(pdserve::v1::ModelIdentity* model) const;
   struct Rank {
-    std::unique_ptr<transport::UcxWorker> ucx;
+    std::unique_ptr<transport::UcxWorker> owned_ucx;  // when not given
+    transport::UcxWorker* ucx = nullptr;
     std::unique_ptr<transport::KvSink> sink;
   };
   struct CompleteJob {

@@ -9,9 +9,15 @@
 //                 [--speculation off|ngram|draft] [--draft-layers L]
 //                 [--max-gamma 4] [--spec-max-batch B]
 //                 [--kv-lease-seconds 30] [--model-name NAME]
-//                 [--port-file PATH]
+//                 [--port-file PATH] [--ucx-peer-errors 1]
 //                 [--metrics-port -1 (off; 0 = any free port)]
 //                 [--metrics-host HOST (default --host)] [--worker-id ID]
+//
+// Every rank's KV pool is allocated and registered by its UCX worker, so a
+// prefill's puts land by shared memory on this host (or RDMA across hosts).
+// --ucx-peer-errors 0 lets UCX use shared memory/CMA endpoints (same host;
+// both sides must agree: pass it to the prefill workers too); 1 (default)
+// keeps endpoints that report a dead peer at once (tcp here, verbs).
 //
 // Prints "metrics on HOST:PORT" (with --metrics-port) and then "listening on
 // HOST:PORT" once serving; SIGINT/SIGTERM stop it.
@@ -33,6 +39,8 @@
 #include "rpc/server.h"
 #include "spec/truncated_weights.h"
 #include "tokenizer/tokenizer.h"
+#include "transport/kv_transfer.h"
+#include "transport/ucx_worker.h"
 
 namespace pdserve::decode_worker {
 namespace {
@@ -67,6 +75,7 @@ int Main(int argc, char** argv) {
       flags.Num<int>("spec-max-batch", wo.speculation.max_batch);
   DecodeServiceOptions so;
   so.model_name = flags.Str("model-name", "model");
+  so.ucx.peer_error_handling = flags.Num<int>("ucx-peer-errors", 1) != 0;
   const int metrics_port = flags.Num<int>("metrics-port", -1);
   const std::string metrics_host = flags.Str("metrics-host", host);
   const std::string worker_id =
@@ -137,6 +146,20 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // The ranks' UCX workers come first: each allocates and registers its
+  // rank's KV pool, and they outlive the pools and the sinks.
+  std::vector<std::unique_ptr<transport::UcxWorker>> rank_workers;
+  for (int r = 0; r < wo.tp_size; ++r) {
+    auto ucx = transport::UcxWorker::Create(so.ucx);
+    if (!ucx.ok()) return Fail(ucx.status());
+    so.rank_workers.push_back(ucx->get());
+    rank_workers.push_back(std::move(*ucx));
+  }
+  wo.kv_pool_factory = [&rank_workers](int rank,
+                                       const kv::KvCacheLayout& layout,
+                                       int64_t blocks) {
+    return transport::AllocateKvPool(rank_workers[rank].get(), layout, blocks);
+  };
   // Metrics are off unless asked for: no step observer, no HTTP thread.
   std::shared_ptr<metrics::MetricsRegistry> registry;
   std::unique_ptr<DecodeWorkerMetrics> worker_metrics;

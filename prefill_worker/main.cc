@@ -3,10 +3,12 @@
 //   prefill_worker --model PATH [--format auto|gguf|safetensors|dummy]
 //                  --stage I --stages S [--layer-split auto|2,2,1]
 //                  [--chunk-policy equal-cost|fixed] [--chunk-tokens 256]
-//                  [--microbatch-tokens 512] [--max-in-flight 0 (= S)]
+//                  [--microbatch-tokens 512] [--max-in-flight 0 (= 2S)]
 //                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
 //                  [--threads 1] [--host 0.0.0.0] [--port 0]
 //                  [--port-file PATH] [--model-name NAME]
+//                  [--ucx-peer-errors 1]  (0: shared-memory endpoints, same
+//                  host; see decode_worker)
 //   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
@@ -116,6 +118,7 @@ int Main(int argc, char** argv) {
       flags.Num<int64_t>("heartbeat-timeout-ms", 2000);
   const int64_t peer_wait_s = flags.Num<int64_t>("peer-wait-seconds", 60);
   const int64_t orphan_s = flags.Num<int64_t>("orphan-seconds", 30);
+  const bool ucx_peer_errors = flags.Num<int>("ucx-peer-errors", 1) != 0;
   const int metrics_port =
       static_cast<int>(flags.Num<int64_t>("metrics-port", -1));
   const std::string metrics_host = flags.Str("metrics-host", host);
@@ -162,6 +165,7 @@ int Main(int argc, char** argv) {
   stage_options.block_size = block_size;
   stage_options.num_blocks = num_blocks;
   stage_options.threads = threads;
+  stage_options.ucx.peer_error_handling = ucx_peer_errors;
   // Metrics are off unless asked for: no observers, no HTTP thread.
   std::shared_ptr<metrics::MetricsRegistry> registry;
   std::unique_ptr<PrefillStageMetrics> stage_metrics;

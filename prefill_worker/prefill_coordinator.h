@@ -87,7 +87,7 @@ class PrefillTicket {
 struct SchedulerOptions {
   ChunkPolicy chunk_policy;
   int microbatch_token_budget = 256;
-  int max_in_flight = 0;  // D; 0 = the number of stages
+  int max_in_flight = 0;  // D; 0 = twice the number of stages
   int block_size = 16;
   int64_t num_blocks =
       0;  // group-wide blocks (each stage's pool holds them all)

@@ -148,6 +148,21 @@ int Main(int argc, char** argv) {
     tokenizer = *std::move(loaded);
   }
 
+  // The cluster's identity, as far as the router knows it from the model it
+  // loaded: a worker serving another model, name or KV block size stays out
+  // of rotation. (A config file's "model" wins.)
+  if (!registry_config.model.has_value()) {
+    const model::ModelConfig& c = (*weights)->config();
+    v1::ModelIdentity identity;
+    identity.set_name(model_name);
+    identity.set_config_identity(c.Identity());
+    identity.set_num_layers(c.num_layers);
+    identity.set_num_kv_heads(c.num_kv_heads);
+    identity.set_head_dim(c.head_dim);
+    identity.set_block_size(block_size);
+    registry_config.model = identity;
+  }
+
   absl::StatusOr<std::unique_ptr<AssignmentPolicy>> prefill_policy =
       MakeAssignmentPolicy(prefill_policy_name);
   if (!prefill_policy.ok()) return Fail(prefill_policy.status());

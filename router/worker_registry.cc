@@ -305,27 +305,33 @@ absl::Status CheckCompatible(const v1::ModelIdentity& cluster,
         absl::StrCat("incompatible worker: ", field, " is ", got,
                      ", the cluster's is ", want));
   };
-  if (cluster.name() != worker.name()) {
+  // A field the cluster's identity leaves unset ("" or 0: a config file that
+  // names only the model and block size) accepts any value.
+  if (!cluster.name().empty() && cluster.name() != worker.name()) {
     return mismatch("model name", cluster.name(), worker.name());
   }
-  if (cluster.config_identity() != worker.config_identity()) {
+  if (!cluster.config_identity().empty() &&
+      cluster.config_identity() != worker.config_identity()) {
     return mismatch("model config", cluster.config_identity(),
                     worker.config_identity());
   }
-  if (cluster.num_layers() != worker.num_layers()) {
+  if (cluster.num_layers() != 0 &&
+      cluster.num_layers() != worker.num_layers()) {
     return mismatch("num_layers", cluster.num_layers(), worker.num_layers());
   }
-  if (cluster.num_kv_heads() != worker.num_kv_heads()) {
+  if (cluster.num_kv_heads() != 0 &&
+      cluster.num_kv_heads() != worker.num_kv_heads()) {
     return mismatch("num_kv_heads", cluster.num_kv_heads(),
                     worker.num_kv_heads());
   }
-  if (cluster.head_dim() != worker.head_dim()) {
+  if (cluster.head_dim() != 0 && cluster.head_dim() != worker.head_dim()) {
     return mismatch("head_dim", cluster.head_dim(), worker.head_dim());
   }
-  if (cluster.block_size() != worker.block_size()) {
+  if (cluster.block_size() != 0 &&
+      cluster.block_size() != worker.block_size()) {
     return mismatch("block_size", cluster.block_size(), worker.block_size());
   }
-  if (cluster.kv_dtype() != worker.kv_dtype()) {
+  if (!cluster.kv_dtype().empty() && cluster.kv_dtype() != worker.kv_dtype()) {
     return mismatch("kv_dtype", cluster.kv_dtype(), worker.kv_dtype());
   }
   return absl::OkStatus();

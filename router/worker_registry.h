@@ -57,7 +57,7 @@ struct RegistryConfig {
                                          std::string* host, int* port);
 
 // FAILED_PRECONDITION naming the first field in which `worker` differs from
-// `cluster`.
+// `cluster`. Fields `cluster` leaves unset ("" / 0) match anything.
 [[nodiscard]] absl::Status CheckCompatible(const v1::ModelIdentity& cluster,
                                            const v1::ModelIdentity& worker);
 

@@ -149,7 +149,9 @@ absl::Status LocalCluster::StartDecode(int worker) {
                                    "--speculation",
                                    options_.speculation,
                                    "--threads-per-rank",
-                                   absl::StrCat(options_.decode_threads)};
+                                   absl::StrCat(options_.decode_threads),
+                                   "--ucx-peer-errors",
+                                   options_.shared_memory_kv ? "0" : "1"};
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
@@ -175,19 +177,32 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
   g.stages.resize(options_.stages);
   const int s_count = options_.stages;
   auto common_args = [&](int stage, const std::string& port_file) {
-    return std::vector<std::string>{
-        "--model",        options_.model_path,
-        "--format",       options_.format,
-        "--model-name",   options_.model_name,
-        "--stage",        absl::StrCat(stage),
-        "--stages",       absl::StrCat(s_count),
-        "--layer-split",  options_.layer_split,
-        "--chunk-policy", options_.chunk_policy,
-        "--chunk-tokens", absl::StrCat(options_.chunk_tokens),
-        "--num-blocks",   absl::StrCat(options_.prefill_blocks),
-        "--host",         options_.host,
-        "--port-file",    port_file,
-        "--threads",      absl::StrCat(options_.prefill_threads)};
+    return std::vector<std::string>{"--model",
+                                    options_.model_path,
+                                    "--format",
+                                    options_.format,
+                                    "--model-name",
+                                    options_.model_name,
+                                    "--stage",
+                                    absl::StrCat(stage),
+                                    "--stages",
+                                    absl::StrCat(s_count),
+                                    "--layer-split",
+                                    options_.layer_split,
+                                    "--chunk-policy",
+                                    options_.chunk_policy,
+                                    "--chunk-tokens",
+                                    absl::StrCat(options_.chunk_tokens),
+                                    "--num-blocks",
+                                    absl::StrCat(options_.prefill_blocks),
+                                    "--host",
+                                    options_.host,
+                                    "--port-file",
+                                    port_file,
+                                    "--threads",
+                                    absl::StrCat(options_.prefill_threads),
+                                    "--ucx-peer-errors",
+                                    options_.shared_memory_kv ? "0" : "1"};
   };
   // Stages 1..S-1 first: stage 0 wires the pipeline to them at start.
   std::vector<std::string> peers;

@@ -55,6 +55,11 @@ struct LocalClusterOptions {
   int max_running = 64;
   int decode_threads = 1;  // compute threads per TP rank
 
+  // Every process is on this host: KV goes by shared memory (UCX endpoints
+  // without peer-failure mode; dead peers are found by leases, heartbeats
+  // and gRPC instead). false = tcp endpoints that report a dead peer at once.
+  bool shared_memory_kv = true;
+
   std::string host = "127.0.0.1";
   int grpc_port = 0;  // router; 0 = any free port
   int http_port = 0;

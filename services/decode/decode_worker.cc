@@ -235,10 +235,13 @@ absl::Status DecodeWorker::Impl::Start() {
     eo.communicator = tp > 1 ? group->rank(r) : nullptr;
     PDS_ASSIGN_OR_RETURN(ranks[r].engine,
                          engine::LlamaEngine::Create(weights, eo));
+    const kv::KvCacheLayout layout =
+        ranks[r].engine->KvLayout(options.block_size);
     PDS_ASSIGN_OR_RETURN(
         ranks[r].pool,
-        kv::KvPool::Create(ranks[r].engine->KvLayout(options.block_size),
-                           options.num_blocks));
+        options.kv_pool_factory
+            ? options.kv_pool_factory(r, layout, options.num_blocks)
+            : kv::KvPool::Create(layout, options.num_blocks));
     ranks[r].work =
         std::make_unique<ClosableQueue<std::shared_ptr<const StepWork>>>();
   }

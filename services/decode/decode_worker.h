@@ -98,6 +98,12 @@ struct DecodeWorkerOptions {
   int max_step_tokens = 512;
   absl::Duration kv_lease = absl::Seconds(30);
   SpeculationOptions speculation;
+  // Makes rank r's KV pool (e.g. memory the transport allocates and
+  // registers, so prefill writes land by shared memory or RDMA); null = plain
+  // kv::KvPool::Create.
+  std::function<absl::StatusOr<std::unique_ptr<kv::KvPool>>(
+      int rank, const kv::KvCacheLayout& layout, int64_t num_blocks)>
+      kv_pool_factory;
   // Called on the scheduler thread after every step (no lock held). Must be
   // quick: it delays the next step (metrics observe histograms here).
   std::function<void(const StepStats&)> step_observer;

@@ -3,8 +3,10 @@
 // local`, called through the public gRPC and OpenAI HTTP APIs on loopback.
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,6 +20,8 @@
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "pdserve/v1/generate.grpc.pb.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
+#include "process/child_process.h"
+#include "process/port_file.h"
 #include "testing/golden.h"
 #include "tools/local_cluster.h"
 
@@ -339,8 +343,7 @@ TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
 }
 
-// ---- Faults
-// -------------------------------------------------------------------
+// ---- Faults -----------------------------------------------------------------
 
 TEST(ClusterTest, DecodeWorkerKilledMidStreamEndsItsStreamsAndOthersServe) {
   LocalClusterOptions o = BaseOptions();
@@ -445,8 +448,141 @@ TEST(ClusterTest, KilledPrefillStageTakesItsGroupOutUntilItReturns) {
   EXPECT_TRUE(PrefillLoadOf(group1).serving());
 }
 
-// ---- Bad requests against the real cluster
-// ------------------------------------
+// A stage killed while long prompts stream their KV into the decode worker:
+// the decode worker survives (UCX 1.13 aborts a software-RMA target over tcp
+// when the writer dies; the local layout writes by shared memory), every
+// request ends (retried on the other group, or with a clear error), and the
+// decode side's KV returns to baseline.
+TEST(ClusterTest, StageKilledMidTransferLeavesTheDecodeWorkerServing) {
+  LocalClusterOptions o = BaseOptions();
+  o.prefill_groups = 2;
+  o.stages = 2;
+  o.prefill_policy = "round-robin";
+  o.chunk_tokens = 16;  // many chunks: the transfer is spread out
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string decode = cluster->decode_addresses()[0];
+  const int64_t baseline = DecodeBlocksUsed(decode);
+  const testing::GoldenCase long_case =
+      testing::LoadGoldenCases("golden_long.jsonl")[0];
+  constexpr int kRequests = 12;
+  std::vector<Generated> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] =
+          GrpcGenerate(cluster->grpc_address(),
+                       TextRequest(long_case.prompt, 8), absl::Seconds(60));
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  cluster->KillPrefillStage(0, 1);
+  for (auto& t : threads) t.join();
+  int ok = 0;
+  for (const Generated& g : results) {
+    if (g.status.ok()) {
+      ++ok;
+      EXPECT_EQ(g.ids, std::vector<int32_t>(long_case.greedy_ids.begin(),
+                                            long_case.greedy_ids.begin() + 8));
+    } else {
+      EXPECT_EQ(g.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+          << g.status.error_message();
+    }
+  }
+  EXPECT_GT(ok, 0);
+  EXPECT_TRUE(Eventually([&] { return DecodeBlocksUsed(decode) == baseline; },
+                         absl::Seconds(20)))
+      << "decode blocks used " << DecodeBlocksUsed(decode) << " vs " << baseline
+      << "\n"
+      << cluster->LogTail("decode-0");
+  Generated after =
+      GrpcGenerate(cluster->grpc_address(), TextRequest(long_case.prompt, 8));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
+// ---- P/D compatibility at registration
+// ---------------------------------------
+
+// A decode worker serving under another name, and one with another KV block
+// size, registered next to a matching one: the router's registry reads their
+// identities from the load reports and keeps both out of rotation.
+TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
+  LocalClusterOptions o = BaseOptions();
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string dir = ::testing::TempDir();
+  std::vector<std::unique_ptr<process::ChildProcess>> strangers;
+  std::vector<std::string> addresses;
+  const std::vector<std::vector<std::string>> variants = {
+      {"--model-name", "another-model"}, {"--block-size", "32"}};
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const std::string port_file =
+        absl::StrCat(dir, "/stranger-", getpid(), "-", v, ".port");
+    std::remove(port_file.c_str());
+    process::SpawnOptions spawn;
+    spawn.binary =
+        absl::StrCat(PDSERVE_BINARY_DIR, "/decode_worker/decode_worker");
+    spawn.args = {"--model",      o.model_path, "--host",       "127.0.0.1",
+                  "--port",       "0",          "--port-file",  port_file,
+                  "--num-blocks", "64",         "--model-name", "stories260K"};
+    spawn.args.insert(spawn.args.end(), variants[v].begin(), variants[v].end());
+    spawn.log_path = absl::StrCat(dir, "/stranger-", v, ".log");
+    auto child = process::ChildProcess::Spawn(spawn);
+    ASSERT_TRUE(child.ok()) << child.status();
+    auto address =
+        process::WaitForPortFile(port_file, absl::Seconds(60), child->get());
+    ASSERT_TRUE(address.ok()) << address.status();
+    addresses.push_back(*address);
+    strangers.push_back(*std::move(child));
+  }
+  // A second router over the same prefill group, the good decode worker and
+  // the two strangers; round-robin would give each a third of the requests.
+  const std::string grpc_file =
+      absl::StrCat(dir, "/router2-", getpid(), ".grpc");
+  std::remove(grpc_file.c_str());
+  process::SpawnOptions spawn;
+  spawn.binary = absl::StrCat(PDSERVE_BINARY_DIR, "/router/router");
+  spawn.args = {"--model",
+                o.model_path,
+                "--model-name",
+                "stories260K",
+                "--prefill",
+                cluster->prefill_addresses()[0],
+                "--decode",
+                absl::StrCat(cluster->decode_addresses()[0], ",", addresses[0],
+                             ",", addresses[1]),
+                "--decode-policy",
+                "round-robin",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port-file",
+                grpc_file,
+                "--refresh-ms",
+                "100"};
+  spawn.log_path = absl::StrCat(dir, "/router2.log");
+  auto router = process::ChildProcess::Spawn(spawn);
+  ASSERT_TRUE(router.ok()) << router.status();
+  auto router_address =
+      process::WaitForPortFile(grpc_file, absl::Seconds(60), router->get());
+  ASSERT_TRUE(router_address.ok()) << router_address.status();
+  // Wait out the first probe round, then every request must succeed: none is
+  // ever sent to a stranger (an Admit there would fail the KV handshake).
+  absl::SleepFor(absl::Milliseconds(500));
+  for (int i = 0; i < 6; ++i) {
+    Generated g = GrpcGenerate(*router_address, TextRequest("Once upon", 4));
+    EXPECT_TRUE(g.status.ok()) << g.status.error_message();
+  }
+  for (const std::string& stranger : addresses) {
+    auto stub = v1::DecodeWorker::NewStub(
+        grpc::CreateChannel(stranger, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::DecodeLoad load;
+    ASSERT_TRUE(stub->GetLoad(&context, v1::GetLoadRequest(), &load).ok());
+    EXPECT_EQ(load.steps(), 0) << stranger << " got work";
+  }
+}
+
+// ---- Bad requests against the real cluster ---------------------------------
 
 TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
   LocalClusterOptions o = BaseOptions();
@@ -496,6 +632,27 @@ TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
     r.set_model("nope");
     EXPECT_EQ(GrpcGenerate(cluster->grpc_address(), r).status.error_code(),
               grpc::StatusCode::NOT_FOUND);
+  }
+  // Stop strings end the stream before the stop text, through both APIs.
+  {
+    const testing::GoldenCase golden = testing::LoadGoldenCases()[0];
+    const size_t cut = golden.text.find("Lily");
+    ASSERT_NE(cut, std::string::npos);
+    v1::GenerateRequest r = TextRequest(golden.prompt, golden.max_new_tokens);
+    r.add_stop("Lily");
+    Generated g = GrpcGenerate(cluster->grpc_address(), r);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(g.text, golden.text.substr(0, cut));
+    EXPECT_EQ(g.last.finish_reason(), v1::FINISH_REASON_STOP);
+    const json body = {{"prompt", golden.prompt},
+                       {"max_tokens", golden.max_new_tokens},
+                       {"temperature", 0},
+                       {"stop", "Lily"}};
+    HttpReply reply = HttpPost(http, "/v1/completions", body.dump());
+    ASSERT_EQ(reply.status, 200) << reply.body;
+    json parsed = json::parse(reply.body);
+    EXPECT_EQ(parsed["choices"][0]["text"], golden.text.substr(0, cut));
+    EXPECT_EQ(parsed["choices"][0]["finish_reason"], "stop");
   }
   // Still serving, with the right answer.
   const testing::GoldenCase golden = testing::LoadGoldenCases()[0];

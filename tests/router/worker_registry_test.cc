@@ -266,6 +266,22 @@ TEST(WorkerRegistryTest, ConfiguredModelIsTheReference) {
   EXPECT_FALSE(f.registry->Workers()[0].compatible);
 }
 
+TEST(WorkerRegistryTest, FieldsTheClusterLeavesUnsetMatchAnything) {
+  // A config file naming only the model and the block size.
+  v1::ModelIdentity partial;
+  partial.set_name(Identity().name());
+  partial.set_block_size(Identity().block_size());
+  EXPECT_TRUE(CheckCompatible(partial, Identity()).ok());
+  v1::ModelIdentity other_block = Identity();
+  other_block.set_block_size(Identity().block_size() * 2);
+  absl::Status s = CheckCompatible(partial, other_block);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("block_size"), absl::string_view::npos);
+  v1::ModelIdentity other_name = Identity();
+  other_name.set_name("another");
+  EXPECT_FALSE(CheckCompatible(partial, other_name).ok());
+}
+
 TEST(WorkerRegistryTest, RealHealthProbeAndSystemResolver) {
   absl::StatusOr<std::unique_ptr<rpc::RunningServer>> server =
       rpc::RunningServer::Start("127.0.0.1:0", {});
