@@ -174,7 +174,8 @@ void TransferFinding(const Window& w, LayoutReport* report) {
   if (!std::isnan(f.value) && f.value > 0.2) {
     f.knob = "TP degree / transport";
     f.why =
-        "KV transfer is a large part of time to first token: a decode TP "
+        "KV writes take a large share of the time to first token (without "
+        "router metrics: next to prefill compute): a decode TP "
         "degree above the KV head count replicates heads (more bytes), and a "
         "faster UCX transport (shared memory, RDMA) or per-layer writes "
         "overlap more";

@@ -229,6 +229,21 @@ TEST(ClusterMetricsTest, EveryDashboardExpressionReturnsDataFromRealWorkers) {
           "speculative acceptance", "decode batch size"}) {
       EXPECT_TRUE(absl::StrContains(report, topic)) << topic << "\n" << report;
     }
+    // The same view through Prometheus' HTTP API (the window reaches back
+    // before the first scrape: totals, like --interval 0).
+    const std::string prom_cmd = absl::StrCat(
+        LAYOUT_REPORT_BIN, " --prometheus http://127.0.0.1:", prom_port,
+        " --window 1m > ", out_path, " 2>&1");
+    EXPECT_EQ(std::system(prom_cmd.c_str()), 0) << Slurp(out_path);
+    const std::string via_prometheus = Slurp(out_path);
+    std::printf("%s", via_prometheus.c_str());
+    EXPECT_TRUE(
+        absl::StrContains(via_prometheus, "stage imbalance (prefill-0): 1."))
+        << via_prometheus;
+    EXPECT_TRUE(absl::StrContains(via_prometheus, "speculative acceptance: "))
+        << via_prometheus;
+    EXPECT_FALSE(absl::StrContains(via_prometheus, "no drafts in the window"))
+        << via_prometheus;
   }
 
   const auto expressions = DashboardExpressions();

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -92,6 +93,31 @@ TEST(DeployTest, DashboardsAreWhatTheGeneratorWrites) {
   }
   EXPECT_EQ(files, 4);
   fs::remove_all(dir);
+}
+
+TEST(DeployTest, DockerfileCopiesWhatTheBuildMakes) {
+  // The image copies from the build stage's tree (scripts/setup.sh builds
+  // into build/): every such path must be something this build makes too,
+  // so a renamed binary cannot leave the image without it unnoticed.
+  const std::string dockerfile = Slurp(kSource + "/deploy/docker/Dockerfile");
+  ASSERT_FALSE(dockerfile.empty());
+  std::regex path_re("/(?:src/)?build/([A-Za-z0-9_./-]+)");
+  int checked = 0;
+  for (auto it =
+           std::sregex_iterator(dockerfile.begin(), dockerfile.end(), path_re);
+       it != std::sregex_iterator(); ++it) {
+    const std::string rel = (*it)[1].str();
+    if (rel.empty() || rel.back() == '/') continue;
+    EXPECT_TRUE(fs::exists(fs::path(PDSERVE_BINARY_DIR) / rel))
+        << "the Dockerfile copies build/" << rel << ", which this build lacks";
+    ++checked;
+  }
+  // pdserve, the shim, prefill_worker, decode_worker, router, layout_report.
+  EXPECT_GE(checked, 6) << dockerfile;
+  // The entry point the prefill StatefulSet runs is in the image.
+  EXPECT_TRUE(absl::StrContains(
+      dockerfile,
+      "COPY deploy/docker/prefill-stage.sh /opt/pdserve/bin/prefill-stage"));
 }
 
 // Installs the npm packages (idempotent) and renders + validates overlays.
