@@ -134,7 +134,10 @@ std::string LocalCluster::MetricsArgs(const std::string& name, int offset,
   args->insert(
       args->end(),
       {"--metrics-port", absl::StrCat(port), "--metrics-host", options_.host,
-       "--metrics-port-file", port_file, "--worker-id", name});
+       "--metrics-port-file", port_file, "--worker-id",
+       // The stages of one group share a worker id (and differ by their
+       // stage label), so the layout report sees them as one pipeline.
+       name.substr(0, name.find("-stage-"))});
   return port_file;
 }
 
