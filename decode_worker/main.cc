@@ -178,16 +178,11 @@ int Main(int argc, char** argv) {
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   if (worker_metrics != nullptr) {
     worker_metrics->Bind(worker->get(), service->get());
-    auto started =
-        metrics::MetricsServer::Start(metrics_host, metrics_port, registry);
+    auto started = metrics::MetricsServer::Start(metrics_host, metrics_port,
+                                                 registry, metrics_port_file);
     if (!started.ok()) return Fail(started.status());
     metrics_server = std::move(*started);
     std::printf("metrics on %s\n", metrics_server->address().c_str());
-    if (auto s = process::WritePortFile(metrics_port_file,
-                                        metrics_server->address());
-        !s.ok()) {
-      return Fail(s);
-    }
   }
   auto server = rpc::RunningServer::Start(absl::StrCat(host, ":", port),
                                           {service->get()});

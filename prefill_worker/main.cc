@@ -186,13 +186,13 @@ int Main(int argc, char** argv) {
     if (stage_metrics == nullptr) return absl::OkStatus();
     stage_metrics->Bind(process->get(), service);
     if (metrics_server != nullptr) return absl::OkStatus();
-    auto started =
-        metrics::MetricsServer::Start(metrics_host, metrics_port, registry);
+    auto started = metrics::MetricsServer::Start(metrics_host, metrics_port,
+                                                 registry, metrics_port_file);
     if (!started.ok()) return started.status();
     metrics_server = std::move(*started);
     std::fprintf(stderr, "prefill_worker: metrics on %s\n",
                  metrics_server->address().c_str());
-    return process::WritePortFile(metrics_port_file, metrics_server->address());
+    return absl::OkStatus();
   };
   auto stop_metrics = [&] {
     metrics_server.reset();

@@ -211,16 +211,11 @@ int Main(int argc, char** argv) {
   };
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   if (metrics_port >= 0) {
-    auto started = metrics::MetricsServer::Start(metrics_host, metrics_port,
-                                                 metrics_registry);
+    auto started = metrics::MetricsServer::Start(
+        metrics_host, metrics_port, metrics_registry, metrics_port_file);
     if (!started.ok()) return Fail(started.status());
     metrics_server = std::move(*started);
     std::printf("metrics on %s\n", metrics_server->address().c_str());
-    if (auto s = process::WritePortFile(metrics_port_file,
-                                        metrics_server->address());
-        !s.ok()) {
-      return Fail(s);
-    }
   }
 
   GenerationService generation(&metered, on_rejected);

@@ -390,14 +390,8 @@ std::string LocalCluster::Describe() const {
 
 std::string LocalCluster::LogTail(const std::string& name,
                                   size_t max_bytes) const {
-  std::ifstream in(absl::StrCat(options_.work_dir, "/", name, ".log"),
-                   std::ios::binary);
-  if (!in) return "";
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  std::string text = buffer.str();
-  if (text.size() > max_bytes) text = text.substr(text.size() - max_bytes);
-  return text;
+  return process::ReadFileTail(
+      absl::StrCat(options_.work_dir, "/", name, ".log"), max_bytes);
 }
 
 }  // namespace pdserve::tools

@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "process/port_file.h"
 #include "prometheus/exposer.h"
 #include "prometheus/text_serializer.h"
 
@@ -213,7 +214,7 @@ absl::Status ProbeBind(const std::string& host, int port) {
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::string& host, int port,
-    std::shared_ptr<MetricsRegistry> registry) {
+    std::shared_ptr<MetricsRegistry> registry, const std::string& port_file) {
   if (port < 0 || port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics port ", port, " is not in [0, 65535]"));
@@ -240,8 +241,13 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
         absl::StrCat("metrics: no listening port on ", bind));
   }
   exposer->RegisterCollectable(registry);
-  return std::unique_ptr<MetricsServer>(new MetricsServer(
+  auto server = std::unique_ptr<MetricsServer>(new MetricsServer(
       host, ports.front(), std::move(registry), std::move(exposer)));
+  if (absl::Status s = process::WritePortFile(port_file, server->address());
+      !s.ok()) {
+    return s;
+  }
+  return server;
 }
 
 MetricsServer::MetricsServer(std::string host, int port,

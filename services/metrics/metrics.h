@@ -140,9 +140,12 @@ class MetricsServer {
   // embedded civetweb of Debian's prometheus-cpp has no IPv6).
   // INVALID_ARGUMENT for a bad host or port, UNAVAILABLE naming the address
   // and the reason (e.g. "Address already in use") when it cannot listen.
+  // With a `port_file`, the bound "host:port" is written there (atomically)
+  // once serving, for launchers that started it on port 0.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::string& host, int port,
-      std::shared_ptr<MetricsRegistry> registry);
+      std::shared_ptr<MetricsRegistry> registry,
+      const std::string& port_file = "");
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;
   MetricsServer& operator=(const MetricsServer&) = delete;

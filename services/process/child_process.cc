@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "process/port_file.h"
 
 extern char** environ;
 
@@ -133,14 +134,8 @@ int ChildProcess::Stop() {
 }
 
 std::string ChildProcess::LogTail(size_t max_bytes) const {
-  if (options_.log_path.empty()) return "";
-  std::ifstream in(options_.log_path, std::ios::binary);
-  if (!in) return "";
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  std::string text = buffer.str();
-  if (text.size() > max_bytes) text = text.substr(text.size() - max_bytes);
-  return text;
+  return options_.log_path.empty() ? ""
+                                   : ReadFileTail(options_.log_path, max_bytes);
 }
 
 std::string ChildProcess::DescribeStatus(int status) {

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -52,6 +53,16 @@ absl::StatusOr<std::string> WaitForPortFile(const std::string& path,
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
+}
+
+std::string ReadFileTail(const std::string& path, size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  std::string text = buffer.str();
+  if (text.size() > max_bytes) text = text.substr(text.size() - max_bytes);
+  return text;
 }
 
 }  // namespace pdserve::process

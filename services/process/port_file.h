@@ -24,4 +24,8 @@ class ChildProcess;
     const std::string& path, absl::Duration timeout,
     ChildProcess* writer = nullptr);
 
+// The last `max_bytes` bytes of the file at `path` ("" when unreadable): for
+// error messages that quote a process's log.
+std::string ReadFileTail(const std::string& path, size_t max_bytes);
+
 }  // namespace pdserve::process
