@@ -12,9 +12,15 @@
 // cluster (router, prefill group, decode worker) on this machine; `client`
 // sends one request to a router's gRPC API (tools/local_command.cc,
 // tools/client_command.cc).
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <string>
@@ -30,7 +36,6 @@
 #include "model/weight_source.h"
 #include "tokenizer/detokenizer.h"
 #include "tokenizer/tokenizer.h"
-#include "tools/commands.h"
 
 namespace pdserve {
 namespace {
@@ -149,6 +154,14 @@ absl::Status Generate(int argc, char** argv) {
   return absl::OkStatus();
 }
 
+// The folder of this executable (its sibling tools live there).
+std::string ExecutableDir() {
+  char buffer[PATH_MAX] = {};
+  const ssize_t n = readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
+  if (n <= 0) return ".";
+  return std::filesystem::path(std::string(buffer, n)).parent_path().string();
+}
+
 }  // namespace
 }  // namespace pdserve
 
@@ -162,10 +175,20 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "generate") {
     status = pdserve::Generate(argc, argv);
-  } else if (command == "local") {
-    status = pdserve::tools::RunLocalCluster(argc, argv);
-  } else if (command == "client") {
-    status = pdserve::tools::RunClient(argc, argv);
+  } else if (command == "local" || command == "client") {
+    // These live in pdserve-cluster (next to this binary): they need gRPC and
+    // its libprotobuf, which this process must not load — the tokenizer's
+    // SentencePiece carries an older embedded protobuf (see
+    // services/tokenizer/README.md).
+    const std::string cluster_tool =
+        std::filesystem::path(pdserve::ExecutableDir()) / "pdserve-cluster";
+    std::vector<char*> args(argv, argv + argc);
+    args[0] = const_cast<char*>(cluster_tool.c_str());
+    args.push_back(nullptr);
+    execv(cluster_tool.c_str(), args.data());
+    std::fprintf(stderr, "pdserve: cannot run %s: %s\n", cluster_tool.c_str(),
+                 std::strerror(errno));
+    return 1;
   } else {
     std::fprintf(stderr, "pdserve: unknown command '%s'\n%s", command.c_str(),
                  pdserve::kUsage);

@@ -112,8 +112,9 @@ TEST(DeployTest, DockerfileCopiesWhatTheBuildMakes) {
         << "the Dockerfile copies build/" << rel << ", which this build lacks";
     ++checked;
   }
-  // pdserve, the shim, prefill_worker, decode_worker, router, layout_report.
-  EXPECT_GE(checked, 6) << dockerfile;
+  // pdserve, pdserve-cluster, the shim, prefill_worker, decode_worker,
+  // router, layout_report.
+  EXPECT_GE(checked, 7) << dockerfile;
   // The entry point the prefill StatefulSet runs is in the image.
   EXPECT_TRUE(absl::StrContains(
       dockerfile,
