@@ -33,7 +33,7 @@ DecodeWorkerMetrics::DecodeWorkerMetrics(metrics::MetricsRegistry& r)
                            "Admitted requests whose prefill KV is in flight")),
       blocks_used_(r.Gauge("pdserve_decode_kv_blocks_used",
                            "KV blocks referenced by requests")),
-      blocks_total_(r.Gauge("pdserve_decode_kv_blocks_total",
+      blocks_total_(r.Gauge("pdserve_decode_kv_blocks_capacity",
                             "KV blocks of the worker's pool")),
       blocks_cached_(r.Gauge(
           "pdserve_decode_kv_blocks_cached",

@@ -46,7 +46,7 @@ PrefillStageMetrics::PrefillStageMetrics(metrics::MetricsRegistry& r)
                           "Requests in the group's scheduler (stage 0)");
     blocks_used_ = &r.Gauge("pdserve_prefill_kv_blocks_used",
                             "Group-wide KV blocks in use (stage 0)");
-    blocks_total_ = &r.Gauge("pdserve_prefill_kv_blocks_total",
+    blocks_total_ = &r.Gauge("pdserve_prefill_kv_blocks_capacity",
                              "Group-wide KV blocks (stage 0)");
     completed_ = &r.Counter("pdserve_prefill_requests_completed_total",
                             "Requests prefilled (stage 0)");

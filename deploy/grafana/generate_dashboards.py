@@ -185,7 +185,7 @@ def prefill():
          "failed microbatches {{worker_id}} stage {{stage}}")], "reqps")
     d.panel("KV blocks (group-wide)", [
         ("sum by (worker_id) (pdserve_prefill_kv_blocks_used)", "used {{worker_id}}"),
-        ("sum by (worker_id) (pdserve_prefill_kv_blocks_total)", "total {{worker_id}}")])
+        ("sum by (worker_id) (pdserve_prefill_kv_blocks_capacity)", "total {{worker_id}}")])
     d.panel("Prefix reuse and health", [
         (rate("pdserve_prefill_cached_tokens_total", "worker_id"),
          "cached tokens/s {{worker_id}}"),
@@ -222,7 +222,7 @@ def decode():
     d.panel("KV blocks", [
         ("sum by (worker_id) (pdserve_decode_kv_blocks_used)", "used {{worker_id}}"),
         ("sum by (worker_id) (pdserve_decode_kv_blocks_cached)", "cached {{worker_id}}"),
-        ("sum by (worker_id) (pdserve_decode_kv_blocks_total)", "total {{worker_id}}")])
+        ("sum by (worker_id) (pdserve_decode_kv_blocks_capacity)", "total {{worker_id}}")])
     d.panel("Prefix cache hit ratio (blocks)", [
         (f"{rate('pdserve_decode_prefix_cache_hit_blocks_total', 'worker_id')} / "
          f"{rate('pdserve_decode_prefix_cache_query_blocks_total', 'worker_id')}",

@@ -251,7 +251,7 @@ void BatchFinding(const Window& w, LayoutReport* report) {
   const double step_n = w.Sum("pdserve_decode_step_seconds_count");
   const double allreduce = w.Sum("pdserve_decode_allreduce_seconds_total");
   const double used = w.Sum("pdserve_decode_kv_blocks_used");
-  const double total = w.Sum("pdserve_decode_kv_blocks_total");
+  const double total = w.Sum("pdserve_decode_kv_blocks_capacity");
   const double preempt = w.Sum("pdserve_decode_preemptions_total");
   double tp = 1;
   for (const Sample& s : w.samples()) {

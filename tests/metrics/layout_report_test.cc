@@ -50,7 +50,7 @@ std::string Decode(double step_sum, double steps, double batch_sum,
       "pdserve_decode_spec_acceptance_length_count{%s} %g\n"
       "pdserve_decode_allreduce_seconds_total{%s} %g\n"
       "pdserve_decode_kv_blocks_used{%s} 100\n"
-      "pdserve_decode_kv_blocks_total{%s} 1000\n"
+      "pdserve_decode_kv_blocks_capacity{%s} 1000\n"
       "pdserve_decode_preemptions_total{%s} 0\n",
       l, step_sum, l, steps, l, batch_sum, l, steps, l, uptime, l, proposed, l,
       accepted, l, accepted + proposed / 4, l, proposed / 4, l, allreduce, l, l,
