@@ -92,7 +92,7 @@ absl::Status RunClient(int argc, char** argv) {
                response.token_ids().end());
     last = response;
   }
-  std::printf("\n");
+  if (!ids.empty()) std::printf("\n");
   PDS_RETURN_IF_ERROR(rpc::FromGrpcStatus(reader->Finish()));
   if (show_ids) {
     std::string list;

@@ -320,13 +320,14 @@ TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
   const int64_t decode_baseline = DecodeBlocksUsed(decode);
   const int64_t prefill_baseline = PrefillLoadOf(prefill).kv_blocks_used();
   ASSERT_GE(decode_baseline, 0);
-  // A long continuation, cancelled after a few items.
+  // A long continuation (507 tokens, ~0.2 s of decoding), cancelled right
+  // after its first item arrives.
   Generated g = GrpcGenerate(cluster->grpc_address(),
-                             TextRequest("Once upon a time", 400),
-                             absl::Seconds(60), /*cancel_after_items=*/3);
+                             TextRequest("Once upon a time", 507),
+                             absl::Seconds(60), /*cancel_after_items=*/1);
   EXPECT_EQ(g.status.error_code(), grpc::StatusCode::CANCELLED)
       << g.status.error_message();
-  EXPECT_LT(g.ids.size(), 400u);
+  EXPECT_LT(g.ids.size(), 507u);
   EXPECT_TRUE(
       Eventually([&] { return DecodeBlocksUsed(decode) == decode_baseline; },
                  absl::Seconds(10)))
