@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -81,6 +82,37 @@ void ArmExitWatchdog() {
     std::fprintf(stderr, "prefill_worker: shutdown took too long\n");
     std::_Exit(2);
   }).detach();
+}
+
+// Restarts this process in place (same pid, so a supervisor still tracks
+// it; same port, so stage 0's peer list stays right) with fresh state:
+// how a group recovers after one of its stages died and came back.
+[[noreturn]] void ReExec(int argc, char** argv, const std::string& address) {
+  const std::string port = address.substr(address.rfind(':') + 1);
+  std::vector<std::string> args(argv, argv + argc);
+  bool replaced = false;
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--port" && i + 1 < args.size()) {
+      args[i + 1] = port;
+      replaced = true;
+    } else if (absl::StartsWith(args[i], "--port=")) {
+      args[i] = absl::StrCat("--port=", port);
+      replaced = true;
+    }
+  }
+  if (!replaced) {
+    args.push_back("--port");
+    args.push_back(port);
+  }
+  std::vector<char*> exec_args;
+  for (std::string& a : args) exec_args.push_back(a.data());
+  exec_args.push_back(nullptr);
+  std::fprintf(stderr, "prefill_worker: restarting in place on port %s\n",
+               port.c_str());
+  std::fflush(stderr);
+  execv("/proc/self/exe", exec_args.data());
+  std::perror("prefill_worker: re-exec failed");
+  std::_Exit(1);
 }
 
 int Main(int argc, char** argv) {
@@ -228,7 +260,14 @@ int Main(int argc, char** argv) {
     }
     std::fprintf(stderr, "prefill_worker: listening on %s\n",
                  (*server)->address().c_str());
-    while (!WaitForSignal(absl::Seconds(1))) {
+    while (!WaitForSignal(absl::Milliseconds(200))) {
+      if ((*service)->recovery_requested()) {
+        // Every stage answers again after a death: restart whole (the
+        // peers were told to restart too) and wire the group anew.
+        const std::string bound = (*server)->address();
+        (*server)->Shutdown();
+        ReExec(argc, argv, bound);
+      }
     }
     ArmExitWatchdog();
     (*server)->Shutdown();
@@ -250,6 +289,11 @@ int Main(int argc, char** argv) {
                (*server)->address().c_str());
   int code = 0;
   while (!WaitForSignal(absl::Milliseconds(200))) {
+    if (control.restart_requested()) {
+      const std::string bound = (*server)->address();
+      (*server)->Shutdown();  // lets the Restart reply go out first
+      ReExec(argc, argv, bound);
+    }
     const absl::Time last = control.last_ping();
     if ((*process)->wired() && last != absl::InfinitePast() &&
         absl::Now() - last > absl::Seconds(orphan_s)) {

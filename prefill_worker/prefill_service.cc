@@ -525,7 +525,9 @@ v1::PrefillLoad PrefillService::Load() const {
 // ---------------------------------------------------------------------------
 
 void PrefillService::HeartbeatLoop() {
+  bool down = false;
   while (!stop_.WaitForNotificationWithTimeout(options_.heartbeat_period)) {
+    bool all_answered = true;
     for (Peer& peer : peers_) {
       grpc::ClientContext context;
       context.set_deadline(
@@ -533,6 +535,8 @@ void PrefillService::HeartbeatLoop() {
       v1::PrefillStageLoad load;
       grpc::Status s = peer.stub->Ping(&context, {}, &load);
       if (!s.ok()) {
+        all_answered = false;
+        if (down) continue;
         {
           absl::MutexLock lock(&mu_);
           stage_loads_[peer.stage].set_reachable(false);
@@ -540,10 +544,27 @@ void PrefillService::HeartbeatLoop() {
         }
         GroupDown(Annotate(
             s, absl::StrCat("prefill stage ", peer.stage, " is unreachable")));
-        return;  // the group stays down until it is restarted
+        down = true;
+        break;
       }
       absl::MutexLock lock(&mu_);
       stage_loads_[peer.stage] = load;
+    }
+    if (down && all_answered) {
+      // Every stage answers again (the dead one was restarted). The links of
+      // the survivors point at the dead process, so the group restarts
+      // whole, in place: each peer re-execs on its port, and so does this
+      // process (the main loop sees recovery_requested()); the fresh stage 0
+      // wires the fresh stages as at first start.
+      for (Peer& peer : peers_) {
+        grpc::ClientContext context;
+        context.set_deadline(
+            absl::ToChronoTime(absl::Now() + options_.control_timeout));
+        v1::StageRestartResponse ignored;
+        (void)peer.stub->Restart(&context, {}, &ignored);
+      }
+      recovery_requested_.store(true);
+      return;
     }
   }
 }

@@ -28,6 +28,7 @@
 
 #include <grpcpp/generic/generic_stub.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -100,6 +101,9 @@ class PrefillService final : public pdserve::v1::PrefillGroup::CallbackService {
       pdserve::v1::PrefillLoad* response) override;
 
   bool serving() const;
+  // The group was down and every stage answers again: the process should
+  // restart in place (prefill_worker's main re-execs) to rewire the group.
+  bool recovery_requested() const { return recovery_requested_.load(); }
   // What GetLoad answers (metrics read it too): queue depth, in flight,
   // blocks, completed/failed, per-stage counters.
   pdserve::v1::PrefillLoad Load() const;
@@ -152,6 +156,7 @@ class PrefillService final : public pdserve::v1::PrefillGroup::CallbackService {
   int queued_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status down_ ABSL_GUARDED_BY(mu_);  // non-OK once a stage died
   int dead_stage_ ABSL_GUARDED_BY(mu_) = -1;
+  std::atomic<bool> recovery_requested_{false};
   std::vector<pdserve::v1::PrefillStageLoad> stage_loads_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<grpc::GenericStub>>
       decode_stubs_ ABSL_GUARDED_BY(mu_);

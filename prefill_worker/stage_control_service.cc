@@ -110,6 +110,15 @@ grpc::ServerUnaryReactor* StageControlService::Ping(
   return reactor;
 }
 
+grpc::ServerUnaryReactor* StageControlService::Restart(
+    grpc::CallbackServerContext* context, const v1::StageRestartRequest*,
+    v1::StageRestartResponse*) {
+  restart_requested_.store(true);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
 absl::Time StageControlService::last_ping() const {
   absl::MutexLock lock(&mu_);
   return last_ping_;

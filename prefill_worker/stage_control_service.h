@@ -7,6 +7,7 @@
 // or transport handshakes) run on one job thread owned here.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -49,9 +50,15 @@ class StageControlService final
       grpc::CallbackServerContext* context,
       const pdserve::v1::StagePingRequest* request,
       pdserve::v1::PrefillStageLoad* response) override;
+  grpc::ServerUnaryReactor* Restart(
+      grpc::CallbackServerContext* context,
+      const pdserve::v1::StageRestartRequest* request,
+      pdserve::v1::StageRestartResponse* response) override;
 
   // When stage 0 last pinged (or InfinitePast before any ping).
   absl::Time last_ping() const;
+  // Stage 0 asked this stage to restart (the process's main loop re-execs).
+  bool restart_requested() const { return restart_requested_.load(); }
 
  private:
   // Runs `job` on the job thread and finishes `reactor` with its status.
@@ -65,6 +72,7 @@ class StageControlService final
   std::thread job_thread_;
   mutable absl::Mutex mu_;
   absl::Time last_ping_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  std::atomic<bool> restart_requested_{false};
 };
 
 // Fills `load` from a stage's counters.

@@ -206,6 +206,8 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
   Group& g = groups_[group];
   g.stages.clear();
   g.stages.resize(options_.stages);
+  g.stage_args.assign(options_.stages, {});
+  g.stage_addresses.assign(options_.stages, "");
   const int s_count = options_.stages;
   auto common_args = [&](int stage, const std::string& port_file) {
     return std::vector<std::string>{"--model",
@@ -245,11 +247,13 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
     args.insert(args.end(), {"--port", "0"});
     const std::string metrics_file =
         MetricsArgs(name, 10 + group * s_count + stage, &args);
+    g.stage_args[stage] = args;
     PDS_ASSIGN_OR_RETURN(g.stages[stage], Launch("prefill_worker", name, args));
     PDS_ASSIGN_OR_RETURN(
         std::string address,
         process::WaitForPortFile(port_file, options_.start_timeout,
                                  g.stages[stage].get()));
+    g.stage_addresses[stage] = address;
     PDS_RETURN_IF_ERROR(
         RecordMetrics(name, metrics_file, g.stages[stage].get()));
     peers.push_back(address);
@@ -350,6 +354,31 @@ void LocalCluster::KillPrefillStage(int group, int stage) {
     groups_[group].stages[stage]->Signal(SIGKILL);
     (void)groups_[group].stages[stage]->Wait(absl::Seconds(10));
   }
+}
+
+absl::Status LocalCluster::RestartPrefillStage(int group, int stage) {
+  if (group < 0 || group >= static_cast<int>(groups_.size()) || stage < 1 ||
+      stage >= options_.stages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no prefill stage ", stage, " > 0 in group ", group));
+  }
+  Group& g = groups_[group];
+  if (g.stages[stage] != nullptr) g.stages[stage]->Stop();
+  static int restart = 0;
+  const std::string name = absl::StrCat("prefill-", group, "-stage-", stage);
+  const std::string port_file = absl::StrCat(options_.work_dir, "/", name,
+                                             ".restart", ++restart, ".port");
+  std::vector<std::string> args = g.stage_args[stage];
+  const std::string& address = g.stage_addresses[stage];
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--port")
+      args[i + 1] = address.substr(address.rfind(':') + 1);
+    if (args[i] == "--port-file") args[i + 1] = port_file;
+  }
+  PDS_ASSIGN_OR_RETURN(g.stages[stage], Launch("prefill_worker", name, args));
+  return process::WaitForPortFile(port_file, options_.start_timeout,
+                                  g.stages[stage].get())
+      .status();
 }
 
 absl::Status LocalCluster::RestartPrefillGroup(int group) {

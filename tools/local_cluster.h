@@ -102,6 +102,11 @@ class LocalCluster {
   // Stops what is left of the group and starts all its stages again, stage 0
   // on its old port (the router's registry knows the group by it).
   [[nodiscard]] absl::Status RestartPrefillGroup(int group);
+  // Starts one stage i > 0 again on its old port (after KillPrefillStage):
+  // the group's stage 0 notices every stage answering, restarts the group in
+  // place and serves again (prefill_worker's recovery). Returns once the
+  // stage serves its control API; the group needs a few seconds more.
+  [[nodiscard]] absl::Status RestartPrefillStage(int group, int stage);
   // Until the router answers SERVING (DEADLINE_EXCEEDED otherwise).
   [[nodiscard]] absl::Status WaitRouterServing(absl::Duration timeout) const;
   // Stops every process. Idempotent.
@@ -120,6 +125,8 @@ class LocalCluster {
  private:
   struct Group {
     std::vector<std::unique_ptr<process::ChildProcess>> stages;
+    std::vector<std::vector<std::string>> stage_args;  // as launched
+    std::vector<std::string> stage_addresses;          // as bound
     int port = 0;
   };
   explicit LocalCluster(LocalClusterOptions options)

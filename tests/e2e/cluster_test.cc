@@ -435,10 +435,13 @@ TEST(ClusterTest, KilledPrefillStageTakesItsGroupOutUntilItReturns) {
                                TextRequest("Once upon a time", 8));
     EXPECT_TRUE(g.status.ok()) << g.status.error_message();
   }
-  // Back: the group serves and takes its share of requests again.
-  ASSERT_TRUE(cluster->RestartPrefillGroup(0).ok());
+  // Back: only the dead stage is started again; stage 0 sees every stage
+  // answer, restarts the group in place, and it takes its share again.
+  absl::Status restarted = cluster->RestartPrefillStage(0, 1);
+  ASSERT_TRUE(restarted.ok()) << restarted;
   ASSERT_TRUE(Eventually([&] { return PrefillLoadOf(group0).serving(); },
-                         absl::Seconds(20)));
+                         absl::Seconds(30)))
+      << cluster->LogTail("prefill-0-stage-0");
   const int64_t before = PrefillLoadOf(group0).completed();
   ASSERT_TRUE(Eventually(
       [&] {
