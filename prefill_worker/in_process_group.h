@@ -43,8 +43,13 @@ class InProcessPrefillGroup {
       PrefillRequest request) {
     return coordinator_->Submit(std::move(request));
   }
+  // Stops the request and drops every stage's write bookkeeping of it.
   [[nodiscard]] absl::Status Cancel(uint64_t request_id) {
-    return coordinator_->Cancel(request_id);
+    absl::Status status = coordinator_->Cancel(request_id);
+    if (status.ok()) {
+      for (auto& stage : stages_) stage->Forget(request_id);
+    }
+    return status;
   }
 
   int num_stages() const { return static_cast<int>(stages_.size()); }

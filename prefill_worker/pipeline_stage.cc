@@ -176,6 +176,9 @@ void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
   {
     absl::MutexLock lock(&mu_);
     PendingWrites& pending = writes_[id];
+    // A straggler chunk of a forgotten request: count it so its completion
+    // settles, and drop the entry then.
+    if (forgotten_.contains(id)) pending.abandoned = true;
     ++pending.outstanding;
     if (chunk.final_chunk) pending.final_issued = true;
   }
@@ -216,6 +219,10 @@ void PipelineStage::OnKvWriteDone(uint64_t request_id, absl::Status status) {
     PendingWrites& pending = it->second;
     --pending.outstanding;
     if (pending.status.ok()) pending.status = status;
+    if (pending.abandoned && pending.outstanding == 0) {
+      writes_.erase(it);
+      return;
+    }
     if (!pending.final_issued || pending.outstanding > 0) return;
     event.status = pending.status;
     writes_.erase(it);
@@ -224,6 +231,30 @@ void PipelineStage::OnKvWriteDone(uint64_t request_id, absl::Status status) {
   event.stage = options_.stage_index;
   event.request_id = request_id;
   events_->Report(std::move(event));
+}
+
+size_t PipelineStage::open_write_entries() const {
+  absl::MutexLock lock(&mu_);
+  return writes_.size();
+}
+
+void PipelineStage::Forget(uint64_t request_id) {
+  constexpr size_t kRememberForgotten = 4096;
+  absl::MutexLock lock(&mu_);
+  if (forgotten_.insert(request_id).second) {
+    forgotten_order_.push_back(request_id);
+    if (forgotten_order_.size() > kRememberForgotten) {
+      forgotten_.erase(forgotten_order_.front());
+      forgotten_order_.pop_front();
+    }
+  }
+  auto it = writes_.find(request_id);
+  if (it == writes_.end()) return;
+  if (it->second.outstanding == 0) {
+    writes_.erase(it);
+  } else {
+    it->second.abandoned = true;
+  }
 }
 
 }  // namespace pdserve::prefill

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -26,6 +27,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -90,6 +92,12 @@ class PipelineStage {
   kv::KvPool* mutable_pool() { return pool_.get(); }
 
   void Start();
+  // The request was cancelled or failed before its final chunk: forget its
+  // write bookkeeping (at once, or when its writes in flight settle) and
+  // report nothing for it.
+  void Forget(uint64_t request_id);
+  // Requests with KV-write bookkeeping open (for tests: no leak).
+  size_t open_write_entries() const;
   // Waits for the thread to end (after the receiver is closed and drained).
   void Join();
 
@@ -127,10 +135,15 @@ class PipelineStage {
   struct PendingWrites {
     int outstanding = 0;
     bool final_issued = false;
+    bool abandoned = false;  // cancelled/failed: drop once writes settle
     absl::Status status;
   };
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, PendingWrites> writes_ ABSL_GUARDED_BY(mu_);
+  // Recently forgotten ids (bounded, oldest first): a straggler chunk of one
+  // must not open a new entry that no final chunk would ever close.
+  absl::flat_hash_set<uint64_t> forgotten_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> forgotten_order_ ABSL_GUARDED_BY(mu_);
   StageStats stats_ ABSL_GUARDED_BY(mu_);
   absl::Time started_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::pair<absl::Time, absl::Time>> intervals_

@@ -183,6 +183,9 @@ void StageProcess::CancelKv(const std::vector<uint64_t>& request_ids) {
   {
     absl::MutexLock lock(&mu_);
     output = kv_output_.get();
+    if (stage_ != nullptr) {
+      for (uint64_t id : request_ids) stage_->Forget(id);
+    }
   }
   if (output == nullptr) return;
   // NOT_FOUND (this stage never saw the request's grants) is expected: the
@@ -196,6 +199,7 @@ void StageProcess::CancelKvWithGrants(uint64_t request_id,
   {
     absl::MutexLock lock(&mu_);
     output = kv_output_.get();
+    if (stage_ != nullptr) stage_->Forget(request_id);
   }
   if (output != nullptr) (void)output->Cancel(request_id, grants);
 }

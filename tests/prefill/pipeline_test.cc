@@ -311,6 +311,16 @@ TEST_F(PrefillPipelineTest, CancelAndBlockWaitReleaseEverything) {
   ExpectKvMatches(kv_out, 2, ref, "after a cancel");
   EXPECT_EQ(group->coordinator().stats().used_blocks, 0);
   EXPECT_EQ(group->Cancel(2).code(), absl::StatusCode::kNotFound);
+  // No stage keeps write bookkeeping of the cancelled request (whose final
+  // chunk never came) once its writes in flight settled.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  for (int s = 0; s < group->num_stages(); ++s) {
+    while (group->stage(s).open_write_entries() != 0 &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(group->stage(s).open_write_entries(), 0u) << "stage " << s;
+  }
 }
 
 }  // namespace
