@@ -347,6 +347,17 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     retry_side = "decode";
     auto decode = v1::DecodeWorker::NewStub(ChannelFor(decode_address));
     const uint64_t wire_id = NewWireId();
+    // Frees the request's blocks at the decode worker (best effort: NOT_FOUND
+    // when it already finished or was never admitted).
+    auto abort_decode = [&] {
+      grpc::ClientContext context;
+      context.set_deadline(
+          Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+      v1::AbortRequest abort;
+      abort.set_request_id(wire_id);
+      v1::AbortResponse ignored;
+      (void)decode->Abort(&context, abort, &ignored);
+    };
     v1::AdmitResponse admit;
     {
       v1::AdmitRequest admit_request;
@@ -367,14 +378,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       call->Leave();
       if (!s.ok()) {
         if (call->cancelled.load()) {
-          // The Admit may have landed: free it.
-          grpc::ClientContext abort_context;
-          abort_context.set_deadline(
-              Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
-          v1::AbortRequest abort;
-          abort.set_request_id(wire_id);
-          v1::AbortResponse ignored;
-          (void)decode->Abort(&abort_context, abort, &ignored);
+          abort_decode();  // the Admit may have landed: free it
           return finish(absl::CancelledError("cancelled"));
         }
         last_error = Annotate(s, "decode worker", decode_address);
@@ -387,15 +391,6 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     }
     // From here on the decode worker holds KV blocks for `wire_id`: every
     // exit path below frees them (Abort), unless the stream finished.
-    auto abort_decode = [&] {
-      grpc::ClientContext context;
-      context.set_deadline(
-          Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
-      v1::AbortRequest abort;
-      abort.set_request_id(wire_id);
-      v1::AbortResponse ignored;
-      (void)decode->Abort(&context, abort, &ignored);
-    };
     usage.cached_prompt_tokens = static_cast<int32_t>(admit.cached_tokens());
 
     // --- Prefill group: compute the prompt, write its KV, first token. ---

@@ -51,6 +51,22 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
   return absl::FromChrono(deadline);
 }
 
+// The backend request for a public one, tagged with the API it came through;
+// a refusal is reported to `on_rejected` (metrics count every request).
+absl::StatusOr<GenerationRequest> PrepareRequest(
+    const v1::GenerateRequest& request, const GenerationBackend& backend,
+    const grpc::CallbackServerContext& context, const char* api,
+    const RejectionHook& on_rejected) {
+  absl::StatusOr<GenerationRequest> generation =
+      ToGenerationRequest(request, backend, DeadlineOf(context));
+  if (!generation.ok()) {
+    if (on_rejected) on_rejected(api, generation.status().code());
+    return generation.status();
+  }
+  generation->api = api;
+  return generation;
+}
+
 // Reference count shared by gRPC (released in OnDone) and the backend
 // (released in its OnDone): whoever is last deletes the reactor.
 class TwoOwners {
@@ -74,14 +90,12 @@ class GenerateReactor final
                   grpc::CallbackServerContext* context,
                   const v1::GenerateRequest& request,
                   const RejectionHook& on_rejected) {
-    absl::StatusOr<GenerationRequest> generation =
-        ToGenerationRequest(request, *backend, DeadlineOf(*context));
+    absl::StatusOr<GenerationRequest> generation = PrepareRequest(
+        request, *backend, *context, "grpc_generate", on_rejected);
     if (!generation.ok()) {
-      if (on_rejected) on_rejected("grpc_generate", generation.status().code());
       FailBeforeStart(generation.status());
       return;
     }
-    generation->api = "grpc_generate";
     request_id_ = generation->request_id;
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
@@ -207,16 +221,12 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
                        v1::GenerateResponse* response,
                        const RejectionHook& on_rejected)
       : response_(response) {
-    absl::StatusOr<GenerationRequest> generation =
-        ToGenerationRequest(request, *backend, DeadlineOf(*context));
+    absl::StatusOr<GenerationRequest> generation = PrepareRequest(
+        request, *backend, *context, "grpc_generate_unary", on_rejected);
     if (!generation.ok()) {
-      if (on_rejected) {
-        on_rejected("grpc_generate_unary", generation.status().code());
-      }
       FailBeforeStart(generation.status());
       return;
     }
-    generation->api = "grpc_generate_unary";
     response_->set_request_id(generation->request_id);
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);

@@ -3,8 +3,6 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -20,12 +18,6 @@
 
 namespace pdserve::tools {
 namespace {
-
-bool IsExecutable(const std::string& path) {
-  struct stat st {};
-  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-         access(path.c_str(), X_OK) == 0;
-}
 
 std::string DefaultModelName(const std::string& path) {
   std::filesystem::path p(path);
@@ -103,10 +95,10 @@ void LocalCluster::Stop() {
 absl::StatusOr<std::string> LocalCluster::Binary(
     const std::string& name) const {
   const std::string direct = absl::StrCat(options_.bin_dir, "/", name);
-  if (IsExecutable(direct)) return direct;
+  if (process::IsExecutableFile(direct)) return direct;
   const std::string nested =
       absl::StrCat(options_.bin_dir, "/", name, "/", name);
-  if (IsExecutable(nested)) return nested;
+  if (process::IsExecutableFile(nested)) return nested;
   return absl::NotFoundError(absl::StrCat("no ", name, " binary at ", direct,
                                           " or ", nested,
                                           " (build it, or set the bin dir)"));

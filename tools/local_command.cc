@@ -11,32 +11,18 @@
 // processes, waits until the router serves, prints the endpoints and example
 // requests, and runs until Ctrl-C (then stops everything).
 #include <signal.h>
-#include <unistd.h>
 
-#include <climits>
 #include <cstdio>
-#include <filesystem>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/command_line_flags.h"
 #include "common/status_macros.h"
+#include "process/child_process.h"
 #include "tools/commands.h"
 #include "tools/local_cluster.h"
 
 namespace pdserve::tools {
-namespace {
-
-// The folder of this executable: the other binaries live there (installed)
-// or in sub-folders of it (the build tree).
-std::string ExecutableDir() {
-  char buffer[PATH_MAX] = {};
-  const ssize_t n = readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
-  if (n <= 0) return ".";
-  return std::filesystem::path(std::string(buffer, n)).parent_path().string();
-}
-
-}  // namespace
 
 absl::Status RunLocalCluster(int argc, char** argv) {
   CommandLineFlags flags;
@@ -62,7 +48,7 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   o.work_dir = flags.Str("work-dir", "");
   // The ports deploy/prometheus/prometheus-local.yml scrapes; -1 = off.
   o.metrics_port_base = flags.Num<int>("metrics-port-base", 9100);
-  o.bin_dir = flags.Str("bin-dir", ExecutableDir());
+  o.bin_dir = flags.Str("bin-dir", process::ExecutableDir());
   PDS_RETURN_IF_ERROR(flags.Check());
 
   // Ctrl-C is for us: block it before the children start (they reset their
@@ -86,7 +72,7 @@ absl::Status RunLocalCluster(int argc, char** argv) {
       "  curl -s http://%s/v1/completions -H 'Content-Type: application/json' "
       "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'\n"
       "\nCtrl-C stops the cluster.\n",
-      ExecutableDir().c_str(), cluster->grpc_address().c_str(),
+      process::ExecutableDir().c_str(), cluster->grpc_address().c_str(),
       cluster->http_address().c_str());
   std::fflush(stdout);
   int sig = 0;

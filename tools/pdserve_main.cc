@@ -16,7 +16,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +33,7 @@
 #include "engine/sampler.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
+#include "process/child_process.h"
 #include "tokenizer/detokenizer.h"
 #include "tokenizer/tokenizer.h"
 
@@ -154,14 +154,6 @@ absl::Status Generate(int argc, char** argv) {
   return absl::OkStatus();
 }
 
-// The folder of this executable (its sibling tools live there).
-std::string ExecutableDir() {
-  char buffer[PATH_MAX] = {};
-  const ssize_t n = readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
-  if (n <= 0) return ".";
-  return std::filesystem::path(std::string(buffer, n)).parent_path().string();
-}
-
 }  // namespace
 }  // namespace pdserve
 
@@ -181,7 +173,8 @@ int main(int argc, char** argv) {
     // SentencePiece carries an older embedded protobuf (see
     // services/tokenizer/README.md).
     const std::string cluster_tool =
-        std::filesystem::path(pdserve::ExecutableDir()) / "pdserve-cluster";
+        std::filesystem::path(pdserve::process::ExecutableDir()) /
+        "pdserve-cluster";
     std::vector<char*> args(argv, argv + argc);
     args[0] = const_cast<char*>(cluster_tool.c_str());
     args.push_back(nullptr);

@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -20,11 +22,22 @@ extern char** environ;
 
 namespace pdserve::process {
 
+bool IsExecutableFile(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+         access(path.c_str(), X_OK) == 0;
+}
+
+std::string ExecutableDir() {
+  char buffer[PATH_MAX] = {};
+  const ssize_t n = readlink("/proc/self/exe", buffer, sizeof(buffer) - 1);
+  if (n <= 0) return ".";
+  return std::filesystem::path(std::string(buffer, n)).parent_path().string();
+}
+
 absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
     SpawnOptions options) {
-  struct stat st {};
-  if (stat(options.binary.c_str(), &st) != 0 || !S_ISREG(st.st_mode) ||
-      access(options.binary.c_str(), X_OK) != 0) {
+  if (!IsExecutableFile(options.binary)) {
     return absl::NotFoundError(
         absl::StrCat("no executable at '", options.binary, "'"));
   }

@@ -67,4 +67,11 @@ class ChildProcess {
   std::optional<int> status_ ABSL_GUARDED_BY(mu_);
 };
 
+// A regular file this process may execute.
+bool IsExecutableFile(const std::string& path);
+
+// The folder of the running executable (/proc/self/exe): where its sibling
+// binaries live. "." when it cannot be read.
+std::string ExecutableDir();
+
 }  // namespace pdserve::process

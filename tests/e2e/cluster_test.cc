@@ -96,12 +96,18 @@ struct HttpReply {
   std::string body;
 };
 
-HttpReply HttpPost(const std::string& address, const std::string& path,
-                   const std::string& body) {
+// An HTTP client for "host:port".
+httplib::Client HttpClientFor(const std::string& address) {
   const size_t colon = address.rfind(':');
   httplib::Client client(address.substr(0, colon),
                          std::stoi(address.substr(colon + 1)));
   client.set_read_timeout(60, 0);
+  return client;
+}
+
+HttpReply HttpPost(const std::string& address, const std::string& path,
+                   const std::string& body) {
+  httplib::Client client = HttpClientFor(address);
   auto res = client.Post(path.c_str(), body, "application/json");
   if (!res) return {0, "no response"};
   return {res->status, res->body};
@@ -525,9 +531,7 @@ double SumOf(const std::vector<metrics::Sample>& samples,
 }
 
 std::vector<metrics::Sample> Scrape(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  httplib::Client client(address.substr(0, colon),
-                         std::stoi(address.substr(colon + 1)));
+  httplib::Client client = HttpClientFor(address);
   auto res = client.Get("/metrics");
   EXPECT_TRUE(res && res->status == 200);
   if (!res) return {};
