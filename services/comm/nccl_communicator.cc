@@ -136,6 +136,16 @@ absl::Status NcclCommunicator::AllReduceSumDevice(float* device_data,
   return status;
 }
 
+absl::Status NcclCommunicator::EnqueueAllReduceSumDevice(float* device_data,
+                                                         size_t count,
+                                                         CUstream_st* stream) {
+  // No cudaSetDevice: the caller's thread already works on this device, and
+  // a stream being captured must not see anything but the collective.
+  return NcclStatus(ncclAllReduce(device_data, device_data, count, ncclFloat,
+                                  ncclSum, comm_, stream),
+                    "ncclAllReduce");
+}
+
 absl::Status NcclCommunicator::AllReduceSum(std::span<float> data) {
   if (data.empty()) return absl::OkStatus();
   if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");

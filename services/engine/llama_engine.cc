@@ -8,13 +8,12 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "engine/engine_backend.h"
 #include "engine/matmul.h"
+#include "engine/shard_plan.h"
 
 namespace pdserve::engine {
 namespace {
-
-using model::LayerTensorName;
-using model::Slice2D;
 
 void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
              float* y) {
@@ -25,17 +24,6 @@ void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
   for (int64_t i = 0; i < dim; ++i) y[i] = x[i] * scale * weight[i];
 }
 
-struct LayerWeights {
-  std::vector<float> attn_norm;  // [hidden]
-  std::vector<float> wqkv;       // [(q_heads + 2 kv_heads) * head_dim, hidden]
-  std::vector<float>
-      wo;  // [hidden, q_heads * head_dim]  (input columns of this rank)
-  std::vector<float> ffn_norm;  // [hidden]
-  std::vector<float>
-      w_gate_up;              // [2 * ffn_rows, hidden]: gate rows then up rows
-  std::vector<float> w_down;  // [hidden, ffn_rows]
-};
-
 // Per-token facts of one step, precomputed once.
 struct TokenInfo {
   int sequence;
@@ -44,20 +32,33 @@ struct TokenInfo {
 
 }  // namespace
 
-struct LlamaEngine::Impl {
-  model::ModelConfig config;
-  ShardSpec shard;
+// The fp32 reference backend.
+class CpuBackend final : public EngineBackend {
+ public:
+  const ShardPlan& plan() const override { return p; }
+  kv::KvDType kv_dtype() const override { return kv::KvDType::kF32; }
+  bool kv_on_device() const override { return false; }
+  int64_t weight_bytes() const override;
+  absl::Status Forward(const ForwardBatch& batch, kv::KvPool& pool,
+                       ForwardResult* result) override;
+  absl::StatusOr<std::unique_ptr<kv::KvPool>> CreateKvPool(
+      const kv::KvCacheLayout& layout, int64_t num_blocks) override {
+    return kv::KvPool::Create(layout, num_blocks);
+  }
+
+  ShardPlan p;
+  const model::ModelConfig& config = p.config;
+  const ShardSpec& shard = p.shard;
   comm::Communicator* communicator = nullptr;
 
-  // What this shard holds.
+  // What this shard holds (copied from the plan for the kernels below).
   int q_heads = 0, q_head_offset = 0;
   int kv_heads = 0, kv_head_offset = 0;
-  int64_t ffn_begin = 0, ffn_end = 0;
   int64_t vocab_begin = 0, vocab_end = 0;
 
   std::vector<float>
       embedding;  // [vocab_end - vocab_begin, hidden] when holding layer 0
-  std::vector<LayerWeights> layers;
+  std::vector<HostLayerWeights> layers;
   std::vector<float> final_norm;  // [hidden] when holding the last layer
   std::vector<float> lm_head;     // [vocab_end - vocab_begin, hidden]
 
@@ -70,16 +71,12 @@ struct LlamaEngine::Impl {
   std::vector<TokenInfo> tokens;
   std::vector<int64_t> token_offsets;  // first query row of each sequence
 
-  bool holds_first() const { return shard.layer_begin == 0; }
-  bool holds_last() const { return shard.layer_end == config.num_layers; }
-  int64_t qkv_rows() const {
-    return int64_t{q_heads + 2 * kv_heads} * config.head_dim;
-  }
-  int64_t ffn_rows() const { return ffn_end - ffn_begin; }
+  bool holds_first() const { return p.holds_first(); }
+  bool holds_last() const { return p.holds_last(); }
+  int64_t qkv_rows() const { return p.qkv_rows(); }
+  int64_t ffn_rows() const { return p.ffn_rows(); }
 
   absl::Status Load(const model::WeightSource& weights);
-  absl::Status ValidateBatch(const ForwardBatch& batch,
-                             const kv::KvPool& pool) const;
   absl::Status AllReduce(std::vector<float>& data, int64_t count) {
     if (shard.tp_size == 1) return absl::OkStatus();
     return communicator->AllReduceSum(std::span<float>(data.data(), count));
@@ -96,174 +93,17 @@ struct LlamaEngine::Impl {
 // Loading
 // ---------------------------------------------------------------------------
 
-absl::Status LlamaEngine::Impl::Load(const model::WeightSource& weights) {
-  const auto& c = config;
-  const int64_t hidden = c.hidden_size;
-  const int64_t hd = c.head_dim;
-  auto read = [&](const std::string& name, const Slice2D& slice, int64_t rows,
-                  int64_t cols, std::vector<float>& out,
-                  int64_t out_offset = 0) -> absl::Status {
-    if (out.size() < static_cast<size_t>(out_offset + rows * cols)) {
-      out.resize(out_offset + rows * cols);
-    }
-    return weights.ReadF32(name, slice, out.data() + out_offset);
-  };
-  auto rows = [](int64_t begin, int64_t end) {
-    return Slice2D{begin, end, 0, -1};
-  };
-  auto cols = [](int64_t begin, int64_t end) {
-    return Slice2D{0, -1, begin, end};
-  };
-
-  if (holds_first()) {
-    PDS_RETURN_IF_ERROR(read("model.embed_tokens.weight",
-                             rows(vocab_begin, vocab_end),
-                             vocab_end - vocab_begin, hidden, embedding));
-  }
+absl::Status CpuBackend::Load(const model::WeightSource& weights) {
+  if (holds_first()) PDS_RETURN_IF_ERROR(LoadEmbedding(weights, p, &embedding));
   for (int layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
-    LayerWeights lw;
-    PDS_RETURN_IF_ERROR(read(LayerTensorName(layer, "input_layernorm.weight"),
-                             {}, 1, hidden, lw.attn_norm));
-    PDS_RETURN_IF_ERROR(
-        read(LayerTensorName(layer, "post_attention_layernorm.weight"), {}, 1,
-             hidden, lw.ffn_norm));
-    const int64_t q_rows = q_heads * hd, kv_rows = kv_heads * hd;
-    PDS_RETURN_IF_ERROR(
-        read(LayerTensorName(layer, "self_attn.q_proj.weight"),
-             rows(q_head_offset * hd, q_head_offset * hd + q_rows), q_rows,
-             hidden, lw.wqkv, 0));
-    PDS_RETURN_IF_ERROR(
-        read(LayerTensorName(layer, "self_attn.k_proj.weight"),
-             rows(kv_head_offset * hd, kv_head_offset * hd + kv_rows), kv_rows,
-             hidden, lw.wqkv, q_rows * hidden));
-    PDS_RETURN_IF_ERROR(
-        read(LayerTensorName(layer, "self_attn.v_proj.weight"),
-             rows(kv_head_offset * hd, kv_head_offset * hd + kv_rows), kv_rows,
-             hidden, lw.wqkv, (q_rows + kv_rows) * hidden));
-    PDS_RETURN_IF_ERROR(
-        read(LayerTensorName(layer, "self_attn.o_proj.weight"),
-             cols(q_head_offset * hd, q_head_offset * hd + q_rows), hidden,
-             q_rows, lw.wo));
-    const int64_t f = ffn_rows();
-    PDS_RETURN_IF_ERROR(read(LayerTensorName(layer, "mlp.gate_proj.weight"),
-                             rows(ffn_begin, ffn_end), f, hidden, lw.w_gate_up,
-                             0));
-    PDS_RETURN_IF_ERROR(read(LayerTensorName(layer, "mlp.up_proj.weight"),
-                             rows(ffn_begin, ffn_end), f, hidden, lw.w_gate_up,
-                             f * hidden));
-    PDS_RETURN_IF_ERROR(read(LayerTensorName(layer, "mlp.down_proj.weight"),
-                             cols(ffn_begin, ffn_end), hidden, f, lw.w_down));
+    HostLayerWeights lw;
+    PDS_RETURN_IF_ERROR(LoadLayerWeights(weights, p, layer, &lw));
     layers.push_back(std::move(lw));
   }
   if (holds_last()) {
-    PDS_RETURN_IF_ERROR(read("model.norm.weight", {}, 1, hidden, final_norm));
-    const std::string head_name = weights.HasTensor("lm_head.weight")
-                                      ? "lm_head.weight"
-                                      : "model.embed_tokens.weight";
-    PDS_RETURN_IF_ERROR(read(head_name, rows(vocab_begin, vocab_end),
-                             vocab_end - vocab_begin, hidden, lm_head));
+    PDS_RETURN_IF_ERROR(LoadHead(weights, p, &final_norm, &lm_head));
   }
-
-  // RoPE tables in double precision: angles pos * theta^(-2j/d) lose ~1e-5 rad
-  // at long positions when computed in float.
-  const int half = c.head_dim / 2;
-  rope_cos.resize(int64_t{c.max_position_embeddings} * half);
-  rope_sin.resize(rope_cos.size());
-  for (int pos = 0; pos < c.max_position_embeddings; ++pos) {
-    for (int j = 0; j < half; ++j) {
-      double inv_freq = std::pow(double{c.rope_theta}, -2.0 * j / c.head_dim);
-      double angle = pos * inv_freq;
-      rope_cos[int64_t{pos} * half + j] = static_cast<float>(std::cos(angle));
-      rope_sin[int64_t{pos} * half + j] = static_cast<float>(std::sin(angle));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// ---------------------------------------------------------------------------
-// Validation
-// ---------------------------------------------------------------------------
-
-absl::Status LlamaEngine::Impl::ValidateBatch(const ForwardBatch& batch,
-                                              const kv::KvPool& pool) const {
-  const kv::KvCacheLayout& layout = pool.layout();
-  if (layout.dtype != kv::KvDType::kF32 ||
-      layout.num_layers != shard.layer_end - shard.layer_begin ||
-      layout.layer_offset != shard.layer_begin ||
-      layout.num_kv_heads != kv_heads ||
-      layout.kv_head_offset != kv_head_offset ||
-      layout.head_dim != config.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "KV pool layout {", layout.DebugString(),
-        "} does not match this shard (layers [", shard.layer_begin, ",",
-        shard.layer_end, "), kv heads [", kv_head_offset, ",",
-        kv_head_offset + kv_heads, "), head_dim ", config.head_dim, ", f32)"));
-  }
-  if (batch.sequences.empty()) return absl::InvalidArgumentError("empty batch");
-  int64_t total_tokens = 0;
-  for (size_t s = 0; s < batch.sequences.size(); ++s) {
-    const SequenceStep& seq = batch.sequences[s];
-    if (seq.num_tokens <= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", s, ": no query tokens"));
-    }
-    if (seq.start_position < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", s, ": negative start position"));
-    }
-    const int64_t end_position = int64_t{seq.start_position} + seq.num_tokens;
-    if (end_position > config.max_position_embeddings) {
-      return absl::OutOfRangeError(
-          absl::StrCat("sequence ", s, ": positions up to ", end_position,
-                       " exceed the context of ",
-                       config.max_position_embeddings, " tokens"));
-    }
-    if (holds_first()) {
-      if (seq.tokens.size() != static_cast<size_t>(seq.num_tokens)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequence ", s, ": ", seq.tokens.size(),
-                         " token ids for ", seq.num_tokens, " query tokens"));
-      }
-      for (int32_t token : seq.tokens) {
-        if (token < 0 || token >= config.vocab_size) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("sequence ", s, ": token id ", token,
-                           " outside vocab of ", config.vocab_size));
-        }
-      }
-    }
-    const int64_t blocks_needed =
-        (end_position + layout.block_size - 1) / layout.block_size;
-    if (static_cast<int64_t>(seq.block_table.size()) < blocks_needed) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence ", s, ": block table has ", seq.block_table.size(),
-          " blocks, ", blocks_needed, " needed"));
-    }
-    for (int64_t b = 0; b < blocks_needed; ++b) {
-      if (seq.block_table[b] < 0 || seq.block_table[b] >= pool.num_blocks()) {
-        return absl::OutOfRangeError(
-            absl::StrCat("sequence ", s, ": block id ", seq.block_table[b],
-                         " outside pool of ", pool.num_blocks(), " blocks"));
-      }
-    }
-    int previous = -1;
-    for (int index : seq.logit_indices) {
-      if (index <= previous || index >= seq.num_tokens) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "sequence ", s, ": logit indices must be ascending and below ",
-            seq.num_tokens));
-      }
-      previous = index;
-    }
-    total_tokens += seq.num_tokens;
-  }
-  if (!holds_first() &&
-      batch.hidden_in.size() !=
-          static_cast<size_t>(total_tokens * config.hidden_size)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden_in has ", batch.hidden_in.size(), " floats, expected ",
-        total_tokens, " x ", config.hidden_size));
-  }
+  BuildRopeTables(config, &rope_cos, &rope_sin);
   return absl::OkStatus();
 }
 
@@ -272,7 +112,7 @@ absl::Status LlamaEngine::Impl::ValidateBatch(const ForwardBatch& batch,
 // ---------------------------------------------------------------------------
 
 // Rotate-half RoPE: dims j and j + d/2 form one rotation pair.
-void LlamaEngine::Impl::ApplyRope(float* vec, int position) const {
+void CpuBackend::ApplyRope(float* vec, int position) const {
   const int half = config.head_dim / 2;
   const float* cos = rope_cos.data() + int64_t{position} * half;
   const float* sin = rope_sin.data() + int64_t{position} * half;
@@ -283,8 +123,8 @@ void LlamaEngine::Impl::ApplyRope(float* vec, int position) const {
   }
 }
 
-void LlamaEngine::Impl::WriteKv(const ForwardBatch& batch, int local_layer,
-                                kv::KvPool& pool) {
+void CpuBackend::WriteKv(const ForwardBatch& batch, int local_layer,
+                         kv::KvPool& pool) {
   const kv::KvCacheLayout& layout = pool.layout();
   const int64_t hd = config.head_dim;
   const int64_t row = qkv_rows();
@@ -311,8 +151,8 @@ void LlamaEngine::Impl::WriteKv(const ForwardBatch& batch, int local_layer,
   });
 }
 
-void LlamaEngine::Impl::Attention(const ForwardBatch& batch, int local_layer,
-                                  const kv::KvPool& pool) {
+void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
+                           const kv::KvPool& pool) {
   const kv::KvCacheLayout& layout = pool.layout();
   const int hd = config.head_dim;
   const int group = config.num_heads / config.num_kv_heads;
@@ -375,10 +215,9 @@ void LlamaEngine::Impl::Attention(const ForwardBatch& batch, int local_layer,
 // Per-key dot products cost a call and a horizontal sum each, which
 // dominates at small head dims (8 for stories260K: ~15x slower than this);
 // the masked upper triangle costs at most 2x the useful FLOPs.
-void LlamaEngine::Impl::TiledAttention(const SequenceStep& seq,
-                                       int64_t first_token, int h, int kv_head,
-                                       int local_layer,
-                                       const kv::KvPool& pool) {
+void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
+                                int h, int kv_head, int local_layer,
+                                const kv::KvPool& pool) {
   const kv::KvCacheLayout& layout = pool.layout();
   const int hd = config.head_dim;
   const int n = seq.num_tokens;
@@ -428,107 +267,77 @@ void LlamaEngine::Impl::TiledAttention(const SequenceStep& seq,
 // Engine
 // ---------------------------------------------------------------------------
 
-LlamaEngine::LlamaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-LlamaEngine::~LlamaEngine() = default;
-
-const model::ModelConfig& LlamaEngine::config() const { return impl_->config; }
-const ShardSpec& LlamaEngine::shard() const { return impl_->shard; }
-bool LlamaEngine::holds_first_layer() const { return impl_->holds_first(); }
-bool LlamaEngine::holds_last_layer() const { return impl_->holds_last(); }
-
-kv::KvCacheLayout LlamaEngine::KvLayout(int block_size) const {
-  kv::KvCacheLayout layout;
-  layout.num_layers = impl_->shard.layer_end - impl_->shard.layer_begin;
-  layout.layer_offset = impl_->shard.layer_begin;
-  layout.num_kv_heads = impl_->kv_heads;
-  layout.kv_head_offset = impl_->kv_head_offset;
-  layout.block_size = block_size;
-  layout.head_dim = impl_->config.head_dim;
-  layout.dtype = kv::KvDType::kF32;
-  return layout;
-}
-
-int64_t LlamaEngine::weight_bytes() const {
-  int64_t floats = impl_->embedding.size() + impl_->final_norm.size() +
-                   impl_->lm_head.size();
-  for (const auto& lw : impl_->layers) {
+int64_t CpuBackend::weight_bytes() const {
+  int64_t floats = embedding.size() + final_norm.size() + lm_head.size();
+  for (const auto& lw : layers) {
     floats += lw.attn_norm.size() + lw.wqkv.size() + lw.wo.size() +
               lw.ffn_norm.size() + lw.w_gate_up.size() + lw.w_down.size();
   }
   return floats * static_cast<int64_t>(sizeof(float));
 }
 
-absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
-    const model::WeightSource& weights, const EngineOptions& options) {
-  auto impl = std::make_unique<Impl>();
-  impl->config = weights.config();
-  PDS_RETURN_IF_ERROR(impl->config.Validate());
-  const model::ModelConfig& c = impl->config;
-  ShardSpec shard = options.shard;
-  if (shard.layer_end < 0) shard.layer_end = c.num_layers;
-  if (shard.layer_begin < 0 || shard.layer_begin >= shard.layer_end ||
-      shard.layer_end > c.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "invalid layer range [", shard.layer_begin, ", ", shard.layer_end,
-        ") for a model of ", c.num_layers, " layers"));
-  }
-  const int tp = shard.tp_size;
-  if (tp <= 0 || shard.tp_rank < 0 || shard.tp_rank >= tp) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "invalid tensor-parallel rank ", shard.tp_rank, " of ", tp));
-  }
-  if (c.num_heads % tp != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor-parallel degree ", tp, " does not divide ",
-                     c.num_heads, " attention heads"));
-  }
-  if (tp <= c.num_kv_heads ? c.num_kv_heads % tp != 0
-                           : tp % c.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor-parallel degree ", tp, " and ", c.num_kv_heads,
-                     " KV heads: one must divide the other"));
-  }
-  if (tp > 1) {
-    if (options.communicator == nullptr) {
-      return absl::InvalidArgumentError(
-          "tensor parallelism needs a communicator");
-    }
-    if (options.communicator->size() != tp ||
-        options.communicator->rank() != shard.tp_rank) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("communicator is rank ", options.communicator->rank(),
-                       " of ", options.communicator->size(), ", shard is rank ",
-                       shard.tp_rank, " of ", tp));
-    }
-  }
-  impl->shard = shard;
-  impl->communicator = options.communicator;
-  const int r = shard.tp_rank;
-  impl->q_heads = c.num_heads / tp;
-  impl->q_head_offset = r * impl->q_heads;
-  if (tp <= c.num_kv_heads) {
-    impl->kv_heads = c.num_kv_heads / tp;
-    impl->kv_head_offset = r * impl->kv_heads;
-  } else {
-    // More ranks than KV heads: each rank keeps a replica of the one KV head
-    // its query heads read.
-    impl->kv_heads = 1;
-    impl->kv_head_offset = impl->q_head_offset / (c.num_heads / c.num_kv_heads);
-  }
-  impl->ffn_begin = int64_t{c.intermediate_size} * r / tp;
-  impl->ffn_end = int64_t{c.intermediate_size} * (r + 1) / tp;
-  impl->vocab_begin = int64_t{c.vocab_size} * r / tp;
-  impl->vocab_end = int64_t{c.vocab_size} * (r + 1) / tp;
-  PDS_RETURN_IF_ERROR(impl->Load(weights));
-  UseSingleThreadedBlas();
-  impl->workers = std::make_unique<ThreadPool>(options.num_threads);
-  return std::unique_ptr<LlamaEngine>(new LlamaEngine(std::move(impl)));
+LlamaEngine::LlamaEngine(std::unique_ptr<EngineBackend> backend, Backend kind)
+    : backend_(std::move(backend)), kind_(kind) {}
+LlamaEngine::~LlamaEngine() = default;
+
+const model::ModelConfig& LlamaEngine::config() const {
+  return backend_->plan().config;
 }
+const ShardSpec& LlamaEngine::shard() const { return backend_->plan().shard; }
+bool LlamaEngine::holds_first_layer() const {
+  return backend_->plan().holds_first();
+}
+bool LlamaEngine::holds_last_layer() const {
+  return backend_->plan().holds_last();
+}
+Backend LlamaEngine::backend() const { return kind_; }
+kv::KvCacheLayout LlamaEngine::KvLayout(int block_size) const {
+  return backend_->plan().KvLayout(block_size, backend_->kv_dtype());
+}
+bool LlamaEngine::kv_on_device() const { return backend_->kv_on_device(); }
+absl::StatusOr<std::unique_ptr<kv::KvPool>> LlamaEngine::CreateKvPool(
+    int block_size, int64_t num_blocks) {
+  return backend_->CreateKvPool(KvLayout(block_size), num_blocks);
+}
+int64_t LlamaEngine::weight_bytes() const { return backend_->weight_bytes(); }
 
 absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                                   ForwardResult* result) {
-  Impl& m = *impl_;
-  PDS_RETURN_IF_ERROR(m.ValidateBatch(batch, pool));
+  return backend_->Forward(batch, pool, result);
+}
+
+absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
+    const model::WeightSource& weights, const EngineOptions& options) {
+  PDS_ASSIGN_OR_RETURN(ShardPlan plan,
+                       ResolveShardPlan(weights.config(), options));
+  std::unique_ptr<EngineBackend> backend;
+  if (options.backend == Backend::kCuda) {
+    PDS_ASSIGN_OR_RETURN(backend,
+                         CreateCudaBackend(weights, options, std::move(plan)));
+  } else {
+    auto cpu = std::make_unique<CpuBackend>();
+    cpu->p = std::move(plan);
+    cpu->communicator = options.communicator;
+    cpu->q_heads = cpu->p.q_heads;
+    cpu->q_head_offset = cpu->p.q_head_offset;
+    cpu->kv_heads = cpu->p.kv_heads;
+    cpu->kv_head_offset = cpu->p.kv_head_offset;
+    cpu->vocab_begin = cpu->p.vocab_begin;
+    cpu->vocab_end = cpu->p.vocab_end;
+    PDS_RETURN_IF_ERROR(cpu->Load(weights));
+    UseSingleThreadedBlas();
+    cpu->workers = std::make_unique<ThreadPool>(options.num_threads);
+    backend = std::move(cpu);
+  }
+  return std::unique_ptr<LlamaEngine>(
+      new LlamaEngine(std::move(backend), options.backend));
+}
+
+absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
+                                 ForwardResult* result) {
+  CpuBackend& m = *this;
+  PDS_RETURN_IF_ERROR(ValidateBatch(p, batch, pool.layout(), pool.num_blocks(),
+                                    kv::KvDType::kF32));
   const model::ModelConfig& c = m.config;
   const int64_t hidden = c.hidden_size;
 
@@ -574,7 +383,7 @@ absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
   m.act.resize(n * f);
 
   for (size_t local = 0; local < m.layers.size(); ++local) {
-    const LayerWeights& lw = m.layers[local];
+    const HostLayerWeights& lw = m.layers[local];
     // Attention block.
     for (int64_t t = 0; t < n; ++t) {
       RmsNorm(m.x.data() + t * hidden, lw.attn_norm.data(), hidden,

@@ -2,6 +2,7 @@
 // status and leave the engine usable.
 #include <gtest/gtest.h>
 
+#include "engine/engine_backend.h"
 #include "engine_test_util.h"
 
 namespace pdserve::engine {
@@ -34,6 +35,30 @@ TEST(EngineBadInputTest, ImpossibleShardsAreRejected) {
     EXPECT_NE(engine.status().message().find(c.expected), std::string::npos)
         << engine.status();
   }
+}
+
+// Asking for the CUDA backend where it cannot run is a precise error, not a
+// silent fall back to the CPU.
+TEST(EngineBadInputTest, CudaBackendWhereItCannotRunIsAPreciseError) {
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  EngineOptions options;
+  options.backend = Backend::kCuda;
+  auto engine = LlamaEngine::Create(*weights, options);
+  if (!CudaBackendCompiled()) {
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_NE(engine.status().message().find("PDSERVE_CUDA"), std::string::npos)
+        << engine.status();
+  } else if (!engine.ok()) {
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition)
+        << engine.status();
+  }
+  // A bad shard is reported as such whatever the backend.
+  options.shard = {3, 2, 0, 1};
+  auto bad = LlamaEngine::Create(*weights, options);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(EngineBadInputTest, BadBatchesAreRejectedAndEngineKeepsWorking) {

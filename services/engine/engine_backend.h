@@ -1,0 +1,44 @@
+// The seam between LlamaEngine (what callers hold) and where its forward pass
+// runs. LlamaEngine::Create picks a backend from EngineOptions::backend; every
+// backend resolves its shard through ShardPlan and validates batches with the
+// same ValidateBatch, so layouts and errors do not depend on the backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/engine_types.h"
+#include "engine/shard_plan.h"
+#include "kv/kv_pool.h"
+#include "model/weight_source.h"
+
+namespace pdserve::engine {
+
+class EngineBackend {
+ public:
+  virtual ~EngineBackend() = default;
+  virtual const ShardPlan& plan() const = 0;
+  // Element type of the KV cache this backend reads and writes.
+  virtual kv::KvDType kv_dtype() const = 0;
+  // True when the KV pool must live in device memory (CreateKvPool makes it).
+  virtual bool kv_on_device() const = 0;
+  virtual int64_t weight_bytes() const = 0;
+  [[nodiscard]] virtual absl::Status Forward(const ForwardBatch& batch,
+                                             kv::KvPool& pool,
+                                             ForwardResult* result) = 0;
+  // A zeroed pool of `num_blocks` in the memory this backend computes on.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<kv::KvPool>>
+  CreateKvPool(const kv::KvCacheLayout& layout, int64_t num_blocks) = 0;
+};
+
+// Defined by the CUDA backend (services/engine_cuda) when built with
+// -DPDSERVE_CUDA=ON; otherwise a stub that returns UNIMPLEMENTED.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(
+    const model::WeightSource& weights, const EngineOptions& options,
+    ShardPlan plan);
+// Whether this binary carries the CUDA backend (a GPU may still be absent).
+bool CudaBackendCompiled();
+
+}  // namespace pdserve::engine

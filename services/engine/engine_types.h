@@ -1,0 +1,92 @@
+// The data types of the engine's interface, shared by every backend (CPU
+// reference, CUDA) and by the code that drives an engine (decode worker,
+// pipeline stage, speculative verifier).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "comm/communicator.h"
+
+namespace pdserve::engine {
+
+struct ShardSpec {
+  int layer_begin = 0;
+  int layer_end = -1;  // -1: through the last layer
+  int tp_rank = 0;
+  int tp_size = 1;
+};
+
+// Where a shard's forward pass runs.
+enum class Backend {
+  kCpu,   // fp32 reference (OpenBLAS + a thread pool); always available
+  kCuda,  // bf16 weights/activations, fp32 accumulation; -DPDSERVE_CUDA=ON
+};
+
+struct CudaOptions {
+  int device = 0;
+  // Replay decode/verify steps from CUDA Graphs (captured per batch bucket).
+  // false = eager launches of the same kernels: the first thing to compare
+  // against when graph output differs.
+  bool use_graphs = true;
+  // Largest batch (sequences) a graph is captured for; bigger steps run eager.
+  int max_graph_batch = 128;
+  // Largest query tokens per sequence a graph covers (1 = decode, γ+1 =
+  // verify). Steps with mixed counts or prefill chunks run eager.
+  int max_graph_tokens_per_sequence = 8;
+  // Largest tokens one Forward may carry (sizes the activation buffers).
+  int max_tokens_per_step = 8192;
+  // Largest sequences one Forward may carry (sizes the block tables).
+  int max_sequences = 256;
+  // Fuse the residual add into the next RMSNorm (one kernel instead of two);
+  // false runs them separately, for measuring the fusion.
+  bool fuse_residual_norm = true;
+  // Keys per attention partition (split-K over the context for decode).
+  int attention_partition = 512;
+};
+
+struct EngineOptions {
+  ShardSpec shard;
+  // Threads for attention and element-wise work, counting the caller
+  // (0 = hardware concurrency). GEMMs use OpenBLAS's own threads. CPU only.
+  int num_threads = 0;
+  // Required when shard.tp_size > 1; not owned. Its rank/size must match.
+  // The CUDA backend reduces device buffers in place when this is a
+  // comm::NcclCommunicator, and stages through host memory otherwise.
+  comm::Communicator* communicator = nullptr;
+  Backend backend = Backend::kCpu;
+  CudaOptions cuda;
+};
+
+// One sequence's share of a forward step.
+struct SequenceStep {
+  // Query token ids; read only when the engine holds layer 0. When it does not,
+  // only the count matters (its hidden states come in ForwardBatch).
+  std::span<const int32_t> tokens;
+  int num_tokens = 0;  // query tokens of this step (== tokens.size() if given)
+  int start_position = 0;  // tokens of this sequence already in the KV cache
+  // Block ids of this sequence, covering positions [0, start_position +
+  // num_tokens).
+  std::span<const int32_t> block_table;
+  // Query indices (0-based within this step, ascending) that need logits;
+  // ignored unless the engine holds the last layer.
+  std::vector<int> logit_indices;
+};
+
+struct ForwardBatch {
+  std::vector<SequenceStep> sequences;
+  // Hidden states of every query token, sequences concatenated in order,
+  // [total_tokens, hidden]; required iff the engine does not hold layer 0.
+  std::span<const float> hidden_in;
+};
+
+struct ForwardResult {
+  // [total_tokens, hidden]; filled iff the engine does not hold the last layer.
+  std::vector<float> hidden_out;
+  // [rows, vocab]: one row per requested logit index, sequences in order.
+  std::vector<float> logits;
+  int num_logit_rows = 0;
+};
+
+}  // namespace pdserve::engine

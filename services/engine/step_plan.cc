@@ -1,0 +1,158 @@
+#include "engine/step_plan.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::engine {
+
+std::vector<int> GraphBatchBuckets(int max_batch) {
+  std::vector<int> buckets;
+  for (int b = 1; b < max_batch; b *= 2) buckets.push_back(b);
+  if (max_batch >= 1) buckets.push_back(max_batch);
+  return buckets;
+}
+
+std::optional<int> BucketFor(int batch, std::span<const int> buckets) {
+  for (int b : buckets) {
+    if (b >= batch) return b;
+  }
+  return std::nullopt;
+}
+
+std::optional<GraphShape> GraphShapeFor(const ForwardBatch& batch,
+                                        const CudaOptions& options,
+                                        bool holds_all_layers,
+                                        std::span<const int> buckets) {
+  if (!options.use_graphs || !holds_all_layers || batch.sequences.empty()) {
+    return std::nullopt;
+  }
+  const int q = batch.sequences.front().num_tokens;
+  if (q < 1 || q > options.max_graph_tokens_per_sequence) return std::nullopt;
+  for (const SequenceStep& seq : batch.sequences) {
+    if (seq.num_tokens != q ||
+        seq.logit_indices.size() != static_cast<size_t>(q)) {
+      return std::nullopt;
+    }
+    // Ascending and below q (validated), so q of them means 0..q-1.
+  }
+  const std::optional<int> bucket =
+      BucketFor(static_cast<int>(batch.sequences.size()), buckets);
+  if (!bucket) return std::nullopt;
+  return GraphShape{*bucket, q};
+}
+
+StepMetadataLayout StepMetadataLayout::For(int max_tokens, int max_sequences,
+                                           int max_blocks_per_sequence) {
+  StepMetadataLayout l;
+  l.max_tokens = max_tokens;
+  l.max_sequences = max_sequences;
+  l.max_blocks_per_sequence = max_blocks_per_sequence;
+  int64_t at = 0;
+  // 4-element alignment (16 bytes) for every array.
+  auto take = [&](int64_t count) {
+    const int64_t offset = at;
+    at += (count + 3) / 4 * 4;
+    return offset;
+  };
+  l.header = take(3);
+  l.tokens = take(max_tokens);
+  l.positions = take(max_tokens);
+  l.slots = take(max_tokens);
+  l.token_sequence = take(max_tokens);
+  l.block_tables = take(int64_t{max_sequences} * max_blocks_per_sequence);
+  l.logit_rows = take(max_tokens);
+  l.total = at;
+  return l;
+}
+
+absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
+                              const StepMetadataLayout& layout,
+                              const std::optional<GraphShape>& graph,
+                              std::span<int32_t> out, StepCounts* counts) {
+  if (static_cast<int64_t>(out.size()) < layout.total) {
+    return absl::InvalidArgumentError("step metadata buffer too small");
+  }
+  const int real_sequences = static_cast<int>(batch.sequences.size());
+  const int num_sequences = graph ? graph->batch : real_sequences;
+  int64_t real_tokens = 0;
+  int64_t real_rows = 0;
+  int64_t longest_blocks = 0;
+  for (const SequenceStep& seq : batch.sequences) {
+    real_tokens += seq.num_tokens;
+    real_rows += static_cast<int64_t>(seq.logit_indices.size());
+    longest_blocks = std::max<int64_t>(
+        longest_blocks,
+        (int64_t{seq.start_position} + seq.num_tokens + block_size - 1) /
+            block_size);
+  }
+  const int64_t num_tokens =
+      graph ? int64_t{graph->batch} * graph->tokens_per_sequence : real_tokens;
+  if (graph &&
+      (real_sequences > graph->batch ||
+       real_tokens != int64_t{real_sequences} * graph->tokens_per_sequence)) {
+    return absl::InvalidArgumentError(
+        "batch does not match the graph shape it was bucketed to");
+  }
+  if (num_tokens > layout.max_tokens || num_sequences > layout.max_sequences ||
+      longest_blocks > layout.max_blocks_per_sequence) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step of ", num_tokens, " tokens, ", num_sequences, " sequences, ",
+        longest_blocks, " blocks per sequence exceeds the engine's capacity (",
+        layout.max_tokens, " tokens, ", layout.max_sequences, " sequences, ",
+        layout.max_blocks_per_sequence, " blocks)"));
+  }
+  int32_t* tokens = out.data() + layout.tokens;
+  int32_t* positions = out.data() + layout.positions;
+  int32_t* slots = out.data() + layout.slots;
+  int32_t* token_sequence = out.data() + layout.token_sequence;
+  int32_t* tables = out.data() + layout.block_tables;
+  int32_t* logit_rows = out.data() + layout.logit_rows;
+
+  int64_t t = 0, row = 0;
+  for (int s = 0; s < real_sequences; ++s) {
+    const SequenceStep& seq = batch.sequences[s];
+    const int64_t first = t;
+    int32_t* table = tables + int64_t{s} * layout.max_blocks_per_sequence;
+    const int64_t blocks =
+        (int64_t{seq.start_position} + seq.num_tokens + block_size - 1) /
+        block_size;
+    std::copy_n(seq.block_table.begin(), blocks, table);
+    std::fill(table + blocks, table + layout.max_blocks_per_sequence, 0);
+    for (int i = 0; i < seq.num_tokens; ++i, ++t) {
+      const int position = seq.start_position + i;
+      tokens[t] = seq.tokens.empty() ? 0 : seq.tokens[i];
+      positions[t] = position;
+      slots[t] = seq.block_table[position / block_size] * block_size +
+                 position % block_size;
+      token_sequence[t] = s;
+    }
+    for (int index : seq.logit_indices) {
+      logit_rows[row++] = static_cast<int32_t>(first + index);
+    }
+  }
+  // Padding sequences (graph replays only): harmless work whose results are
+  // dropped. They read block 0 and write nothing.
+  for (int s = real_sequences; s < num_sequences; ++s) {
+    int32_t* table = tables + int64_t{s} * layout.max_blocks_per_sequence;
+    std::fill(table, table + layout.max_blocks_per_sequence, 0);
+    for (int i = 0; i < graph->tokens_per_sequence; ++i, ++t) {
+      tokens[t] = 0;
+      positions[t] = i;
+      slots[t] = -1;
+      token_sequence[t] = s;
+      logit_rows[row++] = static_cast<int32_t>(t);
+    }
+  }
+  int32_t* header = out.data() + layout.header;
+  header[0] = static_cast<int32_t>(num_tokens);
+  header[1] = num_sequences;
+  header[2] = static_cast<int32_t>(row);
+  counts->num_tokens = static_cast<int>(num_tokens);
+  counts->num_sequences = num_sequences;
+  counts->num_logit_rows = static_cast<int>(row);
+  counts->real_logit_rows = static_cast<int>(real_rows);
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::engine

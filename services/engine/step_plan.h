@@ -1,0 +1,87 @@
+// Host side of a CUDA step: which CUDA Graph (if any) a batch can replay, and
+// the per-step metadata (token ids, positions, KV slots, block tables, logit
+// rows) packed into one int32 buffer with a fixed layout. The backend uploads
+// that buffer with one copy into fixed-address device memory before a graph
+// replay or an eager launch, so captured kernels read every per-step quantity
+// from the same addresses on each replay.
+//
+// Pure C++: unit-tested on the CPU machine; the kernels that read the buffer
+// are in services/engine_cuda.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/engine_types.h"
+
+namespace pdserve::engine {
+
+// Batch sizes graphs are captured for: 1, 2, 4, ... below max_batch, then
+// max_batch itself. Empty when max_batch < 1.
+std::vector<int> GraphBatchBuckets(int max_batch);
+
+// The smallest bucket >= batch, or nullopt when batch exceeds every bucket.
+std::optional<int> BucketFor(int batch, std::span<const int> buckets);
+
+// One captured graph: `batch` sequences (a bucket; real ones first, the rest
+// padding), each with `tokens_per_sequence` query tokens that all need logits
+// (1 = a decode step, γ+1 = a speculative verify).
+struct GraphShape {
+  int batch = 0;
+  int tokens_per_sequence = 0;
+  bool operator==(const GraphShape&) const = default;
+};
+
+// The graph a step can replay, or nullopt when it must run eager: graphs off,
+// an engine that does not hold every layer, mixed query counts, more than
+// max_graph_tokens_per_sequence tokens, a sequence that does not want logits
+// at every query index, or more sequences than the largest bucket.
+std::optional<GraphShape> GraphShapeFor(const ForwardBatch& batch,
+                                        const CudaOptions& options,
+                                        bool holds_all_layers,
+                                        std::span<const int> buckets);
+
+// Where each array lives in the packed int32 buffer, sized for the largest
+// step (capacity), so offsets never move.
+struct StepMetadataLayout {
+  int max_tokens = 0;
+  int max_sequences = 0;
+  int max_blocks_per_sequence = 0;
+
+  // Offsets in int32 elements.
+  int64_t header = 0;          // [num_tokens, num_sequences, num_logit_rows]
+  int64_t tokens = 0;          // [max_tokens] token ids (0 when hidden_in)
+  int64_t positions = 0;       // [max_tokens] position of each query token
+  int64_t slots = 0;           // [max_tokens] block * block_size + slot; -1:
+                               // padding, write no KV
+  int64_t token_sequence = 0;  // [max_tokens] sequence (block-table row)
+  int64_t block_tables = 0;    // [max_sequences][max_blocks_per_sequence]
+  int64_t logit_rows = 0;      // [max_tokens] token index of each logit row
+  int64_t total = 0;           // int32 elements in all
+
+  static StepMetadataLayout For(int max_tokens, int max_sequences,
+                                int max_blocks_per_sequence);
+};
+
+// What FillStepMetadata produced.
+struct StepCounts {
+  int num_tokens = 0;       // incl. padding
+  int num_sequences = 0;    // incl. padding
+  int num_logit_rows = 0;   // incl. padding rows
+  int real_logit_rows = 0;  // the caller's rows (a prefix of the logit rows)
+};
+
+// Packs `batch` (already validated) into `out` (layout.total elements).
+// With `graph`, pads to graph->batch sequences of graph->tokens_per_sequence
+// tokens each: padding tokens have id 0, positions 0.., slot -1 (their K/V
+// is not written), block-table rows of block 0, and logit rows (discarded).
+// INVALID_ARGUMENT when the batch does not fit the layout's capacity.
+[[nodiscard]] absl::Status FillStepMetadata(
+    const ForwardBatch& batch, int block_size, const StepMetadataLayout& layout,
+    const std::optional<GraphShape>& graph, std::span<int32_t> out,
+    StepCounts* counts);
+
+}  // namespace pdserve::engine

@@ -1,0 +1,111 @@
+// Launchers of the CUDA backend's kernels. Every pointer is device memory;
+// bf16 tensors are passed as uint16_t (bit patterns) so this header needs no
+// CUDA includes. Each launcher enqueues on `stream` and returns the launch
+// error (cudaGetLastError) as a status; none synchronizes, so all of them
+// can be captured into a CUDA Graph.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "engine/attention_math.h"  // PDS_HOST_DEVICE
+
+struct CUstream_st;
+
+namespace pdserve::engine::cuda {
+
+using Stream = CUstream_st*;
+
+// x[t] = embedding[token[t] - vocab_begin] (f32), or zeros when the token is
+// outside this rank's vocab rows (the TP all-reduce then sums the shards).
+absl::Status LaunchEmbed(const uint16_t* embedding, int64_t vocab_begin,
+                         int64_t vocab_rows, int hidden, const int32_t* tokens,
+                         int num_tokens, float* x, Stream stream);
+
+// out[t] = bf16(x[t] * rsqrt(mean(x[t]^2) + eps) * weight). When `residual`
+// is given, x[t] += residual[t] first and is written back (the fused
+// residual add).
+absl::Status LaunchRmsNorm(float* x, const float* residual, const float* weight,
+                           float eps, int hidden, int num_rows, uint16_t* out,
+                           Stream stream);
+
+// x += delta (f32), element-wise over count elements.
+absl::Status LaunchAdd(float* x, const float* delta, int64_t count,
+                       Stream stream);
+
+// The paged KV cache of one pool: [block][layer][k|v][head][slot][head_dim]
+// in bf16 (kv::KvCacheLayout).
+struct KvCacheView {
+  uint16_t* base = nullptr;
+  int block_size = 0;
+  int head_dim = 0;
+  int num_kv_heads = 0;
+  int num_layers = 0;
+  PDS_HOST_DEVICE int64_t head_stride() const {
+    return int64_t{block_size} * head_dim;
+  }
+  PDS_HOST_DEVICE int64_t kv_stride() const {
+    return head_stride() * num_kv_heads;
+  }
+  PDS_HOST_DEVICE int64_t layer_stride() const { return kv_stride() * 2; }
+  PDS_HOST_DEVICE int64_t block_stride() const {
+    return layer_stride() * num_layers;
+  }
+};
+
+// Rotates q and k of every token by its position (rotate-half RoPE from the
+// f32 cos/sin tables [max_position, head_dim/2]), in place in `qkv`
+// ([tokens][q_heads + 2 kv_heads][head_dim], f32), and writes k and v to the
+// cache at slots[t] (block * block_size + slot; -1 writes nothing).
+absl::Status LaunchRopeWriteKv(float* qkv, int num_tokens, int q_heads,
+                               const int32_t* positions, const int32_t* slots,
+                               const float* rope_cos, const float* rope_sin,
+                               const KvCacheView& cache, int layer,
+                               Stream stream);
+
+// Paged attention for every query token: token t (sequence token_sequence[t],
+// position positions[t]) attends causally to keys [0, positions[t]] through
+// its block-table row. Split-K: `partitions` pieces of `partition` keys each
+// produce an online-softmax run in `partials` ([tokens][q_heads][partitions]
+// [head_dim + 2] f32), which a second kernel merges into `out` ([tokens]
+// [q_heads * head_dim], bf16). q_head h reads pool KV head
+// (q_head_offset + h) / group - kv_head_offset.
+struct AttentionArgs {
+  const float* qkv = nullptr;
+  int num_tokens = 0;
+  int q_heads = 0;
+  int q_head_offset = 0;
+  int group = 1;  // query heads per KV head in the model
+  int kv_head_offset = 0;
+  const int32_t* positions = nullptr;
+  const int32_t* token_sequence = nullptr;
+  const int32_t* block_tables = nullptr;
+  int max_blocks_per_sequence = 0;
+  KvCacheView cache;
+  int layer = 0;
+  int partition = 0;   // keys per partition
+  int partitions = 1;  // partitions per token (grid size; empty ones skip)
+  float* partials = nullptr;
+  uint16_t* out = nullptr;
+};
+absl::Status LaunchPagedAttention(const AttentionArgs& args, Stream stream);
+
+// act[t][i] = bf16(silu(gate_up[t][i]) * gate_up[t][ffn + i]).
+absl::Status LaunchSwiGlu(const float* gate_up, int num_tokens, int64_t ffn,
+                          uint16_t* act, Stream stream);
+
+// out[r] = x[rows[r]] (f32 rows of `hidden`).
+absl::Status LaunchGatherRows(const float* x, const int32_t* rows, int num_rows,
+                              int hidden, float* out, Stream stream);
+
+// out[r] = argmax_j logits[r][j] (lowest index on ties), for greedy sampling
+// without copying logits to the host.
+absl::Status LaunchArgmaxRows(const float* logits, int num_rows, int vocab,
+                              int32_t* out, Stream stream);
+
+// Host-side bf16 conversion of a weight tensor happens in the loader; this
+// converts on the device (f32 -> bf16, round to nearest even).
+absl::Status LaunchF32ToBf16(const float* in, int64_t count, uint16_t* out,
+                             Stream stream);
+
+}  // namespace pdserve::engine::cuda
