@@ -79,6 +79,10 @@ struct ForwardBatch {
   // Hidden states of every query token, sequences concatenated in order,
   // [total_tokens, hidden]; required iff the engine does not hold layer 0.
   std::span<const float> hidden_in;
+  // The caller needs only each logit row's argmax (greedy decoding without
+  // log-probabilities): ForwardResult::logits may then be left empty, which
+  // saves the CUDA backend copying [rows, vocab] floats to the host.
+  bool argmax_only = false;
 };
 
 struct ForwardResult {
@@ -86,6 +90,8 @@ struct ForwardResult {
   std::vector<float> hidden_out;
   // [rows, vocab]: one row per requested logit index, sequences in order.
   std::vector<float> logits;
+  // Per logit row, the index of its largest logit (the lowest on ties).
+  std::vector<int32_t> argmax;
   int num_logit_rows = 0;
 };
 

@@ -303,7 +303,19 @@ int64_t LlamaEngine::weight_bytes() const { return backend_->weight_bytes(); }
 
 absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                                   ForwardResult* result) {
-  return backend_->Forward(batch, pool, result);
+  result->argmax.clear();
+  PDS_RETURN_IF_ERROR(backend_->Forward(batch, pool, result));
+  // Backends that do not pick the argmax on their device get it here.
+  if (result->argmax.empty() && !result->logits.empty()) {
+    const int64_t vocab = config().vocab_size;
+    result->argmax.resize(result->num_logit_rows);
+    for (int r = 0; r < result->num_logit_rows; ++r) {
+      const float* row = result->logits.data() + r * vocab;
+      result->argmax[r] =
+          static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(

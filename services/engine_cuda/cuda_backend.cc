@@ -249,7 +249,7 @@ class CudaBackend final : public EngineBackend {
 
   // Activations, sized for options_.max_tokens_per_step.
   DeviceBuffer x_, normed_, qkv_, attn_out_, proj_, gate_up_, act_;
-  DeviceBuffer partials_, gathered_, logits_;
+  DeviceBuffer partials_, gathered_, logits_, argmax_;
   std::vector<float> host_reduce_;  // staging for non-NCCL communicators
 
   // Step metadata (fixed addresses; graphs read them on replay).
@@ -344,6 +344,8 @@ absl::Status CudaBackend::Init(const model::WeightSource& weights) {
         int64_t{max_logit_rows_} * hidden * 4, "logit rows"));
     PDS_RETURN_IF_ERROR(logits_.Allocate(
         int64_t{max_logit_rows_} * c.vocab_size * 4, "logits"));
+    PDS_RETURN_IF_ERROR(
+        argmax_.Allocate(int64_t{max_logit_rows_} * 4, "argmax"));
   }
   return absl::OkStatus();
 }
@@ -609,7 +611,11 @@ absl::Status CudaBackend::RunStep(int n, int num_logit_rows, int partition,
   PDS_RETURN_IF_ERROR(Gemm(normed, num_logit_rows, hidden, lm_head_,
                            plan_.vocab_rows(), logits + plan_.vocab_begin,
                            vocab));
-  return AllReduce(logits, int64_t{num_logit_rows} * vocab);
+  PDS_RETURN_IF_ERROR(AllReduce(logits, int64_t{num_logit_rows} * vocab));
+  // Greedy picks on the device: a caller that needs only them copies
+  // rows x 4 bytes instead of rows x vocab x 4.
+  return cuda::LaunchArgmaxRows(logits, num_logit_rows, c.vocab_size,
+                                argmax_.as<int32_t>(), s);
 }
 
 absl::StatusOr<cudaGraphExec_t> CudaBackend::GraphFor(const GraphShape& shape) {
@@ -701,11 +707,18 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                    "download hidden states"));
   } else if (counts.real_logit_rows > 0) {
     result->num_logit_rows = counts.real_logit_rows;
-    result->logits.resize(int64_t{counts.real_logit_rows} * c.vocab_size);
+    result->argmax.resize(counts.real_logit_rows);
     PDS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(result->logits.data(), logits_.as<void>(),
-                        result->logits.size() * 4, cudaMemcpyDeviceToHost, s),
-        "download logits"));
+        cudaMemcpyAsync(result->argmax.data(), argmax_.as<void>(),
+                        result->argmax.size() * 4, cudaMemcpyDeviceToHost, s),
+        "download argmax"));
+    if (!batch.argmax_only) {
+      result->logits.resize(int64_t{counts.real_logit_rows} * c.vocab_size);
+      PDS_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(result->logits.data(), logits_.as<void>(),
+                          result->logits.size() * 4, cudaMemcpyDeviceToHost, s),
+          "download logits"));
+    }
   }
   return CudaStatus(cudaStreamSynchronize(s), "CUDA step");
 }

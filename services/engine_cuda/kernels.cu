@@ -68,9 +68,9 @@ __device__ float BlockSum(float v) {
 
 // ---------------------------------------------------------------------------
 
-__global__ void EmbedKernel(const __nv_bfloat16* embedding,
-                            int64_t vocab_begin, int64_t vocab_rows,
-                            int hidden, const int32_t* tokens, float* x) {
+__global__ void EmbedKernel(const __nv_bfloat16* embedding, int64_t vocab_begin,
+                            int64_t vocab_rows, int hidden,
+                            const int32_t* tokens, float* x) {
   const int t = blockIdx.x;
   const int64_t local = tokens[t] - vocab_begin;
   float* row = x + int64_t{t} * hidden;
@@ -148,7 +148,8 @@ __global__ void RopeWriteKvKernel(float* qkv, int q_heads,
   const int kv_head = head - q_heads;
   const int64_t block = slot_index / cache.block_size;
   const int slot = slot_index % cache.block_size;
-  const int64_t at = block * cache.block_stride() + layer * cache.layer_stride() +
+  const int64_t at = block * cache.block_stride() +
+                     layer * cache.layer_stride() +
                      kv_head * cache.head_stride() + int64_t{slot} * hd;
   __nv_bfloat16* k = AsBf16(cache.base) + at;
   __nv_bfloat16* v = k + cache.kv_stride();
@@ -191,8 +192,8 @@ __global__ void PagedAttentionKernel(AttentionArgs a, float scale) {
   for (int d = lane; d < hd; d += kWarp) q_shared[warp][d] = q[d] * scale;
   __syncwarp();
   const int kv_head = (a.q_head_offset + h) / a.group - a.kv_head_offset;
-  const int32_t* table = a.block_tables +
-                         int64_t{a.token_sequence[t]} * a.max_blocks_per_sequence;
+  const int32_t* table =
+      a.block_tables + int64_t{a.token_sequence[t]} * a.max_blocks_per_sequence;
   const __nv_bfloat16* base = AsBf16(cache.base) +
                               int64_t{a.layer} * cache.layer_stride() +
                               int64_t{kv_head} * cache.head_stride();
@@ -205,9 +206,9 @@ __global__ void PagedAttentionKernel(AttentionArgs a, float scale) {
     const int k = tile + lane;
     float score = -INFINITY;
     if (k < end) {
-      const __nv_bfloat16* key =
-          base + int64_t{table[k / bs]} * cache.block_stride() +
-          int64_t{k % bs} * hd;
+      const __nv_bfloat16* key = base +
+                                 int64_t{table[k / bs]} * cache.block_stride() +
+                                 int64_t{k % bs} * hd;
       const __nv_bfloat162* key2 = reinterpret_cast<const __nv_bfloat162*>(key);
       float dot = 0.0f;
       for (int d = 0; d < hd / 2; ++d) {
@@ -257,8 +258,8 @@ __global__ void MergePartitionsKernel(AttentionArgs a) {
   const int t = blockIdx.y;
   const int d = threadIdx.x;
   const int hd = a.cache.head_dim;
-  const int used = min(a.partitions, NumPartitions(a.positions[t] + 1,
-                                                   a.partition));
+  const int used =
+      min(a.partitions, NumPartitions(a.positions[t] + 1, a.partition));
   const float* partial =
       a.partials + (int64_t{t} * a.q_heads + h) * a.partitions * (hd + 2);
   float max_score = -INFINITY;
@@ -278,8 +279,8 @@ __global__ void MergePartitionsKernel(AttentionArgs a) {
   }
 }
 
-__global__ void SwiGluKernel(const float* gate_up, int64_t tokens,
-                             int64_t ffn, __nv_bfloat16* act) {
+__global__ void SwiGluKernel(const float* gate_up, int64_t tokens, int64_t ffn,
+                             __nv_bfloat16* act) {
   const int64_t count = tokens * ffn;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        idx < count; idx += int64_t{gridDim.x} * blockDim.x) {
@@ -298,8 +299,7 @@ __global__ void GatherRowsKernel(const float* x, const int32_t* rows,
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) target[i] = source[i];
 }
 
-__global__ void ArgmaxRowsKernel(const float* logits, int vocab,
-                                 int32_t* out) {
+__global__ void ArgmaxRowsKernel(const float* logits, int vocab, int32_t* out) {
   __shared__ float best_values[1024];
   __shared__ int best_indices[1024];
   const float* row = logits + int64_t{blockIdx.x} * vocab;
@@ -355,14 +355,14 @@ int NormThreads(int hidden) {
 absl::Status LaunchEmbed(const uint16_t* embedding, int64_t vocab_begin,
                          int64_t vocab_rows, int hidden, const int32_t* tokens,
                          int num_tokens, float* x, Stream stream) {
-  EmbedKernel<<<num_tokens, 256, 0, stream>>>(
-      AsBf16(embedding), vocab_begin, vocab_rows, hidden, tokens, x);
+  EmbedKernel<<<num_tokens, 256, 0, stream>>>(AsBf16(embedding), vocab_begin,
+                                              vocab_rows, hidden, tokens, x);
   return LaunchStatus("embed");
 }
 
-absl::Status LaunchRmsNorm(float* x, const float* residual,
-                           const float* weight, float eps, int hidden,
-                           int num_rows, uint16_t* out, Stream stream) {
+absl::Status LaunchRmsNorm(float* x, const float* residual, const float* weight,
+                           float eps, int hidden, int num_rows, uint16_t* out,
+                           Stream stream) {
   RmsNormKernel<<<num_rows, NormThreads(hidden), 0, stream>>>(
       x, residual, weight, eps, hidden, AsBf16(out));
   return LaunchStatus("rms_norm");
@@ -409,9 +409,8 @@ absl::Status LaunchSwiGlu(const float* gate_up, int num_tokens, int64_t ffn,
   return LaunchStatus("swiglu");
 }
 
-absl::Status LaunchGatherRows(const float* x, const int32_t* rows,
-                              int num_rows, int hidden, float* out,
-                              Stream stream) {
+absl::Status LaunchGatherRows(const float* x, const int32_t* rows, int num_rows,
+                              int hidden, float* out, Stream stream) {
   GatherRowsKernel<<<num_rows, 256, 0, stream>>>(x, rows, hidden, out);
   return LaunchStatus("gather_rows");
 }

@@ -74,5 +74,30 @@ TEST(LayoutAgreementTest, GgufAndSafetensorsGiveTheSameLogits) {
   }
 }
 
+TEST(ForwardResultTest, ArgmaxOfEveryLogitRowIsFilled) {
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto engine = MakeEngine(*weights);
+  auto pool = MakePool(*engine, 16, 4);
+  const auto prompt = pdserve::testing::LoadGoldenCases()[0].prompt_ids;
+  const auto table = testing_util::IdentityBlockTable(4);
+  ForwardBatch batch;
+  SequenceStep step;
+  step.tokens = prompt;
+  step.num_tokens = static_cast<int>(prompt.size());
+  step.block_table = table;
+  step.logit_indices = {0, step.num_tokens - 1};
+  batch.sequences.push_back(step);
+  batch.argmax_only = true;  // a hint: the CPU backend keeps its logits
+  ForwardResult result;
+  ASSERT_TRUE(engine->Forward(batch, *pool, &result).ok());
+  ASSERT_EQ(result.argmax.size(), 2u);
+  const int vocab = weights->config().vocab_size;
+  for (int r = 0; r < 2; ++r) {
+    const float* row = result.logits.data() + r * vocab;
+    EXPECT_EQ(result.argmax[r], std::max_element(row, row + vocab) - row);
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::engine

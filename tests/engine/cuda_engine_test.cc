@@ -1,0 +1,396 @@
+// The CUDA backend against the fp32 CPU reference (label `gpu`; every test
+// skips where no GPU is visible). bf16 weights and activations move logits by
+// O(1e-2): logits are compared within that tolerance, greedy tokens exactly on
+// the goldens, and any greedy flip is reported with the reference's top-2
+// margin at that position.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "comm/communicator.h"
+#include "engine/engine_backend.h"
+#include "engine_test_util.h"
+
+namespace pdserve::engine {
+namespace {
+
+using testing_util::IdentityBlockTable;
+using testing_util::MaxRelativeError;
+using testing_util::OpenStories;
+
+// bf16 has an 8-bit mantissa (relative step 2^-8 = 0.4 %); through 5 layers
+// and the lm_head the logits of stories260K stay within a few percent.
+constexpr double kBf16LogitTolerance = 3e-2;
+
+bool GpuVisible() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return devices > 0;
+}
+
+#define SKIP_WITHOUT_GPU()                             \
+  if (!GpuVisible()) GTEST_SKIP() << "no GPU visible"; \
+  static_assert(true)
+
+std::unique_ptr<LlamaEngine> MakeCudaEngine(
+    const model::WeightSource& weights, CudaOptions cuda = {},
+    ShardSpec shard = {}, comm::Communicator* communicator = nullptr) {
+  EngineOptions options;
+  options.backend = Backend::kCuda;
+  options.cuda = cuda;
+  options.cuda.max_tokens_per_step = 1024;
+  options.shard = shard;
+  options.communicator = communicator;
+  auto engine = LlamaEngine::Create(weights, options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+std::unique_ptr<kv::KvPool> MakeDevicePool(LlamaEngine& engine, int block_size,
+                                           int64_t blocks) {
+  auto pool = engine.CreateKvPool(block_size, blocks);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? std::move(pool).value() : nullptr;
+}
+
+CudaOptions Eager() {
+  CudaOptions options;
+  options.use_graphs = false;
+  return options;
+}
+
+// One step of `sequences`: sequence s continues at positions[s] with tokens
+// [s] (all of whose rows want logits). Returns the logits.
+std::vector<float> Step(LlamaEngine& engine, kv::KvPool& pool,
+                        const std::vector<std::vector<int32_t>>& tokens,
+                        const std::vector<int>& positions,
+                        const std::vector<std::vector<int32_t>>& tables) {
+  ForwardBatch batch;
+  for (size_t s = 0; s < tokens.size(); ++s) {
+    SequenceStep step;
+    step.tokens = tokens[s];
+    step.num_tokens = static_cast<int>(tokens[s].size());
+    step.start_position = positions[s];
+    step.block_table = tables[s];
+    for (int i = 0; i < step.num_tokens; ++i) step.logit_indices.push_back(i);
+    batch.sequences.push_back(step);
+  }
+  ForwardResult result;
+  const absl::Status status = engine.Forward(batch, pool, &result);
+  EXPECT_TRUE(status.ok()) << status;
+  return result.logits;
+}
+
+int32_t Argmax(const float* row, int vocab) {
+  return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+}
+
+TEST(CudaEngineTest, GoldenGreedyTokensWithGraphsOnAndOff) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  for (bool graphs : {true, false}) {
+    CudaOptions cuda;
+    cuda.use_graphs = graphs;
+    auto engine = MakeCudaEngine(*weights, cuda);
+    ASSERT_NE(engine, nullptr);
+    int cases = 0, exact = 0;
+    for (const char* file : {"golden.jsonl", "golden_long.jsonl"}) {
+      for (const auto& golden : pdserve::testing::LoadGoldenCases(file)) {
+        auto pool = MakeDevicePool(*engine, 16, 64);
+        ASSERT_NE(pool, nullptr);
+        const auto tokens = testing_util::GreedyGenerate(
+            *engine, *pool, golden.prompt_ids, golden.max_new_tokens);
+        ++cases;
+        if (tokens == golden.greedy_ids) {
+          ++exact;
+          continue;
+        }
+        size_t flip = 0;
+        while (flip < tokens.size() && flip < golden.greedy_ids.size() &&
+               tokens[flip] == golden.greedy_ids[flip]) {
+          ++flip;
+        }
+        ADD_FAILURE() << (graphs ? "graphs" : "eager") << ", " << file
+                      << ": greedy flip at generated token " << flip << " of \""
+                      << golden.prompt
+                      << "\" (golden's smallest top-2 margin over the "
+                         "continuation: "
+                      << golden.min_top2_margin << ")";
+      }
+    }
+    std::printf("[ cuda     ] %s: %d/%d golden continuations exact\n",
+                graphs ? "graphs" : "eager", exact, cases);
+  }
+}
+
+TEST(CudaEngineTest, PromptLogitsWithinBf16ToleranceOfCpuReference) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto cpu = testing_util::MakeEngine(*weights);
+  auto gpu = MakeCudaEngine(*weights);
+  ASSERT_NE(gpu, nullptr);
+  const auto prompt =
+      pdserve::testing::LoadGoldenCases("golden_long.jsonl")[0].prompt_ids;
+  const auto table = IdentityBlockTable(64);
+  auto cpu_pool = testing_util::MakePool(*cpu, 16, 64);
+  auto gpu_pool = MakeDevicePool(*gpu, 16, 64);
+  for (int chunk : {0, 7}) {  // one chunk, and chunks of 7 tokens
+    const auto expected =
+        testing_util::PrefillAllLogits(*cpu, *cpu_pool, prompt, table, chunk);
+    const auto actual =
+        testing_util::PrefillAllLogits(*gpu, *gpu_pool, prompt, table, chunk);
+    ASSERT_EQ(actual.size(), expected.size());
+    double worst = 0;
+    for (size_t t = 0; t < actual.size(); ++t) {
+      worst = std::max(worst, MaxRelativeError(actual[t], expected[t]));
+    }
+    std::printf(
+        "[ cuda     ] chunk %d: worst logit error %.2e of max |logit|\n", chunk,
+        worst);
+    EXPECT_LT(worst, kBf16LogitTolerance) << "chunk " << chunk;
+  }
+}
+
+// Decode and verify steps of a ragged batch (3 sequences, padded to the
+// graph bucket of 4) through graphs equal the eager launches, and every
+// sequence's rows equal running it alone.
+TEST(CudaEngineTest, GraphReplayEqualsEagerAndBatchingEqualsAlone) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto graphed = MakeCudaEngine(*weights);
+  auto eager = MakeCudaEngine(*weights, Eager());
+  auto alone = MakeCudaEngine(*weights, Eager());
+  ASSERT_TRUE(graphed && eager && alone);
+  const int vocab = weights->config().vocab_size;
+  const auto cases = pdserve::testing::LoadGoldenCases();
+  ASSERT_GE(cases.size(), 3u);
+  std::vector<std::vector<int32_t>> prompts, tables;
+  for (int s = 0; s < 3; ++s) {
+    prompts.push_back(cases[s].prompt_ids);
+    tables.push_back(IdentityBlockTable(8, 8 * s));
+  }
+  auto pool_g = MakeDevicePool(*graphed, 16, 32);
+  auto pool_e = MakeDevicePool(*eager, 16, 32);
+  auto pool_a = MakeDevicePool(*alone, 16, 32);
+  std::vector<int> positions(3, 0);
+  // Prefill (eager in both: mixed lengths).
+  Step(*graphed, *pool_g, prompts, positions, tables);
+  Step(*eager, *pool_e, prompts, positions, tables);
+  for (int s = 0; s < 3; ++s) {
+    Step(*alone, *pool_a, {prompts[s]}, {0}, {tables[s]});
+    positions[s] = static_cast<int>(prompts[s].size());
+  }
+  std::vector<std::vector<int32_t>> next = {{5}, {6}, {7}};
+  for (int step = 0; step < 6; ++step) {
+    if (step == 4) next = {{5, 6, 7}, {8, 9, 10}, {11, 12, 13}};  // verify
+    const auto g = Step(*graphed, *pool_g, next, positions, tables);
+    const auto e = Step(*eager, *pool_e, next, positions, tables);
+    ASSERT_EQ(g.size(), e.size());
+    EXPECT_LT(MaxRelativeError(g, e), 1e-3) << "step " << step;
+    size_t row = 0;
+    for (int s = 0; s < 3; ++s) {
+      const auto a =
+          Step(*alone, *pool_a, {next[s]}, {positions[s]}, {tables[s]});
+      const std::vector<float> batched(
+          e.begin() + row * vocab, e.begin() + (row + next[s].size()) * vocab);
+      EXPECT_LT(MaxRelativeError(batched, a), 1e-3)
+          << "step " << step << " sequence " << s;
+      for (size_t i = 0; i < next[s].size(); ++i) {
+        EXPECT_EQ(Argmax(g.data() + (row + i) * vocab, vocab),
+                  Argmax(a.data() + i * vocab, vocab));
+      }
+      row += next[s].size();
+      positions[s] += static_cast<int>(next[s].size());
+    }
+  }
+}
+
+// Greedy picks made on the device equal the argmax of the copied logits, and
+// argmax_only leaves the logits on the device.
+TEST(CudaEngineTest, DeviceArgmaxEqualsHostArgmax) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto engine = MakeCudaEngine(*weights);
+  ASSERT_NE(engine, nullptr);
+  const auto prompt = pdserve::testing::LoadGoldenCases()[0].prompt_ids;
+  const auto table = IdentityBlockTable(8);
+  const int vocab = weights->config().vocab_size;
+  for (bool argmax_only : {false, true}) {
+    auto pool = MakeDevicePool(*engine, 16, 8);
+    ForwardBatch batch;
+    SequenceStep step;
+    step.tokens = prompt;
+    step.num_tokens = static_cast<int>(prompt.size());
+    step.block_table = table;
+    for (int i = 0; i < step.num_tokens; ++i) step.logit_indices.push_back(i);
+    batch.sequences.push_back(step);
+    batch.argmax_only = argmax_only;
+    ForwardResult result;
+    ASSERT_TRUE(engine->Forward(batch, *pool, &result).ok());
+    ASSERT_EQ(result.argmax.size(), prompt.size());
+    if (argmax_only) {
+      EXPECT_TRUE(result.logits.empty());
+      continue;
+    }
+    for (size_t r = 0; r < prompt.size(); ++r) {
+      EXPECT_EQ(result.argmax[r],
+                Argmax(result.logits.data() + r * vocab, vocab));
+    }
+  }
+}
+
+TEST(CudaEngineTest, FusedResidualNormEqualsUnfused) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  CudaOptions unfused = Eager();
+  unfused.fuse_residual_norm = false;
+  auto a = MakeCudaEngine(*weights, Eager());
+  auto b = MakeCudaEngine(*weights, unfused);
+  ASSERT_TRUE(a && b);
+  const auto prompt = pdserve::testing::LoadGoldenCases()[0].prompt_ids;
+  const auto table = IdentityBlockTable(8);
+  auto pool_a = MakeDevicePool(*a, 16, 8);
+  auto pool_b = MakeDevicePool(*b, 16, 8);
+  // The same float operations in the same order: bitwise equal.
+  EXPECT_EQ(testing_util::PrefillAllLogits(*a, *pool_a, prompt, table),
+            testing_util::PrefillAllLogits(*b, *pool_b, prompt, table));
+}
+
+// TP = 2 with both ranks on one GPU (threads, host all-reduce) equals TP = 1
+// within bf16 tolerance; the two ranks agree bitwise.
+TEST(CudaEngineTest, TensorParallelTwoRanksOnOneGpuEqualsOneRank) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto single = MakeCudaEngine(*weights);
+  ASSERT_NE(single, nullptr);
+  const auto prompt = pdserve::testing::LoadGoldenCases()[1].prompt_ids;
+  const auto table = IdentityBlockTable(8);
+  auto pool = MakeDevicePool(*single, 16, 8);
+  const auto expected =
+      testing_util::PrefillAllLogits(*single, *pool, prompt, table);
+
+  auto group = comm::InProcessGroup::Create(2);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<std::vector<std::vector<float>>> ranks(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto engine = MakeCudaEngine(*weights, {}, ShardSpec{0, -1, r, 2},
+                                   (*group)->rank(r));
+      if (engine == nullptr) return;
+      auto rank_pool = MakeDevicePool(*engine, 16, 8);
+      ranks[r] =
+          testing_util::PrefillAllLogits(*engine, *rank_pool, prompt, table);
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  ASSERT_EQ(ranks[0].size(), expected.size());
+  EXPECT_EQ(ranks[0], ranks[1]);
+  for (size_t t = 0; t < expected.size(); ++t) {
+    EXPECT_LT(MaxRelativeError(ranks[0][t], expected[t]), kBf16LogitTolerance)
+        << "position " << t;
+  }
+}
+
+// A two-stage pipeline on the GPU (hidden states out of stage 0, into stage
+// 1) equals the whole model.
+TEST(CudaEngineTest, PipelineStagesEqualWholeModel) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto whole = MakeCudaEngine(*weights, Eager());
+  auto first = MakeCudaEngine(*weights, Eager(), ShardSpec{0, 2, 0, 1});
+  auto second = MakeCudaEngine(*weights, Eager(), ShardSpec{2, -1, 0, 1});
+  ASSERT_TRUE(whole && first && second);
+  const auto prompt = pdserve::testing::LoadGoldenCases()[2].prompt_ids;
+  const auto table = IdentityBlockTable(8);
+  auto pool_w = MakeDevicePool(*whole, 16, 8);
+  auto pool_1 = MakeDevicePool(*first, 16, 8);
+  auto pool_2 = MakeDevicePool(*second, 16, 8);
+  const auto expected =
+      testing_util::PrefillAllLogits(*whole, *pool_w, prompt, table);
+
+  ForwardBatch batch;
+  SequenceStep step;
+  step.tokens = prompt;
+  step.num_tokens = static_cast<int>(prompt.size());
+  step.block_table = table;
+  batch.sequences.push_back(step);
+  ForwardResult hidden;
+  ASSERT_TRUE(first->Forward(batch, *pool_1, &hidden).ok());
+  ASSERT_EQ(hidden.hidden_out.size(),
+            prompt.size() * weights->config().hidden_size);
+  batch.hidden_in = hidden.hidden_out;
+  for (int i = 0; i < step.num_tokens; ++i) {
+    batch.sequences[0].logit_indices.push_back(i);
+  }
+  ForwardResult result;
+  ASSERT_TRUE(second->Forward(batch, *pool_2, &result).ok());
+  const int vocab = weights->config().vocab_size;
+  for (size_t t = 0; t < expected.size(); ++t) {
+    const std::vector<float> row(result.logits.begin() + t * vocab,
+                                 result.logits.begin() + (t + 1) * vocab);
+    EXPECT_LT(MaxRelativeError(row, expected[t]), 1e-4) << "position " << t;
+  }
+}
+
+TEST(CudaEngineTest, BadInputIsRefusedAndTheEngineKeepsServing) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto engine = MakeCudaEngine(*weights);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->KvLayout(16).dtype, kv::KvDType::kBF16);
+  EXPECT_TRUE(engine->kv_on_device());
+  auto pool = MakeDevicePool(*engine, 16, 4);
+  const auto table = IdentityBlockTable(4);
+  const std::vector<int32_t> bad_token = {weights->config().vocab_size};
+  ForwardBatch batch;
+  SequenceStep step;
+  step.tokens = bad_token;
+  step.num_tokens = 1;
+  step.block_table = table;
+  step.logit_indices = {0};
+  batch.sequences.push_back(step);
+  ForwardResult result;
+  EXPECT_EQ(engine->Forward(batch, *pool, &result).code(),
+            absl::StatusCode::kInvalidArgument);
+  // A host f32 pool is not this engine's pool.
+  auto host_pool =
+      kv::KvPool::Create(testing_util::MakeEngine(*weights)->KvLayout(16), 4);
+  ASSERT_TRUE(host_pool.ok());
+  const std::vector<int32_t> good = {1};
+  batch.sequences[0].tokens = good;
+  EXPECT_EQ(engine->Forward(batch, **host_pool, &result).code(),
+            absl::StatusCode::kInvalidArgument);
+  // More tokens than the engine's step capacity (1024 here).
+  std::vector<int32_t> prompt(400, 1);
+  const auto big_table = IdentityBlockTable(25);
+  auto big_pool = MakeDevicePool(*engine, 16, 25 * 3);
+  ForwardBatch wide;
+  for (int s = 0; s < 3; ++s) {
+    SequenceStep chunk;
+    chunk.tokens = prompt;
+    chunk.num_tokens = 400;
+    chunk.block_table = big_table;
+    wide.sequences.push_back(chunk);
+  }
+  const absl::Status over = engine->Forward(wide, *big_pool, &result);
+  EXPECT_EQ(over.code(), absl::StatusCode::kInvalidArgument) << over;
+  // Still serving.
+  EXPECT_FALSE(Step(*engine, *pool, {good}, {0}, {table}).empty());
+}
+
+}  // namespace
+}  // namespace pdserve::engine
