@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prepares one device run of the CUDA checks (issue 8): builds the CUDA tree,
+# then gathers into .gpu/ (ignored by git, never committed) the gpu test
+# binaries and cuda_engine_bench, the non-CUDA shared libraries they load (the
+# device image has CUDA, cuBLAS and NCCL but not Debian's abseil, OpenBLAS or
+# GoogleTest), glibc for a fallback loader, and the models the tests read
+# (the device cannot see ../shared). Then, with the device tool:
+#
+#   run  command: "bash .gpu/run.sh"   carry: [".gpu"]   timeout_s: 540
+#
+# .gpu/run.sh prints the GPU tests' results and the benchmark's table, and
+# leaves tests.log and bench.md in $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODELS="${PDSERVE_MODELS_DIR:-../shared/models}"
+
+cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPDSERVE_CUDA=ON >/dev/null
+cmake --build build-cuda -j "$(nproc)" --target gpu_tests cuda_engine_bench
+
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+rm -rf .gpu
+mkdir -p .gpu/bin .gpu/lib .gpu/glibc .gpu/models
+BINARIES=(build-cuda/tests/engine/engine_cuda_test build-cuda/tests/comm/comm_nccl_test
+          build-cuda/bench/cuda_engine_bench)
+for b in "${BINARIES[@]}"; do
+  cp "$b" .gpu/bin/
+  strip .gpu/bin/"$(basename "$b")"
+done
+# Every library ldd resolves, except the CUDA ones the device brings (cuBLAS
+# and NCCL are hundreds of MB; the runtime is small and travels).
+for lib in $(ldd "${BINARIES[@]}" | awk '/=> \//{print $3}' | sort -u); do
+  name=$(basename "$lib")
+  case "$name" in
+    libcuda.so*|libcublas*|libnccl*) ;;
+    libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*) cp -L "$lib" .gpu/glibc/ ;;
+    *) cp -L "$lib" .gpu/lib/ ;;
+  esac
+done
+cp -L /lib64/ld-linux-x86-64.so.2 .gpu/glibc/
+cp -r "$MODELS/stories260K" "$MODELS/bench-configs" .gpu/models/
+cp scripts/gpu_run.sh .gpu/run.sh
+du -sh .gpu
