@@ -4,10 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "engine/engine_test_util.h"
 #include "prefill_worker/chunk_policy.h"
 #include "prefill_worker/in_process_group.h"
+#include "prefill_worker/kv_output.h"
 #include "prefill_worker/layer_split.h"
 
 namespace pdserve::prefill {
@@ -69,6 +73,42 @@ TEST(ChunkPolicyBadInputTest, UnknownKindAndNegativeSize) {
               "chunk size must be >= 0 (0 = whole prompt), got -3");
 }
 
+// Passes writes through, but while held keeps their completions back, so a
+// request stays in flight for as long as a test needs it to (the tiny model
+// prefills a prompt faster than the test can submit a duplicate).
+class HoldableKvOutput : public StageKvOutput {
+ public:
+  void Write(const KvWrite& write,
+             std::function<void(absl::Status)> done) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (held_) {
+        pending_.push_back(std::move(done));
+        return;
+      }
+    }
+    done(absl::OkStatus());
+  }
+  void Hold() {
+    absl::MutexLock lock(&mu_);
+    held_ = true;
+  }
+  void Release() {
+    std::vector<std::function<void(absl::Status)>> pending;
+    {
+      absl::MutexLock lock(&mu_);
+      held_ = false;
+      pending.swap(pending_);
+    }
+    for (auto& done : pending) done(absl::OkStatus());
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::function<void(absl::Status)>> pending_ ABSL_GUARDED_BY(mu_);
+};
+
 class PrefillBadInputTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -82,13 +122,16 @@ class PrefillBadInputTest : public ::testing::Test {
     ASSERT_TRUE(group.ok()) << group.status();
     group_ = std::move(group).value();
   }
+  // A failed expectation must not leave completions held behind a group that
+  // is about to wait for them.
+  void TearDown() override { kv_out_.Release(); }
 
   absl::Status Submit(PrefillRequest request) {
     return group_->Submit(std::move(request)).status();
   }
 
   std::unique_ptr<model::WeightSource> weights_;
-  CapturingKvOutput kv_out_;
+  HoldableKvOutput kv_out_;
   std::unique_ptr<InProcessPrefillGroup> group_;
 };
 
@@ -146,11 +189,15 @@ TEST_F(PrefillBadInputTest, RequestsGetPreciseErrorsAndTheGroupKeepsServing) {
               "prompt needs 13 KV blocks of 16 tokens but the prefill group "
               "has 8");
 
-  // None of that left anything behind: the good request runs.
+  // None of that left anything behind: the good request runs. Its KV
+  // completions are held so it is certainly still in flight when the
+  // duplicate arrives.
+  kv_out_.Hold();
   auto ticket = group_->Submit(good);
   ASSERT_TRUE(ticket.ok()) << ticket.status();
   ExpectError(Submit(good), absl::StatusCode::kAlreadyExists,
               "request 1 is already being prefilled");
+  kv_out_.Release();
   auto outcome = (*ticket)->Wait(absl::Seconds(30));
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_EQ(outcome->first_token.token, 432);  // golden "Once upon a time"
