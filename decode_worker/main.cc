@@ -13,9 +13,15 @@
 //                 [--metrics-port -1 (off; 0 = any free port)]
 //                 [--metrics-host HOST (default --host)] [--worker-id ID]
 //                 [--metrics-port-file PATH]
+//                 [--backend cpu|cuda] [--cuda-devices 0[,1..]]
+//                 [--cuda-graphs 1] [--cuda-max-graph-batch 128]
 //
 // Every rank's KV pool is allocated and registered by its UCX worker, so a
 // prefill's puts land by shared memory on this host (or RDMA across hosts).
+// With --backend cuda (a -DPDSERVE_CUDA=ON build) rank r runs on GPU
+// cuda-devices[r % count] with its KV pool in GPU memory; prefills' puts land
+// in a host mirror that the worker copies to the GPU when a request's KV is
+// complete (Debian's UCX has no CUDA transports to write GPU memory directly).
 // --ucx-peer-errors 0 lets UCX use shared memory/CMA endpoints (same host;
 // both sides must agree: pass it to the prefill workers too); 1 (default)
 // keeps endpoints that report a dead peer at once (tcp here, verbs).
@@ -34,6 +40,7 @@
 #include "decode/decode_worker.h"
 #include "decode_worker/decode_service.h"
 #include "decode_worker/worker_metrics.h"
+#include "engine/backend_flags.h"
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "process/port_file.h"
@@ -66,6 +73,15 @@ int Main(int argc, char** argv) {
   const int64_t kv_memory_mb = flags.Num<int64_t>("kv-memory-mb", 0);
   const double lease_s = flags.Num<double>("kv-lease-seconds", 30.0);
   decode::DecodeWorkerOptions wo;
+  auto backend = engine::ParseBackend(flags.Str("backend", "cpu"));
+  if (!backend.ok()) return Fail(backend.status());
+  wo.backend = *backend;
+  auto devices = engine::ParseDeviceList(flags.Str("cuda-devices", "0"));
+  if (!devices.ok()) return Fail(devices.status());
+  wo.cuda_devices = *devices;
+  wo.cuda.use_graphs = flags.Num<int>("cuda-graphs", 1) != 0;
+  wo.cuda.max_graph_batch =
+      flags.Num<int>("cuda-max-graph-batch", wo.cuda.max_graph_batch);
   wo.tp_size = flags.Num<int>("tp", 1);
   wo.threads_per_rank = flags.Num<int>("threads-per-rank", 1);
   wo.block_size = flags.Num<int>("block-size", 16);
@@ -98,8 +114,9 @@ int Main(int argc, char** argv) {
   const model::ModelConfig& config = (*weights)->config();
   if (kv_memory_mb > 0) {
     // Every rank together holds all layers x KV heads of a block.
-    const int64_t block_bytes =
-        int64_t{config.num_layers} * 2 * wo.block_size * config.kv_dim() * 4;
+    const int64_t element_bytes = wo.backend == engine::Backend::kCuda ? 2 : 4;
+    const int64_t block_bytes = int64_t{config.num_layers} * 2 * wo.block_size *
+                                config.kv_dim() * element_bytes;
     wo.num_blocks = kv_memory_mb * (int64_t{1} << 20) / block_bytes;
   } else {
     wo.num_blocks = num_blocks;

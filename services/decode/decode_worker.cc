@@ -56,6 +56,8 @@ struct Request {
   // Positions whose KV is complete; a running request feeds
   // history[kv_tokens, history.size()) next.
   int64_t kv_tokens = 0;
+  // Prompt positions a remote prefill writes (the rest were a cached prefix).
+  int64_t prefilled_from = 0;
   Phase phase = Phase::kWaiting;
   absl::Time lease_deadline = absl::InfiniteFuture();
   std::unique_ptr<tokenizer::IncrementalDetokenizer> detokenizer;
@@ -95,7 +97,10 @@ struct RankDone {
 
 struct Rank {
   std::unique_ptr<engine::LlamaEngine> engine;
-  std::unique_ptr<kv::KvPool> pool;
+  std::unique_ptr<kv::KvPool> pool;  // what the engine reads and writes
+  // Host mirror of a device pool, where remote prefills' KV lands (null when
+  // the pool is host memory).
+  std::unique_ptr<kv::KvPool> landing;
   std::unique_ptr<ClosableQueue<std::shared_ptr<const StepWork>>> work;
   std::thread thread;
 };
@@ -218,6 +223,9 @@ struct DecodeWorker::Impl {
               std::vector<int32_t> tokens = {});
   void Deliver();
   void PublishLoad();
+  // Copies a remotely prefilled request's new blocks to every rank's device
+  // pool (no-op for host pools).
+  absl::Status StageRemoteKv(const Request& r);
 };
 
 // ---- Setup ------------------------------------------------------------------
@@ -233,15 +241,34 @@ absl::Status DecodeWorker::Impl::Start() {
     eo.shard = engine::ShardSpec{0, -1, r, tp};
     eo.num_threads = options.threads_per_rank;
     eo.communicator = tp > 1 ? group->rank(r) : nullptr;
+    eo.backend = options.backend;
+    eo.cuda = options.cuda;
+    // Size the GPU's step buffers for what this worker's steps can hold.
+    eo.cuda.max_tokens_per_step = options.max_step_tokens;
+    eo.cuda.max_sequences = std::max(options.max_running, 1);
+    eo.cuda.max_graph_tokens_per_sequence =
+        std::max(eo.cuda.max_graph_tokens_per_sequence,
+                 options.speculation.max_gamma + 1);
+    if (!options.cuda_devices.empty()) {
+      eo.cuda.device = options.cuda_devices[r % options.cuda_devices.size()];
+    }
     PDS_ASSIGN_OR_RETURN(ranks[r].engine,
                          engine::LlamaEngine::Create(weights, eo));
-    const kv::KvCacheLayout layout =
-        ranks[r].engine->KvLayout(options.block_size);
-    PDS_ASSIGN_OR_RETURN(
-        ranks[r].pool,
-        options.kv_pool_factory
-            ? options.kv_pool_factory(r, layout, options.num_blocks)
-            : kv::KvPool::Create(layout, options.num_blocks));
+    engine::LlamaEngine& engine = *ranks[r].engine;
+    const kv::KvCacheLayout layout = engine.KvLayout(options.block_size);
+    auto host_pool = [&]() -> absl::StatusOr<std::unique_ptr<kv::KvPool>> {
+      return options.kv_pool_factory
+                 ? options.kv_pool_factory(r, layout, options.num_blocks)
+                 : kv::KvPool::Create(layout, options.num_blocks);
+    };
+    if (engine.kv_on_device()) {
+      PDS_ASSIGN_OR_RETURN(
+          ranks[r].pool,
+          engine.CreateKvPool(options.block_size, options.num_blocks));
+      PDS_ASSIGN_OR_RETURN(ranks[r].landing, host_pool());
+    } else {
+      PDS_ASSIGN_OR_RETURN(ranks[r].pool, host_pool());
+    }
     ranks[r].work =
         std::make_unique<ClosableQueue<std::shared_ptr<const StepWork>>>();
   }
@@ -394,6 +421,12 @@ void DecodeWorker::Impl::ApplyCommand(const Command& c) {
       return;
     case Command::kKvComplete: {
       if (r->phase != Phase::kAwaitingKv) return;
+      // Between steps every rank's engine is idle: bring the blocks the
+      // prefill wrote from the host mirror to the GPU.
+      if (absl::Status staged = StageRemoteKv(*r); !staged.ok()) {
+        Finish(r, FinishReason::kError, staged);
+        return;
+      }
       r->kv_tokens = static_cast<int64_t>(r->history.size());
       r->phase = Phase::kRunning;
       r->lease_deadline = absl::InfiniteFuture();
@@ -405,6 +438,22 @@ void DecodeWorker::Impl::ApplyCommand(const Command& c) {
       return;
     }
   }
+}
+
+absl::Status DecodeWorker::Impl::StageRemoteKv(const Request& r) {
+  if (ranks.empty() || ranks[0].landing == nullptr) return absl::OkStatus();
+  const auto table = r.sequence->block_table();
+  const int64_t first = r.prefilled_from / options.block_size;
+  const int64_t last =
+      (static_cast<int64_t>(r.prompt_len) + options.block_size - 1) /
+      options.block_size;
+  if (first >= last) return absl::OkStatus();
+  std::vector<int32_t> blocks(table.begin() + first, table.begin() + last);
+  for (Rank& rank : ranks) {
+    PDS_RETURN_IF_ERROR(
+        rank.engine->CopyBlocksFromHost(*rank.landing, blocks, *rank.pool));
+  }
+  return absl::OkStatus();
 }
 
 void DecodeWorker::Impl::CheckLeases() {
@@ -825,6 +874,7 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
   auto r =
       m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
   r->sequence.emplace(std::move(start.sequence));
+  r->prefilled_from = start.cached_tokens;
   r->phase = Phase::kAwaitingKv;
   r->lease_deadline = absl::Now() + m.options.kv_lease;
   absl::MutexLock lock(&m.mu);
@@ -899,7 +949,10 @@ LoadReport DecodeWorker::Load() const {
   return l;
 }
 
-kv::KvPool& DecodeWorker::kv_pool(int rank) { return *impl_->ranks[rank].pool; }
+kv::KvPool& DecodeWorker::kv_pool(int rank) {
+  Rank& r = impl_->ranks[rank];
+  return r.landing != nullptr ? *r.landing : *r.pool;
+}
 
 const kv::KvBlockManager& DecodeWorker::block_manager() const {
   return *impl_->manager;

@@ -40,6 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/engine_types.h"
 #include "engine/sampler.h"
 #include "kv/block_manager.h"
 #include "kv/kv_pool.h"
@@ -104,6 +105,15 @@ struct DecodeWorkerOptions {
   std::function<absl::StatusOr<std::unique_ptr<kv::KvPool>>(
       int rank, const kv::KvCacheLayout& layout, int64_t num_blocks)>
       kv_pool_factory;
+  // Where the model runs. With kCuda each rank computes on a GPU with its KV
+  // pool in GPU memory; prefill writes land in a host pool that mirrors it
+  // (kv_pool_factory's, registered with the transport, or a plain one), and a
+  // request's new blocks are copied to the GPU when its KV is marked
+  // complete. Ranks of one worker reduce through host memory.
+  engine::Backend backend = engine::Backend::kCpu;
+  engine::CudaOptions cuda;
+  // GPU of rank r: cuda_devices[r % size]; empty = cuda.device for every rank.
+  std::vector<int> cuda_devices;
   // Called on the scheduler thread after every step (no lock held). Must be
   // quick: it delays the next step (metrics observe histograms here).
   std::function<void(const StepStats&)> step_observer;
@@ -194,7 +204,8 @@ class DecodeWorker {
   [[nodiscard]] absl::Status Abort(uint64_t request_id);
 
   LoadReport Load() const;
-  // Rank r's KV pool (what the transport registers and a prefill writes).
+  // Rank r's KV pool as prefills write it (what the transport registers):
+  // the engine's own pool on CPU, its host mirror on a GPU.
   kv::KvPool& kv_pool(int rank);
   const kv::KvBlockManager& block_manager() const;
   int tp_size() const;

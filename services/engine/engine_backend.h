@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,6 +29,13 @@ class EngineBackend {
   [[nodiscard]] virtual absl::Status Forward(const ForwardBatch& batch,
                                              kv::KvPool& pool,
                                              ForwardResult* result) = 0;
+  // Copies whole blocks (every layer, K and V) from a host pool of the same
+  // layout into `pool`: the staging step when KV arrives in host memory (a
+  // transport without device-memory support) but the backend computes on a
+  // device. Layouts and block ids are checked by LlamaEngine.
+  [[nodiscard]] virtual absl::Status CopyBlocksFromHost(
+      const kv::KvPool& host, std::span<const int32_t> blocks,
+      kv::KvPool& pool) = 0;
   // A zeroed pool of `num_blocks` in the memory this backend computes on.
   [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<kv::KvPool>>
   CreateKvPool(const kv::KvCacheLayout& layout, int64_t num_blocks) = 0;

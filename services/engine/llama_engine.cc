@@ -45,6 +45,16 @@ class CpuBackend final : public EngineBackend {
       const kv::KvCacheLayout& layout, int64_t num_blocks) override {
     return kv::KvPool::Create(layout, num_blocks);
   }
+  absl::Status CopyBlocksFromHost(const kv::KvPool& host,
+                                  std::span<const int32_t> blocks,
+                                  kv::KvPool& pool) override {
+    const int64_t bytes = pool.layout().block_bytes();
+    for (int32_t b : blocks) {
+      std::memcpy(static_cast<char*>(pool.data()) + b * bytes,
+                  static_cast<const char*>(host.data()) + b * bytes, bytes);
+    }
+    return absl::OkStatus();
+  }
 
   ShardPlan p;
   const model::ModelConfig& config = p.config;
@@ -300,6 +310,27 @@ absl::StatusOr<std::unique_ptr<kv::KvPool>> LlamaEngine::CreateKvPool(
   return backend_->CreateKvPool(KvLayout(block_size), num_blocks);
 }
 int64_t LlamaEngine::weight_bytes() const { return backend_->weight_bytes(); }
+
+absl::Status LlamaEngine::CopyBlocksFromHost(const kv::KvPool& host,
+                                             std::span<const int32_t> blocks,
+                                             kv::KvPool& pool) {
+  const kv::KvCacheLayout& a = host.layout();
+  const kv::KvCacheLayout& b = pool.layout();
+  if (a.DebugString() != b.DebugString() ||
+      host.num_blocks() != pool.num_blocks()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("staging pool {", a.DebugString(), "} x ",
+                     host.num_blocks(), " does not mirror the engine's pool {",
+                     b.DebugString(), "} x ", pool.num_blocks()));
+  }
+  for (int32_t block : blocks) {
+    if (block < 0 || block >= pool.num_blocks()) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "block ", block, " outside a pool of ", pool.num_blocks()));
+    }
+  }
+  return backend_->CopyBlocksFromHost(host, blocks, pool);
+}
 
 absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                                   ForwardResult* result) {

@@ -59,6 +59,13 @@ class LlamaEngine {
   // memory this engine computes on.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<kv::KvPool>> CreateKvPool(
       int block_size, int64_t num_blocks);
+  // Copies whole blocks from a host pool that mirrors `pool` (same layout
+  // and size) into `pool`: how KV that landed in host memory reaches a GPU
+  // engine. INVALID_ARGUMENT for a pool that does not mirror, OUT_OF_RANGE
+  // for a block id outside it. Not concurrent with Forward on this engine.
+  [[nodiscard]] absl::Status CopyBlocksFromHost(const kv::KvPool& host,
+                                                std::span<const int32_t> blocks,
+                                                kv::KvPool& pool);
   // Bytes of weights this shard holds (sharded and replicated tensors).
   int64_t weight_bytes() const;
 

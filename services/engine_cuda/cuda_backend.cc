@@ -211,6 +211,9 @@ class CudaBackend final : public EngineBackend {
                        ForwardResult* result) override;
   absl::StatusOr<std::unique_ptr<kv::KvPool>> CreateKvPool(
       const kv::KvCacheLayout& layout, int64_t num_blocks) override;
+  absl::Status CopyBlocksFromHost(const kv::KvPool& host,
+                                  std::span<const int32_t> blocks,
+                                  kv::KvPool& pool) override;
 
  private:
   absl::Status Init(const model::WeightSource& weights);
@@ -446,6 +449,29 @@ absl::StatusOr<std::unique_ptr<kv::KvPool>> CudaBackend::CreateKvPool(
     cudaSetDevice(device);
     cudaFree(data);
   });
+}
+
+absl::Status CudaBackend::CopyBlocksFromHost(const kv::KvPool& host,
+                                             std::span<const int32_t> blocks,
+                                             kv::KvPool& pool) {
+  PDS_RETURN_IF_ERROR(
+      CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
+  // A block holds every layer contiguously, so consecutive block ids are one
+  // contiguous run: one copy per run.
+  const int64_t bytes = pool.layout().block_bytes();
+  const char* source = static_cast<const char*>(host.data());
+  char* target = static_cast<char*>(pool.data());
+  for (size_t i = 0; i < blocks.size();) {
+    size_t j = i + 1;
+    while (j < blocks.size() && blocks[j] == blocks[j - 1] + 1) ++j;
+    PDS_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(target + blocks[i] * bytes, source + blocks[i] * bytes,
+                        (j - i) * bytes, cudaMemcpyHostToDevice, stream_.get()),
+        "copy KV blocks to the device"));
+    i = j;
+  }
+  return CudaStatus(cudaStreamSynchronize(stream_.get()),
+                    "copy KV blocks to the device");
 }
 
 absl::Status CudaBackend::EnsureStepBuffers(int block_size, kv::KvPool& pool) {

@@ -61,6 +61,56 @@ TEST(EngineBadInputTest, CudaBackendWhereItCannotRunIsAPreciseError) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Staging KV from a host pool into the engine's pool checks that the host
+// pool mirrors it and that every block id is inside; a good copy moves exactly
+// the named blocks.
+TEST(EngineBadInputTest, CopyBlocksFromHostChecksTheMirrorAndIds) {
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto engine = MakeEngine(*weights);
+  ASSERT_NE(engine, nullptr);
+  auto pool = engine->CreateKvPool(16, 4);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto host = MakePool(*engine, 16, 4);
+  auto smaller = MakePool(*engine, 16, 3);
+  auto other_blocks = MakePool(*engine, 8, 4);
+  ASSERT_NE(host, nullptr);
+
+  const std::vector<int32_t> one = {1};
+  auto status = engine->CopyBlocksFromHost(*smaller, one, **pool);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("does not mirror"), std::string::npos)
+      << status;
+  status = engine->CopyBlocksFromHost(*other_blocks, one, **pool);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  for (int32_t bad : {-1, 4}) {
+    const std::vector<int32_t> ids = {0, bad};
+    status = engine->CopyBlocksFromHost(*host, ids, **pool);
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange) << status;
+    EXPECT_NE(status.message().find("outside a pool of 4"), std::string::npos)
+        << status;
+  }
+
+  const int64_t block_bytes = host->layout().block_bytes();
+  auto* src = static_cast<unsigned char*>(host->data());
+  for (int64_t i = 0; i < 4 * block_bytes; ++i) src[i] = (i * 7 + 3) & 0xff;
+  const std::vector<int32_t> ids = {2, 0};
+  ASSERT_TRUE(engine->CopyBlocksFromHost(*host, ids, **pool).ok());
+  const auto* dst = static_cast<const unsigned char*>((*pool)->data());
+  for (int b = 0; b < 4; ++b) {
+    const bool copied = b == 0 || b == 2;
+    int64_t equal = 0;
+    for (int64_t i = 0; i < block_bytes; ++i) {
+      equal += dst[b * block_bytes + i] == src[b * block_bytes + i];
+    }
+    if (copied) {
+      EXPECT_EQ(equal, block_bytes) << "block " << b;
+    } else {
+      EXPECT_LT(equal, block_bytes) << "block " << b << " was not named";
+    }
+  }
+}
+
 TEST(EngineBadInputTest, BadBatchesAreRejectedAndEngineKeepsWorking) {
   auto weights = OpenStories(true);
   auto engine = MakeEngine(*weights);

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "engine/attention_math.h"
+#include "engine/backend_flags.h"
 
 namespace pdserve::engine {
 namespace {
@@ -251,6 +252,25 @@ TEST(AttentionMathTest, EmptyRunsMergeAsIdentity) {
   MergeRunInto(max, sum, acc, -INFINITY, 0.0f, other_acc, 2);
   EXPECT_EQ(sum, 2.0f);
   EXPECT_EQ(acc[1], 4.0f);
+}
+
+TEST(BackendFlagsTest, ParsesBackendsAndDeviceLists) {
+  ASSERT_TRUE(ParseBackend("cpu").ok());
+  EXPECT_EQ(*ParseBackend("cpu"), Backend::kCpu);
+  EXPECT_EQ(*ParseBackend("cuda"), Backend::kCuda);
+  EXPECT_STREQ(BackendName(Backend::kCuda), "cuda");
+  auto bad = ParseBackend("gpu");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("expected cpu or cuda"),
+            std::string::npos);
+
+  EXPECT_EQ(*ParseDeviceList("0"), (std::vector<int>{0}));
+  EXPECT_EQ(*ParseDeviceList("0,1,3"), (std::vector<int>{0, 1, 3}));
+  for (const char* list : {"", "0,", "a", "-1", "0,,1", "1.5"}) {
+    auto devices = ParseDeviceList(list);
+    EXPECT_EQ(devices.status().code(), absl::StatusCode::kInvalidArgument)
+        << "\"" << list << "\"";
+  }
 }
 
 }  // namespace

@@ -1,0 +1,37 @@
+#include "engine/backend_flags.h"
+
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace pdserve::engine {
+
+absl::StatusOr<Backend> ParseBackend(std::string_view name) {
+  if (name == "cpu") return Backend::kCpu;
+  if (name == "cuda") return Backend::kCuda;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown backend \"", std::string(name), "\" (expected cpu or cuda)"));
+}
+
+const char* BackendName(Backend backend) {
+  return backend == Backend::kCuda ? "cuda" : "cpu";
+}
+
+absl::StatusOr<std::vector<int>> ParseDeviceList(std::string_view list) {
+  std::vector<int> devices;
+  for (absl::string_view part :
+       absl::StrSplit(absl::string_view(list.data(), list.size()), ',')) {
+    int device = -1;
+    if (!absl::SimpleAtoi(part, &device) || device < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad CUDA device list \"", std::string(list),
+                       "\" (expected e.g. 0 or 0,1)"));
+    }
+    devices.push_back(device);
+  }
+  return devices;
+}
+
+}  // namespace pdserve::engine

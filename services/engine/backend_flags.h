@@ -1,0 +1,23 @@
+// Command-line spellings of the engine backend, shared by every binary that
+// runs an engine (pdserve generate, decode_worker, prefill_worker):
+//   --backend cpu|cuda  --cuda-devices 0[,1,...]  --cuda-graphs 1|0
+#pragma once
+
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/engine_types.h"
+
+namespace pdserve::engine {
+
+// "cpu" or "cuda"; INVALID_ARGUMENT names the accepted values.
+[[nodiscard]] absl::StatusOr<Backend> ParseBackend(std::string_view name);
+const char* BackendName(Backend backend);
+
+// "0,1,3" -> {0, 1, 3}; INVALID_ARGUMENT for anything but non-negative
+// integers separated by commas.
+[[nodiscard]] absl::StatusOr<std::vector<int>> ParseDeviceList(
+    std::string_view list);
+
+}  // namespace pdserve::engine
