@@ -190,6 +190,9 @@ int Main(int argc, char** argv) {
   }
   auto worker = decode::DecodeWorker::Create(**weights, tok, wo);
   if (!worker.ok()) return Fail(worker.status());
+  std::fprintf(stderr, "decode_worker: backend %s, tp %d (all-reduce: %s)\n",
+               engine::BackendName(wo.backend), (*worker)->tp_size(),
+               (*worker)->tp_communicator().c_str());
   auto service = DecodeService::Create(worker->get(), config, so);
   if (!service.ok()) return Fail(service.status());
   std::unique_ptr<metrics::MetricsServer> metrics_server;

@@ -91,9 +91,22 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
 
 NcclCommunicator::~NcclCommunicator() {
   cudaSetDevice(device_);
-  if (comm_ != nullptr) ncclCommDestroy(comm_);
+  // An aborted communicator's resources were released by ncclCommAbort.
+  if (comm_ != nullptr && !aborted_.load()) ncclCommDestroy(comm_);
   if (staging_ != nullptr) cudaFree(staging_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void NcclCommunicator::Abort() {
+  if (comm_ == nullptr || aborted_.exchange(true)) return;
+  cudaSetDevice(device_);
+  ncclCommAbort(comm_);
+}
+
+absl::Status NcclCommunicator::CheckNotAborted() const {
+  if (!aborted_.load()) return absl::OkStatus();
+  return absl::CancelledError(absl::StrCat("NCCL communicator of rank ", rank_,
+                                           " was aborted (group shut down)"));
 }
 
 absl::Status NcclCommunicator::Reserve(size_t count) {
@@ -115,6 +128,7 @@ absl::Status NcclCommunicator::Reserve(size_t count) {
 absl::Status NcclCommunicator::AllReduceSumDevice(float* device_data,
                                                   size_t count,
                                                   CUstream_st* stream) {
+  if (absl::Status status = CheckNotAborted(); !status.ok()) return status;
   const auto start = std::chrono::steady_clock::now();
   cudaStream_t s = stream != nullptr ? stream : stream_;
   if (absl::Status status = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
@@ -141,12 +155,14 @@ absl::Status NcclCommunicator::EnqueueAllReduceSumDevice(float* device_data,
                                                          CUstream_st* stream) {
   // No cudaSetDevice: the caller's thread already works on this device, and
   // a stream being captured must not see anything but the collective.
+  if (absl::Status status = CheckNotAborted(); !status.ok()) return status;
   return NcclStatus(ncclAllReduce(device_data, device_data, count, ncclFloat,
                                   ncclSum, comm_, stream),
                     "ncclAllReduce");
 }
 
 absl::Status NcclCommunicator::AllReduceSum(std::span<float> data) {
+  if (absl::Status status = CheckNotAborted(); !status.ok()) return status;
   if (data.empty()) return absl::OkStatus();
   if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice");
       !s.ok()) {
@@ -188,7 +204,16 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Create(
     }
   }
   std::vector<int> device_of(size);
-  for (int r = 0; r < size; ++r) device_of[r] = devices[r % devices.size()];
+  for (int r = 0; r < size; ++r) {
+    device_of[r] = devices[r % devices.size()];
+    for (int q = 0; q < r; ++q) {
+      if (device_of[q] == device_of[r]) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "NCCL ranks ", q, " and ", r, " would share GPU ", device_of[r],
+            "; an NCCL group needs one GPU per rank"));
+      }
+    }
+  }
   std::vector<ncclComm_t> comms(size, nullptr);
   if (absl::Status s =
           NcclStatus(ncclCommInitAll(comms.data(), size, device_of.data()),
@@ -215,6 +240,10 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Create(
     }
   }
   return group;
+}
+
+void NcclGroup::Shutdown() {
+  for (auto& rank : ranks_) rank->Abort();
 }
 
 }  // namespace pdserve::comm

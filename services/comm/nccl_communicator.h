@@ -20,6 +20,7 @@
 // other algorithms (Tree, NVLS) may differ by rounding between ranks.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <span>
@@ -65,11 +66,16 @@ class NcclCommunicator final : public Communicator {
                                                        size_t count,
                                                        CUstream_st* stream);
   double seconds_in_collectives() const override { return seconds_; }
+  // ncclCommAbort: collectives waiting for a peer that will never arrive
+  // return, and every later call fails with CANCELLED. Safe from any thread
+  // (it is how a stuck rank is woken); idempotent.
+  void Abort();
 
  private:
   friend class NcclGroup;
   NcclCommunicator(ncclComm* comm, int rank, int size, int device);
   absl::Status Reserve(size_t count);
+  absl::Status CheckNotAborted() const;
 
   ncclComm* comm_ = nullptr;
   CUstream_st* stream_ = nullptr;
@@ -79,18 +85,22 @@ class NcclCommunicator final : public Communicator {
   const int size_;
   const int device_;
   double seconds_ = 0;
+  std::atomic<bool> aborted_{false};
 };
 
 // `size` ranks as threads of this process on `devices` (rank r on
-// devices[r % devices.size()]; NCCL needs them distinct). Each rank's
-// communicator must be used by one thread at a time; collectives of different
-// ranks must run concurrently (one thread per rank), as with InProcessGroup.
-class NcclGroup {
+// devices[r % devices.size()]; NCCL needs them distinct: FAILED_PRECONDITION
+// names the shared GPU). Each rank's communicator must be used by one thread
+// at a time; collectives of different ranks must run concurrently (one thread
+// per rank), as with the host InProcessGroup it stands in for.
+class NcclGroup final : public InProcessGroup {
  public:
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<NcclGroup>> Create(
       int size, const std::vector<int>& devices);
-  NcclCommunicator* rank(int r) { return ranks_[r].get(); }
-  int size() const { return static_cast<int>(ranks_.size()); }
+  NcclCommunicator* rank(int r) override { return ranks_[r].get(); }
+  int size() const override { return static_cast<int>(ranks_.size()); }
+  // Aborts every rank's communicator (NcclCommunicator::Abort).
+  void Shutdown() override;
 
  private:
   std::vector<std::unique_ptr<NcclCommunicator>> ranks_;

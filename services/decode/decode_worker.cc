@@ -13,6 +13,7 @@
 #include "common/closable_queue.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "engine/engine_backend.h"
 #include "engine/llama_engine.h"
 #include "kv/sequence_blocks.h"
 #include "spec/adaptive_gamma.h"
@@ -181,6 +182,8 @@ struct DecodeWorker::Impl {
   const DecodeWorkerOptions options;
   const model::ModelConfig config;
   std::unique_ptr<comm::InProcessGroup> group;
+  // How the TP ranks reduce: "none" (tp 1), "host" or "nccl".
+  std::string tp_communicator = "none";
   std::vector<Rank> ranks;
   std::unique_ptr<kv::KvBlockManager> manager;
   std::unique_ptr<spec::Proposer> proposer;
@@ -232,8 +235,27 @@ struct DecodeWorker::Impl {
 
 absl::Status DecodeWorker::Impl::Start() {
   const int tp = options.tp_size;
+  auto device_of = [&](int r) {
+    return options.cuda_devices.empty()
+               ? options.cuda.device
+               : options.cuda_devices[r % options.cuda_devices.size()];
+  };
   if (tp > 1) {
-    PDS_ASSIGN_OR_RETURN(group, comm::InProcessGroup::Create(tp));
+    // GPU ranks on distinct GPUs reduce with NCCL (device to device, inside
+    // CUDA Graphs); ranks sharing a GPU, and CPU ranks, through host memory.
+    bool distinct_gpus = options.backend == engine::Backend::kCuda;
+    for (int r = 1; r < tp && distinct_gpus; ++r) {
+      for (int q = 0; q < r; ++q) distinct_gpus &= device_of(q) != device_of(r);
+    }
+    if (distinct_gpus) {
+      std::vector<int> devices(tp);
+      for (int r = 0; r < tp; ++r) devices[r] = device_of(r);
+      PDS_ASSIGN_OR_RETURN(group, engine::CreateNcclGroup(tp, devices));
+      tp_communicator = "nccl";
+    } else {
+      PDS_ASSIGN_OR_RETURN(group, comm::InProcessGroup::Create(tp));
+      tp_communicator = "host";
+    }
   }
   ranks.resize(tp);
   for (int r = 0; r < tp; ++r) {
@@ -249,9 +271,7 @@ absl::Status DecodeWorker::Impl::Start() {
     eo.cuda.max_graph_tokens_per_sequence =
         std::max(eo.cuda.max_graph_tokens_per_sequence,
                  options.speculation.max_gamma + 1);
-    if (!options.cuda_devices.empty()) {
-      eo.cuda.device = options.cuda_devices[r % options.cuda_devices.size()];
-    }
+    eo.cuda.device = device_of(r);
     PDS_ASSIGN_OR_RETURN(ranks[r].engine,
                          engine::LlamaEngine::Create(weights, eo));
     engine::LlamaEngine& engine = *ranks[r].engine;
@@ -956,6 +976,10 @@ kv::KvPool& DecodeWorker::kv_pool(int rank) {
 
 const kv::KvBlockManager& DecodeWorker::block_manager() const {
   return *impl_->manager;
+}
+
+const std::string& DecodeWorker::tp_communicator() const {
+  return impl_->tp_communicator;
 }
 
 int DecodeWorker::tp_size() const { return impl_->options.tp_size; }

@@ -209,6 +209,9 @@ class DecodeWorker {
   kv::KvPool& kv_pool(int rank);
   const kv::KvBlockManager& block_manager() const;
   int tp_size() const;
+  // How the TP ranks all-reduce: "none" (tp 1), "host" (CPU ranks, or GPU
+  // ranks sharing a GPU) or "nccl" (GPU ranks on distinct GPUs).
+  const std::string& tp_communicator() const;
   // Sum over ranks of the weight bytes each shard holds, per rank.
   std::vector<int64_t> rank_weight_bytes() const;
 

@@ -12,4 +12,10 @@ absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(
 
 bool CudaBackendCompiled() { return false; }
 
+absl::StatusOr<std::unique_ptr<comm::InProcessGroup>> CreateNcclGroup(
+    int, const std::vector<int>&) {
+  return absl::UnimplementedError(
+      "NCCL is not in this build (configure with -DPDSERVE_CUDA=ON)");
+}
+
 }  // namespace pdserve::engine

@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "comm/communicator.h"
 #include "engine/engine_types.h"
 #include "engine/shard_plan.h"
 #include "kv/kv_pool.h"
@@ -48,5 +50,14 @@ class EngineBackend {
     ShardPlan plan);
 // Whether this binary carries the CUDA backend (a GPU may still be absent).
 bool CudaBackendCompiled();
+
+// Tensor-parallel ranks of one process on GPUs (rank r on
+// devices[r % devices.size()]) reducing with NCCL, device memory to device
+// memory and inside CUDA Graphs. UNIMPLEMENTED without -DPDSERVE_CUDA=ON;
+// FAILED_PRECONDITION when two ranks would share a GPU (NCCL refuses that:
+// such ranks reduce through a host comm::InProcessGroup instead) or a device
+// is missing.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<comm::InProcessGroup>>
+CreateNcclGroup(int size, const std::vector<int>& devices);
 
 }  // namespace pdserve::engine

@@ -42,8 +42,13 @@ struct CudaOptions {
   // Fuse the residual add into the next RMSNorm (one kernel instead of two);
   // false runs them separately, for measuring the fusion.
   bool fuse_residual_norm = true;
-  // Keys per attention partition (split-K over the context for decode).
-  int attention_partition = 512;
+  // Keys per attention partition (split-K over the context for decode). One
+  // warp walks a partition serially, so this bounds a decode step's attention
+  // latency: at batch 1 an 8B model's 8 KV-head groups give only 8 x
+  // partitions warp-blocks, and 128 keys (4 tiles of 32) keeps ctx 1024 at 64
+  // blocks instead of 16 with 512. A floor: the backend raises it so that
+  // the longest context needs at most 64 partitions.
+  int attention_partition = 128;
 };
 
 struct EngineOptions {

@@ -184,7 +184,9 @@ std::vector<uint16_t> ToBf16(const std::vector<float>& values) {
 // partitions (flash-decoding); bigger steps have parallelism enough in their
 // tokens and run one partition per token.
 constexpr int kSplitMaxTokens = 256;
-constexpr int kMaxPartitions = 32;
+// Bounds the partials buffer: kSplitMaxTokens x kMaxPartitions runs per query
+// head (272 MB for 32 heads of 128 dims).
+constexpr int kMaxPartitions = 64;
 constexpr int kMaxHeadDim = 256;
 
 // Keys per partition that keep a max-context sequence within kMaxPartitions.
@@ -760,5 +762,12 @@ absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(
 }
 
 bool CudaBackendCompiled() { return true; }
+
+absl::StatusOr<std::unique_ptr<comm::InProcessGroup>> CreateNcclGroup(
+    int size, const std::vector<int>& devices) {
+  PDS_ASSIGN_OR_RETURN(std::unique_ptr<comm::NcclGroup> group,
+                       comm::NcclGroup::Create(size, devices));
+  return std::unique_ptr<comm::InProcessGroup>(std::move(group));
+}
 
 }  // namespace pdserve::engine

@@ -58,6 +58,32 @@ TEST(NcclCommunicatorTest, AllReduceSumsAcrossRanksOnEveryGpu) {
   }
 }
 
+TEST(NcclCommunicatorTest, RanksSharingAGpuAreRefused) {
+  // Without a GPU device 0 is missing; with one, two ranks would share it.
+  // Both are FAILED_PRECONDITION, before NCCL is asked.
+  auto group = NcclGroup::Create(2, {0});
+  ASSERT_FALSE(group.ok());
+  EXPECT_EQ(group.status().code(), absl::StatusCode::kFailedPrecondition);
+  if (CudaDeviceCount() > 0) {
+    EXPECT_NE(group.status().message().find("would share GPU 0"),
+              std::string::npos)
+        << group.status();
+  }
+}
+
+TEST(NcclCommunicatorTest, ShutdownAbortsAndLaterCallsAreCancelled) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto group = NcclGroup::Create(1, {0});
+  ASSERT_TRUE(group.ok()) << group.status();
+  InProcessGroup& as_group = **group;  // what the decode worker holds
+  std::vector<float> data = {1, 2};
+  ASSERT_TRUE(as_group.rank(0)->AllReduceSum(data).ok());
+  as_group.Shutdown();
+  as_group.Shutdown();  // idempotent
+  const absl::Status after = as_group.rank(0)->AllReduceSum(data);
+  EXPECT_EQ(after.code(), absl::StatusCode::kCancelled) << after;
+}
+
 TEST(NcclCommunicatorTest, UniqueIdJoinsRanks) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   auto id = NcclCommunicator::NewUniqueId();

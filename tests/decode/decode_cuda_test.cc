@@ -42,6 +42,8 @@ TEST_P(CudaGoldenTest, EveryGoldenPromptGivesGoldenTokensAndText) {
   const auto [tp, mode] = GetParam();
   auto worker = MakeWorker(CudaOptions(tp, mode));
   ASSERT_NE(worker, nullptr);
+  // Two ranks on one GPU: NCCL refuses that, so they reduce through the host.
+  EXPECT_EQ(worker->tp_communicator(), tp > 1 ? "host" : "none");
   auto cases = AllGoldenCases();
   std::vector<Stream> streams(cases.size());
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -67,6 +69,35 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(std::make_tuple(1, SpeculationMode::kOff),
                       std::make_tuple(1, SpeculationMode::kNgram),
                       std::make_tuple(2, SpeculationMode::kOff)));
+
+// TP 2 on two GPUs reduces with NCCL (device memory, inside graphs) and
+// still gives the goldens. Needs two GPUs; skips otherwise.
+TEST(CudaNcclTest, TwoRanksOnTwoGpusReduceWithNcclAndKeepGoldens) {
+  int devices = 0;
+  if (!GpuVisible() || cudaGetDeviceCount(&devices) != cudaSuccess ||
+      devices < 2) {
+    GTEST_SKIP() << "needs two GPUs";
+  }
+  DecodeWorkerOptions options = CudaOptions(2, SpeculationMode::kNgram);
+  options.cuda_devices = {0, 1};
+  auto worker = MakeWorker(options);
+  ASSERT_NE(worker, nullptr);
+  EXPECT_EQ(worker->tp_communicator(), "nccl");
+  auto cases = AllGoldenCases();
+  std::vector<Stream> streams(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ASSERT_TRUE(worker
+                    ->Submit(i, cases[i].prompt_ids,
+                             Greedy(cases[i].max_new_tokens),
+                             streams[i].Callback())
+                    .ok());
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ASSERT_TRUE(streams[i].Wait()) << "case " << i;
+    EXPECT_EQ(streams[i].tokens(), cases[i].greedy_ids) << "case " << i;
+  }
+  ExpectNoLeak(*worker);
+}
 
 // The prefill side on the same GPU: a CUDA engine writes the admitted blocks
 // of its own device pool, which is then copied to the worker's host mirror
