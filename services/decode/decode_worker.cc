@@ -91,6 +91,7 @@ struct RankDone {
   int rank = 0;
   absl::Status status;
   std::vector<float> logits;
+  std::vector<int32_t> argmax;
   // The rank's running total inside collectives: read on the rank's own
   // thread (the communicator is not thread-safe to read from elsewhere).
   double collective_seconds = 0;
@@ -353,7 +354,10 @@ void DecodeWorker::Impl::RankLoop(int r) {
     RankDone d;
     d.rank = r;
     d.status = rank.engine->Forward((*work)->batch, *rank.pool, &result);
-    if (r == 0) d.logits = std::move(result.logits);
+    if (r == 0) {
+      d.logits = std::move(result.logits);
+      d.argmax = std::move(result.argmax);
+    }
     if (group) d.collective_seconds = group->rank(r)->seconds_in_collectives();
     done.Push(std::move(d));
   }
@@ -634,10 +638,28 @@ void DecodeWorker::Impl::RunStep() {
     }
     work->batch.sequences.push_back(std::move(step));
   }
+  // When every sampled row is greedy and nobody watches the logits, the
+  // argmax of each row is all the step needs: a GPU engine then copies
+  // rows x 4 bytes instead of rows x vocab x 4.
+  LogitsObserver obs;
+  spec::VerifyOptions verify_options;
+  {
+    absl::MutexLock lock(&mu);
+    obs = observer;
+    verify_options.accept_all_for_test = accept_all;
+  }
+  bool argmax_only = !obs && !verify_options.accept_all_for_test;
+  for (const Planned& p : plan) {
+    if (p.wants_logits && !p.request->params.sampling.greedy()) {
+      argmax_only = false;
+    }
+  }
+  work->batch.argmax_only = argmax_only;
   const absl::Time step_start = absl::Now();
   for (auto& rank : ranks) rank.work->Push(work);
   absl::Status step_status;
   std::vector<float> logits;
+  std::vector<int32_t> argmax;
   double collective_seconds = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
     std::optional<RankDone> d = done.Pop();
@@ -646,7 +668,10 @@ void DecodeWorker::Impl::RunStep() {
       break;
     }
     if (!d->status.ok() && step_status.ok()) step_status = d->status;
-    if (d->rank == 0) logits = std::move(d->logits);
+    if (d->rank == 0) {
+      logits = std::move(d->logits);
+      argmax = std::move(d->argmax);
+    }
     collective_seconds += d->collective_seconds;
   }
   ++counters.steps;
@@ -667,13 +692,6 @@ void DecodeWorker::Impl::RunStep() {
   }
 
   // ---- Sample / verify, roll back, stream ---------------------------------
-  LogitsObserver obs;
-  spec::VerifyOptions verify_options;
-  {
-    absl::MutexLock lock(&mu);
-    obs = observer;
-    verify_options.accept_all_for_test = accept_all;
-  }
   const int vocab = config.vocab_size;
   size_t row = 0;
   for (Planned& p : plan) {
@@ -686,12 +704,22 @@ void DecodeWorker::Impl::RunStep() {
       continue;
     }
     const size_t rows = p.drafts.size() + 1;
-    std::span<const float> rows_logits(logits.data() + row * vocab,
-                                       rows * vocab);
+    std::span<const float> rows_logits;
+    absl::StatusOr<spec::VerifyOutcome> outcome;
+    if (argmax_only) {
+      outcome = row + rows <= argmax.size()
+                    ? spec::VerifyGreedyFromArgmax(
+                          std::span<const int32_t>(argmax).subspan(row, rows),
+                          p.drafts)
+                    : absl::InternalError("engine returned too few argmaxes");
+    } else {
+      rows_logits =
+          std::span<const float>(logits.data() + row * vocab, rows * vocab);
+      outcome =
+          spec::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
+                            r->params.sampling, r->generated, verify_options);
+    }
     row += rows;
-    auto outcome =
-        spec::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
-                          r->params.sampling, r->generated, verify_options);
     if (!outcome.ok()) {
       Finish(r, FinishReason::kError, outcome.status());
       continue;

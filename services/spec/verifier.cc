@@ -83,4 +83,21 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
   return out;
 }
 
+absl::StatusOr<VerifyOutcome> VerifyGreedyFromArgmax(
+    std::span<const int32_t> argmax, std::span<const int32_t> draft) {
+  if (argmax.size() != draft.size() + 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("greedy verify got ", argmax.size(), " argmax rows for ",
+                     draft.size(), " draft tokens (needs one more)"));
+  }
+  VerifyOutcome out;
+  for (size_t i = 0; i < draft.size(); ++i) {
+    out.tokens.push_back(argmax[i]);
+    if (argmax[i] != draft[i]) return out;
+    ++out.accepted_drafts;
+  }
+  out.tokens.push_back(argmax[draft.size()]);
+  return out;
+}
+
 }  // namespace pdserve::spec

@@ -47,4 +47,12 @@ struct VerifyOptions {
     const engine::SamplingParams& params, uint64_t first_output_index,
     const VerifyOptions& options = {});
 
+// The greedy case of VerifyDraft from each row's argmax alone (what a GPU
+// engine returns without copying logits): drafts are accepted while they
+// equal the argmax of their row, then the first mismatch's argmax (or the
+// bonus row's, when every draft held) is appended. `argmax` holds
+// draft.size()+1 entries. Identical to VerifyDraft for greedy params.
+[[nodiscard]] absl::StatusOr<VerifyOutcome> VerifyGreedyFromArgmax(
+    std::span<const int32_t> argmax, std::span<const int32_t> draft);
+
 }  // namespace pdserve::spec

@@ -2,8 +2,10 @@
 // deliberately biased verifier that must fail them) and the adaptive γ.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
 
 #include "engine/sampler.h"
 #include "model/weight_source.h"
@@ -90,6 +92,41 @@ TEST(VerifierTest, GreedyKeepsAgreeingPrefixPlusCorrection) {
   ASSERT_TRUE(some.ok());
   EXPECT_EQ(some->tokens, (std::vector<int32_t>{3, 1}));
   EXPECT_EQ(some->accepted_drafts, 1);
+}
+
+// The argmax-only greedy verify (GPU engines return argmaxes, not logits)
+// agrees with VerifyDraft on random logits with ties and random drafts.
+TEST(VerifierTest, GreedyFromArgmaxEqualsVerifyDraft) {
+  const int vocab = 7;
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> small(0, 3), token(0, vocab - 1);
+  engine::SamplingParams greedy;
+  for (int trial = 0; trial < 500; ++trial) {
+    const int gamma = trial % 5;
+    std::vector<float> logits((gamma + 1) * vocab);
+    for (float& v : logits) v = static_cast<float>(small(rng));  // many ties
+    std::vector<int32_t> argmax(gamma + 1);
+    for (int i = 0; i <= gamma; ++i) {
+      const float* row = logits.data() + i * vocab;
+      argmax[i] =
+          static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    }
+    std::vector<int32_t> draft(gamma);
+    for (int i = 0; i < gamma; ++i) {
+      // Half the drafts agree, so long accepted runs occur.
+      draft[i] = small(rng) < 2 ? argmax[i] : token(rng);
+    }
+    auto want = VerifyDraft(logits, vocab, draft, {}, greedy, trial);
+    auto got = VerifyGreedyFromArgmax(argmax, draft);
+    ASSERT_TRUE(want.ok() && got.ok());
+    EXPECT_EQ(got->tokens, want->tokens) << "trial " << trial;
+    EXPECT_EQ(got->accepted_drafts, want->accepted_drafts) << "trial " << trial;
+  }
+  EXPECT_EQ(VerifyGreedyFromArgmax(std::vector<int32_t>{1, 2},
+                                   std::vector<int32_t>{1, 2})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(VerifierBadInputTest, RejectsInconsistentSizes) {
