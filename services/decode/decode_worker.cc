@@ -320,6 +320,10 @@ absl::Status DecodeWorker::Impl::Start() {
       dopt.num_blocks = so.draft_kv_blocks;
       dopt.cost_per_token =
           static_cast<double>(dc.num_layers) / std::max(1, config.num_layers);
+      dopt.backend = options.backend;
+      dopt.cuda = options.cuda;
+      dopt.cuda.device = device_of(0);
+      dopt.cuda.max_sequences = std::max(options.max_running, 1);
       PDS_ASSIGN_OR_RETURN(
           proposer, spec::MakeDraftModelProposer(*so.draft_weights, dopt));
       break;

@@ -86,6 +86,12 @@ class DraftModelProposer final : public Proposer {
         step.logit_indices = {step.num_tokens - 1};
         batch.sequences.push_back(std::move(step));
       }
+      // Greedy drafts need only each row's argmax (a GPU draft then skips
+      // copying its logits).
+      batch.argmax_only = true;
+      for (const Active& a : active) {
+        if (!requests[a.index].sampling.greedy()) batch.argmax_only = false;
+      }
       engine::ForwardResult result;
       PDS_RETURN_IF_ERROR(engine_->Forward(batch, *pool_, &result));
       std::vector<Active> next;
@@ -95,11 +101,12 @@ class DraftModelProposer final : public Proposer {
         Proposal& p = (*proposals)[a.index];
         a.state->tokens.insert(a.state->tokens.end(), a.feed.begin(),
                                a.feed.end());
-        std::span<const float> logits(result.logits.data() + k * vocab, vocab);
         int32_t token;
         if (r.sampling.greedy()) {
-          token = engine::ArgMax(logits);
+          token = result.argmax[k];
         } else {
+          std::span<const float> logits(result.logits.data() + k * vocab,
+                                        vocab);
           engine::SamplingDistribution(logits, r.sampling, &q);
           token = engine::DrawFromDistribution(
               q, engine::UniformForRequest(
@@ -145,11 +152,12 @@ absl::StatusOr<std::unique_ptr<Proposer>> MakeDraftModelProposer(
                      options.block_size, " and ", options.num_blocks));
   engine::EngineOptions engine_options;
   engine_options.num_threads = options.num_threads;
+  engine_options.backend = options.backend;
+  engine_options.cuda = options.cuda;
   PDS_ASSIGN_OR_RETURN(auto engine,
                        engine::LlamaEngine::Create(weights, engine_options));
-  PDS_ASSIGN_OR_RETURN(auto pool,
-                       kv::KvPool::Create(engine->KvLayout(options.block_size),
-                                          options.num_blocks));
+  PDS_ASSIGN_OR_RETURN(
+      auto pool, engine->CreateKvPool(options.block_size, options.num_blocks));
   PDS_ASSIGN_OR_RETURN(
       auto manager,
       kv::KvBlockManager::Create(options.num_blocks, options.block_size));

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "engine/engine_types.h"
 #include "model/weight_source.h"
 #include "spec/proposer.h"
 
@@ -24,6 +25,10 @@ struct DraftModelOptions {
   // Draft cost per token relative to one target decode step (feeds the
   // adaptive γ); e.g. draft layers / target layers.
   double cost_per_token = 0.2;
+  // Where the draft runs: a decode worker on GPUs runs its draft on rank 0's
+  // GPU too (KV pool in device memory), so drafting never waits on the CPU.
+  engine::Backend backend = engine::Backend::kCpu;
+  engine::CudaOptions cuda;
 };
 
 // `weights` must outlive the proposer. INVALID_ARGUMENT if the engine cannot
