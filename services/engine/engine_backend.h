@@ -38,6 +38,12 @@ class EngineBackend {
   [[nodiscard]] virtual absl::Status CopyBlocksFromHost(
       const kv::KvPool& host, std::span<const int32_t> blocks,
       kv::KvPool& pool) = 0;
+  // Copies `copies` (byte ranges of the shared layout) from `pool` into the
+  // host pool `host`: how KV computed on a device reaches memory a transport
+  // can read. Checked by LlamaEngine.
+  [[nodiscard]] virtual absl::Status CopyToHost(
+      const kv::KvPool& pool, std::span<const kv::StridedCopy> copies,
+      kv::KvPool& host) = 0;
   // A zeroed pool of `num_blocks` in the memory this backend computes on.
   [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<kv::KvPool>>
   CreateKvPool(const kv::KvCacheLayout& layout, int64_t num_blocks) = 0;

@@ -55,6 +55,18 @@ class CpuBackend final : public EngineBackend {
     }
     return absl::OkStatus();
   }
+  absl::Status CopyToHost(const kv::KvPool& pool,
+                          std::span<const kv::StridedCopy> copies,
+                          kv::KvPool& host) override {
+    for (const kv::StridedCopy& c : copies) {
+      for (int64_t row = 0; row < c.rows; ++row) {
+        const int64_t at = c.offset + row * c.pitch;
+        std::memcpy(static_cast<char*>(host.data()) + at,
+                    static_cast<const char*>(pool.data()) + at, c.width);
+      }
+    }
+    return absl::OkStatus();
+  }
 
   ShardPlan p;
   const model::ModelConfig& config = p.config;
@@ -311,9 +323,10 @@ absl::StatusOr<std::unique_ptr<kv::KvPool>> LlamaEngine::CreateKvPool(
 }
 int64_t LlamaEngine::weight_bytes() const { return backend_->weight_bytes(); }
 
-absl::Status LlamaEngine::CopyBlocksFromHost(const kv::KvPool& host,
-                                             std::span<const int32_t> blocks,
-                                             kv::KvPool& pool) {
+namespace {
+
+// A host pool stands in for a device pool only with the same layout and size.
+absl::Status CheckMirror(const kv::KvPool& host, const kv::KvPool& pool) {
   const kv::KvCacheLayout& a = host.layout();
   const kv::KvCacheLayout& b = pool.layout();
   if (a.DebugString() != b.DebugString() ||
@@ -323,13 +336,52 @@ absl::Status LlamaEngine::CopyBlocksFromHost(const kv::KvPool& host,
                      host.num_blocks(), " does not mirror the engine's pool {",
                      b.DebugString(), "} x ", pool.num_blocks()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBlockIds(std::span<const int32_t> blocks,
+                           const kv::KvPool& pool) {
   for (int32_t block : blocks) {
     if (block < 0 || block >= pool.num_blocks()) {
       return absl::OutOfRangeError(absl::StrCat(
           "block ", block, " outside a pool of ", pool.num_blocks()));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LlamaEngine::CopyBlocksFromHost(const kv::KvPool& host,
+                                             std::span<const int32_t> blocks,
+                                             kv::KvPool& pool) {
+  PDS_RETURN_IF_ERROR(CheckMirror(host, pool));
+  PDS_RETURN_IF_ERROR(CheckBlockIds(blocks, pool));
   return backend_->CopyBlocksFromHost(host, blocks, pool);
+}
+
+absl::Status LlamaEngine::CopyTokensToHost(const kv::KvPool& pool,
+                                           std::span<const int32_t> block_table,
+                                           int64_t token_begin,
+                                           int64_t token_end,
+                                           kv::KvPool& host) {
+  PDS_RETURN_IF_ERROR(CheckMirror(host, pool));
+  const int64_t block_size = pool.layout().block_size;
+  const int64_t needed = (token_end + block_size - 1) / block_size;
+  if (token_begin < 0 || token_begin > token_end ||
+      needed > static_cast<int64_t>(block_table.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens [", token_begin, ", ", token_end, ") need ",
+                     needed, " blocks of ", block_size,
+                     "; the block table has ", block_table.size()));
+  }
+  if (token_begin == token_end) return absl::OkStatus();
+  const int64_t first = token_begin / block_size;
+  PDS_RETURN_IF_ERROR(
+      CheckBlockIds(block_table.subspan(first, needed - first), pool));
+  const std::vector<kv::StridedCopy> copies =
+      kv::TokenRangeCopies(pool.layout(), block_table, token_begin, token_end);
+  return backend_->CopyToHost(pool, copies, host);
 }
 
 absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,

@@ -66,6 +66,14 @@ class LlamaEngine {
   [[nodiscard]] absl::Status CopyBlocksFromHost(const kv::KvPool& host,
                                                 std::span<const int32_t> blocks,
                                                 kv::KvPool& pool);
+  // Copies the KV of positions [token_begin, token_end) of one sequence
+  // (every layer and head of this shard) from `pool` to the host pool `host`
+  // that mirrors it: how a GPU prefill stage exposes KV to the transport.
+  // Touches only those positions' slots. Same errors as CopyBlocksFromHost,
+  // plus INVALID_ARGUMENT for a range the block table does not cover.
+  [[nodiscard]] absl::Status CopyTokensToHost(
+      const kv::KvPool& pool, std::span<const int32_t> block_table,
+      int64_t token_begin, int64_t token_end, kv::KvPool& host);
   // Bytes of weights this shard holds (sharded and replicated tensors).
   int64_t weight_bytes() const;
 

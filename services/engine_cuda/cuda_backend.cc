@@ -216,6 +216,9 @@ class CudaBackend final : public EngineBackend {
   absl::Status CopyBlocksFromHost(const kv::KvPool& host,
                                   std::span<const int32_t> blocks,
                                   kv::KvPool& pool) override;
+  absl::Status CopyToHost(const kv::KvPool& pool,
+                          std::span<const kv::StridedCopy> copies,
+                          kv::KvPool& host) override;
 
  private:
   absl::Status Init(const model::WeightSource& weights);
@@ -474,6 +477,24 @@ absl::Status CudaBackend::CopyBlocksFromHost(const kv::KvPool& host,
   }
   return CudaStatus(cudaStreamSynchronize(stream_.get()),
                     "copy KV blocks to the device");
+}
+
+absl::Status CudaBackend::CopyToHost(const kv::KvPool& pool,
+                                     std::span<const kv::StridedCopy> copies,
+                                     kv::KvPool& host) {
+  PDS_RETURN_IF_ERROR(
+      CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
+  const char* source = static_cast<const char*>(pool.data());
+  char* target = static_cast<char*>(host.data());
+  for (const kv::StridedCopy& c : copies) {
+    PDS_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpy2DAsync(target + c.offset, c.pitch, source + c.offset,
+                          c.pitch, c.width, c.rows, cudaMemcpyDeviceToHost,
+                          stream_.get()),
+        "copy KV to the host"));
+  }
+  return CudaStatus(cudaStreamSynchronize(stream_.get()),
+                    "copy KV to the host");
 }
 
 absl::Status CudaBackend::EnsureStepBuffers(int block_size, kv::KvPool& pool) {

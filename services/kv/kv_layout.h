@@ -13,7 +13,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -21,6 +23,8 @@ namespace pdserve::kv {
 
 enum class KvDType { kF32 = 0, kBF16 = 1, kF16 = 2 };
 size_t KvDTypeSize(KvDType dtype);
+// "f32", "bf16", "f16": the spelling in ModelIdentity.kv_dtype.
+const char* KvDTypeName(KvDType dtype);
 
 struct KvCacheLayout {
   int num_layers = 0;  // layers held by this pool
@@ -55,5 +59,25 @@ struct KvCacheLayout {
            head * head_stride() + int64_t{slot} * head_dim;
   }
 };
+
+// A strided byte copy between two pools of one layout: `rows` runs of
+// `width` bytes, the first at byte `offset`, each `pitch` bytes after the
+// previous (what cudaMemcpy2D takes).
+struct StridedCopy {
+  int64_t offset = 0;
+  int64_t width = 0;
+  int64_t rows = 0;
+  int64_t pitch = 0;
+};
+
+// The copies that move the KV of token positions [token_begin, token_end) of
+// one sequence (every layer, K and V, every head the layout holds) through
+// its block table: one strided copy per block touched, covering exactly the
+// slots of those positions, so concurrent copies of other positions of the
+// same blocks never overlap it. The caller checks the block ids.
+std::vector<StridedCopy> TokenRangeCopies(const KvCacheLayout& layout,
+                                          std::span<const int32_t> block_table,
+                                          int64_t token_begin,
+                                          int64_t token_end);
 
 }  // namespace pdserve::kv

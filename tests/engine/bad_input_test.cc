@@ -111,6 +111,65 @@ TEST(EngineBadInputTest, CopyBlocksFromHostChecksTheMirrorAndIds) {
   }
 }
 
+// Copying a sequence's KV positions out to a host mirror moves exactly those
+// slots (the engine computed them) and refuses ranges the table cannot hold.
+TEST(EngineBadInputTest, CopyTokensToHostMovesThosePositionsOnly) {
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto engine = MakeEngine(*weights);
+  ASSERT_NE(engine, nullptr);
+  auto pool = engine->CreateKvPool(16, 4);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto host = MakePool(*engine, 16, 4);
+  ASSERT_NE(host, nullptr);
+  // 20 prompt tokens through blocks {2, 0}: positions 0..15 in block 2,
+  // 16..19 in block 0.
+  std::vector<int32_t> tokens = {1,  403, 407, 261, 378, 5,  6,  7,  8,  9,
+                                 10, 11,  12,  13,  14,  15, 16, 17, 18, 19};
+  const std::vector<int32_t> table = {2, 0};
+  ForwardBatch batch;
+  SequenceStep step;
+  step.tokens = tokens;
+  step.num_tokens = static_cast<int>(tokens.size());
+  step.block_table = table;
+  batch.sequences.push_back(step);
+  ForwardResult result;
+  ASSERT_TRUE(engine->Forward(batch, **pool, &result).ok());
+
+  ASSERT_TRUE(engine->CopyTokensToHost(**pool, table, 10, 18, *host).ok());
+  const kv::KvCacheLayout& layout = host->layout();
+  const float* want = static_cast<const float*>((*pool)->data());
+  const float* got = static_cast<const float*>(host->data());
+  for (int t = 0; t < 20; ++t) {
+    const bool copied = t >= 10 && t < 18;
+    for (int layer = 0; layer < layout.num_layers; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int head = 0; head < layout.num_kv_heads; ++head) {
+          const int64_t at =
+              layout.Offset(table[t / 16], layer, kv, head, t % 16);
+          for (int d = 0; d < layout.head_dim; ++d) {
+            ASSERT_EQ(got[at + d], copied ? want[at + d] : 0.0f)
+                << "position " << t << " layer " << layer;
+          }
+        }
+      }
+    }
+  }
+
+  auto status = engine->CopyTokensToHost(**pool, table, 10, 40, *host);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("the block table has 2"), std::string::npos)
+      << status;
+  status = engine->CopyTokensToHost(**pool, table, 12, 10, *host);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  const std::vector<int32_t> bad_table = {2, 9};
+  status = engine->CopyTokensToHost(**pool, bad_table, 10, 18, *host);
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange) << status;
+  auto smaller = MakePool(*engine, 16, 3);
+  status = engine->CopyTokensToHost(**pool, table, 10, 18, *smaller);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+}
+
 TEST(EngineBadInputTest, BadBatchesAreRejectedAndEngineKeepsWorking) {
   auto weights = OpenStories(true);
   auto engine = MakeEngine(*weights);

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -147,6 +148,49 @@ TEST(KvPoolTest, WrapsExternalMemoryAndReleasesIt) {
   auto too_small = KvPool::Wrap(layout, 4, memory.data(), bytes, nullptr);
   EXPECT_EQ(too_small.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(KvPool::Wrap(layout, 1, nullptr, bytes, nullptr).ok());
+}
+
+// TokenRangeCopies covers exactly the slots of the positions asked for, in
+// every (layer, k|v, head), through a scattered block table, for each dtype.
+TEST(KvLayoutTest, TokenRangeCopiesCoverExactlyThosePositions) {
+  for (KvDType dtype : {KvDType::kF32, KvDType::kBF16}) {
+    KvCacheLayout layout = SmallLayout();
+    layout.dtype = dtype;
+    const int64_t element = static_cast<int64_t>(KvDTypeSize(dtype));
+    const std::vector<int32_t> table = {5, 1, 3, 0};  // 4 slots per block
+    const int64_t pool_bytes = 6 * layout.block_bytes();
+    for (auto [begin, end] :
+         {std::pair<int64_t, int64_t>{0, 16}, {3, 9}, {5, 6}, {4, 8}, {7, 7}}) {
+      std::vector<int> covered(pool_bytes, 0);
+      for (const StridedCopy& c : TokenRangeCopies(layout, table, begin, end)) {
+        for (int64_t row = 0; row < c.rows; ++row) {
+          for (int64_t i = 0; i < c.width; ++i) {
+            ASSERT_LT(c.offset + row * c.pitch + i, pool_bytes);
+            ++covered[c.offset + row * c.pitch + i];
+          }
+        }
+      }
+      std::vector<int> want(pool_bytes, 0);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int layer = 0; layer < layout.num_layers; ++layer) {
+          for (int kv = 0; kv < 2; ++kv) {
+            for (int head = 0; head < layout.num_kv_heads; ++head) {
+              const int64_t at =
+                  layout.Offset(table[t / layout.block_size], layer, kv, head,
+                                static_cast<int>(t % layout.block_size)) *
+                  element;
+              for (int64_t i = 0; i < layout.head_dim * element; ++i) {
+                ++want[at + i];
+              }
+            }
+          }
+        }
+      }
+      EXPECT_EQ(covered, want) << "tokens [" << begin << ", " << end << ")";
+    }
+  }
+  EXPECT_STREQ(KvDTypeName(KvDType::kBF16), "bf16");
+  EXPECT_STREQ(KvDTypeName(KvDType::kF32), "f32");
 }
 
 }  // namespace
