@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "kv/kv_layout.h"
 #include "rpc/status_conversion.h"
 
 namespace pdserve::decode_worker {
@@ -537,7 +538,7 @@ void DecodeService::FillIdentity(v1::ModelIdentity* model) const {
   model->set_num_kv_heads(config_.num_kv_heads);
   model->set_head_dim(config_.head_dim);
   model->set_block_size(worker_->block_manager().block_size());
-  model->set_kv_dtype("f32");
+  model->set_kv_dtype(kv::KvDTypeName(worker_->kv_pool(0).layout().dtype));
 }
 
 grpc::ServerUnaryReactor* DecodeService::GetLoad(

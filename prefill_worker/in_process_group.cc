@@ -44,6 +44,8 @@ InProcessPrefillGroup::Create(const model::WeightSource& weights,
     stage_options.block_size = options.scheduler.block_size;
     stage_options.num_blocks = options.scheduler.num_blocks;
     stage_options.threads = options.threads_per_stage;
+    stage_options.backend = options.backend;
+    stage_options.cuda = options.cuda;
     StageSender* out =
         i + 1 < num_stages ? group->links_[i + 1].get() : nullptr;
     PDS_ASSIGN_OR_RETURN(

@@ -22,6 +22,9 @@ struct PrefillGroupOptions {
   std::vector<int> layer_split;
   int threads_per_stage = 1;
   SchedulerOptions scheduler;
+  // Every stage's backend (PipelineStageOptions).
+  engine::Backend backend = engine::Backend::kCpu;
+  engine::CudaOptions cuda;
   // Optional: the KV output of stage i, made once its pool exists (overrides
   // the `kv_out` given to Create). The outputs are not owned.
   std::function<absl::StatusOr<StageKvOutput*>(int stage, kv::KvPool* pool)>

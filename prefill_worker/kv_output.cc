@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/float16.h"
 
 namespace pdserve::prefill {
 namespace {
@@ -17,8 +18,9 @@ int64_t SlotKey(int layer, int position) {
 void CapturingKvOutput::Write(const KvWrite& write,
                               std::function<void(absl::Status)> done) {
   const kv::KvCacheLayout& layout = write.pool->layout();
-  if (layout.dtype != kv::KvDType::kF32) {
-    done(absl::UnimplementedError("CapturingKvOutput holds f32 pools only"));
+  if (layout.dtype != kv::KvDType::kF32 && layout.dtype != kv::KvDType::kBF16) {
+    done(absl::UnimplementedError(
+        "CapturingKvOutput reads f32 and bf16 pools only"));
     return;
   }
   const int64_t needed_blocks =
@@ -47,16 +49,26 @@ void CapturingKvOutput::Write(const KvWrite& write,
         const int64_t block = write.block_table[pos / layout.block_size];
         for (int kv = 0; kv < 2; ++kv) {
           for (int head = 0; head < layout.num_kv_heads; ++head) {
-            const float* src =
-                write.pool->f32() + layout.Offset(block, pool_layer, kv, head,
-                                                  pos % layout.block_size);
-            std::memcpy(
+            const int64_t at = layout.Offset(block, pool_layer, kv, head,
+                                             pos % layout.block_size);
+            float* dst =
                 slot.values.data() +
-                    (int64_t{kv} * layout.num_kv_heads + head) * head_elems,
-                src, head_elems * sizeof(float));
+                (int64_t{kv} * layout.num_kv_heads + head) * head_elems;
+            if (layout.dtype == kv::KvDType::kF32) {
+              std::memcpy(dst, write.pool->f32() + at,
+                          head_elems * sizeof(float));
+            } else {
+              // A GPU stage's bf16 KV, widened (exactly) for comparison.
+              const auto* src =
+                  static_cast<const uint16_t*>(write.pool->data()) + at;
+              for (int64_t i = 0; i < head_elems; ++i) {
+                dst[i] = Bf16ToFloat(src[i]);
+              }
+            }
           }
         }
-        bytes_ += 2 * layout.num_kv_heads * head_elems * sizeof(float);
+        bytes_ += 2 * layout.num_kv_heads * head_elems *
+                  static_cast<int64_t>(kv::KvDTypeSize(layout.dtype));
       }
     }
   }

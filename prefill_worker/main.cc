@@ -9,6 +9,9 @@
 //                  [--port-file PATH] [--model-name NAME]
 //                  [--ucx-peer-errors 1]  (0: shared-memory endpoints, same
 //                  host; see decode_worker)
+//                  [--backend cpu|cuda] [--cuda-device 0] (a
+//                  -DPDSERVE_CUDA=ON build; KV is then bf16 and is mirrored
+//                  to host memory for the UCX puts)
 //   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
@@ -29,6 +32,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -44,6 +48,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
+#include "engine/backend_flags.h"
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "prefill_worker/chunk_policy.h"
@@ -157,6 +162,10 @@ int Main(int argc, char** argv) {
       static_cast<int>(flags.Num<int64_t>("metrics-port", -1));
   const std::string metrics_host = flags.Str("metrics-host", host);
   const std::string worker_id = flags.Str("worker-id", "prefill");
+  auto backend = engine::ParseBackend(flags.Str("backend", "cpu"));
+  if (!backend.ok()) return Fail(backend.status());
+  const int cuda_device =
+      static_cast<int>(flags.Num<int64_t>("cuda-device", 0));
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -200,6 +209,12 @@ int Main(int argc, char** argv) {
   stage_options.num_blocks = num_blocks;
   stage_options.threads = threads;
   stage_options.ucx.peer_error_handling = ucx_peer_errors;
+  stage_options.backend = *backend;
+  stage_options.cuda.device = cuda_device;
+  // A microbatch is at most the token budget (or one chunk, if larger).
+  stage_options.cuda.max_tokens_per_step =
+      std::max({stage_options.cuda.max_tokens_per_step, microbatch_tokens,
+                chunk_tokens});
   // Metrics are off unless asked for: no observers, no HTTP thread.
   std::shared_ptr<metrics::MetricsRegistry> registry;
   std::unique_ptr<PrefillStageMetrics> stage_metrics;

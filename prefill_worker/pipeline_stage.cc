@@ -24,6 +24,8 @@ absl::StatusOr<std::unique_ptr<PipelineStage>> PipelineStage::Create(
   engine::EngineOptions engine_options;
   engine_options.shard = options.shard;
   engine_options.num_threads = options.threads;
+  engine_options.backend = options.backend;
+  engine_options.cuda = options.cuda;
   PDS_ASSIGN_OR_RETURN(auto engine,
                        engine::LlamaEngine::Create(weights, engine_options));
   if (engine->holds_last_layer() != (out == nullptr)) {
@@ -33,21 +35,28 @@ absl::StatusOr<std::unique_ptr<PipelineStage>> PipelineStage::Create(
             ? " holds the last layer but has a next stage"
             : " does not hold the last layer but has no next stage"));
   }
-  PDS_ASSIGN_OR_RETURN(auto pool,
-                       kv::KvPool::Create(engine->KvLayout(options.block_size),
-                                          options.num_blocks));
-  return std::unique_ptr<PipelineStage>(new PipelineStage(
-      options, std::move(engine), std::move(pool), in, out, events, kv_out));
+  PDS_ASSIGN_OR_RETURN(
+      auto pool, engine->CreateKvPool(options.block_size, options.num_blocks));
+  std::unique_ptr<kv::KvPool> landing;
+  if (engine->kv_on_device()) {
+    PDS_ASSIGN_OR_RETURN(
+        landing, kv::KvPool::Create(pool->layout(), options.num_blocks));
+  }
+  return std::unique_ptr<PipelineStage>(
+      new PipelineStage(options, std::move(engine), std::move(pool),
+                        std::move(landing), in, out, events, kv_out));
 }
 
 PipelineStage::PipelineStage(const PipelineStageOptions& options,
                              std::unique_ptr<engine::LlamaEngine> engine,
                              std::unique_ptr<kv::KvPool> pool,
+                             std::unique_ptr<kv::KvPool> landing,
                              StageReceiver* in, StageSender* out,
                              StageEventSink* events, StageKvOutput* kv_out)
     : options_(options),
       engine_(std::move(engine)),
       pool_(std::move(pool)),
+      landing_(std::move(landing)),
       in_(in),
       out_(out),
       events_(events),
@@ -116,6 +125,16 @@ void PipelineStage::Process(StageMessage message) {
   batch.hidden_in = message.hidden;
   engine::ForwardResult result;
   absl::Status status = engine_->Forward(batch, *pool_, &result);
+  // A GPU stage mirrors every position it computed (not only those it will
+  // send now: a later request may reuse this prefix for a decode worker that
+  // lacks it) before any write reads them.
+  for (size_t i = 0; i < message.chunks.size() && status.ok() && landing_;
+       ++i) {
+    const ChunkHeader& chunk = message.chunks[i];
+    status =
+        engine_->CopyTokensToHost(*pool_, chunk.block_table, chunk.token_begin,
+                                  chunk.token_end, *landing_);
+  }
   done.end = absl::Now();
   {
     absl::MutexLock lock(&mu_);
@@ -197,7 +216,7 @@ void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
     write.token_end = chunk.token_end;
     write.final_chunk = chunk.final_chunk;
     write.block_table = chunk.block_table;
-    write.pool = pool_.get();
+    write.pool = mutable_pool();
     write.grants = chunk.kv_grants;
     {
       absl::MutexLock lock(&mu_);

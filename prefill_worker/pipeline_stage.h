@@ -57,6 +57,11 @@ struct PipelineStageOptions {
   int64_t num_blocks = 0;  // group-wide block count
   int threads = 1;         // engine threads (counting the stage thread)
   StageObserver observer;
+  // Where the stage computes. With kCuda the KV pool lives in GPU memory and
+  // each microbatch's KV is copied to a host mirror before it is written out
+  // (Debian's UCX cannot read GPU memory); KV is then bf16.
+  engine::Backend backend = engine::Backend::kCpu;
+  engine::CudaOptions cuda;
 };
 
 // Counters for metrics (names settled by the observability issue).
@@ -89,7 +94,9 @@ class PipelineStage {
   // Wires the KV output after creation (a transport KvSource registers the
   // stage's pool, so it can only be made once the stage exists). Before Start.
   void set_kv_output(StageKvOutput* kv_out) { kv_out_ = kv_out; }
-  kv::KvPool* mutable_pool() { return pool_.get(); }
+  // The pool KV writes read (what a transport registers): the engine's own
+  // pool on the CPU, its host mirror when the engine computes on a GPU.
+  kv::KvPool* mutable_pool() { return landing_ ? landing_.get() : pool_.get(); }
 
   void Start();
   // The request was cancelled or failed before its final chunk: forget its
@@ -104,8 +111,9 @@ class PipelineStage {
   const PipelineStageOptions& options() const { return options_; }
   bool is_last() const { return out_ == nullptr; }
   const engine::LlamaEngine& engine() const { return *engine_; }
-  // The local KV; read it only while the stage is idle (tests).
-  const kv::KvPool& pool() const { return *pool_; }
+  // The local KV as writes read it (see mutable_pool); read it only while
+  // the stage is idle (tests).
+  const kv::KvPool& pool() const { return landing_ ? *landing_ : *pool_; }
   StageStats stats() const;
   // Compute intervals of every microbatch, in order (tests check overlap).
   std::vector<std::pair<absl::Time, absl::Time>> BusyIntervalsForTest() const;
@@ -113,7 +121,8 @@ class PipelineStage {
  private:
   PipelineStage(const PipelineStageOptions& options,
                 std::unique_ptr<engine::LlamaEngine> engine,
-                std::unique_ptr<kv::KvPool> pool, StageReceiver* in,
+                std::unique_ptr<kv::KvPool> pool,
+                std::unique_ptr<kv::KvPool> landing, StageReceiver* in,
                 StageSender* out, StageEventSink* events,
                 StageKvOutput* kv_out);
   void Run();
@@ -124,6 +133,9 @@ class PipelineStage {
   const PipelineStageOptions options_;
   std::unique_ptr<engine::LlamaEngine> engine_;
   std::unique_ptr<kv::KvPool> pool_;
+  // Host mirror of a device pool (null on the CPU): every position the stage
+  // computes is copied here before its KV write starts.
+  std::unique_ptr<kv::KvPool> landing_;
   StageReceiver* const in_;
   StageSender* const out_;
   StageEventSink* const events_;

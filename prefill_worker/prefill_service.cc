@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kv/kv_layout.h"
 #include "prefill_worker/stage_control_service.h"
 #include "rpc/status_conversion.h"
 
@@ -515,8 +516,9 @@ v1::PrefillLoad PrefillService::Load() const {
   model->set_num_kv_heads(config.num_kv_heads);
   model->set_head_dim(config.head_dim);
   model->set_block_size(options_.scheduler.block_size);
-  // Stages compute and send f32 KV (the engine's only KV dtype on CPU).
-  model->set_kv_dtype("f32");
+  // What stage 0 computes and sends (the group's stages share a backend; a
+  // mismatched one fails the KV compatibility check instead).
+  model->set_kv_dtype(kv::KvDTypeName(stage0_->kv_dtype()));
   return result;
 }
 

@@ -117,13 +117,17 @@ absl::Status StageProcess::Build(StageReceiver* in, const std::string& next,
   stage_options.num_blocks = options_.num_blocks;
   stage_options.threads = options_.threads;
   stage_options.observer = options_.observer;
+  stage_options.backend = options_.backend;
+  stage_options.cuda = options_.cuda;
   PDS_ASSIGN_OR_RETURN(
       stage_, PipelineStage::Create(weights_, stage_options, in, sender_.get(),
                                     events, nullptr));
   const model::ModelConfig& config = weights_.config();
-  const transport::KvModelSpec spec{config.Identity(),   kv::KvDType::kF32,
-                                    options_.block_size, config.head_dim,
-                                    config.num_layers,   config.num_kv_heads};
+  // The dtype the stage's engine keeps KV in (f32 on the CPU, bf16 on GPUs).
+  const transport::KvModelSpec spec{
+      config.Identity(),   stage_->mutable_pool()->layout().dtype,
+      options_.block_size, config.head_dim,
+      config.num_layers,   config.num_kv_heads};
   PDS_ASSIGN_OR_RETURN(
       source_, transport::KvSource::Create(kv_worker_.get(),
                                            stage_->mutable_pool(), spec));

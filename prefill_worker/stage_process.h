@@ -46,7 +46,9 @@ struct StageProcessOptions {
   int threads = 1;           // engine threads of the stage
   absl::Duration kv_write_timeout = absl::Seconds(30);
   transport::UcxWorkerOptions ucx;
-  StageObserver observer;  // metrics hooks (optional)
+  StageObserver observer;                           // metrics hooks (optional)
+  engine::Backend backend = engine::Backend::kCpu;  // see PipelineStageOptions
+  engine::CudaOptions cuda;
 };
 
 class StageProcess {
@@ -61,6 +63,12 @@ class StageProcess {
   StageProcess& operator=(const StageProcess&) = delete;
 
   const StageProcessOptions& options() const { return options_; }
+  // The KV dtype this stage computes and sends: bf16 on GPUs, f32 on CPUs
+  // (what ModelIdentity.kv_dtype reports; decode workers must match it).
+  kv::KvDType kv_dtype() const {
+    return options_.backend == engine::Backend::kCuda ? kv::KvDType::kBF16
+                                                      : kv::KvDType::kF32;
+  }
   // Blob for UcxWorker::Connect: microbatches into this stage (i > 0) and
   // events into the coordinator (stage 0) arrive on this worker.
   const std::string& link_address() const { return link_worker_->address(); }

@@ -21,7 +21,7 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exc
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib .gpu/glibc .gpu/models
 BINARIES=(build-cuda/tests/engine/engine_cuda_test build-cuda/tests/comm/comm_nccl_test
-          build-cuda/tests/decode/decode_cuda_test
+          build-cuda/tests/decode/decode_cuda_test build-cuda/tests/prefill/prefill_cuda_test
           build-cuda/bench/cuda_engine_bench)
 for b in "${BINARIES[@]}"; do
   cp "$b" .gpu/bin/

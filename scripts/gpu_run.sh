@@ -32,7 +32,7 @@ fi
 
 status=0
 echo "== gpu tests"
-for t in comm_nccl_test engine_cuda_test decode_cuda_test; do
+for t in comm_nccl_test engine_cuda_test decode_cuda_test prefill_cuda_test; do
   "${launch[@]}" bin/$t 2>&1 | tee -a "$OUT/tests.log" |
     grep -E '^\[ cuda|^\[  (PASSED|FAILED|SKIPPED)|Failure|flip|rror' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -1,0 +1,114 @@
+// A prefill group whose stages compute on the GPU (label `gpu`; skips
+// without one): every golden prompt's first token is the golden one, and the
+// bf16 KV each stage mirrors to host memory and writes out matches the CPU
+// engine's f32 KV within bf16 tolerance, each (layer, position) sent once.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/engine_test_util.h"
+#include "prefill_worker/in_process_group.h"
+#include "testing/golden.h"
+
+namespace pdserve::prefill {
+namespace {
+
+constexpr int kBlockSize = 16;
+
+bool GpuVisible() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return devices > 0;
+}
+
+// K/V of positions [0, tokens) through an identity table, in the order
+// CapturingKvOutput::Collected returns ([layer][k|v][head][pos][dim]).
+std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
+  const auto& layout = pool.layout();
+  std::vector<float> out;
+  for (int layer = 0; layer < layout.num_layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int head = 0; head < layout.num_kv_heads; ++head) {
+        for (int pos = 0; pos < tokens; ++pos) {
+          const float* p =
+              pool.f32() + layout.Offset(pos / layout.block_size, layer, kv,
+                                         head, pos % layout.block_size);
+          out.insert(out.end(), p, p + layout.head_dim);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+class PrefillCudaTest : public ::testing::TestWithParam<std::vector<int>> {};
+
+TEST_P(PrefillCudaTest, GoldenFirstTokensAndKvWithinBf16Tolerance) {
+  if (!GpuVisible()) GTEST_SKIP() << "no GPU visible";
+  auto weights = engine::testing_util::OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  auto cpu = engine::testing_util::MakeEngine(*weights, {}, nullptr, 1);
+  CapturingKvOutput captured;
+  PrefillGroupOptions options;
+  options.layer_split = GetParam();
+  options.scheduler.block_size = kBlockSize;
+  options.scheduler.num_blocks = 1024;
+  options.scheduler.microbatch_token_budget = 64;  // several chunks each
+  options.backend = engine::Backend::kCuda;
+  auto group = InProcessPrefillGroup::Create(*weights, options, &captured);
+  ASSERT_TRUE(group.ok()) << group.status();
+  // The stages' pools as the transport reads them are bf16 host mirrors.
+  EXPECT_EQ((*group)->stage(0).pool().layout().dtype, kv::KvDType::kBF16);
+
+  const auto cases = pdserve::testing::LoadGoldenCases();
+  std::vector<std::shared_ptr<PrefillTicket>> tickets;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    PrefillRequest request;
+    request.request_id = i + 1;
+    request.prompt = cases[i].prompt_ids;
+    auto ticket = (*group)->Submit(std::move(request));
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    tickets.push_back(*ticket);
+  }
+  const int layers = weights->config().num_layers;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    auto outcome = tickets[i]->Wait(absl::Seconds(60));
+    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    EXPECT_EQ(outcome->first_token.token, cases[i].greedy_ids[0])
+        << "case " << i << " (golden top-2 margin " << cases[i].min_top2_margin
+        << ")";
+    const int n = static_cast<int>(cases[i].prompt_ids.size());
+    const int blocks = (n + kBlockSize - 1) / kBlockSize;
+    auto pool = engine::testing_util::MakePool(*cpu, kBlockSize, blocks);
+    auto table = engine::testing_util::IdentityBlockTable(blocks);
+    engine::testing_util::PrefillAllLogits(*cpu, *pool, cases[i].prompt_ids,
+                                           table);
+    const std::vector<float> want = ExtractKv(*pool, n);
+    const std::vector<float> got = captured.Collected(i + 1, layers, n);
+    ASSERT_EQ(got.size(), want.size());
+    double worst = 0;
+    for (size_t k = 0; k < got.size(); ++k) {
+      ASSERT_FALSE(std::isnan(got[k])) << "case " << i << ": KV missing";
+      // bf16 keeps 8 bits of mantissa; activations are bf16 between GEMMs.
+      worst = std::max<double>(worst, std::abs(got[k] - want[k]) /
+                                          std::max(1.0f, std::abs(want[k])));
+    }
+    EXPECT_LE(worst, 5e-2) << "case " << i;
+    const std::vector<int> counts = captured.WriteCounts(i + 1, layers, n);
+    EXPECT_TRUE(
+        std::all_of(counts.begin(), counts.end(), [](int c) { return c == 1; }))
+        << "case " << i << ": every (layer, position) is sent exactly once";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Splits, PrefillCudaTest,
+                         ::testing::Values(std::vector<int>{5},
+                                           std::vector<int>{3, 2}));
+
+}  // namespace
+}  // namespace pdserve::prefill
