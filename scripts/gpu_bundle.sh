@@ -15,13 +15,18 @@ cd "$(dirname "$0")/.."
 MODELS="${PDSERVE_MODELS_DIR:-../shared/models}"
 
 cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPDSERVE_CUDA=ON >/dev/null
-cmake --build build-cuda -j "$(nproc)" --target gpu_tests cuda_engine_bench
+cmake --build build-cuda -j "$(nproc)" --target gpu_tests cuda_engine_bench \
+  pdserve_sentencepiece_shim
 
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib .gpu/glibc .gpu/models
 BINARIES=(build-cuda/tests/engine/engine_cuda_test build-cuda/tests/comm/comm_nccl_test
           build-cuda/tests/decode/decode_cuda_test build-cuda/tests/prefill/prefill_cuda_test
+          build-cuda/tests/e2e/e2e_cuda_cluster_test
+          build-cuda/router/router build-cuda/prefill_worker/prefill_worker
+          build-cuda/decode_worker/decode_worker
+          build-cuda/libpdserve_sentencepiece_shim.so
           build-cuda/bench/cuda_engine_bench)
 for b in "${BINARIES[@]}"; do
   cp "$b" .gpu/bin/
@@ -40,4 +45,8 @@ done
 cp -L /lib64/ld-linux-x86-64.so.2 .gpu/glibc/
 cp -r "$MODELS/stories260K" "$MODELS/bench-configs" .gpu/models/
 cp scripts/gpu_run.sh .gpu/run.sh
+# What travels to the device is capped (64 MiB); OpenBLAS alone is 36 MB, so
+# binaries and libraries go as one xz archive (~15 MB) that run.sh unpacks.
+XZ_OPT=-T0 tar cJf .gpu/payload.tar.xz -C .gpu bin lib glibc
+rm -rf .gpu/bin .gpu/lib .gpu/glibc
 du -sh .gpu

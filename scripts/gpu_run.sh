@@ -4,6 +4,8 @@
 # engine's tests, and cuda_engine_bench on the llama-8b shape.
 set -uo pipefail
 cd "$(dirname "$0")"
+# bin/, lib/ and glibc/ travel packed (gpu_bundle.sh).
+if [ -f payload.tar.xz ] && [ ! -d bin ]; then tar xJf payload.tar.xz; fi
 OUT="${OUT:-/tmp/pdserve-gpu-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -32,7 +34,11 @@ fi
 
 status=0
 echo "== gpu tests"
-for t in comm_nccl_test engine_cuda_test decode_cuda_test prefill_cuda_test; do
+# The e2e test starts router/prefill_worker/decode_worker from bin/ (the
+# tokenizer finds its sentencepiece shim next to them).
+export PDSERVE_BIN_DIR="$PWD/bin"
+for t in comm_nccl_test engine_cuda_test decode_cuda_test prefill_cuda_test \
+         e2e_cuda_cluster_test; do
   "${launch[@]}" bin/$t 2>&1 | tee -a "$OUT/tests.log" |
     grep -E '^\[ cuda|^\[  (PASSED|FAILED|SKIPPED)|Failure|flip|rror' || true
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

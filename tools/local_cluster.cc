@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -172,7 +174,11 @@ absl::Status LocalCluster::StartDecode(int worker) {
                                    "--threads-per-rank",
                                    absl::StrCat(options_.decode_threads),
                                    "--ucx-peer-errors",
-                                   options_.shared_memory_kv ? "0" : "1"};
+                                   options_.shared_memory_kv ? "0" : "1",
+                                   "--backend",
+                                   options_.backend,
+                                   "--cuda-devices",
+                                   options_.cuda_devices};
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
@@ -201,8 +207,16 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
   g.stage_args.assign(options_.stages, {});
   g.stage_addresses.assign(options_.stages, "");
   const int s_count = options_.stages;
+  const std::vector<std::string> devices =
+      absl::StrSplit(options_.cuda_devices, ',');
   auto common_args = [&](int stage, const std::string& port_file) {
-    return std::vector<std::string>{"--model",
+    const std::string& device = devices[(group * s_count + stage) %
+                                        std::max<size_t>(devices.size(), 1)];
+    return std::vector<std::string>{"--backend",
+                                    options_.backend,
+                                    "--cuda-device",
+                                    device,
+                                    "--model",
                                     options_.model_path,
                                     "--format",
                                     options_.format,

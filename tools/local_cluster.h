@@ -56,6 +56,12 @@ struct LocalClusterOptions {
   int max_running = 64;
   int decode_threads = 1;  // compute threads per TP rank
 
+  // "cuda" runs every prefill stage and decode rank on GPUs: decode worker w
+  // gets --cuda-devices as given, prefill stage s of group g the device
+  // cuda_devices[(g * stages + s) % count].
+  std::string backend = "cpu";
+  std::string cuda_devices = "0";
+
   // Every process is on this host: KV goes by shared memory (UCX endpoints
   // without peer-failure mode; dead peers are found by leases, heartbeats
   // and gRPC instead). false = tcp endpoints that report a dead peer at once.

@@ -6,6 +6,7 @@
 //               [--prefill-policy least-loaded] [--decode-policy prefix-aware]
 //               [--work-dir DIR] [--bin-dir DIR] [--colocated 0|1]
 //               [--metrics-port-base 9100 (-1 = off, 0 = any free ports)]
+//               [--backend cpu|cuda] [--cuda-devices 0[,1,...]]
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -18,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/command_line_flags.h"
 #include "common/status_macros.h"
+#include "engine/backend_flags.h"
 #include "process/child_process.h"
 #include "tools/commands.h"
 #include "tools/local_cluster.h"
@@ -49,6 +51,11 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   // The ports deploy/prometheus/prometheus-local.yml scrapes; -1 = off.
   o.metrics_port_base = flags.Num<int>("metrics-port-base", 9100);
   o.bin_dir = flags.Str("bin-dir", process::ExecutableDir());
+  o.backend = flags.Str("backend", o.backend);
+  o.cuda_devices = flags.Str("cuda-devices", o.cuda_devices);
+  // Refuse bad spellings here, before any process starts.
+  PDS_RETURN_IF_ERROR(engine::ParseBackend(o.backend).status());
+  PDS_RETURN_IF_ERROR(engine::ParseDeviceList(o.cuda_devices).status());
   PDS_RETURN_IF_ERROR(flags.Check());
 
   // Ctrl-C is for us: block it before the children start (they reset their

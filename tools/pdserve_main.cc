@@ -14,6 +14,7 @@
 // tools/client_command.cc).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/command_line_flags.h"
 #include "common/status_macros.h"
+#include "engine/backend_flags.h"
 #include "engine/llama_engine.h"
 #include "engine/sampler.h"
 #include "kv/kv_pool.h"
@@ -45,11 +47,13 @@ constexpr char kUsage[] =
     "[--temperature T]\n"
     "                        [--top-p P] [--top-k K] [--seed S] [--format F] "
     "[--threads N]\n"
+    "                        [--backend cpu|cuda] [--cuda-device D]\n"
     "       pdserve local [--model PATH] [--prefill-groups G] [--stages S] "
     "[--tp T]\n"
     "                     [--decode-workers W] [--speculation off|ngram|draft] "
     "[--draft-layers L]\n"
     "                     [--grpc-port P] [--http-port P] [--work-dir DIR]\n"
+    "                     [--backend cpu|cuda] [--cuda-devices 0,1]\n"
     "       pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
     "[--max-tokens N]\n"
     "                      [--temperature T] [--seed S] [--stop S] "
@@ -72,6 +76,9 @@ absl::Status Generate(int argc, char** argv) {
   }
   int max_tokens = flags.Num<int>("max-tokens", 64);
   const int threads = flags.Num<int>("threads", 0);
+  PDS_ASSIGN_OR_RETURN(const engine::Backend backend,
+                       engine::ParseBackend(flags.Str("backend", "cpu")));
+  const int cuda_device = flags.Num<int>("cuda-device", 0);
   engine::SamplingParams sampling;
   sampling.temperature = flags.Num<float>("temperature", 0.0f);
   sampling.top_p = flags.Num<float>("top-p", 1.0f);
@@ -99,13 +106,18 @@ absl::Status Generate(int argc, char** argv) {
 
   engine::EngineOptions options;
   options.num_threads = threads;
+  options.backend = backend;
+  options.cuda.device = cuda_device;
+  options.cuda.max_sequences = 1;
+  options.cuda.max_graph_batch = 1;
+  options.cuda.max_tokens_per_step = std::max(
+      options.cuda.max_tokens_per_step, static_cast<int>(prompt_ids.size()));
   PDS_ASSIGN_OR_RETURN(auto llama,
                        engine::LlamaEngine::Create(*weights, options));
   constexpr int kBlockSize = 16;
   const int64_t total = static_cast<int64_t>(prompt_ids.size()) + max_tokens;
   const int64_t blocks = (total + kBlockSize - 1) / kBlockSize;
-  PDS_ASSIGN_OR_RETURN(auto pool,
-                       kv::KvPool::Create(llama->KvLayout(kBlockSize), blocks));
+  PDS_ASSIGN_OR_RETURN(auto pool, llama->CreateKvPool(kBlockSize, blocks));
   std::vector<int32_t> block_table(blocks);
   for (int64_t b = 0; b < blocks; ++b) block_table[b] = static_cast<int32_t>(b);
 
