@@ -2,31 +2,25 @@
 // golden greedy tokens and text with speculation off and n-gram, TP 2 with
 // both ranks on one GPU, and the remote-prefill path whose KV lands in the
 // host mirror and is staged to the GPU when marked complete.
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include "decode_test_util.h"
 #include "engine/llama_engine.h"
 #include "engine/sampler.h"
+#include "testing/gpu.h"
 
 namespace pdserve::decode {
 namespace {
 
 using testing_util::AllGoldenCases;
+using testing_util::ExpectEveryGoldenCase;
 using testing_util::ExpectNoLeak;
 using testing_util::Greedy;
 using testing_util::MakeWorker;
 using testing_util::Stories;
 using testing_util::Stream;
 
-bool GpuVisible() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return devices > 0;
-}
+using ::pdserve::testing::GpuVisible;
 
 DecodeWorkerOptions CudaOptions(int tp, SpeculationMode mode) {
   DecodeWorkerOptions o = testing_util::Options(tp, mode);
@@ -44,24 +38,7 @@ TEST_P(CudaGoldenTest, EveryGoldenPromptGivesGoldenTokensAndText) {
   ASSERT_NE(worker, nullptr);
   // Two ranks on one GPU: NCCL refuses that, so they reduce through the host.
   EXPECT_EQ(worker->tp_communicator(), tp > 1 ? "host" : "none");
-  auto cases = AllGoldenCases();
-  std::vector<Stream> streams(cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(worker
-                    ->Submit(i, cases[i].prompt_ids,
-                             Greedy(cases[i].max_new_tokens),
-                             streams[i].Callback())
-                    .ok());
-  }
-  for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(streams[i].Wait()) << "case " << i;
-    EXPECT_TRUE(streams[i].status().ok()) << streams[i].status();
-    EXPECT_EQ(streams[i].tokens(), cases[i].greedy_ids)
-        << "case " << i << " (golden min top-2 margin "
-        << cases[i].min_top2_margin << ")";
-    EXPECT_EQ(streams[i].text(), cases[i].text) << "case " << i;
-  }
-  ExpectNoLeak(*worker);
+  ExpectEveryGoldenCase(*worker);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -73,30 +50,13 @@ INSTANTIATE_TEST_SUITE_P(
 // TP 2 on two GPUs reduces with NCCL (device memory, inside graphs) and
 // still gives the goldens. Needs two GPUs; skips otherwise.
 TEST(CudaNcclTest, TwoRanksOnTwoGpusReduceWithNcclAndKeepGoldens) {
-  int devices = 0;
-  if (!GpuVisible() || cudaGetDeviceCount(&devices) != cudaSuccess ||
-      devices < 2) {
-    GTEST_SKIP() << "needs two GPUs";
-  }
+  if (::pdserve::testing::CudaDevices() < 2) GTEST_SKIP() << "needs two GPUs";
   DecodeWorkerOptions options = CudaOptions(2, SpeculationMode::kNgram);
   options.cuda_devices = {0, 1};
   auto worker = MakeWorker(options);
   ASSERT_NE(worker, nullptr);
   EXPECT_EQ(worker->tp_communicator(), "nccl");
-  auto cases = AllGoldenCases();
-  std::vector<Stream> streams(cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(worker
-                    ->Submit(i, cases[i].prompt_ids,
-                             Greedy(cases[i].max_new_tokens),
-                             streams[i].Callback())
-                    .ok());
-  }
-  for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(streams[i].Wait()) << "case " << i;
-    EXPECT_EQ(streams[i].tokens(), cases[i].greedy_ids) << "case " << i;
-  }
-  ExpectNoLeak(*worker);
+  ExpectEveryGoldenCase(*worker);
 }
 
 // The prefill side on the same GPU: a CUDA engine writes the admitted blocks

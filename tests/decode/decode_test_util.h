@@ -144,4 +144,30 @@ inline void ExpectNoLeak(const DecodeWorker& worker) {
   EXPECT_TRUE(worker.block_manager().CheckInvariantsForTest().ok());
 }
 
+// Submits every golden prompt at once (greedy, its golden length) and
+// expects each stream to end by length with the golden tokens and text (a
+// mismatch names the golden's top-2 margin: bf16 backends may flip near
+// ties), then that no KV is left behind.
+inline void ExpectEveryGoldenCase(DecodeWorker& worker) {
+  auto cases = AllGoldenCases();
+  std::vector<Stream> streams(cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ASSERT_TRUE(worker
+                    .Submit(i, cases[i].prompt_ids,
+                            Greedy(cases[i].max_new_tokens),
+                            streams[i].Callback())
+                    .ok());
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ASSERT_TRUE(streams[i].Wait()) << "case " << i;
+    EXPECT_TRUE(streams[i].status().ok()) << streams[i].status();
+    EXPECT_EQ(streams[i].reason(), FinishReason::kLength) << "case " << i;
+    EXPECT_EQ(streams[i].tokens(), cases[i].greedy_ids)
+        << "case " << i << " (golden min top-2 margin "
+        << cases[i].min_top2_margin << ")";
+    EXPECT_EQ(streams[i].text(), cases[i].text) << "case " << i;
+  }
+  ExpectNoLeak(worker);
+}
+
 }  // namespace pdserve::decode::testing_util

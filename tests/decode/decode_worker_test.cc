@@ -15,6 +15,7 @@ namespace pdserve::decode {
 namespace {
 
 using testing_util::AllGoldenCases;
+using testing_util::ExpectEveryGoldenCase;
 using testing_util::ExpectNoLeak;
 using testing_util::Greedy;
 using testing_util::MakeWorker;
@@ -45,22 +46,7 @@ TEST_P(GoldenTest, EveryGoldenPromptGivesGoldenTokensAndText) {
   ASSERT_NE(worker, nullptr);
   // CPU ranks reduce through host memory.
   EXPECT_EQ(worker->tp_communicator(), tp > 1 ? "host" : "none");
-  auto cases = AllGoldenCases();
-  std::vector<Stream> streams(cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(worker
-                    ->Submit(i, cases[i].prompt_ids,
-                             Greedy(cases[i].max_new_tokens),
-                             streams[i].Callback())
-                    .ok());
-  }
-  for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_TRUE(streams[i].Wait()) << "case " << i;
-    EXPECT_TRUE(streams[i].status().ok()) << streams[i].status();
-    EXPECT_EQ(streams[i].reason(), FinishReason::kLength);
-    EXPECT_EQ(streams[i].tokens(), cases[i].greedy_ids) << "case " << i;
-    EXPECT_EQ(streams[i].text(), cases[i].text) << "case " << i;
-  }
+  ExpectEveryGoldenCase(*worker);
   LoadReport load = worker->Load();
   if (mode != SpeculationMode::kOff) {
     EXPECT_GT(load.spec_steps, 0);

@@ -7,7 +7,6 @@
 //
 // PDSERVE_BIN_DIR overrides where the worker binaries are (the device bundle
 // carries them next to this test).
-#include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
 
 #include <cstdlib>
@@ -21,19 +20,13 @@
 #include "gtest/gtest.h"
 #include "pdserve/v1/generate.grpc.pb.h"
 #include "testing/golden.h"
+#include "testing/gpu.h"
 #include "tools/local_cluster.h"
 
 namespace pdserve {
 namespace {
 
-bool GpuVisible() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return devices > 0;
-}
+using ::pdserve::testing::GpuVisible;
 
 struct Layout {
   int stages;

@@ -3,7 +3,6 @@
 // O(1e-2): logits are compared within that tolerance, greedy tokens exactly on
 // the goldens, and any greedy flip is reported with the reference's top-2
 // margin at that position.
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 #include "comm/communicator.h"
 #include "engine/engine_backend.h"
 #include "engine_test_util.h"
+#include "testing/gpu.h"
 
 namespace pdserve::engine {
 namespace {
@@ -24,14 +24,7 @@ using testing_util::OpenStories;
 // and the lm_head the logits of stories260K stay within a few percent.
 constexpr double kBf16LogitTolerance = 3e-2;
 
-bool GpuVisible() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return devices > 0;
-}
+using ::pdserve::testing::GpuVisible;
 
 #define SKIP_WITHOUT_GPU()                             \
   if (!GpuVisible()) GTEST_SKIP() << "no GPU visible"; \

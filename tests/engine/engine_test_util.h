@@ -17,6 +17,28 @@
 
 namespace pdserve::engine::testing_util {
 
+// K/V of positions [0, tokens) of a sequence with an identity block table, as
+// f32 in [layer][k|v][head][position][dim] order (what
+// prefill::CapturingKvOutput::Collected returns), so pools compare slot by
+// slot. The pool must be f32.
+inline std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
+  const auto& layout = pool.layout();
+  std::vector<float> out;
+  for (int layer = 0; layer < layout.num_layers; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int head = 0; head < layout.num_kv_heads; ++head) {
+        for (int pos = 0; pos < tokens; ++pos) {
+          const float* p =
+              pool.f32() + layout.Offset(pos / layout.block_size, layer, kv,
+                                         head, pos % layout.block_size);
+          out.insert(out.end(), p, p + layout.head_dim);
+        }
+      }
+    }
+  }
+  return out;
+}
+
 inline std::unique_ptr<model::WeightSource> OpenStories(bool gguf) {
   auto source = gguf ? model::OpenModel(pdserve::testing::Stories260KGguf())
                      : model::OpenModel(pdserve::testing::Stories260KDir());

@@ -11,6 +11,7 @@
 namespace pdserve::engine {
 namespace {
 
+using testing_util::ExtractKv;
 using testing_util::IdentityBlockTable;
 using testing_util::MakeEngine;
 using testing_util::MakePool;
@@ -20,26 +21,6 @@ using testing_util::PrefillAllLogits;
 
 std::vector<int32_t> LongPrompt() {
   return pdserve::testing::LoadGoldenCases("golden_long.jsonl")[0].prompt_ids;
-}
-
-// Copies the K/V of the first `tokens` positions of a sequence (identity
-// block table) out of a pool, so two pools can be compared slot by slot.
-std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
-  const auto& layout = pool.layout();
-  std::vector<float> out;
-  for (int layer = 0; layer < layout.num_layers; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int head = 0; head < layout.num_kv_heads; ++head) {
-        for (int pos = 0; pos < tokens; ++pos) {
-          const float* p =
-              pool.f32() + layout.Offset(pos / layout.block_size, layer, kv,
-                                         head, pos % layout.block_size);
-          out.insert(out.end(), p, p + layout.head_dim);
-        }
-      }
-    }
-  }
-  return out;
 }
 
 TEST(ChunkedPrefillTest, ChunksGiveSameLogitsAndKvAsOneShot) {

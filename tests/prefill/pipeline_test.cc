@@ -16,6 +16,7 @@
 namespace pdserve::prefill {
 namespace {
 
+using engine::testing_util::ExtractKv;
 using engine::testing_util::MaxRelativeError;
 
 constexpr int kBlockSize = 16;
@@ -26,26 +27,6 @@ struct Reference {
   std::vector<float> kv;           // [layer][k|v][head][pos][dim]
   std::vector<float> last_logits;  // of the last prompt position
 };
-
-// K/V of positions [0, tokens) of an identity block table, in the order
-// CapturingKvOutput::Collected returns.
-std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
-  const auto& layout = pool.layout();
-  std::vector<float> out;
-  for (int layer = 0; layer < layout.num_layers; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int head = 0; head < layout.num_kv_heads; ++head) {
-        for (int pos = 0; pos < tokens; ++pos) {
-          const float* p =
-              pool.f32() + layout.Offset(pos / layout.block_size, layer, kv,
-                                         head, pos % layout.block_size);
-          out.insert(out.end(), p, p + layout.head_dim);
-        }
-      }
-    }
-  }
-  return out;
-}
 
 class PrefillPipelineTest : public ::testing::Test {
  protected:

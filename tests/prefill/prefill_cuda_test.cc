@@ -2,7 +2,6 @@
 // without one): every golden prompt's first token is the golden one, and the
 // bf16 KV each stage mirrors to host memory and writes out matches the CPU
 // engine's f32 KV within bf16 tolerance, each (layer, position) sent once.
-#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,40 +10,15 @@
 #include "engine/engine_test_util.h"
 #include "prefill_worker/in_process_group.h"
 #include "testing/golden.h"
+#include "testing/gpu.h"
 
 namespace pdserve::prefill {
 namespace {
 
 constexpr int kBlockSize = 16;
 
-bool GpuVisible() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return devices > 0;
-}
-
-// K/V of positions [0, tokens) through an identity table, in the order
-// CapturingKvOutput::Collected returns ([layer][k|v][head][pos][dim]).
-std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
-  const auto& layout = pool.layout();
-  std::vector<float> out;
-  for (int layer = 0; layer < layout.num_layers; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int head = 0; head < layout.num_kv_heads; ++head) {
-        for (int pos = 0; pos < tokens; ++pos) {
-          const float* p =
-              pool.f32() + layout.Offset(pos / layout.block_size, layer, kv,
-                                         head, pos % layout.block_size);
-          out.insert(out.end(), p, p + layout.head_dim);
-        }
-      }
-    }
-  }
-  return out;
-}
+using ::pdserve::engine::testing_util::ExtractKv;
+using ::pdserve::testing::GpuVisible;
 
 class PrefillCudaTest : public ::testing::TestWithParam<std::vector<int>> {};
 
