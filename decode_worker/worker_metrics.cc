@@ -59,6 +59,13 @@ DecodeWorkerMetrics::DecodeWorkerMetrics(metrics::MetricsRegistry& r)
       allreduce_seconds_(r.Counter(
           "pdserve_decode_allreduce_seconds_total",
           "Seconds inside tensor-parallel all-reduces, mean over ranks")),
+      kv_staged_bytes_(r.Counter(
+          "pdserve_decode_kv_staged_bytes_total",
+          "Bytes of prefilled KV copied from host landing pools to the GPUs "
+          "(GPU workers; UCX here cannot write GPU memory)")),
+      kv_staging_seconds_(r.Counter(
+          "pdserve_decode_kv_staging_seconds_total",
+          "Seconds the scheduler spent copying prefilled KV to the GPUs")),
       preemptions_(
           r.Counter("pdserve_decode_preemptions_total",
                     "Requests preempted (KV freed, recomputed later)")),
@@ -103,6 +110,8 @@ void DecodeWorkerMetrics::Refresh(const decode::DecodeWorker& worker,
   SyncCounter(spec_accepted_, static_cast<double>(load.accepted_tokens));
   SyncCounter(spec_emitted_, static_cast<double>(load.spec_emitted_tokens));
   SyncCounter(allreduce_seconds_, load.allreduce_seconds);
+  SyncCounter(kv_staged_bytes_, static_cast<double>(load.kv_staged_bytes));
+  SyncCounter(kv_staging_seconds_, load.kv_staging_seconds);
   SyncCounter(preemptions_, static_cast<double>(load.preemptions));
   // The sink's lease is the one that fires in practice; the worker's own is
   // a backstop. A request is counted by whichever freed it.

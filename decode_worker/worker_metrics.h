@@ -54,6 +54,8 @@ class DecodeWorkerMetrics {
   prometheus::Counter& spec_accepted_;
   prometheus::Counter& spec_emitted_;
   prometheus::Counter& allreduce_seconds_;
+  prometheus::Counter& kv_staged_bytes_;
+  prometheus::Counter& kv_staging_seconds_;
   prometheus::Counter& preemptions_;
   prometheus::Counter& lease_expiries_;
   metrics::MetricsRegistry::HookHandle hook_;

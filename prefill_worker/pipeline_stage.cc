@@ -125,6 +125,8 @@ void PipelineStage::Process(StageMessage message) {
   batch.hidden_in = message.hidden;
   engine::ForwardResult result;
   absl::Status status = engine_->Forward(batch, *pool_, &result);
+  const absl::Time mirror_start = absl::Now();
+  int64_t mirror_bytes = 0;
   // A GPU stage mirrors every position it computed (not only those it will
   // send now: a later request may reuse this prefix for a decode worker that
   // lacks it) before any write reads them.
@@ -134,6 +136,9 @@ void PipelineStage::Process(StageMessage message) {
     status =
         engine_->CopyTokensToHost(*pool_, chunk.block_table, chunk.token_begin,
                                   chunk.token_end, *landing_);
+    mirror_bytes += int64_t{chunk.num_tokens()} *
+                    landing_->layout().block_bytes() /
+                    landing_->layout().block_size;
   }
   done.end = absl::Now();
   {
@@ -142,6 +147,11 @@ void PipelineStage::Process(StageMessage message) {
     ++stats_.microbatches;
     stats_.tokens += done.tokens;
     stats_.chunks += static_cast<int64_t>(message.chunks.size());
+    if (landing_ != nullptr) {
+      stats_.kv_mirror_bytes += mirror_bytes;
+      stats_.kv_mirror_seconds +=
+          absl::ToDoubleSeconds(done.end - mirror_start);
+    }
     if (!status.ok()) ++stats_.failures;
     intervals_.emplace_back(done.start, done.end);
   }

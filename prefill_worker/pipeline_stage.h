@@ -75,6 +75,10 @@ struct StageStats {
   int64_t chunks = 0;
   int64_t kv_writes = 0;
   int64_t failures = 0;
+  // GPU stages: KV copied device → host mirror before the writes (bytes, and
+  // seconds of the stage thread, included in busy_seconds).
+  int64_t kv_mirror_bytes = 0;
+  double kv_mirror_seconds = 0;
 };
 
 class PipelineStage {

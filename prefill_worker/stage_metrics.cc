@@ -37,7 +37,14 @@ PrefillStageMetrics::PrefillStageMetrics(metrics::MetricsRegistry& r)
       tokens_(r.Counter("pdserve_prefill_tokens_total",
                         "Prompt tokens the stage computed")),
       stage_failures_(r.Counter("pdserve_prefill_stage_failures_total",
-                                "Microbatches whose forward failed")) {
+                                "Microbatches whose forward failed")),
+      kv_mirror_bytes_(r.Counter(
+          "pdserve_prefill_kv_mirror_bytes_total",
+          "GPU stages: KV copied from the GPU to the host mirror the UCX "
+          "writes read")),
+      kv_mirror_seconds_(
+          r.Counter("pdserve_prefill_kv_mirror_seconds_total",
+                    "GPU stages: stage-thread seconds spent on that copy")) {
   if (r.layout().stage == 0) {
     queue_depth_ = &r.Gauge(
         "pdserve_prefill_queue_depth",
@@ -92,6 +99,8 @@ void PrefillStageMetrics::Refresh(const StageProcess& stage,
   SyncCounter(chunks_, static_cast<double>(s.chunks));
   SyncCounter(tokens_, static_cast<double>(s.tokens));
   SyncCounter(stage_failures_, static_cast<double>(s.failures));
+  SyncCounter(kv_mirror_bytes_, static_cast<double>(s.kv_mirror_bytes));
+  SyncCounter(kv_mirror_seconds_, s.kv_mirror_seconds);
   if (service == nullptr || queue_depth_ == nullptr) return;
   const pdserve::v1::PrefillLoad load = service->Load();
   queue_depth_->Set(load.queued());

@@ -46,6 +46,8 @@ class PrefillStageMetrics {
   prometheus::Counter& chunks_;
   prometheus::Counter& tokens_;
   prometheus::Counter& stage_failures_;
+  prometheus::Counter& kv_mirror_bytes_;
+  prometheus::Counter& kv_mirror_seconds_;
   // Stage 0 only (registered there, so other stages export no empty series).
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* in_flight_ = nullptr;

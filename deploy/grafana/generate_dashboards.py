@@ -286,6 +286,19 @@ def kv_transfer():
          "awaiting KV {{worker_id}}"),
         (rate("pdserve_decode_lease_expiries_total", "worker_id"),
          "lease expiries/s {{worker_id}}")])
+    d.row("Host staging on GPU workers (UCX without CUDA transports)")
+    d.panel("KV staged through host memory, bytes per second", [
+        (rate("pdserve_prefill_kv_mirror_bytes_total", "worker_id, stage"),
+         "prefill GPU->host {{worker_id}} stage {{stage}}"),
+        (rate("pdserve_decode_kv_staged_bytes_total", "worker_id"),
+         "decode host->GPU {{worker_id}}")], "Bps")
+    d.panel("Share of time spent staging", [
+        (f"{rate('pdserve_prefill_kv_mirror_seconds_total', 'worker_id, stage')} / "
+         f"{rate('pdserve_prefill_stage_busy_seconds_total', 'worker_id, stage')}",
+         "prefill {{worker_id}} stage {{stage}} (of busy)"),
+        (f"{rate('pdserve_decode_kv_staging_seconds_total', 'worker_id')} / "
+         f"{rate('pdserve_decode_step_seconds_sum', 'worker_id')}",
+         "decode {{worker_id}} (vs step time)")], "percentunit")
     return d
 
 

@@ -477,10 +477,14 @@ absl::Status DecodeWorker::Impl::StageRemoteKv(const Request& r) {
       options.block_size;
   if (first >= last) return absl::OkStatus();
   std::vector<int32_t> blocks(table.begin() + first, table.begin() + last);
+  const absl::Time start = absl::Now();
   for (Rank& rank : ranks) {
     PDS_RETURN_IF_ERROR(
         rank.engine->CopyBlocksFromHost(*rank.landing, blocks, *rank.pool));
+    counters.kv_staged_bytes += static_cast<int64_t>(blocks.size()) *
+                                rank.landing->layout().block_bytes();
   }
+  counters.kv_staging_seconds += absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();
 }
 

@@ -155,6 +155,11 @@ struct LoadReport {
   int64_t lease_expiries = 0;
   // Seconds inside all-reduces, mean over the TP ranks (0 at tp_size 1).
   double allreduce_seconds = 0;
+  // GPU workers: bytes of remotely prefilled KV copied from the host landing
+  // pools to the GPUs (all ranks), and the seconds the scheduler spent on it
+  // (steps wait meanwhile). 0 on CPU workers.
+  int64_t kv_staged_bytes = 0;
+  double kv_staging_seconds = 0;
   // Speculation: verify steps with drafts, drafts proposed and accepted, and
   // tokens those verify steps emitted (accepted + one each).
   int64_t spec_steps = 0;
