@@ -178,6 +178,23 @@ function checkPdserve(objects, overlay) {
     if (gpus !== undefined && String(gpus) !== layout.data.DECODE_TP)
       fail(overlay, `${d.metadata.name}: nvidia.com/gpu ${gpus} != DECODE_TP ${layout.data.DECODE_TP}`);
   }
+  // GPUs and the backend go together: a GPU pod running the CPU backend
+  // wastes its GPUs, a cuda pod without one fails at start.
+  const backend = layout.data.BACKEND;
+  if (backend !== "cpu" && backend !== "cuda")
+    return fail(overlay, `BACKEND ${backend} is neither cpu nor cuda`);
+  for (const w of [...decode, sts]) {
+    const gpus = w.spec.template.spec.containers[0].resources?.limits?.["nvidia.com/gpu"];
+    if (backend === "cuda" && gpus === undefined)
+      fail(overlay, `${w.metadata.name}: BACKEND cuda but no nvidia.com/gpu limit`);
+    if (backend === "cpu" && gpus !== undefined)
+      fail(overlay, `${w.metadata.name}: requests nvidia.com/gpu but BACKEND is cpu`);
+  }
+  const devices = String(layout.data.DECODE_CUDA_DEVICES ?? "").split(",");
+  if (!devices.every((d) => /^[0-9]+$/.test(d)))
+    fail(overlay, `DECODE_CUDA_DEVICES ${layout.data.DECODE_CUDA_DEVICES} is not a list of device ids`);
+  if (backend === "cuda" && devices.some((d) => Number(d) >= Number(layout.data.DECODE_TP)))
+    fail(overlay, `DECODE_CUDA_DEVICES ${layout.data.DECODE_CUDA_DEVICES} names a GPU the decode pod does not get (${layout.data.DECODE_TP})`);
 }
 
 // Same objects as kubectl kustomize renders (order aside).

@@ -153,6 +153,21 @@ TEST(DeployTest, ManifestsRenderAndValidateOffline) {
       CheckManifests(absl::StrCat(dir, "/deploy/kubernetes/overlays/cpu-demo"));
   EXPECT_NE(bad.code, 0) << bad.output;
   EXPECT_TRUE(absl::StrContains(bad.output, "replicas")) << bad.output;
+  std::ofstream(decode) << text;
+
+  // GPUs requested with the CPU backend are caught too.
+  const std::string gpu_layout =
+      dir + "/deploy/kubernetes/overlays/gpu/layout.yaml";
+  const std::string layout_text = Slurp(gpu_layout);
+  ASSERT_TRUE(absl::StrContains(layout_text, "value: cuda}"));
+  std::ofstream(gpu_layout)
+      << absl::StrReplaceAll(layout_text, {{"value: cuda}", "value: cpu}"}});
+  const CommandResult cpu_on_gpus =
+      CheckManifests(absl::StrCat(dir, "/deploy/kubernetes/overlays/gpu"));
+  EXPECT_NE(cpu_on_gpus.code, 0) << cpu_on_gpus.output;
+  EXPECT_TRUE(absl::StrContains(cpu_on_gpus.output,
+                                "requests nvidia.com/gpu but BACKEND is cpu"))
+      << cpu_on_gpus.output;
   fs::remove_all(dir);
 }
 
