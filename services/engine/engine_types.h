@@ -37,6 +37,11 @@ struct CudaOptions {
   int max_graph_tokens_per_sequence = 8;
   // Largest tokens one Forward may carry (sizes the activation buffers).
   int max_tokens_per_step = 8192;
+  // Decode/verify steps whose sequences feed different query counts replay
+  // the graph of the largest, padding the others, while the padded step has
+  // at most this many tokens or twice the real ones (beyond that the padded
+  // GEMM rows cost more than eager launches save). Unmeasured default.
+  int max_ragged_graph_tokens = 256;
   // Largest sequences one Forward may carry (sizes the block tables).
   int max_sequences = 256;
   // Fuse the residual add into the next RMSNorm (one kernel instead of two);

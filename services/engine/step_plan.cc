@@ -27,18 +27,30 @@ std::optional<GraphShape> GraphShapeFor(const ForwardBatch& batch,
   if (!options.use_graphs || !holds_all_layers || batch.sequences.empty()) {
     return std::nullopt;
   }
-  const int q = batch.sequences.front().num_tokens;
-  if (q < 1 || q > options.max_graph_tokens_per_sequence) return std::nullopt;
+  int q = 0;
+  int64_t real_tokens = 0;
   for (const SequenceStep& seq : batch.sequences) {
-    if (seq.num_tokens != q ||
-        seq.logit_indices.size() != static_cast<size_t>(q)) {
+    // Every query index wants logits (ascending and below num_tokens, as
+    // validated, so num_tokens of them means 0..num_tokens-1).
+    if (seq.num_tokens < 1 ||
+        seq.logit_indices.size() != static_cast<size_t>(seq.num_tokens)) {
       return std::nullopt;
     }
-    // Ascending and below q (validated), so q of them means 0..q-1.
+    q = std::max(q, seq.num_tokens);
+    real_tokens += seq.num_tokens;
   }
+  if (q > options.max_graph_tokens_per_sequence) return std::nullopt;
   const std::optional<int> bucket =
       BucketFor(static_cast<int>(batch.sequences.size()), buckets);
   if (!bucket) return std::nullopt;
+  // Sequences with fewer queries than q (speculation proposed fewer drafts
+  // for them) are padded to q. Padding costs GEMM rows: allow it while the
+  // step stays small (weight-bandwidth bound) or at most doubles.
+  if (real_tokens < int64_t{batch.sequences.size()} * q &&
+      int64_t{*bucket} * q >
+          std::max<int64_t>(options.max_ragged_graph_tokens, 2 * real_tokens)) {
+    return std::nullopt;
+  }
   return GraphShape{*bucket, q};
 }
 
@@ -88,11 +100,16 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
   }
   const int64_t num_tokens =
       graph ? int64_t{graph->batch} * graph->tokens_per_sequence : real_tokens;
-  if (graph &&
-      (real_sequences > graph->batch ||
-       real_tokens != int64_t{real_sequences} * graph->tokens_per_sequence)) {
-    return absl::InvalidArgumentError(
-        "batch does not match the graph shape it was bucketed to");
+  if (graph) {
+    bool fits = real_sequences <= graph->batch;
+    for (const SequenceStep& seq : batch.sequences) {
+      fits &= seq.num_tokens <= graph->tokens_per_sequence &&
+              seq.logit_indices.size() == static_cast<size_t>(seq.num_tokens);
+    }
+    if (!fits) {
+      return absl::InvalidArgumentError(
+          "batch does not match the graph shape it was bucketed to");
+    }
   }
   if (num_tokens > layout.max_tokens || num_sequences > layout.max_sequences ||
       longest_blocks > layout.max_blocks_per_sequence) {
@@ -110,6 +127,9 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
   int32_t* logit_rows = out.data() + layout.logit_rows;
 
   int64_t t = 0, row = 0;
+  // Logit rows of padded queries go after every real one, so the first
+  // real_logit_rows rows are the caller's, in order.
+  std::vector<int32_t> padded_rows;
   for (int s = 0; s < real_sequences; ++s) {
     const SequenceStep& seq = batch.sequences[s];
     const int64_t first = t;
@@ -130,7 +150,19 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
     for (int index : seq.logit_indices) {
       logit_rows[row++] = static_cast<int32_t>(first + index);
     }
+    // Graph padding of a sequence with fewer queries than the shape: repeat
+    // its last query's position (attention reads only keys that exist),
+    // write no KV, and drop the logits.
+    for (int i = seq.num_tokens; graph && i < graph->tokens_per_sequence;
+         ++i, ++t) {
+      tokens[t] = 0;
+      positions[t] = seq.start_position + seq.num_tokens - 1;
+      slots[t] = -1;
+      token_sequence[t] = s;
+      padded_rows.push_back(static_cast<int32_t>(t));
+    }
   }
+  for (int32_t padded : padded_rows) logit_rows[row++] = padded;
   // Padding sequences (graph replays only): harmless work whose results are
   // dropped. They read block 0 and write nothing.
   for (int s = real_sequences; s < num_sequences; ++s) {

@@ -36,9 +36,11 @@ struct GraphShape {
 };
 
 // The graph a step can replay, or nullopt when it must run eager: graphs off,
-// an engine that does not hold every layer, mixed query counts, more than
+// an engine that does not hold every layer, more than
 // max_graph_tokens_per_sequence tokens, a sequence that does not want logits
-// at every query index, or more sequences than the largest bucket.
+// at every query index, more sequences than the largest bucket, or mixed
+// query counts whose padding to the largest would exceed
+// CudaOptions::max_ragged_graph_tokens and twice the real tokens.
 std::optional<GraphShape> GraphShapeFor(const ForwardBatch& batch,
                                         const CudaOptions& options,
                                         bool holds_all_layers,

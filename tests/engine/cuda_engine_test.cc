@@ -182,8 +182,10 @@ TEST(CudaEngineTest, GraphReplayEqualsEagerAndBatchingEqualsAlone) {
     positions[s] = static_cast<int>(prompts[s].size());
   }
   std::vector<std::vector<int32_t>> next = {{5}, {6}, {7}};
-  for (int step = 0; step < 6; ++step) {
+  for (int step = 0; step < 7; ++step) {
     if (step == 4) next = {{5, 6, 7}, {8, 9, 10}, {11, 12, 13}};  // verify
+    // Different draft counts per sequence: the padded (ragged) graph.
+    if (step == 6) next = {{5}, {8, 9}, {11, 12, 13}};
     const auto g = Step(*graphed, *pool_g, next, positions, tables);
     const auto e = Step(*eager, *pool_e, next, positions, tables);
     ASSERT_EQ(g.size(), e.size());

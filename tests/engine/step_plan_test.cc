@@ -41,7 +41,8 @@ struct TestBatch {
     tables.resize(num);
     for (int s = 0; s < num; ++s) {
       tokens[s].assign(q, 100 + s);
-      const int blocks = (start + q + block_size - 1) / block_size;
+      // Sequence s starts at start + s (below).
+      const int blocks = (start + s + q + block_size - 1) / block_size;
       for (int b = 0; b < blocks; ++b) tables[s].push_back(10 * s + b + 1);
     }
     for (int s = 0; s < num; ++s) {
@@ -77,13 +78,26 @@ TEST(GraphShapeTest, OtherStepsRunEager) {
   off.use_graphs = false;
   EXPECT_EQ(GraphShapeFor(decode.batch, off, true, buckets), std::nullopt);
   EXPECT_EQ(GraphShapeFor(decode.batch, options, false, buckets), std::nullopt);
-  // Mixed query counts.
+  // Mixed query counts whose padding would more than double a step beyond
+  // max_ragged_graph_tokens.
   TestBatch mixed(2, 1, 20, 16);
-  mixed.tokens[1].assign(2, 7);
+  mixed.tokens[1].assign(5, 7);
   mixed.batch.sequences[1].tokens = mixed.tokens[1];
-  mixed.batch.sequences[1].num_tokens = 2;
-  mixed.batch.sequences[1].logit_indices = {0, 1};
-  EXPECT_EQ(GraphShapeFor(mixed.batch, options, true, buckets), std::nullopt);
+  mixed.batch.sequences[1].num_tokens = 5;
+  mixed.batch.sequences[1].logit_indices = {0, 1, 2, 3, 4};
+  CudaOptions strict = options;
+  strict.max_ragged_graph_tokens = 8;
+  EXPECT_EQ(GraphShapeFor(mixed.batch, strict, true, buckets),
+            (GraphShape{2, 5}))
+      << "10 padded tokens are within twice the 6 real ones";
+  strict.max_ragged_graph_tokens = 4;
+  TestBatch lopsided(4, 1, 20, 16);
+  lopsided.tokens[3].assign(5, 7);
+  lopsided.batch.sequences[3].tokens = lopsided.tokens[3];
+  lopsided.batch.sequences[3].num_tokens = 5;
+  lopsided.batch.sequences[3].logit_indices = {0, 1, 2, 3, 4};
+  // 4 x 5 = 20 padded tokens for 8 real ones: more than double.
+  EXPECT_EQ(GraphShapeFor(lopsided.batch, strict, true, buckets), std::nullopt);
   // A prefill chunk that wants only its last logits.
   TestBatch chunk(1, 4, 0, 16);
   chunk.batch.sequences[0].logit_indices = {3};
@@ -168,6 +182,54 @@ TEST(FillStepMetadataTest, GraphStepIsPaddedWithHarmlessSequences) {
     EXPECT_EQ(meta[l.logit_rows + t], t);
   }
   for (int k = 0; k < 4; ++k) EXPECT_EQ(meta[l.block_tables + 3 * 4 + k], 0);
+}
+
+// Speculation proposes different draft counts per request: such a verify
+// step replays the graph of the largest, each shorter sequence padded with
+// queries that repeat its last position, write no KV, and whose logit rows
+// come after every real one.
+TEST(GraphShapeTest, RaggedVerifyStepReplaysThePaddedGraph) {
+  CudaOptions options;
+  const std::vector<int> buckets = GraphBatchBuckets(options.max_graph_batch);
+  const int bs = 16;
+  TestBatch b(3, 1, 30, bs);
+  b.tokens[1].assign(3, 9);   // sequence 1 verifies two drafts
+  b.tables[1].push_back(99);  // positions 31..33 reach a third block
+  b.batch.sequences[1].block_table = b.tables[1];
+  b.batch.sequences[1].tokens = b.tokens[1];
+  b.batch.sequences[1].num_tokens = 3;
+  b.batch.sequences[1].logit_indices = {0, 1, 2};
+  const std::optional<GraphShape> shape =
+      GraphShapeFor(b.batch, options, true, buckets);
+  ASSERT_EQ(shape, (GraphShape{4, 3}));
+
+  const StepMetadataLayout l = StepMetadataLayout::For(64, 8, 4);
+  std::vector<int32_t> meta(l.total, -7);
+  StepCounts counts;
+  ASSERT_TRUE(FillStepMetadata(b.batch, bs, l, shape, meta, &counts).ok());
+  EXPECT_EQ(counts.num_tokens, 12);
+  EXPECT_EQ(counts.num_logit_rows, 12);
+  EXPECT_EQ(counts.real_logit_rows, 5);
+  // Tokens: seq 0 at 0..2 (1 real), seq 1 at 3..5 (3 real), seq 2 at 6..8
+  // (1 real), padding sequence at 9..11.
+  const std::vector<int> real = {0, 3, 4, 5, 6};
+  EXPECT_EQ(std::vector<int32_t>(meta.begin() + l.logit_rows,
+                                 meta.begin() + l.logit_rows + 5),
+            std::vector<int32_t>(real.begin(), real.end()));
+  for (int t : {1, 2, 7, 8}) {
+    const int s = t / 3;
+    EXPECT_EQ(meta[l.slots + t], -1) << "padded query " << t;
+    EXPECT_EQ(meta[l.token_sequence + t], s);
+    EXPECT_EQ(meta[l.positions + t], 30 + s) << "repeats the last position";
+  }
+  for (int t : real) EXPECT_GE(meta[l.slots + t], 0);
+  // After the real rows: the padded queries, then the padding sequence.
+  EXPECT_EQ(std::vector<int32_t>(meta.begin() + l.logit_rows + 5,
+                                 meta.begin() + l.logit_rows + 12),
+            (std::vector<int32_t>{1, 2, 7, 8, 9, 10, 11}));
+  // A sequence longer than the shape does not fit it.
+  EXPECT_FALSE(
+      FillStepMetadata(b.batch, bs, l, GraphShape{4, 2}, meta, &counts).ok());
 }
 
 TEST(FillStepMetadataTest, StepsPastCapacityAreRefused) {
