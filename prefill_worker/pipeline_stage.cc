@@ -130,15 +130,18 @@ void PipelineStage::Process(StageMessage message) {
   // A GPU stage mirrors every position it computed (not only those it will
   // send now: a later request may reuse this prefix for a decode worker that
   // lacks it) before any write reads them.
-  for (size_t i = 0; i < message.chunks.size() && status.ok() && landing_;
-       ++i) {
-    const ChunkHeader& chunk = message.chunks[i];
-    status =
-        engine_->CopyTokensToHost(*pool_, chunk.block_table, chunk.token_begin,
-                                  chunk.token_end, *landing_);
-    mirror_bytes += int64_t{chunk.num_tokens()} *
-                    landing_->layout().block_bytes() /
-                    landing_->layout().block_size;
+  if (landing_ != nullptr) {
+    const kv::KvCacheLayout& layout = landing_->layout();
+    for (const ChunkHeader& chunk : message.chunks) {
+      if (!status.ok()) break;
+      status = engine_->CopyTokensToHost(*pool_, chunk.block_table,
+                                         chunk.token_begin, chunk.token_end,
+                                         *landing_);
+      if (status.ok()) {
+        mirror_bytes += int64_t{chunk.num_tokens()} * layout.block_bytes() /
+                        layout.block_size;
+      }
+    }
   }
   done.end = absl::Now();
   {

@@ -115,7 +115,7 @@ absl::Status ValidateBatch(const ShardPlan& plan, const ForwardBatch& batch,
         "} does not match this shard (layers [", plan.shard.layer_begin, ",",
         plan.shard.layer_end, "), kv heads [", plan.kv_head_offset, ",",
         plan.kv_head_offset + plan.kv_heads, "), head_dim ", config.head_dim,
-        ", ", dtype == kv::KvDType::kF32 ? "f32" : "bf16", ")"));
+        ", ", kv::KvDTypeName(dtype), ")"));
   }
   if (batch.sequences.empty()) return absl::InvalidArgumentError("empty batch");
   int64_t total_tokens = 0;
