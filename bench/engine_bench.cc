@@ -5,6 +5,7 @@
 //
 //   build/bench/engine_bench [--config PATH] [--threads N] [--prompt 512]
 //                            [--batches 1,8,32] [--context 128] [--steps 16]
+//                            [--projection-batches 1,4,8,16,32,64,512]
 #include <cblas.h>
 
 #include <algorithm>
@@ -80,10 +81,13 @@ double ReadBandwidth(int threads) {
   return best;
 }
 
-// OpenBLAS sgemm FLOP/s on a prefill-like shape: [m, k] x [k, n].
-double SgemmFlops(int m, int n, int k) {
+// OpenBLAS sgemm FLOP/s on a prefill-like shape [m, k] x [k, n], with
+// `threads` OpenBLAS threads (the engine has set BLAS to one thread by the time
+// this runs; measuring that would halve the denominator on 2 cores).
+double SgemmFlops(int m, int n, int k, int threads) {
   std::vector<float> a(size_t(m) * k, 0.5f), b(size_t(n) * k, 0.25f),
       c(size_t(m) * n);
+  openblas_set_num_threads(threads);
   double best = 0;
   for (int rep = 0; rep < 5; ++rep) {
     auto start = Clock::now();
@@ -91,49 +95,51 @@ double SgemmFlops(int m, int n, int k) {
                 a.data(), k, b.data(), k, 0.0f, c.data(), n);
     best = std::max(best, 2.0 * m * n * k / Seconds(start));
   }
+  openblas_set_num_threads(1);
   return best;
 }
 
-// The projection kernel against OpenBLAS on the same matrix (the lm_head shape,
-// larger than the last-level cache), at decode batch sizes: seconds per call,
-// best of several.
+// The engine's projection kernel (PackedMatMul on the pre-packed matrix)
+// against OpenBLAS on the row-major matrix (single-threaded sgemm per slice
+// of output columns in the same pool) at decode batch sizes: milliseconds per
+// call, best of several, the two interleaved.
 void CompareProjectionKernels(int64_t rows, int64_t cols,
                               const std::vector<int>& batches, int threads) {
-  std::vector<float> w(size_t(rows) * cols), x(size_t(64) * cols),
-      y(size_t(64) * rows);
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  std::vector<float> w(size_t(rows) * cols), x(size_t(max_batch) * cols),
+      y(size_t(max_batch) * rows);
   for (size_t i = 0; i < w.size(); ++i)
     w[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-4f;
   for (size_t i = 0; i < x.size(); ++i)
     x[i] = static_cast<float>(i % 97) * 1e-2f;
+  absl::StatusOr<engine::PackedMatrix> packed =
+      engine::PackedMatrix::Pack(w.data(), rows, cols);
+  if (!packed.ok()) {
+    std::fprintf(stderr, "%s\n", packed.status().ToString().c_str());
+    return;
+  }
   ThreadPool pool(threads);
   std::printf(
-      "\n| projection %lldx%lld, batch | pdserve skinny | OpenBLAS (%d "
-      "threads) | speed-up |\n"
+      "\n| projection %lldx%lld (%.0f MB), batch | pdserve packed | OpenBLAS "
+      "slices (%d threads) | speed-up |\n"
       "|---|---|---|---|\n",
-      static_cast<long long>(rows), static_cast<long long>(cols), threads);
+      static_cast<long long>(rows), static_cast<long long>(cols),
+      rows * cols * 4 / 1e6, threads);
   for (int n : batches) {
-    if (n > engine::kSkinnyMatMulMaxRows) continue;
     double ours = 1e30, blas = 1e30;
     for (int rep = 0; rep < 5; ++rep) {
       auto start = Clock::now();
-      engine::SkinnyMatMul(x.data(), n, cols, w.data(), rows, y.data(), pool);
+      engine::PackedMatMul(x.data(), n, *packed, y.data(), pool);
       ours = std::min(ours, Seconds(start));
-      openblas_set_num_threads(threads);
       start = Clock::now();
-      if (n == 1) {
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, cols, 1.0f, w.data(),
-                    cols, x.data(), 1, 0.0f, y.data(), 1);
-      } else {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols,
-                    1.0f, x.data(), cols, w.data(), cols, 0.0f, y.data(), rows);
-      }
+      engine::BlasMatMul(x.data(), n, cols, w.data(), rows, y.data(), pool);
       blas = std::min(blas, Seconds(start));
-      openblas_set_num_threads(1);
     }
-    const double bytes = double(rows) * cols * 4;
-    std::printf("| %d | %.2f ms (%.1f GB/s) | %.2f ms (%.1f GB/s) | %.2fx |\n",
-                n, ours * 1e3, bytes / ours / 1e9, blas * 1e3,
-                bytes / blas / 1e9, blas / ours);
+    const double flops = 2.0 * n * rows * cols;
+    std::printf(
+        "| %d | %.2f ms (%.1f GFLOP/s) | %.2f ms (%.1f GFLOP/s) | %.2fx |\n", n,
+        ours * 1e3, flops / ours / 1e9, blas * 1e3, flops / blas / 1e9,
+        blas / ours);
   }
 }
 
@@ -143,6 +149,7 @@ struct Options {
   int threads = 0;
   int prompt = 512;
   std::vector<int> batches = {1, 8, 32};
+  std::vector<int> projection_batches = {1, 4, 8, 16, 32, 64, 512};
   int context = 128;
   int steps = 16;
 };
@@ -180,7 +187,7 @@ int Run(const Options& opt) {
   const double memcpy_bw = MemcpyBandwidth(threads);
   const double read_bw = ReadBandwidth(threads);
   const double sgemm =
-      SgemmFlops(opt.prompt, c.intermediate_size, c.hidden_size);
+      SgemmFlops(opt.prompt, c.intermediate_size, c.hidden_size, threads);
   std::printf(
       "machine: memcpy %.2f GB/s, streaming read %.2f GB/s, sgemm %.1f GFLOP/s "
       "(%dx%dx%d)\n",
@@ -298,7 +305,12 @@ int Run(const Options& opt) {
         weight_rate / memcpy_bw, weight_rate / read_bw,
         batch_size == 1 ? ">= 0.6 of memcpy" : "-");
   }
-  CompareProjectionKernels(c.vocab_size, c.hidden_size, opt.batches, threads);
+  // The lm_head (beyond the last-level cache on small machines) and one
+  // layer's fused gate/up projection (cache-resident on most).
+  CompareProjectionKernels(c.vocab_size, c.hidden_size, opt.projection_batches,
+                           threads);
+  CompareProjectionKernels(2 * c.intermediate_size, c.hidden_size,
+                           opt.projection_batches, threads);
   return 0;
 }
 
@@ -320,12 +332,13 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(value, &opt.context);
     } else if (flag == "--steps") {
       ok = absl::SimpleAtoi(value, &opt.steps);
-    } else if (flag == "--batches") {
-      opt.batches.clear();
+    } else if (flag == "--batches" || flag == "--projection-batches") {
+      auto& list = flag == "--batches" ? opt.batches : opt.projection_batches;
+      list.clear();
       for (auto part : absl::StrSplit(value, ',')) {
-        int b;
-        ok = ok && absl::SimpleAtoi(part, &b);
-        opt.batches.push_back(b);
+        int b = 0;
+        ok = ok && absl::SimpleAtoi(part, &b) && b > 0;
+        list.push_back(b);
       }
     } else {
       ok = false;

@@ -24,6 +24,28 @@ void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
   for (int64_t i = 0; i < dim; ++i) y[i] = x[i] * scale * weight[i];
 }
 
+// One layer's weights as the CPU kernels read them: norms as loaded,
+// projections packed for PackedMatMul.
+struct CpuLayerWeights {
+  std::vector<float> attn_norm, ffn_norm;  // [hidden]
+  PackedMatrix wqkv, wo, w_gate_up, w_down;
+};
+
+// Packs row-major `rows` x `cols` weights and releases the row-major copy, so
+// loading never holds more than one extra matrix.
+absl::StatusOr<PackedMatrix> PackAndRelease(std::vector<float>& row_major,
+                                            int64_t rows, int64_t cols) {
+  if (static_cast<int64_t>(row_major.size()) != rows * cols) {
+    return absl::InternalError(
+        absl::StrCat("weight matrix holds ", row_major.size(),
+                     " floats, expected ", rows, "x", cols));
+  }
+  absl::StatusOr<PackedMatrix> packed =
+      PackedMatrix::Pack(row_major.data(), rows, cols);
+  std::vector<float>().swap(row_major);
+  return packed;
+}
+
 // Per-token facts of one step, precomputed once.
 struct TokenInfo {
   int sequence;
@@ -80,9 +102,9 @@ class CpuBackend final : public EngineBackend {
 
   std::vector<float>
       embedding;  // [vocab_end - vocab_begin, hidden] when holding layer 0
-  std::vector<HostLayerWeights> layers;
+  std::vector<CpuLayerWeights> layers;
   std::vector<float> final_norm;  // [hidden] when holding the last layer
-  std::vector<float> lm_head;     // [vocab_end - vocab_begin, hidden]
+  PackedMatrix lm_head;           // [vocab_end - vocab_begin, hidden]
 
   std::vector<float> rope_cos, rope_sin;  // [max_position, head_dim / 2]
 
@@ -117,13 +139,25 @@ class CpuBackend final : public EngineBackend {
 
 absl::Status CpuBackend::Load(const model::WeightSource& weights) {
   if (holds_first()) PDS_RETURN_IF_ERROR(LoadEmbedding(weights, p, &embedding));
+  const int64_t hidden = config.hidden_size;
+  const int64_t attn_width = p.attn_width();
   for (int layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
     HostLayerWeights lw;
     PDS_RETURN_IF_ERROR(LoadLayerWeights(weights, p, layer, &lw));
-    layers.push_back(std::move(lw));
+    CpuLayerWeights& cw = layers.emplace_back();
+    cw.attn_norm = std::move(lw.attn_norm);
+    cw.ffn_norm = std::move(lw.ffn_norm);
+    PDS_ASSIGN_OR_RETURN(cw.wqkv, PackAndRelease(lw.wqkv, qkv_rows(), hidden));
+    PDS_ASSIGN_OR_RETURN(cw.wo, PackAndRelease(lw.wo, hidden, attn_width));
+    PDS_ASSIGN_OR_RETURN(cw.w_gate_up,
+                         PackAndRelease(lw.w_gate_up, 2 * ffn_rows(), hidden));
+    PDS_ASSIGN_OR_RETURN(cw.w_down,
+                         PackAndRelease(lw.w_down, hidden, ffn_rows()));
   }
   if (holds_last()) {
-    PDS_RETURN_IF_ERROR(LoadHead(weights, p, &final_norm, &lm_head));
+    std::vector<float> head;
+    PDS_RETURN_IF_ERROR(LoadHead(weights, p, &final_norm, &head));
+    PDS_ASSIGN_OR_RETURN(lm_head, PackAndRelease(head, p.vocab_rows(), hidden));
   }
   BuildRopeTables(config, &rope_cos, &rope_sin);
   return absl::OkStatus();
@@ -290,10 +324,11 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
 // ---------------------------------------------------------------------------
 
 int64_t CpuBackend::weight_bytes() const {
-  int64_t floats = embedding.size() + final_norm.size() + lm_head.size();
+  auto elements = [](const PackedMatrix& m) { return m.rows() * m.cols(); };
+  int64_t floats = embedding.size() + final_norm.size() + elements(lm_head);
   for (const auto& lw : layers) {
-    floats += lw.attn_norm.size() + lw.wqkv.size() + lw.wo.size() +
-              lw.ffn_norm.size() + lw.w_gate_up.size() + lw.w_down.size();
+    floats += lw.attn_norm.size() + elements(lw.wqkv) + elements(lw.wo) +
+              lw.ffn_norm.size() + elements(lw.w_gate_up) + elements(lw.w_down);
   }
   return floats * static_cast<int64_t>(sizeof(float));
 }
@@ -478,18 +513,16 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
   m.act.resize(n * f);
 
   for (size_t local = 0; local < m.layers.size(); ++local) {
-    const HostLayerWeights& lw = m.layers[local];
+    const CpuLayerWeights& lw = m.layers[local];
     // Attention block.
     for (int64_t t = 0; t < n; ++t) {
       RmsNorm(m.x.data() + t * hidden, lw.attn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    MatMulTransposedWeights(m.normed.data(), n, hidden, lw.wqkv.data(),
-                            qkv_rows, m.qkv.data(), *m.workers);
+    PackedMatMul(m.normed.data(), n, lw.wqkv, m.qkv.data(), *m.workers);
     m.WriteKv(batch, static_cast<int>(local), pool);
     m.Attention(batch, static_cast<int>(local), pool);
-    MatMulTransposedWeights(m.attn_out.data(), n, attn_width, lw.wo.data(),
-                            hidden, m.proj.data(), *m.workers);
+    PackedMatMul(m.attn_out.data(), n, lw.wo, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
 
@@ -498,8 +531,8 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       RmsNorm(m.x.data() + t * hidden, lw.ffn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    MatMulTransposedWeights(m.normed.data(), n, hidden, lw.w_gate_up.data(),
-                            2 * f, m.gate_up.data(), *m.workers);
+    PackedMatMul(m.normed.data(), n, lw.w_gate_up, m.gate_up.data(),
+                 *m.workers);
     for (int64_t t = 0; t < n; ++t) {
       const float* gate = m.gate_up.data() + t * 2 * f;
       const float* up = gate + f;
@@ -507,8 +540,7 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       for (int64_t i = 0; i < f; ++i)
         out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
-    MatMulTransposedWeights(m.act.data(), n, f, lw.w_down.data(), hidden,
-                            m.proj.data(), *m.workers);
+    PackedMatMul(m.act.data(), n, lw.w_down, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
   }
@@ -537,9 +569,8 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
             c.rms_norm_eps, normed_rows.data() + i * hidden);
   }
   std::vector<float> shard_logits(num_rows * vocab_shard);
-  MatMulTransposedWeights(normed_rows.data(), num_rows, hidden,
-                          m.lm_head.data(), vocab_shard, shard_logits.data(),
-                          *m.workers);
+  PackedMatMul(normed_rows.data(), num_rows, m.lm_head, shard_logits.data(),
+               *m.workers);
   if (m.shard.tp_size == 1) {
     result->logits = std::move(shard_logits);
     return absl::OkStatus();

@@ -1,14 +1,23 @@
 // y[n, out] = x[n, in] · w[out, in]^T — the projection every layer runs.
 //
-// Decode batches are skinny (n = 1..64 rows): a BLAS sgemm packs the whole
-// weight matrix for each call, which costs more than the math at these sizes.
-// SkinnyMatMul streams each weight row once from memory and multiplies it into
-// all n activation rows while it sits in L1 (register-blocked 4 weight rows x
-// 4 activation rows, AVX2/FMA when compiled for it). Wide inputs (prefill
-// chunks) go to OpenBLAS sgemm, which is compute-optimal there.
+// The engine keeps each projection matrix packed for its own kernel
+// (PackedMatrix): panels of kPanelRows output rows, each panel stored k-major
+// ([in][kPanelRows]) and 64-byte aligned. One micro-kernel step loads a
+// 16-float column of a panel (two AVX2 vectors) and broadcasts one activation
+// of each of up to 6 rows into it: 12 accumulators, 2 loads + 6 broadcasts per
+// 12 FMAs, the register tile optimized BLAS kernels use on AVX2. Packing once
+// at load time is what lets it beat OpenBLAS at decode batch sizes: sgemm must
+// pack the weight matrix on every call, which at a handful of rows costs more
+// than the math (bench/engine_bench measures both, docs/PERFORMANCE.md).
+// At one row it streams the weights once, so decode at batch 1 stays bound by
+// memory bandwidth; at prefill sizes it blocks k and rows for the caches.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+
+#include "absl/status/statusor.h"
 
 namespace pdserve {
 class ThreadPool;
@@ -16,16 +25,48 @@ class ThreadPool;
 
 namespace pdserve::engine {
 
-// Below this many activation rows the skinny kernel is used.
-inline constexpr int64_t kSkinnyMatMulMaxRows = 64;
+// Output rows per panel: two 8-float AVX2 vectors.
+inline constexpr int64_t kPanelRows = 16;
 
-void SkinnyMatMul(const float* x, int64_t n, int64_t in, const float* w,
-                  int64_t out, float* y, ThreadPool& pool);
+// A [rows, cols] weight matrix in the panel layout described above; rows past
+// the last full panel are zero.
+class PackedMatrix {
+ public:
+  PackedMatrix() = default;
+  // Packs row-major `w` ([rows, cols]). Empty when rows or cols is 0;
+  // RESOURCE_EXHAUSTED when the memory cannot be had.
+  static absl::StatusOr<PackedMatrix> Pack(const float* w, int64_t rows,
+                                           int64_t cols);
 
-// Dispatches between SkinnyMatMul and OpenBLAS by n.
-void MatMulTransposedWeights(const float* x, int64_t n, int64_t in,
-                             const float* w, int64_t out, float* y,
-                             ThreadPool& pool);
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  int64_t panels() const { return (rows_ + kPanelRows - 1) / kPanelRows; }
+  // Element (row, col) of the original matrix (tests, debugging).
+  float At(int64_t row, int64_t col) const;
+  // Panel p: cols() groups of kPanelRows floats.
+  const float* panel(int64_t p) const {
+    return data_.get() + p * cols_ * kPanelRows;
+  }
+
+ private:
+  struct FreeAligned {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float[], FreeAligned> data_;
+  int64_t rows_ = 0, cols_ = 0;
+};
+
+// y[n, w.rows()] = x[n, w.cols()] · w^T, spread over `pool`.
+void PackedMatMul(const float* x, int64_t n, const PackedMatrix& w, float* y,
+                  ThreadPool& pool);
+
+// The same product with OpenBLAS on the row-major matrix: single-threaded
+// sgemm per slice of output columns, the slices spread over `pool` (all
+// parallelism in one pool, so OpenBLAS's spinning workers never compete with
+// ours). The engine does not use it; bench/engine_bench and the tests compare
+// PackedMatMul against it.
+void BlasMatMul(const float* x, int64_t n, int64_t in, const float* w,
+                int64_t out, float* y, ThreadPool& pool);
 
 // Σ a[i]·b[i] with 8-wide FMA lanes (the compiler will not reorder a float
 // reduction by itself). Used for attention scores.

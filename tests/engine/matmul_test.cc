@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -11,33 +12,84 @@
 namespace pdserve::engine {
 namespace {
 
-// Every tile shape and tail: rows not a multiple of 3 or 4, inner sizes not a
-// multiple of 8, both the skinny kernel and the BLAS path.
+// Every micro-kernel row count (1..6) and tail: rows not a multiple of 6,
+// output rows not a multiple of the 16-row panel, inner sizes not a multiple
+// of 8, and inputs large enough to take the cache-blocked path (n * in * 4 >
+// 64 KiB: several k-blocks accumulated into y, several row blocks). The BLAS
+// baseline the bench compares against is checked the same way.
 TEST(MatMulTest, MatchesNaiveProductForAllShapeTails) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   ThreadPool pool(2);
-  for (int64_t n : {1, 2, 3, 4, 5, 7, 8, 13, 32, 64, 65, 100}) {
-    for (int64_t in : {1, 7, 8, 9, 64, 172}) {
-      for (int64_t out : {1, 3, 4, 5, 67, 130}) {
-        std::vector<float> x(n * in), w(out * in), y(n * out, NAN);
-        for (auto& v : x) v = dist(rng);
-        for (auto& v : w) v = dist(rng);
-        MatMulTransposedWeights(x.data(), n, in, w.data(), out, y.data(), pool);
-        for (int64_t i = 0; i < n; ++i) {
-          for (int64_t o = 0; o < out; ++o) {
-            double expected = 0;
-            for (int64_t k = 0; k < in; ++k)
-              expected += double{x[i * in + k]} * w[o * in + k];
-            ASSERT_NEAR(y[i * out + o], expected,
-                        1e-4 * (1 + std::abs(expected)))
-                << "n=" << n << " in=" << in << " out=" << out << " at " << i
-                << "," << o;
-          }
+  struct Shape {
+    int64_t in, out;
+  };
+  std::vector<Shape> shapes;
+  for (int64_t in : {1, 7, 8, 9, 64, 172}) {
+    for (int64_t out : {1, 3, 15, 16, 17, 67, 130}) shapes.push_back({in, out});
+  }
+  shapes.push_back({1000, 33});  // k-blocks of 384 + a 232 tail
+  for (int64_t n : {1, 2, 3, 4, 5, 6, 7, 12, 13, 32, 65, 200, 400}) {
+    for (const Shape& shape : shapes) {
+      const int64_t in = shape.in, out = shape.out;
+      if (n * in > 200 * 1000) continue;
+      std::vector<float> x(n * in), w(out * in);
+      for (auto& v : x) v = dist(rng);
+      for (auto& v : w) v = dist(rng);
+      absl::StatusOr<PackedMatrix> packed =
+          PackedMatrix::Pack(w.data(), out, in);
+      ASSERT_TRUE(packed.ok()) << packed.status();
+      std::vector<float> y_packed(n * out, NAN), y_blas(n * out, NAN);
+      PackedMatMul(x.data(), n, *packed, y_packed.data(), pool);
+      BlasMatMul(x.data(), n, in, w.data(), out, y_blas.data(), pool);
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t o = 0; o < out; ++o) {
+          double expected = 0;
+          for (int64_t k = 0; k < in; ++k)
+            expected += double{x[i * in + k]} * w[o * in + k];
+          const double tolerance =
+              1e-4 * (1 + std::abs(expected)) + 2e-6 * static_cast<double>(in);
+          ASSERT_NEAR(y_packed[i * out + o], expected, tolerance)
+              << "packed n=" << n << " in=" << in << " out=" << out << " at "
+              << i << "," << o;
+          ASSERT_NEAR(y_blas[i * out + o], expected, tolerance)
+              << "blas n=" << n << " in=" << in << " out=" << out << " at " << i
+              << "," << o;
         }
       }
     }
   }
+}
+
+TEST(MatMulTest, PackedMatrixKeepsEveryElementAndZeroPadsTheLastPanel) {
+  const int64_t rows = 21, cols = 5;  // one full panel and 5 rows of another
+  std::vector<float> w(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) w[i] = static_cast<float>(i + 1);
+  absl::StatusOr<PackedMatrix> packed =
+      PackedMatrix::Pack(w.data(), rows, cols);
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  EXPECT_EQ(packed->panels(), 2);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c)
+      EXPECT_EQ(packed->At(r, c), w[r * cols + c]) << r << "," << c;
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = rows % kPanelRows; r < kPanelRows; ++r)
+      EXPECT_EQ(packed->panel(1)[c * kPanelRows + r], 0.0f);
+  }
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(packed->panel(0)) % 64, 0u);
+
+  absl::StatusOr<PackedMatrix> empty = PackedMatrix::Pack(w.data(), 0, cols);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->rows(), 0);
+}
+
+TEST(MatMulTest, SizeBeyondAnyMemoryIsResourceExhausted) {
+  const float w = 1.0f;  // never read: the size is refused first
+  absl::StatusOr<PackedMatrix> packed =
+      PackedMatrix::Pack(&w, int64_t{1} << 40, int64_t{1} << 40);
+  EXPECT_EQ(packed.status().code(), absl::StatusCode::kResourceExhausted)
+      << packed.status();
 }
 
 TEST(MatMulTest, DotProductAndAxpy) {
