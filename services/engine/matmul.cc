@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/thread_pool.h"
@@ -41,14 +42,17 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(sums);
 }
 
-// y[R, cols] (+)= x[R, kc] · panel[kc, 16] for R <= kTileRows rows of x at
-// stride ldx and of y at stride ldy; `cols` < 16 only for the last panel.
-// Every loop over R is unrolled so the accumulators stay in registers (a
-// rolled epilogue made GCC spill all twelve on every k step: 3x slower).
+// y[R, cols] (+)= x[R, kc] · panel[kc, 16] for R <= kTileRows rows, where
+// x[r, k] is at x + r * row_stride + k * k_stride (row-major activations, or
+// a packed [k][kTileRows] tile) and y's rows are ldy apart; `cols` < 16 only
+// for the last panel. Every loop over R is unrolled so the accumulators stay
+// in registers (a rolled epilogue made GCC spill all twelve on every k step:
+// 3x slower).
 template <int R>
-void MicroKernel(const float* __restrict x, int64_t ldx,
-                 const float* __restrict panel, int64_t kc, float* __restrict y,
-                 int64_t ldy, int64_t cols, bool accumulate) {
+void MicroKernel(const float* __restrict x, int64_t row_stride,
+                 int64_t k_stride, const float* __restrict panel, int64_t kc,
+                 float* __restrict y, int64_t ldy, int64_t cols,
+                 bool accumulate) {
   __m256 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -60,7 +64,7 @@ void MicroKernel(const float* __restrict x, int64_t ldx,
     const __m256 w_hi = _mm256_load_ps(panel + k * kPanelRows + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+      const __m256 a = _mm256_broadcast_ss(x + r * row_stride + k * k_stride);
       lo[r] = _mm256_fmadd_ps(a, w_lo, lo[r]);
       hi[r] = _mm256_fmadd_ps(a, w_hi, hi[r]);
     }
@@ -92,21 +96,22 @@ void MicroKernel(const float* __restrict x, int64_t ldx,
 }
 #else
 template <int R>
-void MicroKernel(const float* x, int64_t ldx, const float* panel, int64_t kc,
-                 float* y, int64_t ldy, int64_t cols, bool accumulate) {
+void MicroKernel(const float* x, int64_t row_stride, int64_t k_stride,
+                 const float* panel, int64_t kc, float* y, int64_t ldy,
+                 int64_t cols, bool accumulate) {
   for (int r = 0; r < R; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       float sum = 0;
       for (int64_t k = 0; k < kc; ++k)
-        sum += x[r * ldx + k] * panel[k * kPanelRows + c];
+        sum += x[r * row_stride + k * k_stride] * panel[k * kPanelRows + c];
       y[r * ldy + c] = accumulate ? y[r * ldy + c] + sum : sum;
     }
   }
 }
 #endif
 
-using MicroKernelFn = void (*)(const float*, int64_t, const float*, int64_t,
-                               float*, int64_t, int64_t, bool);
+using MicroKernelFn = void (*)(const float*, int64_t, int64_t, const float*,
+                               int64_t, float*, int64_t, int64_t, bool);
 constexpr MicroKernelFn kMicroKernels[kTileRows + 1] = {
     nullptr,         &MicroKernel<1>, &MicroKernel<2>, &MicroKernel<3>,
     &MicroKernel<4>, &MicroKernel<5>, &MicroKernel<6>};
@@ -115,34 +120,52 @@ constexpr MicroKernelFn kMicroKernels[kTileRows + 1] = {
 void PackedPanels(const float* x, int64_t n, const PackedMatrix& w, float* y,
                   int64_t first, int64_t last) {
   const int64_t in = w.cols(), out = w.rows();
-  auto tile_rows = [&](int64_t p, int64_t k0, int64_t kc, int64_t m_begin,
-                       int64_t m_end) {
-    const float* panel = w.panel(p) + k0 * kPanelRows;
-    const int64_t cols = std::min(kPanelRows, out - p * kPanelRows);
-    for (int64_t m = m_begin; m < m_end; m += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, m_end - m);
-      kMicroKernels[rows](x + m * in + k0, in, panel, kc,
-                          y + m * out + p * kPanelRows, out, cols, k0 > 0);
-    }
-  };
   if (n * in * static_cast<int64_t>(sizeof(float)) <=
       kPanelMajorActivationBytes) {
     // Decode batches: one panel at a time, so the weights stream from memory
     // in order and exactly once; a k-slice of the panel stays in L1 while
-    // every row tile uses it.
+    // every row tile reads its activations straight from x.
     for (int64_t p = first; p < last; ++p) {
+      const int64_t cols = std::min(kPanelRows, out - p * kPanelRows);
       for (int64_t k0 = 0; k0 < in; k0 += kBlockCols) {
-        tile_rows(p, k0, std::min(kBlockCols, in - k0), 0, n);
+        const float* panel = w.panel(p) + k0 * kPanelRows;
+        const int64_t kc = std::min(kBlockCols, in - k0);
+        for (int64_t m = 0; m < n; m += kTileRows) {
+          const int64_t rows = std::min<int64_t>(kTileRows, n - m);
+          kMicroKernels[rows](x + m * in + k0, in, 1, panel, kc,
+                              y + m * out + p * kPanelRows, out, cols, k0 > 0);
+        }
       }
     }
     return;
   }
-  // Prefill: a block of activations stays in L2 while it meets every panel.
+  // Prefill: a block of activations, copied into row tiles laid out
+  // [k][kTileRows] (the six broadcasts of a k step read one cache line, not
+  // six), stays in L2 while it meets every panel of this run.
+  thread_local std::vector<float> tiles;
+  tiles.resize(kBlockRows * kBlockCols);
   for (int64_t m0 = 0; m0 < n; m0 += kBlockRows) {
     const int64_t m_end = std::min(n, m0 + kBlockRows);
     for (int64_t k0 = 0; k0 < in; k0 += kBlockCols) {
       const int64_t kc = std::min(kBlockCols, in - k0);
-      for (int64_t p = first; p < last; ++p) tile_rows(p, k0, kc, m0, m_end);
+      for (int64_t m = m0; m < m_end; m += kTileRows) {
+        float* tile = tiles.data() + (m - m0) * kc;
+        const int64_t rows = std::min<int64_t>(kTileRows, m_end - m);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* row = x + (m + r) * in + k0;
+          for (int64_t k = 0; k < kc; ++k) tile[k * kTileRows + r] = row[k];
+        }
+      }
+      for (int64_t p = first; p < last; ++p) {
+        const float* panel = w.panel(p) + k0 * kPanelRows;
+        const int64_t cols = std::min(kPanelRows, out - p * kPanelRows);
+        for (int64_t m = m0; m < m_end; m += kTileRows) {
+          const int64_t rows = std::min<int64_t>(kTileRows, m_end - m);
+          kMicroKernels[rows](tiles.data() + (m - m0) * kc, 1, kTileRows, panel,
+                              kc, y + m * out + p * kPanelRows, out, cols,
+                              k0 > 0);
+        }
+      }
     }
   }
 }
