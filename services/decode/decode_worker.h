@@ -58,18 +58,19 @@ struct SpeculationOptions {
   // Speculation is switched off for a step with more decoding requests than
   // this. Measured (bench/decode_bench.cc, llama-110m, 2 cores, docs/
   // PERFORMANCE.md "Decode"): a verify step feeds b·(1+γ) rows through every
-  // projection, and the CPU GEMMs stop being weight-bandwidth-bound at about
-  // 8-10 rows. The marginal cost of a verified token, c(b) in decode steps,
-  // is 0.15-0.2 at b = 1 and 0.27-0.34 at b = 2, but 0.4-0.65 from b = 4 on,
-  // while n-gram drafts on the golden prompts are accepted 40-46% of the time
-  // (γ = 1 pays iff acceptance > c): past b = 2 verification costs about what
-  // the accepted tokens save. With this cutoff n-gram vs off at b = 8 and 32
-  // measured 1.10x and 1.04x (speculation off there: noise).
-  int max_batch = 2;
+  // projection, which stay weight-bandwidth-bound up to a few rows per
+  // panel. With the packed projection kernel the marginal cost of a verified
+  // token, c(b) in decode steps, is 0.05-0.09 at b = 1, 0.14-0.19 at b = 2,
+  // 0.28-0.33 at b = 4, 0.3-0.5 at b = 8 and 0.6-0.8 from b = 16 on, while
+  // n-gram drafts on the golden prompts are accepted 31-46% of the time
+  // (γ = 1 pays iff acceptance > c). n-gram vs off measured 1.85x at b = 1
+  // and 1.47x at b = 4 with this cutoff; past it verification costs about
+  // what the accepted tokens save.
+  int max_batch = 4;
   // Marginal cost of one more verified token per request relative to a
-  // decode step, for the adaptive γ: c(1) at γ = 4 measured 0.15-0.2 (a
-  // 5-token verify costs ~1.7-1.8 decode steps at batch 1).
-  double verify_cost_per_token = 0.2;
+  // decode step, for the adaptive γ: c(1) measured 0.05-0.09 (a 5-token
+  // verify costs ~1.35 decode steps at batch 1); rounded up for noise.
+  double verify_cost_per_token = 0.1;
   // kDraft: the draft model (must outlive the worker; same vocabulary).
   const model::WeightSource* draft_weights = nullptr;
   int64_t draft_kv_blocks = 512;
