@@ -233,22 +233,14 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
       const int64_t t = token_offsets[s] + i;
       const int position = seq.start_position + i;
       const float* q = qkv.data() + t * row + int64_t{h} * hd;
-      float max_score = -INFINITY;
       for (int j = 0; j <= position; ++j) {
         const float* k =
             base + layout.Offset(seq.block_table[j / layout.block_size],
                                  local_layer, 0, kv_head,
                                  j % layout.block_size);
-        const float dot = DotProduct(q, k, hd) * scale;
-        scores[j] = dot;
-        max_score = std::max(max_score, dot);
+        scores[j] = DotProduct(q, k, hd) * scale;
       }
-      float sum = 0;
-      for (int j = 0; j <= position; ++j) {
-        scores[j] = std::exp(scores[j] - max_score);
-        sum += scores[j];
-      }
-      const float inv_sum = 1.0f / sum;
+      SoftmaxInPlace(scores.data(), position + 1);
       float* out =
           attn_out.data() + t * int64_t{q_heads} * hd + int64_t{h} * hd;
       std::fill(out, out + hd, 0.0f);
@@ -257,8 +249,7 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
             base + layout.Offset(seq.block_table[j / layout.block_size],
                                  local_layer, 1, kv_head,
                                  j % layout.block_size);
-        const float weight = scores[j] * inv_sum;
-        Axpy(weight, v, out, hd);
+        Axpy(scores[j], v, out, hd);
       }
     }
   });
@@ -270,7 +261,8 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
 // copy per block), then S = Q K^T, a causal softmax per row, and O = P V.
 // Per-key dot products cost a call and a horizontal sum each, which
 // dominates at small head dims (8 for stories260K: ~15x slower than this);
-// the masked upper triangle costs at most 2x the useful FLOPs.
+// queries go in blocks of 64 so the masked upper triangle costs at most one
+// block's worth of extra keys per block.
 void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
                                 int h, int kv_head, int local_layer,
                                 const kv::KvPool& pool) {
@@ -283,7 +275,11 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   thread_local std::vector<float> keys, values, probs;
   keys.resize(int64_t{len} * hd);
   values.resize(int64_t{len} * hd);
-  probs.resize(int64_t{n} * len);
+  // Causal: query i sees start_position + i + 1 keys. Blocks of queries
+  // multiply only the keys their last query sees, so a long chunk does not
+  // spend half its attention FLOPs on masked scores and zero probabilities.
+  constexpr int kQueryBlock = 64;
+  probs.resize(int64_t{std::min(n, kQueryBlock)} * len);
   for (int b = 0, start = 0; start < len; ++b, start += bs) {
     const int slots = std::min(bs, len - start);
     const int64_t block = seq.block_table[b];
@@ -295,28 +291,25 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
                 sizeof(float) * slots * hd);
   }
   const int64_t row = qkv_rows();
-  const float* q = qkv.data() + first_token * row + int64_t{h} * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  GemmRowMajor(/*transpose_b=*/true, n, len, hd, scale, q, row, keys.data(), hd,
-               probs.data(), len);
-  for (int i = 0; i < n; ++i) {
-    float* p = probs.data() + int64_t{i} * len;
-    const int visible = seq.start_position + i + 1;  // causal
-    float max_score = -INFINITY;
-    for (int j = 0; j < visible; ++j) max_score = std::max(max_score, p[j]);
-    float sum = 0;
-    for (int j = 0; j < visible; ++j) {
-      p[j] = std::exp(p[j] - max_score);
-      sum += p[j];
+  const int64_t out_stride = int64_t{q_heads} * hd;
+  for (int i0 = 0; i0 < n; i0 += kQueryBlock) {
+    const int rows = std::min(kQueryBlock, n - i0);
+    const int keys_seen = seq.start_position + i0 + rows;
+    const float* q = qkv.data() + (first_token + i0) * row + int64_t{h} * hd;
+    GemmRowMajor(/*transpose_b=*/true, rows, keys_seen, hd, scale, q, row,
+                 keys.data(), hd, probs.data(), keys_seen);
+    for (int i = 0; i < rows; ++i) {
+      float* p = probs.data() + int64_t{i} * keys_seen;
+      const int visible = seq.start_position + i0 + i + 1;
+      SoftmaxInPlace(p, visible);
+      std::fill(p + visible, p + keys_seen, 0.0f);
     }
-    const float inv_sum = 1.0f / sum;
-    for (int j = 0; j < visible; ++j) p[j] *= inv_sum;
-    std::fill(p + visible, p + len, 0.0f);
+    float* out =
+        attn_out.data() + (first_token + i0) * out_stride + int64_t{h} * hd;
+    GemmRowMajor(/*transpose_b=*/false, rows, hd, keys_seen, 1.0f, probs.data(),
+                 keys_seen, values.data(), hd, out, out_stride);
   }
-  float* out =
-      attn_out.data() + first_token * int64_t{q_heads} * hd + int64_t{h} * hd;
-  GemmRowMajor(/*transpose_b=*/false, n, hd, len, 1.0f, probs.data(), len,
-               values.data(), hd, out, int64_t{q_heads} * hd);
 }
 
 // ---------------------------------------------------------------------------
@@ -535,10 +528,7 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                  *m.workers);
     for (int64_t t = 0; t < n; ++t) {
       const float* gate = m.gate_up.data() + t * 2 * f;
-      const float* up = gate + f;
-      float* out = m.act.data() + t * f;
-      for (int64_t i = 0; i < f; ++i)
-        out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+      SiluMul(gate, gate + f, m.act.data() + t * f, f);
     }
     PackedMatMul(m.act.data(), n, lw.w_down, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));

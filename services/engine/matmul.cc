@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <vector>
 
@@ -271,6 +272,99 @@ float DotProduct(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
 #endif
+}
+
+namespace {
+#ifdef PDSERVE_MATMUL_AVX2
+// e^x for 8 floats: x = n·ln2 + r with |r| <= ln2/2, e^r by the degree-6
+// polynomial of Cephes' expf (relative error < 2e-7, i.e. within 1-2 ulp of
+// libm), times 2^n built in the exponent bits. Inputs are clamped to
+// [-87.3, 88.0], so e^x never becomes inf or a denormal (e^-87.3 ≈ 1e-38
+// stands in for 0: nothing here sums more than 2^30 terms).
+inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)),
+                    _mm256_set1_ps(88.0f));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n·ln2 in two steps (ln2 split into an exact high part and the
+  // rest) so r keeps its low bits.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r),
+                      _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#endif
+}  // namespace
+
+void SoftmaxInPlace(float* p, int64_t n) {
+  if (n <= 0) return;
+  int64_t i = 0;
+  float max_value = -INFINITY;
+#ifdef PDSERVE_MATMUL_AVX2
+  if (n >= 8) {
+    __m256 max8 = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8)
+      max8 = _mm256_max_ps(max8, _mm256_loadu_ps(p + i));
+    max_value = HorizontalMax(max8);
+  }
+#endif
+  for (; i < n; ++i) max_value = std::max(max_value, p[i]);
+  float sum = 0;
+  i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  const __m256 max8 = _mm256_set1_ps(max_value);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), max8));
+    _mm256_storeu_ps(p + i, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  sum = HorizontalSum(sum8);
+#endif
+  for (; i < n; ++i) {
+    p[i] = std::exp(p[i] - max_value);
+    sum += p[i];
+  }
+  const float inv_sum = 1.0f / sum;
+  i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  const __m256 inv8 = _mm256_set1_ps(inv_sum);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inv8));
+#endif
+  for (; i < n; ++i) p[i] *= inv_sum;
+}
+
+void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 denominator = _mm256_add_ps(one, Exp8(_mm256_sub_ps(zero, g)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, denominator),
+                                            _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
 void GemmRowMajor(bool transpose_b, int64_t m, int64_t n, int64_t k,

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -90,6 +91,56 @@ TEST(MatMulTest, SizeBeyondAnyMemoryIsResourceExhausted) {
       PackedMatrix::Pack(&w, int64_t{1} << 40, int64_t{1} << 40);
   EXPECT_EQ(packed.status().code(), absl::StatusCode::kResourceExhausted)
       << packed.status();
+}
+
+// The vector exp must stay within a few ulp of double-precision math over the
+// whole range attention and SiLU feed it: every lane position and tail, ties,
+// scores far below the maximum (e^-100 must read as ~0, not NaN or inf).
+TEST(MatMulTest, SoftmaxMatchesDoublePrecision) {
+  std::mt19937 rng(11);
+  for (int64_t n : {1, 2, 7, 8, 9, 16, 31, 100, 1027}) {
+    for (float spread : {0.0f, 1.0f, 30.0f, 200.0f}) {
+      std::uniform_real_distribution<float> dist(-spread, spread);
+      std::vector<float> p(n);
+      for (auto& v : p) v = dist(rng);
+      double max_value = -INFINITY, sum = 0;
+      for (float v : p) max_value = std::max<double>(max_value, v);
+      std::vector<double> expected(n);
+      for (int64_t i = 0; i < n; ++i)
+        sum += expected[i] = std::exp(p[i] - max_value);
+      const std::vector<float> input = p;
+      SoftmaxInPlace(p.data(), n);
+      double total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_TRUE(std::isfinite(p[i])) << "n=" << n << " i=" << i;
+        // The float subtraction p - max alone may round the exponent by half
+        // an ulp of |p - max|: that much relative error is inherent.
+        const double argument = std::abs(double{input[i]} - max_value);
+        const double want = expected[i] / sum;
+        ASSERT_NEAR(p[i], want, (1e-6 + 6e-8 * argument) * want + 1e-30)
+            << "n=" << n << " spread=" << spread << " i=" << i;
+        total += p[i];
+      }
+      EXPECT_NEAR(total, 1.0, 1e-5);
+    }
+  }
+}
+
+TEST(MatMulTest, SiluMulMatchesDoublePrecision) {
+  std::vector<float> gate, up;
+  for (float g = -120.0f; g <= 120.0f; g += 0.37f) {
+    gate.push_back(g);
+    up.push_back(1.5f - 0.01f * g);
+  }
+  std::vector<float> out(gate.size());
+  SiluMul(gate.data(), up.data(), out.data(),
+          static_cast<int64_t>(gate.size()));
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const double expected =
+        gate[i] / (1.0 + std::exp(-double{gate[i]})) * up[i];
+    ASSERT_NEAR(out[i], expected, 1e-6 * std::abs(expected) + 1e-30)
+        << "gate=" << gate[i];
+  }
 }
 
 TEST(MatMulTest, DotProductAndAxpy) {
