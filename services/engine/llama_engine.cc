@@ -216,40 +216,76 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
   const int64_t row = qkv_rows();
   const float* base = pool.f32();
   const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
-  // One task per (sequence, query head): independent, and enough of them to
-  // keep every thread busy at batch 1 as well as at large batch.
-  workers->ParallelFor(num_sequences * q_heads, [&](int64_t task) {
-    const int s = static_cast<int>(task / q_heads);
-    const int h = static_cast<int>(task % q_heads);
+  // This shard's query heads grouped by the KV head they read.
+  std::vector<std::vector<int>> heads_of_kv(kv_heads);
+  for (int h = 0; h < q_heads; ++h) {
+    heads_of_kv[(q_head_offset + h) / group - kv_head_offset].push_back(h);
+  }
+  // One task per (sequence, KV head): every query head of the group and
+  // every query token of the step share one pass over that head's keys and
+  // values (read once instead of once per query head: at long contexts the
+  // KV bytes of a batch outweigh the weights). Prefill chunks take the GEMM
+  // path per query head inside the task.
+  workers->ParallelFor(num_sequences * kv_heads, [&](int64_t task) {
+    const int s = static_cast<int>(task / kv_heads);
+    const int kv_head = static_cast<int>(task % kv_heads);
     const SequenceStep& seq = batch.sequences[s];
-    const int kv_head = (q_head_offset + h) / group - kv_head_offset;
+    const std::vector<int>& heads = heads_of_kv[kv_head];
     if (seq.num_tokens >= kTiledAttentionMinQueries) {
-      TiledAttention(seq, token_offsets[s], h, kv_head, local_layer, pool);
+      for (int h : heads) {
+        TiledAttention(seq, token_offsets[s], h, kv_head, local_layer, pool);
+      }
       return;
     }
+    const int n = seq.num_tokens;
+    const int len = seq.start_position + n;
+    const int bs = layout.block_size;
+    // Row (head index in group, query token) of `scores`: len keys each.
+    const int queries = static_cast<int>(heads.size()) * n;
     thread_local std::vector<float> scores;
-    scores.resize(seq.start_position + seq.num_tokens);
-    for (int i = 0; i < seq.num_tokens; ++i) {
-      const int64_t t = token_offsets[s] + i;
-      const int position = seq.start_position + i;
-      const float* q = qkv.data() + t * row + int64_t{h} * hd;
-      for (int j = 0; j <= position; ++j) {
-        const float* k =
-            base + layout.Offset(seq.block_table[j / layout.block_size],
-                                 local_layer, 0, kv_head,
-                                 j % layout.block_size);
-        scores[j] = DotProduct(q, k, hd) * scale;
+    scores.resize(int64_t{queries} * len);
+    auto query = [&](int qi) {
+      const int64_t t = token_offsets[s] + qi % n;
+      return qkv.data() + t * row + int64_t{heads[qi / n]} * hd;
+    };
+    // Scores: key j is visible to query token i iff j <= start + i.
+    for (int b = 0, first = 0; first < len; ++b, first += bs) {
+      const float* block_keys =
+          base + layout.Offset(seq.block_table[b], local_layer, 0, kv_head, 0);
+      const int slots = std::min(bs, len - first);
+      for (int qi = 0; qi < queries; ++qi) {
+        const int visible = seq.start_position + qi % n + 1;
+        const int count = std::min(slots, visible - first);
+        const float* q = query(qi);
+        float* row_scores = scores.data() + int64_t{qi} * len + first;
+        for (int j = 0; j < count; ++j) {
+          row_scores[j] =
+              DotProduct(q, block_keys + int64_t{j} * hd, hd) * scale;
+        }
       }
-      SoftmaxInPlace(scores.data(), position + 1);
-      float* out =
-          attn_out.data() + t * int64_t{q_heads} * hd + int64_t{h} * hd;
+    }
+    for (int qi = 0; qi < queries; ++qi) {
+      SoftmaxInPlace(scores.data() + int64_t{qi} * len,
+                     seq.start_position + qi % n + 1);
+      const int64_t t = token_offsets[s] + qi % n;
+      float* out = attn_out.data() + t * int64_t{q_heads} * hd +
+                   int64_t{heads[qi / n]} * hd;
       std::fill(out, out + hd, 0.0f);
-      for (int j = 0; j <= position; ++j) {
-        const float* v =
-            base + layout.Offset(seq.block_table[j / layout.block_size],
-                                 local_layer, 1, kv_head,
-                                 j % layout.block_size);
-        Axpy(scores[j], v, out, hd);
+    }
+    for (int b = 0, first = 0; first < len; ++b, first += bs) {
+      const float* block_values =
+          base + layout.Offset(seq.block_table[b], local_layer, 1, kv_head, 0);
+      const int slots = std::min(bs, len - first);
+      for (int qi = 0; qi < queries; ++qi) {
+        const int visible = seq.start_position + qi % n + 1;
+        const int count = std::min(slots, visible - first);
+        const int64_t t = token_offsets[s] + qi % n;
+        float* out = attn_out.data() + t * int64_t{q_heads} * hd +
+                     int64_t{heads[qi / n]} * hd;
+        const float* weights = scores.data() + int64_t{qi} * len + first;
+        for (int j = 0; j < count; ++j) {
+          Axpy(weights[j], block_values + int64_t{j} * hd, out, hd);
+        }
       }
     }
   });
