@@ -6,6 +6,10 @@
 //   build/bench/engine_bench [--config PATH] [--threads N] [--prompt 512]
 //                            [--batches 1,8,32] [--context 128] [--steps 16]
 //                            [--projection-batches 1,4,8,16,32,64,512]
+//                            [--kv-dtypes f32[,bf16]]
+//
+// With several --kv-dtypes every decode batch runs once per KV element type,
+// back to back (one engine per type, same weights), so the rows compare.
 #include <cblas.h>
 
 #include <algorithm>
@@ -20,6 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/thread_pool.h"
+#include "engine/backend_flags.h"
 #include "engine/llama_engine.h"
 #include "engine/matmul.h"
 #include "kv/kv_pool.h"
@@ -152,6 +157,7 @@ struct Options {
   std::vector<int> projection_batches = {1, 4, 8, 16, 32, 64, 512};
   int context = 128;
   int steps = 16;
+  std::vector<kv::KvDType> kv_dtypes = {kv::KvDType::kF32};
 };
 
 int Run(const Options& opt) {
@@ -173,6 +179,24 @@ int Run(const Options& opt) {
     return 1;
   }
   auto& engine = **llama;
+  // Decode engines by KV dtype (the first is `engine` when it is f32).
+  std::vector<std::unique_ptr<engine::LlamaEngine>> extra_engines;
+  std::vector<engine::LlamaEngine*> decode_engines;
+  for (kv::KvDType dtype : opt.kv_dtypes) {
+    if (dtype == kv::KvDType::kF32) {
+      decode_engines.push_back(&engine);
+      continue;
+    }
+    engine::EngineOptions kv_options = options;
+    kv_options.kv_dtype = dtype;
+    auto other = engine::LlamaEngine::Create(**weights, kv_options);
+    if (!other.ok()) {
+      std::fprintf(stderr, "%s\n", other.status().ToString().c_str());
+      return 1;
+    }
+    extra_engines.push_back(*std::move(other));
+    decode_engines.push_back(extra_engines.back().get());
+  }
   const double weight_bytes = static_cast<double>(engine.weight_bytes());
   // Bytes a decode step must stream: every matrix once, but only the embedding
   // rows it looks up (not the whole table).
@@ -248,62 +272,74 @@ int Run(const Options& opt) {
       "0.5 |\n",
       opt.prompt, prefill_tps, prefill_flops / 1e9, prefill_flops / sgemm);
   for (int batch_size : opt.batches) {
-    const int max_tokens = opt.context + opt.steps + 1;
-    const int per_seq_blocks = blocks_for(max_tokens);
-    auto pool = kv::KvPool::Create(engine.KvLayout(kBlockSize),
-                                   int64_t{per_seq_blocks} * batch_size);
-    std::vector<std::vector<int32_t>> tables(batch_size);
-    for (int s = 0; s < batch_size; ++s) {
-      for (int b = 0; b < per_seq_blocks; ++b)
-        tables[s].push_back(s * per_seq_blocks + b);
-    }
-    // Fill each sequence's context (one batched prefill step; not timed).
-    {
-      engine::ForwardBatch batch;
-      std::vector<int32_t> context(opt.context, 5);
+    for (engine::LlamaEngine* decode_engine : decode_engines) {
+      engine::LlamaEngine& engine = *decode_engine;
+      const kv::KvCacheLayout kv_layout = engine.KvLayout(kBlockSize);
+      const int max_tokens = opt.context + opt.steps + 1;
+      const int per_seq_blocks = blocks_for(max_tokens);
+      auto pool =
+          kv::KvPool::Create(kv_layout, int64_t{per_seq_blocks} * batch_size);
+      std::vector<std::vector<int32_t>> tables(batch_size);
       for (int s = 0; s < batch_size; ++s) {
-        engine::SequenceStep step;
-        step.tokens = context;
-        step.num_tokens = opt.context;
-        step.block_table = tables[s];
-        batch.sequences.push_back(step);
+        for (int b = 0; b < per_seq_blocks; ++b)
+          tables[s].push_back(s * per_seq_blocks + b);
       }
-      engine::ForwardResult result;
-      if (auto st = engine.Forward(batch, **pool, &result); !st.ok()) {
-        std::fprintf(stderr, "%s\n", st.ToString().c_str());
-        return 1;
+      // Fill each sequence's context (one batched prefill step; not timed).
+      {
+        engine::ForwardBatch batch;
+        std::vector<int32_t> context(opt.context, 5);
+        for (int s = 0; s < batch_size; ++s) {
+          engine::SequenceStep step;
+          step.tokens = context;
+          step.num_tokens = opt.context;
+          step.block_table = tables[s];
+          batch.sequences.push_back(step);
+        }
+        engine::ForwardResult result;
+        if (auto st = engine.Forward(batch, **pool, &result); !st.ok()) {
+          std::fprintf(stderr, "%s\n", st.ToString().c_str());
+          return 1;
+        }
       }
+      std::vector<int32_t> next(batch_size, 7);
+      auto start = Clock::now();
+      for (int step_index = 0; step_index < opt.steps; ++step_index) {
+        engine::ForwardBatch batch;
+        for (int s = 0; s < batch_size; ++s) {
+          engine::SequenceStep step;
+          step.tokens = std::span<const int32_t>(&next[s], 1);
+          step.num_tokens = 1;
+          step.start_position = opt.context + step_index;
+          step.block_table = tables[s];
+          step.logit_indices = {0};
+          batch.sequences.push_back(step);
+        }
+        engine::ForwardResult result;
+        if (auto st = engine.Forward(batch, **pool, &result); !st.ok()) {
+          std::fprintf(stderr, "%s\n", st.ToString().c_str());
+          return 1;
+        }
+      }
+      const double seconds = Seconds(start);
+      const double steps_per_second = opt.steps / seconds;
+      const double tps = steps_per_second * batch_size;
+      const double weight_rate = steps_per_second * streamed_bytes;
+      // KV the step's attention reads: every sequence's K and V, every layer,
+      // once (the mean context over the timed steps).
+      const double kv_bytes = double{batch_size} * c.num_layers * 2 *
+                              (opt.context + opt.steps / 2.0) * c.kv_dim() *
+                              kv::KvDTypeSize(kv_layout.dtype);
+      std::printf(
+          "| decode batch %d (context %d, KV %s) | %.1f tokens/s, %.1f ms/step "
+          "| "
+          "weights %.2f GB/s = %.2f of memcpy, %.2f of read bw; + KV %.0f "
+          "MB/step "
+          "| %s |\n",
+          batch_size, opt.context, kv::KvDTypeName(kv_layout.dtype), tps,
+          1e3 / steps_per_second, weight_rate / 1e9, weight_rate / memcpy_bw,
+          weight_rate / read_bw, kv_bytes / 1e6,
+          batch_size == 1 ? ">= 0.6 of memcpy" : "-");
     }
-    std::vector<int32_t> next(batch_size, 7);
-    auto start = Clock::now();
-    for (int step_index = 0; step_index < opt.steps; ++step_index) {
-      engine::ForwardBatch batch;
-      for (int s = 0; s < batch_size; ++s) {
-        engine::SequenceStep step;
-        step.tokens = std::span<const int32_t>(&next[s], 1);
-        step.num_tokens = 1;
-        step.start_position = opt.context + step_index;
-        step.block_table = tables[s];
-        step.logit_indices = {0};
-        batch.sequences.push_back(step);
-      }
-      engine::ForwardResult result;
-      if (auto st = engine.Forward(batch, **pool, &result); !st.ok()) {
-        std::fprintf(stderr, "%s\n", st.ToString().c_str());
-        return 1;
-      }
-    }
-    const double seconds = Seconds(start);
-    const double steps_per_second = opt.steps / seconds;
-    const double tps = steps_per_second * batch_size;
-    const double weight_rate = steps_per_second * streamed_bytes;
-    std::printf(
-        "| decode batch %d (context %d) | %.1f tokens/s, %.1f ms/step | "
-        "weights %.2f GB/s "
-        "= %.2f of memcpy, %.2f of read bw | %s |\n",
-        batch_size, opt.context, tps, 1e3 / steps_per_second, weight_rate / 1e9,
-        weight_rate / memcpy_bw, weight_rate / read_bw,
-        batch_size == 1 ? ">= 0.6 of memcpy" : "-");
   }
   // The lm_head (beyond the last-level cache on small machines) and one
   // layer's fused gate/up projection (cache-resident on most).
@@ -332,6 +368,14 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(value, &opt.context);
     } else if (flag == "--steps") {
       ok = absl::SimpleAtoi(value, &opt.steps);
+    } else if (flag == "--kv-dtypes") {
+      opt.kv_dtypes.clear();
+      for (auto part : absl::StrSplit(value, ',')) {
+        auto dtype = pdserve::engine::ParseKvDTypeFlag(
+            std::string_view(part.data(), part.size()));
+        ok = ok && dtype.ok() && dtype->has_value();
+        if (ok) opt.kv_dtypes.push_back(**dtype);
+      }
     } else if (flag == "--batches" || flag == "--projection-batches") {
       auto& list = flag == "--batches" ? opt.batches : opt.projection_batches;
       list.clear();

@@ -15,6 +15,7 @@
 //                 [--metrics-port-file PATH]
 //                 [--backend cpu|cuda] [--cuda-devices 0[,1..]]
 //                 [--cuda-graphs 1] [--cuda-max-graph-batch 128]
+//                 [--kv-dtype auto|f32|bf16]
 //
 // Every rank's KV pool is allocated and registered by its UCX worker, so a
 // prefill's puts land by shared memory on this host (or RDMA across hosts).
@@ -22,6 +23,9 @@
 // cuda-devices[r % count] with its KV pool in GPU memory; prefills' puts land
 // in a host mirror that the worker copies to the GPU when a request's KV is
 // complete (Debian's UCX has no CUDA transports to write GPU memory directly).
+// --kv-dtype bf16 halves a CPU worker's KV memory and the bytes prefills
+// write into it (auto: f32 on CPUs, bf16 on GPUs); the prefill workers must
+// send the same type (the transport spec check refuses a mismatch).
 // --ucx-peer-errors 0 lets UCX use shared memory/CMA endpoints (same host;
 // both sides must agree: pass it to the prefill workers too); 1 (default)
 // keeps endpoints that report a dead peer at once (tcp here, verbs).
@@ -79,6 +83,9 @@ int Main(int argc, char** argv) {
   auto devices = engine::ParseDeviceList(flags.Str("cuda-devices", "0"));
   if (!devices.ok()) return Fail(devices.status());
   wo.cuda_devices = *devices;
+  auto kv_dtype = engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto"));
+  if (!kv_dtype.ok()) return Fail(kv_dtype.status());
+  wo.kv_dtype = *kv_dtype;
   wo.cuda.use_graphs = flags.Num<int>("cuda-graphs", 1) != 0;
   wo.cuda.max_graph_batch =
       flags.Num<int>("cuda-max-graph-batch", wo.cuda.max_graph_batch);
@@ -114,7 +121,8 @@ int Main(int argc, char** argv) {
   const model::ModelConfig& config = (*weights)->config();
   if (kv_memory_mb > 0) {
     // Every rank together holds all layers x KV heads of a block.
-    const int64_t element_bytes = wo.backend == engine::Backend::kCuda ? 2 : 4;
+    const int64_t element_bytes = static_cast<int64_t>(
+        kv::KvDTypeSize(engine::ResolvedKvDType(wo.backend, wo.kv_dtype)));
     const int64_t block_bytes = int64_t{config.num_layers} * 2 * wo.block_size *
                                 config.kv_dim() * element_bytes;
     wo.num_blocks = kv_memory_mb * (int64_t{1} << 20) / block_bytes;

@@ -46,6 +46,7 @@ InProcessPrefillGroup::Create(const model::WeightSource& weights,
     stage_options.threads = options.threads_per_stage;
     stage_options.backend = options.backend;
     stage_options.cuda = options.cuda;
+    stage_options.kv_dtype = options.kv_dtype;
     StageSender* out =
         i + 1 < num_stages ? group->links_[i + 1].get() : nullptr;
     PDS_ASSIGN_OR_RETURN(

@@ -25,6 +25,7 @@ struct PrefillGroupOptions {
   // Every stage's backend (PipelineStageOptions).
   engine::Backend backend = engine::Backend::kCpu;
   engine::CudaOptions cuda;
+  std::optional<kv::KvDType> kv_dtype;  // unset = the backend's own
   // Optional: the KV output of stage i, made once its pool exists (overrides
   // the `kv_out` given to Create). The outputs are not owned.
   std::function<absl::StatusOr<StageKvOutput*>(int stage, kv::KvPool* pool)>

@@ -12,6 +12,9 @@
 //                  [--backend cpu|cuda] [--cuda-device 0] (a
 //                  -DPDSERVE_CUDA=ON build; KV is then bf16 and is mirrored
 //                  to host memory for the UCX puts)
+//                  [--kv-dtype auto|f32|bf16] (the KV it computes and
+//                  sends; auto = f32 on CPUs, bf16 on GPUs; decode workers
+//                  must keep the same)
 //   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
@@ -166,6 +169,8 @@ int Main(int argc, char** argv) {
   if (!backend.ok()) return Fail(backend.status());
   const int cuda_device =
       static_cast<int>(flags.Num<int64_t>("cuda-device", 0));
+  auto kv_dtype = engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto"));
+  if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -210,6 +215,7 @@ int Main(int argc, char** argv) {
   stage_options.threads = threads;
   stage_options.ucx.peer_error_handling = ucx_peer_errors;
   stage_options.backend = *backend;
+  stage_options.kv_dtype = *kv_dtype;
   stage_options.cuda.device = cuda_device;
   // A microbatch is at most the token budget (or one chunk, if larger).
   stage_options.cuda.max_tokens_per_step =

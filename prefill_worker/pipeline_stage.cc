@@ -25,6 +25,7 @@ absl::StatusOr<std::unique_ptr<PipelineStage>> PipelineStage::Create(
   engine_options.shard = options.shard;
   engine_options.num_threads = options.threads;
   engine_options.backend = options.backend;
+  engine_options.kv_dtype = options.kv_dtype;
   engine_options.cuda = options.cuda;
   PDS_ASSIGN_OR_RETURN(auto engine,
                        engine::LlamaEngine::Create(weights, engine_options));

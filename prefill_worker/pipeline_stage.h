@@ -62,6 +62,8 @@ struct PipelineStageOptions {
   // (Debian's UCX cannot read GPU memory); KV is then bf16.
   engine::Backend backend = engine::Backend::kCpu;
   engine::CudaOptions cuda;
+  // KV element type (EngineOptions::kv_dtype); unset = the backend's own.
+  std::optional<kv::KvDType> kv_dtype;
 };
 
 // Counters for metrics (names settled by the observability issue).

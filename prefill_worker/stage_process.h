@@ -49,6 +49,7 @@ struct StageProcessOptions {
   StageObserver observer;                           // metrics hooks (optional)
   engine::Backend backend = engine::Backend::kCpu;  // see PipelineStageOptions
   engine::CudaOptions cuda;
+  std::optional<kv::KvDType> kv_dtype;  // unset = the backend's own
 };
 
 class StageProcess {
@@ -63,11 +64,11 @@ class StageProcess {
   StageProcess& operator=(const StageProcess&) = delete;
 
   const StageProcessOptions& options() const { return options_; }
-  // The KV dtype this stage computes and sends: bf16 on GPUs, f32 on CPUs
-  // (what ModelIdentity.kv_dtype reports; decode workers must match it).
+  // The KV dtype this stage computes and sends: --kv-dtype, else bf16 on
+  // GPUs and f32 on CPUs (what ModelIdentity.kv_dtype reports; decode
+  // workers must match it).
   kv::KvDType kv_dtype() const {
-    return options_.backend == engine::Backend::kCuda ? kv::KvDType::kBF16
-                                                      : kv::KvDType::kF32;
+    return engine::ResolvedKvDType(options_.backend, options_.kv_dtype);
   }
   // Blob for UcxWorker::Connect: microbatches into this stage (i > 0) and
   // events into the coordinator (stage 0) arrive on this worker.

@@ -499,6 +499,23 @@ void WorkerRegistry::Refresh() {
   // 4. Apply the results (entries may not have changed: Refresh is
   // serialized and only Refresh adds or removes entries).
   absl::MutexLock lock(&mu_);
+  // An identity without a KV dtype takes the first compatible prefill
+  // group's: prefill groups send the KV, so a decode worker keeping another
+  // element type could never receive it (every Admit would fail the
+  // transport's handshake), and neither could a prefill group sending
+  // another one reach the decode workers that match the first.
+  if (model_.has_value() && model_->kv_dtype().empty()) {
+    for (size_t i = 0; i < to_probe.size() && i < entries_.size(); ++i) {
+      const ProbeResult& result = results[i];
+      if (entries_[i].status.role != WorkerRole::kPrefill || !result.serving ||
+          !result.identity.has_value() || result.identity->kv_dtype().empty() ||
+          !CheckCompatible(*model_, *result.identity).ok()) {
+        continue;
+      }
+      model_->set_kv_dtype(result.identity->kv_dtype());
+      break;
+    }
+  }
   for (size_t i = 0; i < to_probe.size() && i < entries_.size(); ++i) {
     WorkerStatus& status = entries_[i].status;
     const ProbeResult& result = results[i];

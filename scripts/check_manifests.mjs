@@ -190,6 +190,12 @@ function checkPdserve(objects, overlay) {
     if (backend === "cpu" && gpus !== undefined)
       fail(overlay, `${w.metadata.name}: requests nvidia.com/gpu but BACKEND is cpu`);
   }
+  // Every worker reads the same KV_DTYPE, so prefill and decode agree; it
+  // must be one the backend keeps.
+  const kvDtype = layout.data.KV_DTYPE;
+  const kept = backend === "cuda" ? ["auto", "bf16"] : ["auto", "f32", "bf16"];
+  if (!kept.includes(kvDtype))
+    fail(overlay, `KV_DTYPE ${kvDtype} is not one the ${backend} backend keeps (${kept.join(", ")})`);
   const devices = String(layout.data.DECODE_CUDA_DEVICES ?? "").split(",");
   if (!devices.every((d) => /^[0-9]+$/.test(d)))
     fail(overlay, `DECODE_CUDA_DEVICES ${layout.data.DECODE_CUDA_DEVICES} is not a list of device ids`);

@@ -178,7 +178,9 @@ absl::Status LocalCluster::StartDecode(int worker) {
                                    "--backend",
                                    options_.backend,
                                    "--cuda-devices",
-                                   options_.cuda_devices};
+                                   options_.cuda_devices,
+                                   "--kv-dtype",
+                                   options_.kv_dtype};
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
@@ -216,6 +218,8 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
                                     options_.backend,
                                     "--cuda-device",
                                     device,
+                                    "--kv-dtype",
+                                    options_.kv_dtype,
                                     "--model",
                                     options_.model_path,
                                     "--format",

@@ -61,6 +61,8 @@ struct LocalClusterOptions {
   // cuda_devices[(g * stages + s) % count].
   std::string backend = "cpu";
   std::string cuda_devices = "0";
+  // KV element type of every prefill stage and decode worker (auto|f32|bf16).
+  std::string kv_dtype = "auto";
 
   // Every process is on this host: KV goes by shared memory (UCX endpoints
   // without peer-failure mode; dead peers are found by leases, heartbeats

@@ -7,6 +7,7 @@
 //               [--work-dir DIR] [--bin-dir DIR] [--colocated 0|1]
 //               [--metrics-port-base 9100 (-1 = off, 0 = any free ports)]
 //               [--backend cpu|cuda] [--cuda-devices 0[,1,...]]
+//               [--kv-dtype auto|f32|bf16] (every worker's KV element type)
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -53,9 +54,11 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   o.bin_dir = flags.Str("bin-dir", process::ExecutableDir());
   o.backend = flags.Str("backend", o.backend);
   o.cuda_devices = flags.Str("cuda-devices", o.cuda_devices);
+  o.kv_dtype = flags.Str("kv-dtype", o.kv_dtype);
   // Refuse bad spellings here, before any process starts.
   PDS_RETURN_IF_ERROR(engine::ParseBackend(o.backend).status());
   PDS_RETURN_IF_ERROR(engine::ParseDeviceList(o.cuda_devices).status());
+  PDS_RETURN_IF_ERROR(engine::ParseKvDTypeFlag(o.kv_dtype).status());
   PDS_RETURN_IF_ERROR(flags.Check());
 
   // Ctrl-C is for us: block it before the children start (they reset their

@@ -47,13 +47,15 @@ constexpr char kUsage[] =
     "[--temperature T]\n"
     "                        [--top-p P] [--top-k K] [--seed S] [--format F] "
     "[--threads N]\n"
-    "                        [--backend cpu|cuda] [--cuda-device D]\n"
+    "                        [--backend cpu|cuda] [--cuda-device D] "
+    "[--kv-dtype auto|f32|bf16]\n"
     "       pdserve local [--model PATH] [--prefill-groups G] [--stages S] "
     "[--tp T]\n"
     "                     [--decode-workers W] [--speculation off|ngram|draft] "
     "[--draft-layers L]\n"
     "                     [--grpc-port P] [--http-port P] [--work-dir DIR]\n"
-    "                     [--backend cpu|cuda] [--cuda-devices 0,1]\n"
+    "                     [--backend cpu|cuda] [--cuda-devices 0,1] "
+    "[--kv-dtype auto|f32|bf16]\n"
     "       pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
     "[--max-tokens N]\n"
     "                      [--temperature T] [--seed S] [--stop S] "
@@ -79,6 +81,8 @@ absl::Status Generate(int argc, char** argv) {
   PDS_ASSIGN_OR_RETURN(const engine::Backend backend,
                        engine::ParseBackend(flags.Str("backend", "cpu")));
   const int cuda_device = flags.Num<int>("cuda-device", 0);
+  PDS_ASSIGN_OR_RETURN(const std::optional<kv::KvDType> kv_dtype,
+                       engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto")));
   engine::SamplingParams sampling;
   sampling.temperature = flags.Num<float>("temperature", 0.0f);
   sampling.top_p = flags.Num<float>("top-p", 1.0f);
@@ -107,6 +111,7 @@ absl::Status Generate(int argc, char** argv) {
   engine::EngineOptions options;
   options.num_threads = threads;
   options.backend = backend;
+  options.kv_dtype = kv_dtype;
   options.cuda.device = cuda_device;
   options.cuda.max_sequences = 1;
   options.cuda.max_graph_batch = 1;

@@ -113,6 +113,8 @@ struct DecodeWorkerOptions {
   // complete. Ranks of one worker reduce through host memory.
   engine::Backend backend = engine::Backend::kCpu;
   engine::CudaOptions cuda;
+  // KV element type (EngineOptions::kv_dtype); unset = the backend's own.
+  std::optional<kv::KvDType> kv_dtype;
   // GPU of rank r: cuda_devices[r % size]; empty = cuda.device for every rank.
   std::vector<int> cuda_devices;
   // Called on the scheduler thread after every step (no lock held). Must be

@@ -19,6 +19,18 @@ const char* BackendName(Backend backend) {
   return backend == Backend::kCuda ? "cuda" : "cpu";
 }
 
+absl::StatusOr<std::optional<kv::KvDType>> ParseKvDTypeFlag(
+    std::string_view name) {
+  if (name == "auto") return std::nullopt;
+  for (kv::KvDType dtype :
+       {kv::KvDType::kF32, kv::KvDType::kBF16, kv::KvDType::kF16}) {
+    if (name == kv::KvDTypeName(dtype)) return dtype;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown KV dtype \"", std::string(name),
+                   "\" (expected auto, f32, bf16 or f16)"));
+}
+
 absl::StatusOr<std::vector<int>> ParseDeviceList(std::string_view list) {
   std::vector<int> devices;
   for (absl::string_view part :

@@ -1,8 +1,10 @@
 // Command-line spellings of the engine backend, shared by every binary that
 // runs an engine (pdserve generate, decode_worker, prefill_worker):
 //   --backend cpu|cuda  --cuda-devices 0[,1,...]  --cuda-graphs 1|0
+//   --kv-dtype auto|f32|bf16
 #pragma once
 
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -14,6 +16,12 @@ namespace pdserve::engine {
 // "cpu" or "cuda"; INVALID_ARGUMENT names the accepted values.
 [[nodiscard]] absl::StatusOr<Backend> ParseBackend(std::string_view name);
 const char* BackendName(Backend backend);
+
+// --kv-dtype: "auto" (the backend's own: nullopt), "f32", "bf16" or "f16";
+// INVALID_ARGUMENT otherwise. Whether the backend keeps that type is checked
+// when the engine is created.
+[[nodiscard]] absl::StatusOr<std::optional<kv::KvDType>> ParseKvDTypeFlag(
+    std::string_view name);
 
 // "0,1,3" -> {0, 1, 3}; INVALID_ARGUMENT for anything but non-negative
 // integers separated by commas.

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "kv/kv_layout.h"
 
 namespace pdserve::engine {
 
@@ -67,7 +69,19 @@ struct EngineOptions {
   comm::Communicator* communicator = nullptr;
   Backend backend = Backend::kCpu;
   CudaOptions cuda;
+  // Element type of the KV cache; unset = the backend's own (CPU f32, CUDA
+  // bf16). The CPU backend also keeps bf16 (half the KV memory and transfer
+  // bytes, attention math still f32); the CUDA backend only bf16. Prefill
+  // and decode must agree: KvLayout reports it and the transport checks it.
+  std::optional<kv::KvDType> kv_dtype;
 };
+
+// The KV element type an engine with these settings keeps.
+inline kv::KvDType ResolvedKvDType(Backend backend,
+                                   std::optional<kv::KvDType> kv_dtype) {
+  if (kv_dtype.has_value()) return *kv_dtype;
+  return backend == Backend::kCuda ? kv::KvDType::kBF16 : kv::KvDType::kF32;
+}
 
 // One sequence's share of a forward step.
 struct SequenceStep {

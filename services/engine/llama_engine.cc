@@ -54,11 +54,13 @@ struct TokenInfo {
 
 }  // namespace
 
-// The fp32 reference backend.
+// The fp32 reference backend. Its KV pool holds f32 (the reference) or
+// bf16 (half the bytes to hold, read and send; attention math stays f32:
+// blocks are widened as they are read).
 class CpuBackend final : public EngineBackend {
  public:
   const ShardPlan& plan() const override { return p; }
-  kv::KvDType kv_dtype() const override { return kv::KvDType::kF32; }
+  kv::KvDType kv_dtype() const override { return kv_type; }
   bool kv_on_device() const override { return false; }
   int64_t weight_bytes() const override;
   absl::Status Forward(const ForwardBatch& batch, kv::KvPool& pool,
@@ -94,6 +96,7 @@ class CpuBackend final : public EngineBackend {
   const model::ModelConfig& config = p.config;
   const ShardSpec& shard = p.shard;
   comm::Communicator* communicator = nullptr;
+  kv::KvDType kv_type = kv::KvDType::kF32;
 
   // What this shard holds (copied from the plan for the kernels below).
   int q_heads = 0, q_head_offset = 0;
@@ -131,6 +134,16 @@ class CpuBackend final : public EngineBackend {
                  const kv::KvPool& pool);
   void TiledAttention(const SequenceStep& seq, int64_t first_token, int h,
                       int kv_head, int local_layer, const kv::KvPool& pool);
+  // `count` K or V rows of one head starting at element `offset` of the
+  // pool, as f32: the pool itself when it holds f32, else widened into
+  // `scratch` (which must hold count x head_dim floats).
+  const float* KvRows(const kv::KvPool& pool, int64_t offset, int count,
+                      float* scratch) const {
+    if (kv_type == kv::KvDType::kF32) return pool.f32() + offset;
+    Bf16RowToFloat(static_cast<const uint16_t*>(pool.data()) + offset, scratch,
+                   int64_t{count} * config.head_dim);
+    return scratch;
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -184,7 +197,9 @@ void CpuBackend::WriteKv(const ForwardBatch& batch, int local_layer,
   const kv::KvCacheLayout& layout = pool.layout();
   const int64_t hd = config.head_dim;
   const int64_t row = qkv_rows();
-  float* base = pool.f32();
+  const bool bf16 = kv_type == kv::KvDType::kBF16;
+  float* base = bf16 ? nullptr : pool.f32();
+  uint16_t* base16 = bf16 ? static_cast<uint16_t*>(pool.data()) : nullptr;
   const int64_t n = static_cast<int64_t>(tokens.size());
   workers->ParallelRanges(n, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -198,10 +213,15 @@ void CpuBackend::WriteKv(const ForwardBatch& batch, int local_layer,
       float* v = k + kv_heads * hd;
       for (int h = 0; h < kv_heads; ++h) {
         ApplyRope(k + h * hd, info.position);
-        std::memcpy(base + layout.Offset(block, local_layer, 0, h, slot),
-                    k + h * hd, hd * sizeof(float));
-        std::memcpy(base + layout.Offset(block, local_layer, 1, h, slot),
-                    v + h * hd, hd * sizeof(float));
+        const int64_t k_at = layout.Offset(block, local_layer, 0, h, slot);
+        const int64_t v_at = layout.Offset(block, local_layer, 1, h, slot);
+        if (bf16) {
+          FloatRowToBf16(k + h * hd, base16 + k_at, hd);
+          FloatRowToBf16(v + h * hd, base16 + v_at, hd);
+        } else {
+          std::memcpy(base + k_at, k + h * hd, hd * sizeof(float));
+          std::memcpy(base + v_at, v + h * hd, hd * sizeof(float));
+        }
       }
     }
   });
@@ -214,7 +234,6 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
   const int group = config.num_heads / config.num_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t row = qkv_rows();
-  const float* base = pool.f32();
   const int64_t num_sequences = static_cast<int64_t>(batch.sequences.size());
   // This shard's query heads grouped by the KV head they read.
   std::vector<std::vector<int>> heads_of_kv(kv_heads);
@@ -242,17 +261,19 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
     const int bs = layout.block_size;
     // Row (head index in group, query token) of `scores`: len keys each.
     const int queries = static_cast<int>(heads.size()) * n;
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, block_scratch;
     scores.resize(int64_t{queries} * len);
+    block_scratch.resize(int64_t{bs} * hd);
     auto query = [&](int qi) {
       const int64_t t = token_offsets[s] + qi % n;
       return qkv.data() + t * row + int64_t{heads[qi / n]} * hd;
     };
     // Scores: key j is visible to query token i iff j <= start + i.
     for (int b = 0, first = 0; first < len; ++b, first += bs) {
-      const float* block_keys =
-          base + layout.Offset(seq.block_table[b], local_layer, 0, kv_head, 0);
       const int slots = std::min(bs, len - first);
+      const float* block_keys = KvRows(
+          pool, layout.Offset(seq.block_table[b], local_layer, 0, kv_head, 0),
+          slots, block_scratch.data());
       for (int qi = 0; qi < queries; ++qi) {
         const int visible = seq.start_position + qi % n + 1;
         const int count = std::min(slots, visible - first);
@@ -273,9 +294,10 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
       std::fill(out, out + hd, 0.0f);
     }
     for (int b = 0, first = 0; first < len; ++b, first += bs) {
-      const float* block_values =
-          base + layout.Offset(seq.block_table[b], local_layer, 1, kv_head, 0);
       const int slots = std::min(bs, len - first);
+      const float* block_values = KvRows(
+          pool, layout.Offset(seq.block_table[b], local_layer, 1, kv_head, 0),
+          slots, block_scratch.data());
       for (int qi = 0; qi < queries; ++qi) {
         const int visible = seq.start_position + qi % n + 1;
         const int count = std::min(slots, visible - first);
@@ -307,7 +329,6 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   const int n = seq.num_tokens;
   const int len = seq.start_position + n;
   const int bs = layout.block_size;
-  const float* base = pool.f32();
   thread_local std::vector<float> keys, values, probs;
   keys.resize(int64_t{len} * hd);
   values.resize(int64_t{len} * hd);
@@ -319,12 +340,17 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   for (int b = 0, start = 0; start < len; ++b, start += bs) {
     const int slots = std::min(bs, len - start);
     const int64_t block = seq.block_table[b];
-    std::memcpy(keys.data() + int64_t{start} * hd,
-                base + layout.Offset(block, local_layer, 0, kv_head, 0),
-                sizeof(float) * slots * hd);
-    std::memcpy(values.data() + int64_t{start} * hd,
-                base + layout.Offset(block, local_layer, 1, kv_head, 0),
-                sizeof(float) * slots * hd);
+    float* key_rows = keys.data() + int64_t{start} * hd;
+    float* value_rows = values.data() + int64_t{start} * hd;
+    const int64_t k_at = layout.Offset(block, local_layer, 0, kv_head, 0);
+    const int64_t v_at = layout.Offset(block, local_layer, 1, kv_head, 0);
+    if (kv_type == kv::KvDType::kF32) {
+      std::memcpy(key_rows, pool.f32() + k_at, sizeof(float) * slots * hd);
+      std::memcpy(value_rows, pool.f32() + v_at, sizeof(float) * slots * hd);
+    } else {  // widened straight into the gathered matrices
+      KvRows(pool, k_at, slots, key_rows);
+      KvRows(pool, v_at, slots, value_rows);
+    }
   }
   const int64_t row = qkv_rows();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -474,7 +500,14 @@ absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
     PDS_ASSIGN_OR_RETURN(backend,
                          CreateCudaBackend(weights, options, std::move(plan)));
   } else {
+    const kv::KvDType kv_dtype = options.kv_dtype.value_or(kv::KvDType::kF32);
+    if (kv_dtype != kv::KvDType::kF32 && kv_dtype != kv::KvDType::kBF16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the CPU backend keeps KV in f32 or bf16, not ",
+                       kv::KvDTypeName(kv_dtype)));
+    }
     auto cpu = std::make_unique<CpuBackend>();
+    cpu->kv_type = kv_dtype;
     cpu->p = std::move(plan);
     cpu->communicator = options.communicator;
     cpu->q_heads = cpu->p.q_heads;
@@ -495,8 +528,8 @@ absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
 absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                                  ForwardResult* result) {
   CpuBackend& m = *this;
-  PDS_RETURN_IF_ERROR(ValidateBatch(p, batch, pool.layout(), pool.num_blocks(),
-                                    kv::KvDType::kF32));
+  PDS_RETURN_IF_ERROR(
+      ValidateBatch(p, batch, pool.layout(), pool.num_blocks(), kv_type));
   const model::ModelConfig& c = m.config;
   const int64_t hidden = c.hidden_size;
 

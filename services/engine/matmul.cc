@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/float16.h"
 #include "common/thread_pool.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -379,6 +380,50 @@ void GemmRowMajor(bool transpose_b, int64_t m, int64_t n, int64_t k,
 
 void Axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+void Bf16RowToFloat(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
+void FloatRowToBf16(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  // Round to nearest even: add 0x7fff + (bit 16), keep the high half. NaNs
+  // (|x| above the infinity pattern) keep their high half with the quiet
+  // bit set instead, as the scalar FloatToBf16 does.
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i round_base = _mm256_set1_epi32(0x7fff);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i infinity = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x00400000);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i word = _mm256_castps_si256(_mm256_loadu_ps(in + i));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(word, 16), one);
+    const __m256i rounded =
+        _mm256_add_epi32(word, _mm256_add_epi32(round_base, lsb));
+    const __m256i is_nan =
+        _mm256_cmpgt_epi32(_mm256_and_si256(word, abs_mask), infinity);
+    const __m256i chosen =
+        _mm256_blendv_epi8(rounded, _mm256_or_si256(word, quiet), is_nan);
+    const __m256i high = _mm256_srli_epi32(chosen, 16);
+    // Pack 8 x 32-bit (each < 2^16) into 8 x 16-bit; packus works per
+    // 128-bit lane, so fix the lane order afterwards.
+    const __m256i packed =
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_castsi256_si128(packed));
+  }
+#endif
+  for (; i < n; ++i) out[i] = FloatToBf16(in[i]);
 }
 
 void UseSingleThreadedBlas() { openblas_set_num_threads(1); }

@@ -83,6 +83,13 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n);
 // y[i] += alpha · x[i].
 void Axpy(float alpha, const float* x, float* y, int64_t n);
 
+// out[i] = the bf16 bit pattern in[i] as a float (exact: a shift), 8 at a
+// time. How a bf16 KV pool's blocks reach the f32 attention math.
+void Bf16RowToFloat(const uint16_t* in, float* out, int64_t n);
+
+// out[i] = in[i] rounded to bf16, nearest-even (NaN stays NaN), 8 at a time.
+void FloatRowToBf16(const float* in, uint16_t* out, int64_t n);
+
 // C[m x n] = alpha · A[m x k] · op(B) on the calling thread (row-major, with
 // leading dimensions), where op(B) is B[k x n], or B[n x k] transposed when
 // `transpose_b`. C is overwritten.

@@ -273,6 +273,11 @@ class CudaBackend final : public EngineBackend {
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     const model::WeightSource& weights, const EngineOptions& options,
     ShardPlan plan) {
+  if (options.kv_dtype.has_value() && *options.kv_dtype != kv::KvDType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CUDA backend keeps KV in bf16, not ",
+                     kv::KvDTypeName(*options.kv_dtype)));
+  }
   auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
   backend->plan_ = std::move(plan);
   backend->options_ = options.cuda;

@@ -151,6 +151,7 @@ struct Layout {
   int stages;
   int tp;
   std::string speculation;
+  std::string kv_dtype = "auto";  // every worker's --kv-dtype
 };
 
 class LayoutTest : public ::testing::TestWithParam<Layout> {};
@@ -161,9 +162,21 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
   o.stages = layout.stages;
   o.tp = layout.tp;
   o.speculation = layout.speculation;
+  o.kv_dtype = layout.kv_dtype;
   o.draft_layers = 2;  // the draft: the target's first two layers
   std::unique_ptr<LocalCluster> cluster = StartCluster(o);
   ASSERT_NE(cluster, nullptr);
+  {
+    // The decode worker keeps (and the prefill stages therefore send) the
+    // KV element type asked for.
+    auto stub = v1::DecodeWorker::NewStub(grpc::CreateChannel(
+        cluster->decode_addresses()[0], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::DecodeLoad load;
+    ASSERT_TRUE(stub->GetLoad(&context, v1::GetLoadRequest(), &load).ok());
+    EXPECT_EQ(load.model().kv_dtype(),
+              layout.kv_dtype == "auto" ? "f32" : layout.kv_dtype);
+  }
   for (const testing::GoldenCase& c : AllGoldens()) {
     SCOPED_TRACE(c.prompt.substr(0, 40));
     Generated g = GrpcGenerate(cluster->grpc_address(),
@@ -223,10 +236,14 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
 INSTANTIATE_TEST_SUITE_P(
     Layouts, LayoutTest,
     ::testing::Values(Layout{1, 1, "off"}, Layout{2, 2, "ngram"},
-                      Layout{5, 4, "draft"}, Layout{3, 1, "ngram"}),
+                      Layout{5, 4, "draft"}, Layout{3, 1, "ngram"},
+                      // bf16 KV written by two stages into two TP ranks.
+                      Layout{2, 2, "ngram", "bf16"}),
     [](const ::testing::TestParamInfo<Layout>& info) {
-      return absl::StrCat("S", info.param.stages, "_T", info.param.tp, "_",
-                          info.param.speculation);
+      return absl::StrCat(
+          "S", info.param.stages, "_T", info.param.tp, "_",
+          info.param.speculation,
+          info.param.kv_dtype == "auto" ? "" : "_" + info.param.kv_dtype);
     });
 
 // Colocated (the decode worker prefills itself): the baseline layout the
@@ -628,7 +645,9 @@ TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
   std::vector<std::unique_ptr<process::ChildProcess>> strangers;
   std::vector<std::string> addresses;
   const std::vector<std::vector<std::string>> variants = {
-      {"--model-name", "another-model"}, {"--block-size", "32"}};
+      {"--model-name", "another-model"},
+      {"--block-size", "32"},
+      {"--kv-dtype", "bf16"}};
   for (size_t v = 0; v < variants.size(); ++v) {
     const std::string port_file =
         absl::StrCat(dir, "/stranger-", getpid(), "-", v, ".port");
@@ -650,7 +669,9 @@ TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
     strangers.push_back(*std::move(child));
   }
   // A second router over the same prefill group, the good decode worker and
-  // the two strangers; round-robin would give each a third of the requests.
+  // the three strangers (another model, another block size, bf16 KV where
+  // the prefill sends f32); round-robin would give each a quarter of the
+  // requests.
   const std::string grpc_file =
       absl::StrCat(dir, "/router2-", getpid(), ".grpc");
   std::remove(grpc_file.c_str());
@@ -663,8 +684,8 @@ TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
                 "--prefill",
                 cluster->prefill_addresses()[0],
                 "--decode",
-                absl::StrCat(cluster->decode_addresses()[0], ",", addresses[0],
-                             ",", addresses[1]),
+                absl::StrCat(cluster->decode_addresses()[0], ",",
+                             absl::StrJoin(addresses, ",")),
                 "--decode-policy",
                 "round-robin",
                 "--host",

@@ -168,6 +168,20 @@ TEST(DeployTest, ManifestsRenderAndValidateOffline) {
   EXPECT_TRUE(absl::StrContains(cpu_on_gpus.output,
                                 "requests nvidia.com/gpu but BACKEND is cpu"))
       << cpu_on_gpus.output;
+  std::ofstream(gpu_layout) << layout_text;
+
+  // And a KV dtype the GPU backend does not keep.
+  const std::string base_layout = dir + "/deploy/kubernetes/base/layout.yaml";
+  const std::string base_text = Slurp(base_layout);
+  ASSERT_TRUE(absl::StrContains(base_text, "KV_DTYPE: auto"));
+  std::ofstream(base_layout)
+      << absl::StrReplaceAll(base_text, {{"KV_DTYPE: auto", "KV_DTYPE: f32"}});
+  const CommandResult f32_on_gpus =
+      CheckManifests(absl::StrCat(dir, "/deploy/kubernetes/overlays/gpu"));
+  EXPECT_NE(f32_on_gpus.code, 0) << f32_on_gpus.output;
+  EXPECT_TRUE(absl::StrContains(f32_on_gpus.output,
+                                "KV_DTYPE f32 is not one the cuda backend"))
+      << f32_on_gpus.output;
   fs::remove_all(dir);
 }
 

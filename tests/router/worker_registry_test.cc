@@ -266,6 +266,34 @@ TEST(WorkerRegistryTest, ConfiguredModelIsTheReference) {
   EXPECT_FALSE(f.registry->Workers()[0].compatible);
 }
 
+TEST(WorkerRegistryTest, KvDTypeIsPinnedByThePrefillGroups) {
+  // What the router knows from its model file: no KV dtype.
+  RegistryConfig config;
+  config.prefill = {"p:1"};
+  config.decode = {"d:1"};
+  v1::ModelIdentity from_model = Identity();
+  from_model.clear_kv_dtype();
+  config.model = from_model;
+  Fixture f = MakeRegistry(config);
+  f.resolver->Set("p", std::vector<std::string>{"10.0.1.1:1"});
+  f.resolver->Set("d", std::vector<std::string>{"10.0.0.1:1", "10.0.0.2:1"});
+  v1::ModelIdentity bf16 = Identity();
+  bf16.set_kv_dtype("bf16");
+  f.prober->Set("10.0.1.1:1", Serving());  // sends f32
+  f.prober->Set("10.0.0.1:1", Serving(bf16));
+  f.prober->Set("10.0.0.2:1", Serving());
+  f.registry->Refresh();
+  ASSERT_TRUE(f.registry->model().has_value());
+  EXPECT_EQ(f.registry->model()->kv_dtype(), "f32");
+  for (const WorkerStatus& w : f.registry->Workers()) {
+    const bool stranger = w.address == "10.0.0.1:1";
+    EXPECT_EQ(w.compatible, !stranger) << w.address << ": " << w.error;
+    if (stranger) {
+      EXPECT_NE(w.error.find("kv_dtype is bf16"), std::string::npos) << w.error;
+    }
+  }
+}
+
 TEST(WorkerRegistryTest, FieldsTheClusterLeavesUnsetMatchAnything) {
   // A config file naming only the model and the block size.
   v1::ModelIdentity partial;
