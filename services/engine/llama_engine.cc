@@ -277,12 +277,9 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
       for (int qi = 0; qi < queries; ++qi) {
         const int visible = seq.start_position + qi % n + 1;
         const int count = std::min(slots, visible - first);
-        const float* q = query(qi);
-        float* row_scores = scores.data() + int64_t{qi} * len + first;
-        for (int j = 0; j < count; ++j) {
-          row_scores[j] =
-              DotProduct(q, block_keys + int64_t{j} * hd, hd) * scale;
-        }
+        if (count <= 0) continue;
+        ScoreKeys(query(qi), block_keys, count, hd, scale,
+                  scores.data() + int64_t{qi} * len + first);
       }
     }
     for (int qi = 0; qi < queries; ++qi) {
@@ -304,10 +301,9 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
         const int64_t t = token_offsets[s] + qi % n;
         float* out = attn_out.data() + t * int64_t{q_heads} * hd +
                      int64_t{heads[qi / n]} * hd;
-        const float* weights = scores.data() + int64_t{qi} * len + first;
-        for (int j = 0; j < count; ++j) {
-          Axpy(weights[j], block_values + int64_t{j} * hd, out, hd);
-        }
+        if (count <= 0) continue;
+        AccumulateWeightedRows(scores.data() + int64_t{qi} * len + first,
+                               block_values, count, hd, out);
       }
     }
   });

@@ -382,6 +382,83 @@ void Axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+void ScoreKeys(const float* q, const float* keys, int64_t count, int64_t dim,
+               float scale, float* scores) {
+  int64_t j = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  if (dim % 8 == 0) {
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (; j + 8 <= count; j += 8) {
+      const float* k = keys + j * dim;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0,
+             a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + dim + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * dim + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * dim + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * dim + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * dim + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * dim + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * dim + d), a7);
+      }
+      // Three rounds of pairwise adds leave key i's sum in lane i (halves
+      // summed across the two 128-bit lanes at the end).
+      const __m256 h01 = _mm256_hadd_ps(a0, a1);
+      const __m256 h23 = _mm256_hadd_ps(a2, a3);
+      const __m256 h45 = _mm256_hadd_ps(a4, a5);
+      const __m256 h67 = _mm256_hadd_ps(a6, a7);
+      const __m256 h0123 = _mm256_hadd_ps(h01, h23);
+      const __m256 h4567 = _mm256_hadd_ps(h45, h67);
+      const __m256 sums =
+          _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
+      _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, scale8));
+    }
+  }
+#endif
+  for (; j < count; ++j) scores[j] = DotProduct(q, keys + j * dim, dim) * scale;
+}
+
+void AccumulateWeightedRows(const float* weights, const float* rows,
+                            int64_t count, int64_t dim, float* out) {
+  int64_t d = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  // 64 dims (8 accumulators: independent FMA chains enough to hide the
+  // latency) at a time, then 8.
+  for (; d + 64 <= dim; d += 64) {
+    // Fully unrolled, or GCC keeps the accumulators on the stack.
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(out + d + 8 * i);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 w = _mm256_broadcast_ss(weights + j);
+      const float* row = rows + j * dim + d;
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + d + 8 * i, acc[i]);
+  }
+  for (; d + 8 <= dim; d += 8) {
+    __m256 acc = _mm256_loadu_ps(out + d);
+    for (int64_t j = 0; j < count; ++j) {
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(weights + j),
+                            _mm256_loadu_ps(rows + j * dim + d), acc);
+    }
+    _mm256_storeu_ps(out + d, acc);
+  }
+#endif
+  for (; d < dim; ++d) {
+    float sum = out[d];
+    for (int64_t j = 0; j < count; ++j) sum += weights[j] * rows[j * dim + d];
+    out[d] = sum;
+  }
+}
+
 void Bf16RowToFloat(const uint16_t* in, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef PDSERVE_MATMUL_AVX2

@@ -83,6 +83,20 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n);
 // y[i] += alpha · x[i].
 void Axpy(float alpha, const float* x, float* y, int64_t n);
 
+// Attention for a few queries over a block of keys (decode and verify steps,
+// where there is no query block big enough for a GEMM):
+// scores[j] = scale · Σ_d q[d] · keys[j·dim + d] for j < count. Eight keys
+// at a time share each load of q, and their eight sums are reduced together
+// (one horizontal pass per eight keys, not per key).
+void ScoreKeys(const float* q, const float* keys, int64_t count, int64_t dim,
+               float scale, float* scores);
+
+// out[d] += Σ_j weights[j] · rows[j·dim + d] for j < count, d < dim: `out`
+// stays in registers across the rows (one load and store per call, not per
+// row).
+void AccumulateWeightedRows(const float* weights, const float* rows,
+                            int64_t count, int64_t dim, float* out);
+
 // out[i] = the bf16 bit pattern in[i] as a float (exact: a shift), 8 at a
 // time. How a bf16 KV pool's blocks reach the f32 attention math.
 void Bf16RowToFloat(const uint16_t* in, float* out, int64_t n);

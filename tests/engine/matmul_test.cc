@@ -156,5 +156,47 @@ TEST(MatMulTest, DotProductAndAxpy) {
   for (int i = 0; i < 37; ++i) EXPECT_FLOAT_EQ(y[i], 1.0f + 2.0f * a[i]);
 }
 
+// The decode-attention kernels against double-precision sums, for head dims
+// with and without a vector tail and key counts around the 8-key groups.
+TEST(MatMulTest, ScoreKeysAndAccumulateWeightedRowsMatchDoublePrecision) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int64_t dim : {4, 8, 12, 64, 72, 128, 136}) {
+    for (int64_t count : {0, 1, 7, 8, 9, 16, 17, 33}) {
+      std::vector<float> q(dim), rows(count * dim), weights(count);
+      for (float& v : q) v = dist(rng);
+      for (float& v : rows) v = dist(rng);
+      for (float& v : weights) v = dist(rng);
+      std::vector<float> scores(count + 1, -7.0f);  // one sentinel past the end
+      ScoreKeys(q.data(), rows.data(), count, dim, 0.5f, scores.data());
+      for (int64_t j = 0; j < count; ++j) {
+        double want = 0;
+        for (int64_t d = 0; d < dim; ++d) {
+          want += double{q[d]} * rows[j * dim + d];
+        }
+        ASSERT_NEAR(scores[j], 0.5 * want, 1e-5 * dim)
+            << "dim " << dim << " count " << count << " key " << j;
+      }
+      EXPECT_EQ(scores[count], -7.0f) << "wrote past count";
+
+      std::vector<float> out(dim + 1);
+      for (int64_t d = 0; d < dim; ++d) out[d] = dist(rng);
+      out[dim] = -7.0f;
+      const std::vector<float> before = out;
+      AccumulateWeightedRows(weights.data(), rows.data(), count, dim,
+                             out.data());
+      for (int64_t d = 0; d < dim; ++d) {
+        double want = before[d];
+        for (int64_t j = 0; j < count; ++j) {
+          want += double{weights[j]} * rows[j * dim + d];
+        }
+        ASSERT_NEAR(out[d], want, 1e-5 * (count + 1))
+            << "dim " << dim << " count " << count << " d " << d;
+      }
+      EXPECT_EQ(out[dim], -7.0f) << "wrote past dim";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace pdserve::engine
