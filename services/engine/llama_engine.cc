@@ -134,6 +134,21 @@ class CpuBackend final : public EngineBackend {
                  const kv::KvPool& pool);
   void TiledAttention(const SequenceStep& seq, int64_t first_token, int h,
                       int kv_head, int local_layer, const kv::KvPool& pool);
+  // Asks the memory system for one (block, layer, K|V, head) slab ahead of
+  // its use: a sequence's blocks are scattered over the pool, so each slab
+  // (2-4 KiB) starts a new stream the hardware prefetcher has not seen, and
+  // without this a decode step at long context waits on each slab's first
+  // lines.
+  void PrefetchHeadBlock(const kv::KvPool& pool, int32_t block, int local_layer,
+                         int kv, int kv_head) const {
+    const kv::KvCacheLayout& layout = pool.layout();
+    const int64_t element = kv::KvDTypeSize(layout.dtype);
+    const char* slab =
+        static_cast<const char*>(pool.data()) +
+        layout.Offset(block, local_layer, kv, kv_head, 0) * element;
+    const int64_t bytes = layout.head_stride() * element;
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(slab + at);
+  }
   // `count` K or V rows of one head starting at element `offset` of the
   // pool, as f32: the pool itself when it holds f32, else widened into
   // `scratch` (which must hold count x head_dim floats).
@@ -271,6 +286,9 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
     // Scores: key j is visible to query token i iff j <= start + i.
     for (int b = 0, first = 0; first < len; ++b, first += bs) {
       const int slots = std::min(bs, len - first);
+      if (first + bs < len)
+        PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 0,
+                          kv_head);
       const float* block_keys = KvRows(
           pool, layout.Offset(seq.block_table[b], local_layer, 0, kv_head, 0),
           slots, block_scratch.data());
@@ -292,6 +310,9 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
     }
     for (int b = 0, first = 0; first < len; ++b, first += bs) {
       const int slots = std::min(bs, len - first);
+      if (first + bs < len)
+        PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 1,
+                          kv_head);
       const float* block_values = KvRows(
           pool, layout.Offset(seq.block_table[b], local_layer, 1, kv_head, 0),
           slots, block_scratch.data());
