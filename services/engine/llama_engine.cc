@@ -276,56 +276,65 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
     const int bs = layout.block_size;
     // Row (head index in group, query token) of `scores`: len keys each.
     const int queries = static_cast<int>(heads.size()) * n;
-    thread_local std::vector<float> scores, block_scratch;
+    thread_local std::vector<float> scores;
     scores.resize(int64_t{queries} * len);
-    block_scratch.resize(int64_t{bs} * hd);
     auto query = [&](int qi) {
       const int64_t t = token_offsets[s] + qi % n;
       return qkv.data() + t * row + int64_t{heads[qi / n]} * hd;
     };
-    // Scores: key j is visible to query token i iff j <= start + i.
-    for (int b = 0, first = 0; first < len; ++b, first += bs) {
-      const int slots = std::min(bs, len - first);
-      if (first + bs < len)
-        PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 0,
-                          kv_head);
-      const float* block_keys = KvRows(
-          pool, layout.Offset(seq.block_table[b], local_layer, 0, kv_head, 0),
-          slots, block_scratch.data());
-      for (int qi = 0; qi < queries; ++qi) {
-        const int visible = seq.start_position + qi % n + 1;
-        const int count = std::min(slots, visible - first);
-        if (count <= 0) continue;
-        ScoreKeys(query(qi), block_keys, count, hd, scale,
-                  scores.data() + int64_t{qi} * len + first);
-      }
-    }
-    for (int qi = 0; qi < queries; ++qi) {
-      SoftmaxInPlace(scores.data() + int64_t{qi} * len,
-                     seq.start_position + qi % n + 1);
+    auto output = [&](int qi) {
       const int64_t t = token_offsets[s] + qi % n;
-      float* out = attn_out.data() + t * int64_t{q_heads} * hd +
-                   int64_t{heads[qi / n]} * hd;
-      std::fill(out, out + hd, 0.0f);
-    }
-    for (int b = 0, first = 0; first < len; ++b, first += bs) {
-      const int slots = std::min(bs, len - first);
-      if (first + bs < len)
-        PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 1,
-                          kv_head);
-      const float* block_values = KvRows(
-          pool, layout.Offset(seq.block_table[b], local_layer, 1, kv_head, 0),
-          slots, block_scratch.data());
-      for (int qi = 0; qi < queries; ++qi) {
-        const int visible = seq.start_position + qi % n + 1;
-        const int count = std::min(slots, visible - first);
-        const int64_t t = token_offsets[s] + qi % n;
-        float* out = attn_out.data() + t * int64_t{q_heads} * hd +
-                     int64_t{heads[qi / n]} * hd;
-        if (count <= 0) continue;
-        AccumulateWeightedRows(scores.data() + int64_t{qi} * len + first,
-                               block_values, count, hd, out);
+      return attn_out.data() + t * int64_t{q_heads} * hd +
+             int64_t{heads[qi / n]} * hd;
+    };
+    // Both passes read the pool's elements as stored (f32, or bf16 widened in
+    // registers by the kernels).
+    auto passes = [&](const auto* elements) {
+      auto head_rows = [&](int b, int kv) {
+        return elements +
+               layout.Offset(seq.block_table[b], local_layer, kv, kv_head, 0);
+      };
+      // Scores: key j is visible to query token i iff j <= start + i.
+      for (int b = 0, first = 0; first < len; ++b, first += bs) {
+        const int slots = std::min(bs, len - first);
+        if (first + bs < len) {
+          PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 0,
+                            kv_head);
+        }
+        const auto* block_keys = head_rows(b, 0);
+        for (int qi = 0; qi < queries; ++qi) {
+          const int visible = seq.start_position + qi % n + 1;
+          const int count = std::min(slots, visible - first);
+          if (count <= 0) continue;
+          ScoreKeys(query(qi), block_keys, count, hd, scale,
+                    scores.data() + int64_t{qi} * len + first);
+        }
       }
+      for (int qi = 0; qi < queries; ++qi) {
+        SoftmaxInPlace(scores.data() + int64_t{qi} * len,
+                       seq.start_position + qi % n + 1);
+        std::fill(output(qi), output(qi) + hd, 0.0f);
+      }
+      for (int b = 0, first = 0; first < len; ++b, first += bs) {
+        const int slots = std::min(bs, len - first);
+        if (first + bs < len) {
+          PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 1,
+                            kv_head);
+        }
+        const auto* block_values = head_rows(b, 1);
+        for (int qi = 0; qi < queries; ++qi) {
+          const int visible = seq.start_position + qi % n + 1;
+          const int count = std::min(slots, visible - first);
+          if (count <= 0) continue;
+          AccumulateWeightedRows(scores.data() + int64_t{qi} * len + first,
+                                 block_values, count, hd, output(qi));
+        }
+      }
+    };
+    if (kv_type == kv::KvDType::kBF16) {
+      passes(static_cast<const uint16_t*>(pool.data()));
+    } else {
+      passes(pool.f32());
     }
   });
 }

@@ -382,26 +382,58 @@ void Axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-void ScoreKeys(const float* q, const float* keys, int64_t count, int64_t dim,
-               float scale, float* scores) {
+namespace {
+
+// Element loads for the attention kernels, which read K/V rows either as
+// f32 or as bf16 (widened in registers: a bf16 pool's bytes are read once,
+// with no f32 copy written and read back).
+inline float LoadElement(const float* p) { return *p; }
+inline float LoadElement(const uint16_t* p) { return Bf16ToFloat(*p); }
+#ifdef PDSERVE_MATMUL_AVX2
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
+template <typename Element>
+float DotWithRow(const float* q, const Element* row, int64_t dim) {
+  int64_t d = 0;
+  float sum = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= dim; d += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8(row + d), acc);
+  }
+  sum = HorizontalSum(acc);
+#endif
+  for (; d < dim; ++d) sum += q[d] * LoadElement(row + d);
+  return sum;
+}
+
+template <typename Element>
+void ScoreKeysImpl(const float* q, const Element* keys, int64_t count,
+                   int64_t dim, float scale, float* scores) {
   int64_t j = 0;
 #ifdef PDSERVE_MATMUL_AVX2
   if (dim % 8 == 0) {
     const __m256 scale8 = _mm256_set1_ps(scale);
     for (; j + 8 <= count; j += 8) {
-      const float* k = keys + j * dim;
+      const Element* k = keys + j * dim;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0,
              a5 = a0, a6 = a0, a7 = a0;
       for (int64_t d = 0; d < dim; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + dim + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * dim + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * dim + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * dim + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * dim + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * dim + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * dim + d), a7);
+        a0 = _mm256_fmadd_ps(qv, Load8(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, Load8(k + dim + d), a1);
+        a2 = _mm256_fmadd_ps(qv, Load8(k + 2 * dim + d), a2);
+        a3 = _mm256_fmadd_ps(qv, Load8(k + 3 * dim + d), a3);
+        a4 = _mm256_fmadd_ps(qv, Load8(k + 4 * dim + d), a4);
+        a5 = _mm256_fmadd_ps(qv, Load8(k + 5 * dim + d), a5);
+        a6 = _mm256_fmadd_ps(qv, Load8(k + 6 * dim + d), a6);
+        a7 = _mm256_fmadd_ps(qv, Load8(k + 7 * dim + d), a7);
       }
       // Three rounds of pairwise adds leave key i's sum in lane i (halves
       // summed across the two 128-bit lanes at the end).
@@ -418,11 +450,12 @@ void ScoreKeys(const float* q, const float* keys, int64_t count, int64_t dim,
     }
   }
 #endif
-  for (; j < count; ++j) scores[j] = DotProduct(q, keys + j * dim, dim) * scale;
+  for (; j < count; ++j) scores[j] = DotWithRow(q, keys + j * dim, dim) * scale;
 }
 
-void AccumulateWeightedRows(const float* weights, const float* rows,
-                            int64_t count, int64_t dim, float* out) {
+template <typename Element>
+void AccumulateWeightedRowsImpl(const float* weights, const Element* rows,
+                                int64_t count, int64_t dim, float* out) {
   int64_t d = 0;
 #ifdef PDSERVE_MATMUL_AVX2
   // 64 dims (8 accumulators: independent FMA chains enough to hide the
@@ -434,10 +467,10 @@ void AccumulateWeightedRows(const float* weights, const float* rows,
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(out + d + 8 * i);
     for (int64_t j = 0; j < count; ++j) {
       const __m256 w = _mm256_broadcast_ss(weights + j);
-      const float* row = rows + j * dim + d;
+      const Element* row = rows + j * dim + d;
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
-        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * i), acc[i]);
+        acc[i] = _mm256_fmadd_ps(w, Load8(row + 8 * i), acc[i]);
       }
     }
 #pragma GCC unroll 8
@@ -447,16 +480,40 @@ void AccumulateWeightedRows(const float* weights, const float* rows,
     __m256 acc = _mm256_loadu_ps(out + d);
     for (int64_t j = 0; j < count; ++j) {
       acc = _mm256_fmadd_ps(_mm256_broadcast_ss(weights + j),
-                            _mm256_loadu_ps(rows + j * dim + d), acc);
+                            Load8(rows + j * dim + d), acc);
     }
     _mm256_storeu_ps(out + d, acc);
   }
 #endif
   for (; d < dim; ++d) {
     float sum = out[d];
-    for (int64_t j = 0; j < count; ++j) sum += weights[j] * rows[j * dim + d];
+    for (int64_t j = 0; j < count; ++j) {
+      sum += weights[j] * LoadElement(rows + j * dim + d);
+    }
     out[d] = sum;
   }
+}
+
+}  // namespace
+
+void ScoreKeys(const float* q, const float* keys, int64_t count, int64_t dim,
+               float scale, float* scores) {
+  ScoreKeysImpl(q, keys, count, dim, scale, scores);
+}
+
+void ScoreKeys(const float* q, const uint16_t* keys, int64_t count, int64_t dim,
+               float scale, float* scores) {
+  ScoreKeysImpl(q, keys, count, dim, scale, scores);
+}
+
+void AccumulateWeightedRows(const float* weights, const float* rows,
+                            int64_t count, int64_t dim, float* out) {
+  AccumulateWeightedRowsImpl(weights, rows, count, dim, out);
+}
+
+void AccumulateWeightedRows(const float* weights, const uint16_t* rows,
+                            int64_t count, int64_t dim, float* out) {
+  AccumulateWeightedRowsImpl(weights, rows, count, dim, out);
 }
 
 void Bf16RowToFloat(const uint16_t* in, float* out, int64_t n) {

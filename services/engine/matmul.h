@@ -90,11 +90,16 @@ void Axpy(float alpha, const float* x, float* y, int64_t n);
 // (one horizontal pass per eight keys, not per key).
 void ScoreKeys(const float* q, const float* keys, int64_t count, int64_t dim,
                float scale, float* scores);
+// The same over bf16 keys (a bf16 KV pool), widened in registers.
+void ScoreKeys(const float* q, const uint16_t* keys, int64_t count, int64_t dim,
+               float scale, float* scores);
 
 // out[d] += Σ_j weights[j] · rows[j·dim + d] for j < count, d < dim: `out`
 // stays in registers across the rows (one load and store per call, not per
 // row).
 void AccumulateWeightedRows(const float* weights, const float* rows,
+                            int64_t count, int64_t dim, float* out);
+void AccumulateWeightedRows(const float* weights, const uint16_t* rows,
                             int64_t count, int64_t dim, float* out);
 
 // out[i] = the bf16 bit pattern in[i] as a float (exact: a shift), 8 at a

@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "common/float16.h"
 #include "common/thread_pool.h"
 
 namespace pdserve::engine {
@@ -158,42 +159,63 @@ TEST(MatMulTest, DotProductAndAxpy) {
 
 // The decode-attention kernels against double-precision sums, for head dims
 // with and without a vector tail and key counts around the 8-key groups.
+// Runs both decode-attention kernels over `stored` (f32 rows, or bf16 rows
+// read by the bf16 overloads) and compares with double-precision sums over
+// `exact`, the rows' values as the kernels should see them.
+template <typename Element>
+void ExpectAttentionKernelsMatch(const std::vector<float>& q,
+                                 const std::vector<Element>& stored,
+                                 const std::vector<float>& exact,
+                                 const std::vector<float>& weights,
+                                 int64_t count, int64_t dim,
+                                 std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> scores(count + 1, -7.0f);  // one sentinel past the end
+  ScoreKeys(q.data(), stored.data(), count, dim, 0.5f, scores.data());
+  for (int64_t j = 0; j < count; ++j) {
+    double want = 0;
+    for (int64_t d = 0; d < dim; ++d) want += double{q[d]} * exact[j * dim + d];
+    ASSERT_NEAR(scores[j], 0.5 * want, 1e-5 * dim)
+        << "dim " << dim << " count " << count << " key " << j;
+  }
+  EXPECT_EQ(scores[count], -7.0f) << "wrote past count";
+
+  std::vector<float> out(dim + 1);
+  for (int64_t d = 0; d < dim; ++d) out[d] = dist(rng);
+  out[dim] = -7.0f;
+  const std::vector<float> before = out;
+  AccumulateWeightedRows(weights.data(), stored.data(), count, dim, out.data());
+  for (int64_t d = 0; d < dim; ++d) {
+    double want = before[d];
+    for (int64_t j = 0; j < count; ++j) {
+      want += double{weights[j]} * exact[j * dim + d];
+    }
+    ASSERT_NEAR(out[d], want, 1e-5 * (count + 1))
+        << "dim " << dim << " count " << count << " d " << d;
+  }
+  EXPECT_EQ(out[dim], -7.0f) << "wrote past dim";
+}
+
 TEST(MatMulTest, ScoreKeysAndAccumulateWeightedRowsMatchDoublePrecision) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (int64_t dim : {4, 8, 12, 64, 72, 128, 136}) {
     for (int64_t count : {0, 1, 7, 8, 9, 16, 17, 33}) {
+      SCOPED_TRACE(testing::Message() << "dim " << dim << " count " << count);
       std::vector<float> q(dim), rows(count * dim), weights(count);
       for (float& v : q) v = dist(rng);
       for (float& v : rows) v = dist(rng);
       for (float& v : weights) v = dist(rng);
-      std::vector<float> scores(count + 1, -7.0f);  // one sentinel past the end
-      ScoreKeys(q.data(), rows.data(), count, dim, 0.5f, scores.data());
-      for (int64_t j = 0; j < count; ++j) {
-        double want = 0;
-        for (int64_t d = 0; d < dim; ++d) {
-          want += double{q[d]} * rows[j * dim + d];
-        }
-        ASSERT_NEAR(scores[j], 0.5 * want, 1e-5 * dim)
-            << "dim " << dim << " count " << count << " key " << j;
+      ExpectAttentionKernelsMatch(q, rows, rows, weights, count, dim, rng);
+      // A bf16 KV pool's rows: the kernels must see exactly the widened
+      // values (the rounding happened when the KV was written).
+      std::vector<uint16_t> rows16(rows.size());
+      std::vector<float> widened(rows.size());
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows16[i] = FloatToBf16(rows[i]);
+        widened[i] = Bf16ToFloat(rows16[i]);
       }
-      EXPECT_EQ(scores[count], -7.0f) << "wrote past count";
-
-      std::vector<float> out(dim + 1);
-      for (int64_t d = 0; d < dim; ++d) out[d] = dist(rng);
-      out[dim] = -7.0f;
-      const std::vector<float> before = out;
-      AccumulateWeightedRows(weights.data(), rows.data(), count, dim,
-                             out.data());
-      for (int64_t d = 0; d < dim; ++d) {
-        double want = before[d];
-        for (int64_t j = 0; j < count; ++j) {
-          want += double{weights[j]} * rows[j * dim + d];
-        }
-        ASSERT_NEAR(out[d], want, 1e-5 * (count + 1))
-            << "dim " << dim << " count " << count << " d " << d;
-      }
-      EXPECT_EQ(out[dim], -7.0f) << "wrote past dim";
+      ExpectAttentionKernelsMatch(q, rows16, widened, weights, count, dim, rng);
     }
   }
 }
