@@ -202,7 +202,9 @@ int Run(const Options& opt) {
   // rows it looks up (not the whole table).
   const double streamed_bytes =
       weight_bytes -
-      (c.tie_word_embeddings ? 0.0 : double{c.vocab_size} * c.hidden_size * 4);
+      (c.tie_word_embeddings
+           ? 0.0
+           : static_cast<double>(c.vocab_size) * c.hidden_size * 4);
   std::printf(
       "model %s: %.1f M params (%.0f MB f32), loaded in %.1f s; %d threads\n",
       opt.config.c_str(), weight_bytes / 4e6, weight_bytes / 1e6,
@@ -326,8 +328,8 @@ int Run(const Options& opt) {
       const double weight_rate = steps_per_second * streamed_bytes;
       // KV the step's attention reads: every sequence's K and V, every layer,
       // once (the mean context over the timed steps).
-      const double kv_bytes = double{batch_size} * c.num_layers * 2 *
-                              (opt.context + opt.steps / 2.0) * c.kv_dim() *
+      const double kv_bytes = static_cast<double>(batch_size) * c.num_layers *
+                              2 * (opt.context + opt.steps / 2.0) * c.kv_dim() *
                               kv::KvDTypeSize(kv_layout.dtype);
       std::printf(
           "| decode batch %d (context %d, KV %s) | %.1f tokens/s, %.1f ms/step "

@@ -92,7 +92,8 @@ absl::StatusOr<Result> RunOnce(const model::WeightSource& weights, int stages,
     result.last_ttft = t;
   }
   result.wall = absl::ToDoubleSeconds(absl::Now() - start);
-  result.tokens_per_s = double{prompt_tokens} * requests / result.wall;
+  result.tokens_per_s =
+      static_cast<double>(prompt_tokens) * requests / result.wall;
   double busy_sum = 0;
   for (int s = 0; s < group->num_stages(); ++s) {
     result.busy.push_back(group->stage(s).stats().busy_seconds);
