@@ -23,6 +23,32 @@ constexpr absl::Duration kPollSlice = absl::Milliseconds(100);
 constexpr absl::Duration kDeadlineGrace = absl::Seconds(1);
 constexpr int kListenBacklog = 1024;
 
+// The metrics `api` label of a request cpp-httplib refused before any of
+// our handlers ran: the endpoint's own label where the path is one.
+std::string ApiOfPath(const std::string& path) {
+  if (path == "/v1/completions") return "openai_completions";
+  if (path == "/v1/chat/completions") return "openai_chat";
+  return "http_other";
+}
+
+// The status code such a refusal is counted under. An oversized body is
+// RESOURCE_EXHAUSTED, as gRPC reports a message over its size limit.
+absl::StatusCode StatusCodeOfHttpError(int http_status) {
+  switch (http_status) {
+    case 400:
+      return absl::StatusCode::kInvalidArgument;
+    case 404:
+    case 405:
+      return absl::StatusCode::kNotFound;
+    case 413:
+    case 414:
+    case 431:
+      return absl::StatusCode::kResourceExhausted;
+    default:
+      return absl::StatusCode::kUnknown;
+  }
+}
+
 // One request's events, filled by the backend's callbacks and drained by the
 // connection thread. Keeps itself alive until the backend's OnDone, so the
 // connection may go away first (client disconnect) without a dangling
@@ -151,11 +177,18 @@ class OpenAiHttpServer::Impl {
       res.set_content("{\"status\":\"ok\"}", "application/json");
     });
     // cpp-httplib's own errors (unknown path, 413 oversized body, ...) get
-    // the OpenAI shape too, unless a handler already wrote a body.
+    // the OpenAI shape too, unless a handler already wrote a body (then the
+    // handler has counted the request already). They are counted like every
+    // other refusal, so a client posting to a wrong path or sending
+    // oversized prompts shows in pdserve_router_requests_total.
     server_.set_error_handler(httplib::Server::HandlerWithResponse(
-        [](const httplib::Request& req, httplib::Response& res) {
+        [this](const httplib::Request& req, httplib::Response& res) {
           if (!res.body.empty())
             return httplib::Server::HandlerResponse::Unhandled;
+          if (options_.on_rejected) {
+            options_.on_rejected(ApiOfPath(req.path),
+                                 StatusCodeOfHttpError(res.status));
+          }
           std::string message =
               res.status == 404
                   ? absl::StrCat("no route for ", req.method, " ", req.path)

@@ -583,6 +583,8 @@ TEST(ClusterTest, RouterAndWorkersExportTheirMetrics) {
   ASSERT_EQ(
       HttpPost(cluster->http_address(), "/v1/completions", "{oops").status,
       400);
+  // Refused by the HTTP library itself (no route): counted too.
+  ASSERT_EQ(HttpPost(cluster->http_address(), "/v1/nope", "{}").status, 404);
   EXPECT_EQ(GrpcGenerate(cluster->grpc_address(), TextRequest("Hi", 100000))
                 .status.error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
@@ -601,6 +603,9 @@ TEST(ClusterTest, RouterAndWorkersExportTheirMetrics) {
   EXPECT_EQ(SumOf(router, requests,
                   {{"api", "grpc_generate"}, {"code", "INVALID_ARGUMENT"}}),
             1);
+  EXPECT_EQ(
+      SumOf(router, requests, {{"api", "http_other"}, {"code", "NOT_FOUND"}}),
+      1);
   EXPECT_EQ(SumOf(router, "pdserve_router_ttft_seconds_count"), 4);
   EXPECT_EQ(SumOf(router, "pdserve_router_e2e_seconds_count"), 4);
   EXPECT_EQ(SumOf(router, "pdserve_router_ttft_phase_seconds_count",

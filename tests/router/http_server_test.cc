@@ -3,13 +3,17 @@
 // bodies, chat, models, health, and every error shape and status code.
 #include "router/http_server.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "router/admission_limiter.h"
 #include "tests/router/fake_backend.h"
 
@@ -232,21 +236,61 @@ TEST_F(HttpServerTest, MidStreamErrorIsAnSseErrorEvent) {
               500);
 }
 
-TEST_F(HttpServerTest, OversizedBodyIs413) {
+// What a RejectionHook was told: "api code" per refusal.
+class RejectionLog {
+ public:
+  RejectionHook Hook() {
+    return [this](const std::string& api, absl::StatusCode code) {
+      absl::MutexLock lock(&mu_);
+      entries_.push_back(
+          absl::StrCat(api, " ", absl::StatusCodeToString(code)));
+    };
+  }
+  std::vector<std::string> entries() {
+    absl::MutexLock lock(&mu_);
+    return entries_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> entries_;
+};
+
+// cpp-httplib refuses an oversized body itself, before our handler: the
+// refusal still reaches the metrics hook, under the endpoint's api.
+TEST_F(HttpServerTest, OversizedBodyIs413AndCounted) {
   server_->Stop();
+  RejectionLog rejections;
   HttpServerOptions options;
   options.max_body_bytes = 1024;
+  options.on_rejected = rejections.Hook();
   StartServer(&backend_, options);
   std::string prompt(4096, 'a');
   json body = {{"prompt", prompt}};
   ExpectError(Post("/v1/completions", body.dump()), 413);
+  ExpectError(Post("/v1/chat/completions", body.dump()), 413);
   auto ok = Post("/v1/completions", R"({"prompt": "a", "max_tokens": 1})");
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200);
+  EXPECT_THAT(rejections.entries(),
+              ::testing::ElementsAre("openai_completions RESOURCE_EXHAUSTED",
+                                     "openai_chat RESOURCE_EXHAUSTED"));
 }
 
-TEST_F(HttpServerTest, UnknownPathIs404InOpenAiShape) {
+TEST_F(HttpServerTest, UnknownPathIs404InOpenAiShapeAndCounted) {
+  server_->Stop();
+  RejectionLog rejections;
+  HttpServerOptions options;
+  options.on_rejected = rejections.Hook();
+  StartServer(&backend_, options);
   ExpectError(client_->Get("/v1/nothing"), 404);
+  // A handler's own refusal is counted once, by the handler.
+  ExpectError(Post("/v1/completions", "{oops"), 400);
+  // Answered requests are not refusals.
+  ASSERT_TRUE(client_->Get("/v1/models"));
+  EXPECT_THAT(rejections.entries(),
+              ::testing::ElementsAre("http_other NOT_FOUND",
+                                     "openai_completions INVALID_ARGUMENT"));
 }
 
 TEST_F(HttpServerTest, DeadlineIs504AndCancelsTheBackend) {
