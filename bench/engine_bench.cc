@@ -6,10 +6,13 @@
 //   build/bench/engine_bench [--config PATH] [--threads N] [--prompt 512]
 //                            [--batches 1,8,32] [--context 128] [--steps 16]
 //                            [--projection-batches 1,4,8,16,32,64,512]
-//                            [--kv-dtypes f32[,bf16]]
+//                            [--kv-dtypes f32[,bf16]] [--scatter-blocks 0|1]
 //
 // With several --kv-dtypes every decode batch runs once per KV element type,
 // back to back (one engine per type, same weights), so the rows compare.
+// --scatter-blocks 1 deals the pool's blocks to the sequences in a fixed
+// random order, as a serving pool looks once requests have come and gone
+// (the default gives each sequence consecutive blocks).
 #include <cblas.h>
 
 #include <algorithm>
@@ -17,6 +20,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -158,6 +163,7 @@ struct Options {
   int context = 128;
   int steps = 16;
   std::vector<kv::KvDType> kv_dtypes = {kv::KvDType::kF32};
+  bool scatter_blocks = false;
 };
 
 int Run(const Options& opt) {
@@ -281,10 +287,16 @@ int Run(const Options& opt) {
       const int per_seq_blocks = blocks_for(max_tokens);
       auto pool =
           kv::KvPool::Create(kv_layout, int64_t{per_seq_blocks} * batch_size);
+      std::vector<int32_t> block_ids(int64_t{per_seq_blocks} * batch_size);
+      std::iota(block_ids.begin(), block_ids.end(), 0);
+      if (opt.scatter_blocks) {
+        std::mt19937 rng(1234);
+        std::shuffle(block_ids.begin(), block_ids.end(), rng);
+      }
       std::vector<std::vector<int32_t>> tables(batch_size);
       for (int s = 0; s < batch_size; ++s) {
-        for (int b = 0; b < per_seq_blocks; ++b)
-          tables[s].push_back(s * per_seq_blocks + b);
+        tables[s].assign(block_ids.begin() + int64_t{s} * per_seq_blocks,
+                         block_ids.begin() + int64_t{s + 1} * per_seq_blocks);
       }
       // Fill each sequence's context (one batched prefill step; not timed).
       {
@@ -332,12 +344,14 @@ int Run(const Options& opt) {
                               2 * (opt.context + opt.steps / 2.0) * c.kv_dim() *
                               kv::KvDTypeSize(kv_layout.dtype);
       std::printf(
-          "| decode batch %d (context %d, KV %s) | %.1f tokens/s, %.1f ms/step "
+          "| decode batch %d (context %d, KV %s%s) | %.1f tokens/s, %.1f "
+          "ms/step "
           "| "
           "weights %.2f GB/s = %.2f of memcpy, %.2f of read bw; + KV %.0f "
           "MB/step "
           "| %s |\n",
-          batch_size, opt.context, kv::KvDTypeName(kv_layout.dtype), tps,
+          batch_size, opt.context, kv::KvDTypeName(kv_layout.dtype),
+          opt.scatter_blocks ? ", scattered blocks" : "", tps,
           1e3 / steps_per_second, weight_rate / 1e9, weight_rate / memcpy_bw,
           weight_rate / read_bw, kv_bytes / 1e6,
           batch_size == 1 ? ">= 0.6 of memcpy" : "-");
@@ -370,6 +384,9 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(value, &opt.context);
     } else if (flag == "--steps") {
       ok = absl::SimpleAtoi(value, &opt.steps);
+    } else if (flag == "--scatter-blocks") {
+      ok = value == "0" || value == "1";
+      opt.scatter_blocks = value == "1";
     } else if (flag == "--kv-dtypes") {
       opt.kv_dtypes.clear();
       for (auto part : absl::StrSplit(value, ',')) {
