@@ -14,9 +14,13 @@
 //          [--block-size 16] [--colocated 0|1]
 //          [--metrics-port -1 (off; 0 = any free port)] [--metrics-host HOST]
 //          [--worker-id ID] [--metrics-port-file PATH]
+//          [--layout-stages S] [--layout-tp T]
 //
 // --colocated 1: the decode workers prefill prompts themselves (no prefill
 // groups; the layout disaggregation is measured against).
+// --layout-stages / --layout-tp: labels only (num_stages, tp on the router's
+// series): the layout of the cluster this router fronts, so its TTFT and
+// TPOT can be compared across layouts on one dashboard.
 //
 // The model path gives the tokenizer, the context length and the vocabulary;
 // the workers load the same model. --model-name must match the workers'
@@ -103,7 +107,13 @@ int Main(int argc, char** argv) {
   const std::string worker_id =
       flags.Str("worker-id", metrics::DefaultWorkerId());
   const std::string metrics_port_file = flags.Str("metrics-port-file", "");
+  const int layout_stages = flags.Num<int>("layout-stages", 1);
+  const int layout_tp = flags.Num<int>("layout-tp", 1);
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  if (layout_stages < 1 || layout_tp < 1) {
+    return Fail(absl::InvalidArgumentError(
+        "--layout-stages and --layout-tp must be >= 1"));
+  }
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
   }
@@ -194,7 +204,7 @@ int Main(int argc, char** argv) {
   backend_options.colocated = colocated;
   // Metrics are always collected (cheap); served only with --metrics-port.
   auto metrics_registry = std::make_shared<metrics::MetricsRegistry>(
-      metrics::Layout{"router", worker_id, 0, 1, 1});
+      metrics::Layout{"router", worker_id, 0, layout_stages, layout_tp});
   metrics::RouterMetrics router_metrics(*metrics_registry);
   backend_options.metrics = &router_metrics;
   absl::StatusOr<std::unique_ptr<ClusterBackend>> backend =

@@ -310,7 +310,9 @@ absl::Status LocalCluster::StartRouter() {
       "--grpc-port-file", grpc_file,
       "--http-port-file", http_file,
       "--refresh-ms",     absl::StrCat(options_.refresh_ms),
-      "--colocated",      options_.colocated ? "1" : "0"};
+      "--colocated",      options_.colocated ? "1" : "0",
+      "--layout-stages",  absl::StrCat(options_.stages),
+      "--layout-tp",      absl::StrCat(options_.tp)};
   const std::string metrics_file = MetricsArgs("router", 0, &args);
   PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));
   PDS_ASSIGN_OR_RETURN(

@@ -6,8 +6,9 @@
 // the intended use, never per-request ids.
 //
 // Families (all carry the layout labels role, worker_id, stage, num_stages,
-// tp; the router may set num_stages/tp to the layout of the cluster it
-// fronts so its latency series can be compared across layouts):
+// tp; the router sets num_stages/tp to the layout of the cluster it fronts,
+// --layout-stages/--layout-tp, so its latency series can be compared across
+// layouts):
 //   pdserve_router_requests_total{api,code}        OnRequest
 //   pdserve_router_ttft_seconds                   ObserveTtft (end to end)
 //   pdserve_router_ttft_phase_seconds{phase}      ObserveTtftBreakdown

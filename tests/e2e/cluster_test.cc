@@ -563,6 +563,7 @@ std::vector<metrics::Sample> Scrape(const std::string& address) {
 TEST(ClusterTest, RouterAndWorkersExportTheirMetrics) {
   LocalClusterOptions o = BaseOptions();
   o.stages = 2;
+  o.tp = 2;
   o.metrics_port_base = 0;
   std::unique_ptr<LocalCluster> cluster = StartCluster(o);
   ASSERT_NE(cluster, nullptr);
@@ -621,10 +622,13 @@ TEST(ClusterTest, RouterAndWorkersExportTheirMetrics) {
                   {{"side", "prefill"}}),
             4);
   EXPECT_EQ(SumOf(router, "pdserve_router_in_flight_requests"), 0);
-  // The layout labels ride on every series.
+  // The layout labels ride on every series: the router's are the layout of
+  // the cluster it fronts.
   for (const metrics::Sample& sample : router) {
     if (sample.name.rfind("pdserve_router_", 0) != 0) continue;
     EXPECT_EQ(sample.Label("role"), "router") << sample.name;
+    EXPECT_EQ(sample.Label("num_stages"), "2") << sample.name;
+    EXPECT_EQ(sample.Label("tp"), absl::StrCat(o.tp)) << sample.name;
   }
   const std::vector<metrics::Sample> decode = Scrape(addresses.at("decode-0"));
   bool decode_series = false;
