@@ -290,46 +290,40 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
     // Both passes read the pool's elements as stored (f32, or bf16 widened in
     // registers by the kernels).
     auto passes = [&](const auto* elements) {
-      auto head_rows = [&](int b, int kv) {
-        return elements +
-               layout.Offset(seq.block_table[b], local_layer, kv, kv_head, 0);
+      // Calls visit(rows, qi, first, count) for every block of the head's K
+      // (kv 0) or V (kv 1) and every query that sees `count` > 0 of its rows
+      // (key j is visible to query token i iff j <= start + i), prefetching
+      // the next block's slab while this one is used.
+      auto for_each_block = [&](int kv, auto&& visit) {
+        for (int b = 0, first = 0; first < len; ++b, first += bs) {
+          if (first + bs < len) {
+            PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, kv,
+                              kv_head);
+          }
+          const auto* rows =
+              elements +
+              layout.Offset(seq.block_table[b], local_layer, kv, kv_head, 0);
+          const int slots = std::min(bs, len - first);
+          for (int qi = 0; qi < queries; ++qi) {
+            const int visible = seq.start_position + qi % n + 1;
+            const int count = std::min(slots, visible - first);
+            if (count > 0) visit(rows, qi, first, count);
+          }
+        }
       };
-      // Scores: key j is visible to query token i iff j <= start + i.
-      for (int b = 0, first = 0; first < len; ++b, first += bs) {
-        const int slots = std::min(bs, len - first);
-        if (first + bs < len) {
-          PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 0,
-                            kv_head);
-        }
-        const auto* block_keys = head_rows(b, 0);
-        for (int qi = 0; qi < queries; ++qi) {
-          const int visible = seq.start_position + qi % n + 1;
-          const int count = std::min(slots, visible - first);
-          if (count <= 0) continue;
-          ScoreKeys(query(qi), block_keys, count, hd, scale,
-                    scores.data() + int64_t{qi} * len + first);
-        }
-      }
+      for_each_block(0, [&](const auto* keys, int qi, int first, int count) {
+        ScoreKeys(query(qi), keys, count, hd, scale,
+                  scores.data() + int64_t{qi} * len + first);
+      });
       for (int qi = 0; qi < queries; ++qi) {
         SoftmaxInPlace(scores.data() + int64_t{qi} * len,
                        seq.start_position + qi % n + 1);
         std::fill(output(qi), output(qi) + hd, 0.0f);
       }
-      for (int b = 0, first = 0; first < len; ++b, first += bs) {
-        const int slots = std::min(bs, len - first);
-        if (first + bs < len) {
-          PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, 1,
-                            kv_head);
-        }
-        const auto* block_values = head_rows(b, 1);
-        for (int qi = 0; qi < queries; ++qi) {
-          const int visible = seq.start_position + qi % n + 1;
-          const int count = std::min(slots, visible - first);
-          if (count <= 0) continue;
-          AccumulateWeightedRows(scores.data() + int64_t{qi} * len + first,
-                                 block_values, count, hd, output(qi));
-        }
-      }
+      for_each_block(1, [&](const auto* values, int qi, int first, int count) {
+        AccumulateWeightedRows(scores.data() + int64_t{qi} * len + first,
+                               values, count, hd, output(qi));
+      });
     };
     if (kv_type == kv::KvDType::kBF16) {
       passes(static_cast<const uint16_t*>(pool.data()));

@@ -398,8 +398,13 @@ inline __m256 Load8(const uint16_t* p) {
 }
 #endif
 
-template <typename Element>
-float DotWithRow(const float* q, const Element* row, int64_t dim) {
+// q · row for the keys past the last group of eight: f32 rows are what
+// DotProduct does; bf16 rows are widened on the way.
+float DotWithRow(const float* q, const float* row, int64_t dim) {
+  return DotProduct(q, row, dim);
+}
+
+float DotWithRow(const float* q, const uint16_t* row, int64_t dim) {
   int64_t d = 0;
   float sum = 0;
 #ifdef PDSERVE_MATMUL_AVX2
@@ -520,9 +525,7 @@ void Bf16RowToFloat(const uint16_t* in, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef PDSERVE_MATMUL_AVX2
   for (; i + 8 <= n; i += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    _mm256_storeu_ps(out + i, Load8(in + i));
   }
 #endif
   for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);

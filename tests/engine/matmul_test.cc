@@ -157,8 +157,6 @@ TEST(MatMulTest, DotProductAndAxpy) {
   for (int i = 0; i < 37; ++i) EXPECT_FLOAT_EQ(y[i], 1.0f + 2.0f * a[i]);
 }
 
-// The decode-attention kernels against double-precision sums, for head dims
-// with and without a vector tail and key counts around the 8-key groups.
 // Runs both decode-attention kernels over `stored` (f32 rows, or bf16 rows
 // read by the bf16 overloads) and compares with double-precision sums over
 // `exact`, the rows' values as the kernels should see them.
@@ -196,6 +194,8 @@ void ExpectAttentionKernelsMatch(const std::vector<float>& q,
   EXPECT_EQ(out[dim], -7.0f) << "wrote past dim";
 }
 
+// The decode-attention kernels against double-precision sums, for head dims
+// with and without a vector tail and key counts around the 8-key groups.
 TEST(MatMulTest, ScoreKeysAndAccumulateWeightedRowsMatchDoublePrecision) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
