@@ -72,6 +72,7 @@ struct Command {
   uint64_t id = 0;
   int32_t token = 0;
   absl::Status status;
+  engine::TokenLogprobs logprobs;  // kKvComplete: token 0's
 };
 
 struct Delivery {
@@ -129,6 +130,10 @@ absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
           ", outside the vocabulary [0, ", config.vocab_size, ")"));
   }
   PDS_RETURN_IF_ERROR(params.sampling.Validate());
+  if (params.top_logprobs < 0 || params.top_logprobs > engine::kMaxTopLogprobs)
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", engine::kMaxTopLogprobs,
+                     "], got ", params.top_logprobs));
   if (params.max_new_tokens < 1)
     return absl::InvalidArgumentError(absl::StrCat(
         "max_new_tokens must be >= 1, got ", params.max_new_tokens));
@@ -221,10 +226,13 @@ struct DecodeWorker::Impl {
   void AdmitWaiting();
   void Preempt(Request* r);
   void RunStep();
-  // Appends output tokens, streams the delta; true if the request finished.
-  bool AppendTokens(Request* r, std::span<const int32_t> tokens);
+  // Appends output tokens (with their logprobs when the request asked: one
+  // per token), streams the delta; true if the request finished.
+  bool AppendTokens(Request* r, std::span<const int32_t> tokens,
+                    std::span<const engine::TokenLogprobs> logprobs = {});
   void Finish(Request* r, FinishReason reason, absl::Status status,
-              std::vector<int32_t> tokens = {});
+              std::vector<int32_t> tokens = {},
+              std::vector<engine::TokenLogprobs> logprobs = {});
   void Deliver();
   void PublishLoad();
   // Copies a remotely prefilled request's new blocks to every rank's device
@@ -463,7 +471,15 @@ void DecodeWorker::Impl::ApplyCommand(const Command& c) {
       (void)r->sequence->PublishFullBlocks(r->history);
       running.push_back(r);
       const int32_t token = c.token;
-      AppendTokens(r, std::span<const int32_t>(&token, 1));
+      if (r->params.wants_logprobs()) {
+        engine::TokenLogprobs first = c.logprobs;
+        if (first.top.size() > static_cast<size_t>(r->params.top_logprobs))
+          first.top.resize(r->params.top_logprobs);
+        AppendTokens(r, std::span<const int32_t>(&token, 1),
+                     std::span<const engine::TokenLogprobs>(&first, 1));
+      } else {
+        AppendTokens(r, std::span<const int32_t>(&token, 1));
+      }
       return;
     }
   }
@@ -647,9 +663,9 @@ void DecodeWorker::Impl::RunStep() {
     }
     work->batch.sequences.push_back(std::move(step));
   }
-  // When every sampled row is greedy and nobody watches the logits, the
-  // argmax of each row is all the step needs: a GPU engine then copies
-  // rows x 4 bytes instead of rows x vocab x 4.
+  // When every sampled row is greedy, nobody asked for logprobs and nobody
+  // watches the logits, the argmax of each row is all the step needs: a GPU
+  // engine then copies rows x 4 bytes instead of rows x vocab x 4.
   LogitsObserver obs;
   spec::VerifyOptions verify_options;
   {
@@ -659,7 +675,8 @@ void DecodeWorker::Impl::RunStep() {
   }
   bool argmax_only = !obs && !verify_options.accept_all_for_test;
   for (const Planned& p : plan) {
-    if (p.wants_logits && !p.request->params.sampling.greedy()) {
+    if (p.wants_logits && (!p.request->params.sampling.greedy() ||
+                           p.request->params.wants_logprobs())) {
       argmax_only = false;
     }
   }
@@ -754,7 +771,17 @@ void DecodeWorker::Impl::RunStep() {
     // drafts' slots are rolled back.
     r->kv_tokens += p.history_feed + outcome->accepted_drafts;
     (void)r->sequence->Truncate(r->kv_tokens);
-    if (AppendTokens(r, outcome->tokens)) continue;
+    // Output i of a verify (accepted draft or the final token) was drawn
+    // from row i: its logprobs are that row's, as without speculation.
+    std::vector<engine::TokenLogprobs> token_logprobs;
+    if (r->params.wants_logprobs()) {
+      for (size_t i = 0; i < outcome->tokens.size(); ++i) {
+        token_logprobs.push_back(engine::ComputeTokenLogprobs(
+            rows_logits.subspan(i * vocab, vocab), outcome->tokens[i],
+            r->params.top_logprobs));
+      }
+    }
+    if (AppendTokens(r, outcome->tokens, token_logprobs)) continue;
     // Only accepted tokens (whose KV is final) reach the prefix cache.
     (void)r->sequence->PublishFullBlocks(
         std::span<const int32_t>(r->history).first(r->kv_tokens));
@@ -762,20 +789,24 @@ void DecodeWorker::Impl::RunStep() {
   if (options.step_observer) options.step_observer(step_stats);
 }
 
-bool DecodeWorker::Impl::AppendTokens(Request* r,
-                                      std::span<const int32_t> tokens) {
+bool DecodeWorker::Impl::AppendTokens(
+    Request* r, std::span<const int32_t> tokens,
+    std::span<const engine::TokenLogprobs> logprobs) {
   TokenDelta delta;
   FinishReason reason = FinishReason::kNone;
   size_t max_stop = 0;
   for (const auto& s : r->params.stop) max_stop = std::max(max_stop, s.size());
-  for (int32_t t : tokens) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int32_t t = tokens[i];
     r->history.push_back(t);
     ++r->generated;
     delta.tokens.push_back(t);
+    if (i < logprobs.size()) delta.logprobs.push_back(logprobs[i]);
     absl::StatusOr<std::string> piece =
         r->detokenizer ? r->detokenizer->Push(t) : std::string();
     if (!piece.ok()) {
-      Finish(r, FinishReason::kError, piece.status(), std::move(delta.tokens));
+      Finish(r, FinishReason::kError, piece.status(), std::move(delta.tokens),
+             std::move(delta.logprobs));
       return true;
     }
     const size_t before = r->text.size();
@@ -805,7 +836,8 @@ bool DecodeWorker::Impl::AppendTokens(Request* r,
   if (reason != FinishReason::kNone) {
     if (reason != FinishReason::kStop && r->detokenizer)
       r->text += r->detokenizer->Finish();
-    Finish(r, reason, absl::OkStatus(), std::move(delta.tokens));
+    Finish(r, reason, absl::OkStatus(), std::move(delta.tokens),
+           std::move(delta.logprobs));
     return true;
   }
   const size_t safe = r->text.size() - StopHoldback(r->text, r->params.stop);
@@ -819,9 +851,11 @@ bool DecodeWorker::Impl::AppendTokens(Request* r,
 
 void DecodeWorker::Impl::Finish(Request* r, FinishReason reason,
                                 absl::Status status,
-                                std::vector<int32_t> tokens) {
+                                std::vector<int32_t> tokens,
+                                std::vector<engine::TokenLogprobs> logprobs) {
   TokenDelta delta;
   delta.tokens = std::move(tokens);
+  delta.logprobs = std::move(logprobs);
   if (status.ok() && r->text.size() > r->sent)
     delta.text = r->text.substr(r->sent);
   delta.finished = true;
@@ -939,8 +973,9 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
   return result;
 }
 
-absl::Status DecodeWorker::MarkKvComplete(uint64_t request_id,
-                                          int32_t first_token) {
+absl::Status DecodeWorker::MarkKvComplete(
+    uint64_t request_id, int32_t first_token,
+    engine::TokenLogprobs first_logprobs) {
   Impl& m = *impl_;
   absl::MutexLock lock(&m.mu);
   auto it = m.ids.find(request_id);
@@ -955,10 +990,34 @@ absl::Status DecodeWorker::MarkKvComplete(uint64_t request_id,
     absl::Status error = absl::InvalidArgumentError(absl::StrCat(
         "first token ", first_token, " of request ", request_id,
         " is outside the vocabulary [0, ", m.config.vocab_size, ")"));
-    m.commands.push_back({Command::kFail, request_id, 0, error});
+    m.commands.push_back({Command::kFail, request_id, 0, error, {}});
     return error;
   }
-  m.commands.push_back({Command::kKvComplete, request_id, first_token, {}});
+  // The prefill's token 0 report is peer input: ids it names must decode.
+  absl::Status bad_logprobs;
+  if (first_logprobs.top.size() > engine::kMaxTopLogprobs) {
+    bad_logprobs = absl::InvalidArgumentError(
+        absl::StrCat("first token of request ", request_id, " comes with ",
+                     first_logprobs.top.size(), " alternatives, more than ",
+                     engine::kMaxTopLogprobs));
+  }
+  for (const engine::TopLogprob& t : first_logprobs.top) {
+    if (bad_logprobs.ok() && (t.token < 0 || t.token >= m.config.vocab_size)) {
+      bad_logprobs = absl::InvalidArgumentError(
+          absl::StrCat("alternative ", t.token, " of request ", request_id,
+                       "'s first token is outside the vocabulary [0, ",
+                       m.config.vocab_size, ")"));
+    }
+  }
+  if (!bad_logprobs.ok()) {
+    m.commands.push_back({Command::kFail, request_id, 0, bad_logprobs, {}});
+    return bad_logprobs;
+  }
+  m.commands.push_back({Command::kKvComplete,
+                        request_id,
+                        first_token,
+                        {},
+                        std::move(first_logprobs)});
   return absl::OkStatus();
 }
 
@@ -986,7 +1045,7 @@ absl::Status DecodeWorker::Abort(uint64_t request_id) {
   if (!m.ids.contains(request_id))
     return absl::NotFoundError(
         absl::StrCat("request ", request_id, " is not live"));
-  m.commands.push_back({Command::kAbort, request_id, 0, {}});
+  m.commands.push_back({Command::kAbort, request_id, 0, {}, {}});
   return absl::OkStatus();
 }
 

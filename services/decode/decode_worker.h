@@ -127,6 +127,13 @@ struct RequestParams {
   int max_new_tokens = 16;
   std::vector<std::string> stop;  // stop strings (not included in the text)
   bool ignore_eos = false;
+  // Report each output token's log-probability (TokenDelta::logprobs) and,
+  // with top_logprobs > 0 (at most engine::kMaxTopLogprobs), that many most
+  // likely alternatives. Costs a log-softmax per token and makes greedy steps
+  // download logits rows instead of argmaxes.
+  bool logprobs = false;
+  int top_logprobs = 0;
+  bool wants_logprobs() const { return logprobs || top_logprobs > 0; }
 };
 
 enum class FinishReason { kNone, kEos, kLength, kStop, kAborted, kError };
@@ -134,7 +141,9 @@ const char* FinishReasonName(FinishReason reason);
 
 struct TokenDelta {
   std::vector<int32_t> tokens;  // new output tokens
-  std::string text;             // text they complete (UTF-8, stop-safe)
+  // One per token when the request asked (RequestParams::logprobs).
+  std::vector<engine::TokenLogprobs> logprobs;
+  std::string text;  // text they complete (UTF-8, stop-safe)
   bool finished = false;
   FinishReason reason = FinishReason::kNone;
   absl::Status status;  // not OK iff reason is kAborted or kError
@@ -198,10 +207,15 @@ class DecodeWorker {
                                                   const RequestParams& params,
                                                   StreamCallback callback);
   // NOT_FOUND for an unknown id, FAILED_PRECONDITION if its KV was already
-  // marked complete, INVALID_ARGUMENT for a token outside the vocabulary (the
-  // request is then failed and freed).
-  [[nodiscard]] absl::Status MarkKvComplete(uint64_t request_id,
-                                            int32_t first_token);
+  // marked complete, INVALID_ARGUMENT for a token (or an alternative in
+  // `first_logprobs`) outside the vocabulary or more than
+  // engine::kMaxTopLogprobs alternatives (the request is then failed and
+  // freed). `first_logprobs` is what the prefill
+  // computed for token 0 (streamed when the request asked for logprobs; it
+  // keeps at most the top_logprobs alternatives the request asked for).
+  [[nodiscard]] absl::Status MarkKvComplete(
+      uint64_t request_id, int32_t first_token,
+      engine::TokenLogprobs first_logprobs = {});
   // Local-prefill path. Errors as Admit, except that a lack of free blocks
   // only queues the request.
   [[nodiscard]] absl::Status Submit(uint64_t request_id,

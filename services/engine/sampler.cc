@@ -16,11 +16,17 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-float LogSoftmaxAt(std::span<const float> logits, int32_t token) {
-  float max_logit = *std::max_element(logits.begin(), logits.end());
+// max + log(sum(exp(logit - max))): the log-softmax normalizer.
+double LogNormalizer(std::span<const float> logits) {
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
   double sum = 0;
   for (float v : logits) sum += std::exp(double{v} - max_logit);
-  return static_cast<float>(double{logits[token]} - max_logit - std::log(sum));
+  return max_logit + std::log(sum);
+}
+
+// Orders candidates best first: higher logit, then lower id.
+bool Better(const TopLogprob& a, const TopLogprob& b) {
+  return a.logprob != b.logprob ? a.logprob > b.logprob : a.token < b.token;
 }
 
 }  // namespace
@@ -115,8 +121,38 @@ int32_t DrawFromDistribution(std::span<const float> probs, double u) {
   return last_nonzero;  // rounding at the top end
 }
 
+TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
+                                   int top_n) {
+  TokenLogprobs out;
+  if (logits.empty()) return out;
+  const double log_z = LogNormalizer(logits);
+  if (token >= 0 && static_cast<size_t>(token) < logits.size())
+    out.logprob = static_cast<float>(double{logits[token]} - log_z);
+  const size_t n =
+      std::min(static_cast<size_t>(std::max(top_n, 0)), logits.size());
+  if (n == 0) return out;
+  // A heap of the n best so far, worst on top: one compare per logit for
+  // the common case of a logit below the current n-th.
+  std::vector<TopLogprob>& heap = out.top;
+  heap.reserve(n + 1);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    TopLogprob candidate{static_cast<int32_t>(i), logits[i]};
+    if (heap.size() == n && !Better(candidate, heap.front())) continue;
+    heap.push_back(candidate);
+    std::push_heap(heap.begin(), heap.end(), Better);
+    if (heap.size() > n) {
+      std::pop_heap(heap.begin(), heap.end(), Better);
+      heap.pop_back();
+    }
+  }
+  std::sort_heap(heap.begin(), heap.end(), Better);
+  for (TopLogprob& t : heap)
+    t.logprob = static_cast<float>(double{t.logprob} - log_z);
+  return out;
+}
+
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
-                    uint64_t index) {
+                    uint64_t index, int top_logprobs) {
   SampledToken out;
   if (params.greedy()) {
     out.token = ArgMax(logits);
@@ -126,7 +162,10 @@ SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
     out.token =
         DrawFromDistribution(probs, UniformForRequest(params.seed, index));
   }
-  out.logprob = LogSoftmaxAt(logits, out.token);
+  TokenLogprobs logprobs =
+      ComputeTokenLogprobs(logits, out.token, top_logprobs);
+  out.logprob = logprobs.logprob;
+  out.top = std::move(logprobs.top);
   return out;
 }
 

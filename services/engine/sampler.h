@@ -27,12 +27,38 @@ struct SamplingParams {
   [[nodiscard]] absl::Status Validate() const;
 };
 
+// One of a position's most likely tokens and its log-probability.
+struct TopLogprob {
+  int32_t token = -1;
+  float logprob = 0.0f;
+  bool operator==(const TopLogprob&) const = default;
+};
+
+// The most alternatives a request may ask for per output token (OpenAI's
+// chat API allows 20; each costs a pass over nothing but the heap).
+inline constexpr int kMaxTopLogprobs = 20;
+
+// What a client sees of the distribution an output token came from. Both are
+// under the model's unmodified distribution (softmax of the raw logits,
+// temperature 1, before top-k/top-p), as OpenAI-style APIs report it: the
+// numbers do not change with the sampling parameters.
+struct TokenLogprobs {
+  float logprob = 0.0f;         // of the emitted token
+  std::vector<TopLogprob> top;  // most likely first; ties: lower id first
+};
+
 struct SampledToken {
   int32_t token = -1;
-  // log p(token) under the model's unmodified distribution (softmax of the
-  // raw logits, temperature 1), as OpenAI-style APIs report it.
+  // log p(token), as TokenLogprobs::logprob.
   float logprob = 0.0f;
+  // The `top_logprobs` most likely tokens, when Sample was asked for them.
+  std::vector<TopLogprob> top;
 };
+
+// log p(token) and the `top_n` (clamped to the vocabulary) most likely tokens
+// of `logits`. One pass for the normalizer, one for the candidates.
+TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
+                                   int top_n);
 
 // Uniform in [0, 1) for draw `stream` of output index `index` of a request.
 double UniformForRequest(uint64_t seed, uint64_t index, uint64_t stream = 0);
@@ -47,9 +73,10 @@ void SamplingDistribution(std::span<const float> logits,
 // Inverse-CDF draw from `probs` (need not be normalized) with uniform `u`.
 int32_t DrawFromDistribution(std::span<const float> probs, double u);
 
-// Picks output token `index` of a request from its logits.
+// Picks output token `index` of a request from its logits; with
+// `top_logprobs` > 0 also reports that many most likely alternatives.
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
-                    uint64_t index);
+                    uint64_t index, int top_logprobs = 0);
 
 // Arg-max, lowest id on ties.
 int32_t ArgMax(std::span<const float> logits);

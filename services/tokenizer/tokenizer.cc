@@ -167,6 +167,25 @@ absl::StatusOr<std::string_view> Tokenizer::IdToPiece(int32_t id) const {
   return std::string_view(impl_->sp.IdToPiece(id));
 }
 
+absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
+  if (id < 0 || id >= impl_->vocab_size) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "token id ", id, " is outside the vocabulary of ", impl_->vocab_size));
+  }
+  using Kind = internal::PieceEntry::Kind;
+  const internal::PieceEntry& e = impl_->pieces[id];
+  switch (e.kind) {
+    case Kind::kByte:
+      return std::string(1, static_cast<char>(e.byte));
+    case Kind::kControl:
+      return impl_->sp.IdToPiece(id);
+    case Kind::kUnknown:
+    case Kind::kText:
+      break;
+  }
+  return e.text;
+}
+
 absl::Status Tokenizer::CheckCompatibleWith(int model_vocab_size) const {
   if (model_vocab_size != impl_->vocab_size) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -66,6 +66,15 @@ class Tokenizer {
   // view lives as long as the Tokenizer.
   [[nodiscard]] absl::StatusOr<std::string_view> IdToPiece(int32_t id) const;
 
+  // The bytes `id` stands for in running text, as logprob listings show a
+  // token: a word piece with its leading space ("▁the" -> " the"), a byte
+  // piece's raw byte (possibly part of a UTF-8 character: callers that need
+  // valid UTF-8 must escape or replace), the surface of <unk>, and a control
+  // token's piece as written ("</s>"), so that it is not invisible. No
+  // dummy-prefix stripping: that depends on the position, not the token.
+  // OUT_OF_RANGE for a bad id.
+  [[nodiscard]] absl::StatusOr<std::string> TokenBytes(int32_t id) const;
+
   // FAILED_PRECONDITION naming both sizes unless the model's embedding/lm_head
   // vocabulary equals ours: a larger model vocabulary could sample ids we
   // cannot decode, a smaller one would be fed ids it has no embedding for.

@@ -6,12 +6,16 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "comm/communicator.h"
 #include "common/logging.h"
 #include "decode/decode_worker.h"
+#include "engine/llama_engine.h"
+#include "engine/sampler.h"
 #include "model/weight_source.h"
 #include "spec/truncated_weights.h"
 #include "testing/golden.h"
@@ -56,7 +60,11 @@ class Stream {
     return [this](const TokenDelta& d) {
       absl::MutexLock lock(&mu_);
       EXPECT_FALSE(finished_) << "delta after the final one";
+      EXPECT_TRUE(d.logprobs.empty() || d.logprobs.size() == d.tokens.size())
+          << d.logprobs.size() << " logprobs for " << d.tokens.size()
+          << " tokens";
       tokens_.insert(tokens_.end(), d.tokens.begin(), d.tokens.end());
+      logprobs_.insert(logprobs_.end(), d.logprobs.begin(), d.logprobs.end());
       text_ += d.text;
       ++deltas_;
       if (d.finished) {
@@ -74,6 +82,10 @@ class Stream {
   std::vector<int32_t> tokens() {
     absl::MutexLock lock(&mu_);
     return tokens_;
+  }
+  std::vector<engine::TokenLogprobs> logprobs() {
+    absl::MutexLock lock(&mu_);
+    return logprobs_;
   }
   size_t num_tokens() {
     absl::MutexLock lock(&mu_);
@@ -99,6 +111,7 @@ class Stream {
  private:
   absl::Mutex mu_;
   std::vector<int32_t> tokens_;
+  std::vector<engine::TokenLogprobs> logprobs_;
   std::string text_;
   int deltas_ = 0;
   bool finished_ = false;
@@ -135,6 +148,45 @@ inline RequestParams Greedy(int max_new_tokens) {
   RequestParams p;
   p.max_new_tokens = max_new_tokens;
   return p;
+}
+
+// Plays the prefill side: runs the prompt through T engine shards writing the
+// worker's pools at the admitted block ids (positions [cached, n)), and
+// returns the last position's logits (rank 0's; the first token is drawn
+// from them).
+inline std::vector<float> RemotePrefill(DecodeWorker& worker,
+                                        const std::vector<int32_t>& prompt,
+                                        const AdmitResult& admit) {
+  const int tp = worker.tp_size();
+  std::unique_ptr<comm::InProcessGroup> group;
+  if (tp > 1) group = std::move(comm::InProcessGroup::Create(tp)).value();
+  std::vector<int32_t> table(admit.block_ids.begin(), admit.block_ids.end());
+  std::vector<std::vector<float>> logits(tp);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r) {
+    threads.emplace_back([&, r] {
+      engine::EngineOptions eo;
+      eo.shard = engine::ShardSpec{0, -1, r, tp};
+      eo.num_threads = 1;
+      eo.communicator = group ? group->rank(r) : nullptr;
+      auto engine = engine::LlamaEngine::Create(*Stories().weights, eo);
+      ASSERT_TRUE(engine.ok());
+      engine::ForwardBatch batch;
+      engine::SequenceStep step;
+      const int cached = static_cast<int>(admit.cached_tokens);
+      step.tokens = std::span<const int32_t>(prompt).subspan(cached);
+      step.num_tokens = static_cast<int>(prompt.size()) - cached;
+      step.start_position = cached;
+      step.block_table = table;
+      step.logit_indices = {step.num_tokens - 1};
+      batch.sequences.push_back(step);
+      engine::ForwardResult result;
+      ASSERT_TRUE((*engine)->Forward(batch, worker.kv_pool(r), &result).ok());
+      logits[r] = std::move(result.logits);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return logits[0];
 }
 
 // Blocks used return to 0 once every request is gone (the scheduler frees

@@ -20,6 +20,7 @@ using testing_util::ExpectNoLeak;
 using testing_util::Greedy;
 using testing_util::MakeWorker;
 using testing_util::Options;
+using testing_util::RemotePrefill;
 using testing_util::Stories;
 using testing_util::Stream;
 
@@ -147,43 +148,6 @@ TEST(PreemptionTest, KvExhaustionPreemptsAndRecomputesExactly) {
   ExpectNoLeak(*worker);
 }
 
-// Plays the prefill side: runs the prompt through T engine shards writing the
-// worker's pools at the admitted block ids (positions [cached, n)), and
-// returns the greedy first token.
-int32_t RemotePrefill(DecodeWorker& worker, const std::vector<int32_t>& prompt,
-                      const AdmitResult& admit) {
-  const int tp = worker.tp_size();
-  std::unique_ptr<comm::InProcessGroup> group;
-  if (tp > 1) group = std::move(comm::InProcessGroup::Create(tp)).value();
-  std::vector<int32_t> table(admit.block_ids.begin(), admit.block_ids.end());
-  std::vector<int32_t> first(tp, -1);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < tp; ++r) {
-    threads.emplace_back([&, r] {
-      engine::EngineOptions eo;
-      eo.shard = engine::ShardSpec{0, -1, r, tp};
-      eo.num_threads = 1;
-      eo.communicator = group ? group->rank(r) : nullptr;
-      auto engine = engine::LlamaEngine::Create(*Stories().weights, eo);
-      ASSERT_TRUE(engine.ok());
-      engine::ForwardBatch batch;
-      engine::SequenceStep step;
-      const int cached = static_cast<int>(admit.cached_tokens);
-      step.tokens = std::span<const int32_t>(prompt).subspan(cached);
-      step.num_tokens = static_cast<int>(prompt.size()) - cached;
-      step.start_position = cached;
-      step.block_table = table;
-      step.logit_indices = {step.num_tokens - 1};
-      batch.sequences.push_back(step);
-      engine::ForwardResult result;
-      ASSERT_TRUE((*engine)->Forward(batch, worker.kv_pool(r), &result).ok());
-      first[r] = engine::ArgMax(result.logits);
-    });
-  }
-  for (auto& t : threads) t.join();
-  return first[0];
-}
-
 class RemoteAdmitTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(RemoteAdmitTest, PrefillWritesAdmittedBlocksAndPrefixIsReused) {
@@ -203,7 +167,8 @@ TEST_P(RemoteAdmitTest, PrefillWritesAdmittedBlocksAndPrefixIsReused) {
       EXPECT_EQ(admit->cached_tokens, (golden.prompt_ids.size() - 1) / 16 * 16);
     }
     EXPECT_EQ(worker->Load().awaiting_kv, 1);
-    int32_t token = RemotePrefill(*worker, golden.prompt_ids, *admit);
+    int32_t token =
+        engine::ArgMax(RemotePrefill(*worker, golden.prompt_ids, *admit));
     EXPECT_EQ(token, golden.greedy_ids[0]);
     ASSERT_TRUE(worker->MarkKvComplete(round, token).ok());
     EXPECT_EQ(worker->MarkKvComplete(round, token).code(),

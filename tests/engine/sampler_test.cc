@@ -87,5 +87,51 @@ TEST(SamplerTest, ValidateRejectsBadParams) {
   EXPECT_TRUE(good.Validate().ok());
 }
 
+TEST(SamplerTest, TopLogprobsAreTheMostLikelyTokensByFullSort) {
+  // 1000 logits with many exact ties: the heap must agree with a full sort
+  // (higher logit first, lower id on ties) and with a double-precision
+  // log-softmax.
+  std::vector<float> logits(1000);
+  for (int i = 0; i < 1000; ++i)
+    logits[i] = static_cast<float>((i * 7919) % 97) * 0.125f - 3.0f;
+  double z = 0;
+  for (float v : logits) z += std::exp(double{v});
+  const double log_z = std::log(z);
+  std::vector<int32_t> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  for (int n : {1, 5, 20, 1000}) {
+    TokenLogprobs got = ComputeTokenLogprobs(logits, 17, n);
+    EXPECT_NEAR(got.logprob, logits[17] - log_z, 1e-5);
+    ASSERT_EQ(got.top.size(), static_cast<size_t>(n));
+    for (int k = 0; k < n; ++k) {
+      EXPECT_EQ(got.top[k].token, order[k]) << "n " << n << " rank " << k;
+      EXPECT_NEAR(got.top[k].logprob, logits[order[k]] - log_z, 1e-5);
+    }
+  }
+  EXPECT_TRUE(ComputeTokenLogprobs(logits, 17, 0).top.empty());
+  // More than the vocabulary: all of it.
+  EXPECT_EQ(ComputeTokenLogprobs(std::vector<float>{1, 2}, 0, 5).top.size(),
+            2u);
+}
+
+TEST(SamplerTest, SampleReportsLogprobsOfTheRawDistribution) {
+  // Temperature and top-k change what is drawn, not the reported numbers.
+  std::vector<float> logits = {1.0f, 3.0f, 2.0f, 0.5f};
+  SamplingParams hot{.temperature = 1.7f, .top_k = 2, .top_p = 1.0f, .seed = 3};
+  for (uint64_t i = 0; i < 16; ++i) {
+    SampledToken s = Sample(logits, hot, i, /*top_logprobs=*/3);
+    TokenLogprobs reference = ComputeTokenLogprobs(logits, s.token, 3);
+    EXPECT_EQ(s.logprob, reference.logprob);
+    EXPECT_EQ(s.top, reference.top);
+    ASSERT_EQ(s.top.size(), 3u);
+    EXPECT_EQ(s.top[0].token, 1);
+    EXPECT_EQ(s.top[1].token, 2);
+    EXPECT_EQ(s.top[2].token, 0);
+  }
+  EXPECT_TRUE(Sample(logits, hot, 0).top.empty());
+}
+
 }  // namespace
 }  // namespace pdserve::engine

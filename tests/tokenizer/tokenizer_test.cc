@@ -79,6 +79,25 @@ TEST(TokenizerTest, Stories260KBasics) {
   EXPECT_THAT(*no_bos, ElementsAreArray({403, 407, 261, 378}));
 }
 
+TEST(TokenizerTest, TokenBytesAreWhatATokenAddsToRunningText) {
+  auto tok = LoadHf();
+  ASSERT_NE(tok, nullptr);
+  // "Once upon a time" without BOS: each word piece carries its space.
+  std::string joined;
+  for (int32_t id : {403, 407, 261, 378}) {
+    auto bytes = tok->TokenBytes(id);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    joined += *bytes;
+  }
+  EXPECT_EQ(joined, " Once upon a time");
+  EXPECT_EQ(*tok->TokenBytes(3), std::string(1, '\0'));  // <0x00>
+  EXPECT_EQ(*tok->TokenBytes(3 + 0x0A), "\n");           // <0x0A>
+  EXPECT_EQ(*tok->TokenBytes(2), "</s>");                // control: visible
+  EXPECT_EQ(tok->TokenBytes(512).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(tok->TokenBytes(-1).status().code(), absl::StatusCode::kOutOfRange);
+}
+
 TEST(TokenizerTest, GoldenPromptsEncodeWithHfTokenizer) {
   auto tok = LoadHf();
   ASSERT_NE(tok, nullptr);

@@ -1,0 +1,251 @@
+// Log-probabilities through the decode worker: every streamed token's
+// logprob and top alternatives equal what the single-process engine computes
+// for the same sequence (one prefill over prompt + output, logits at every
+// output position), through TP 1/2 and speculation off / n-gram / draft (a
+// verified token's numbers are its row's, as without speculation), for greedy
+// and sampled requests; token 0 of a remote prefill carries the prefill's
+// numbers; requests that did not ask get none; bad reports are refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "decode_test_util.h"
+#include "engine/llama_engine.h"
+#include "engine/sampler.h"
+#include "kv/kv_pool.h"
+
+namespace pdserve::decode {
+namespace {
+
+using testing_util::AllGoldenCases;
+using testing_util::ExpectNoLeak;
+using testing_util::Greedy;
+using testing_util::MakeWorker;
+using testing_util::Options;
+using testing_util::RemotePrefill;
+using testing_util::Stories;
+using testing_util::Stream;
+
+// What the single-process engine says about `output` after `prompt`: one
+// forward over prompt + output[0, n - 1) with logits at the positions that
+// predicted each output token.
+std::vector<engine::TokenLogprobs> ReferenceLogprobs(
+    const std::vector<int32_t>& prompt, const std::vector<int32_t>& output,
+    int top_n) {
+  engine::EngineOptions eo;
+  eo.num_threads = 1;
+  auto engine = engine::LlamaEngine::Create(*Stories().weights, eo);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  if (!engine.ok()) return {};
+  std::vector<int32_t> tokens = prompt;
+  tokens.insert(tokens.end(), output.begin(), output.end() - 1);
+  constexpr int kBlock = 16;
+  const int blocks = static_cast<int>(tokens.size()) / kBlock + 1;
+  auto pool = kv::KvPool::Create((*engine)->KvLayout(kBlock), blocks);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (!pool.ok()) return {};
+  std::vector<int32_t> table(blocks);
+  for (int b = 0; b < blocks; ++b) table[b] = b;
+  engine::SequenceStep step;
+  step.tokens = tokens;
+  step.num_tokens = static_cast<int>(tokens.size());
+  step.block_table = table;
+  for (size_t q = prompt.size() - 1; q < tokens.size(); ++q)
+    step.logit_indices.push_back(static_cast<int>(q));
+  engine::ForwardBatch batch;
+  batch.sequences.push_back(step);
+  engine::ForwardResult result;
+  EXPECT_TRUE((*engine)->Forward(batch, **pool, &result).ok());
+  const int vocab = (*engine)->config().vocab_size;
+  std::vector<engine::TokenLogprobs> out;
+  for (size_t k = 0; k < output.size(); ++k) {
+    out.push_back(engine::ComputeTokenLogprobs(
+        std::span<const float>(result.logits).subspan(k * vocab, vocab),
+        output[k], top_n));
+  }
+  return out;
+}
+
+// Same numbers within float tolerance (batching, TP and verify change the
+// summation order); alternatives' ids must match except where the reference
+// itself nearly ties two neighbours.
+void ExpectSameLogprobs(const std::vector<engine::TokenLogprobs>& got,
+                        const std::vector<engine::TokenLogprobs>& want,
+                        const std::string& what) {
+  constexpr float kTolerance = 1e-3f;
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i].logprob, want[i].logprob, kTolerance)
+        << what << " token " << i;
+    EXPECT_LE(got[i].logprob, 0.0f);
+    ASSERT_EQ(got[i].top.size(), want[i].top.size()) << what << " token " << i;
+    for (size_t k = 0; k < want[i].top.size(); ++k) {
+      EXPECT_NEAR(got[i].top[k].logprob, want[i].top[k].logprob, kTolerance)
+          << what << " token " << i << " alternative " << k;
+      const auto near = [&](size_t j) {
+        return j < want[i].top.size() &&
+               std::abs(want[i].top[j].logprob - want[i].top[k].logprob) <
+                   kTolerance;
+      };
+      if (!near(k - 1) && !near(k + 1)) {
+        EXPECT_EQ(got[i].top[k].token, want[i].top[k].token)
+            << what << " token " << i << " alternative " << k;
+      }
+    }
+  }
+}
+
+struct Layout {
+  int tp;
+  SpeculationMode mode;
+};
+
+class LogprobsTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(LogprobsTest, GreedyLogprobsMatchTheSingleProcessEngine) {
+  auto worker = MakeWorker(Options(GetParam().tp, GetParam().mode));
+  ASSERT_NE(worker, nullptr);
+  const auto cases = AllGoldenCases();
+  // Three asking for 5 alternatives, one for none, one not asking at all:
+  // one batch, so greedy rows of requests without logprobs share the step.
+  const int asks[] = {5, 5, 5, 0, -1};
+  std::vector<Stream> streams(std::size(asks));
+  for (size_t i = 0; i < streams.size(); ++i) {
+    RequestParams p = Greedy(cases[i].max_new_tokens);
+    p.logprobs = asks[i] >= 0;
+    p.top_logprobs = std::max(asks[i], 0);
+    ASSERT_TRUE(
+        worker->Submit(i, cases[i].prompt_ids, p, streams[i].Callback()).ok());
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    ASSERT_TRUE(streams[i].Wait());
+    ASSERT_TRUE(streams[i].status().ok()) << streams[i].status();
+    EXPECT_EQ(streams[i].tokens(), cases[i].greedy_ids) << "case " << i;
+    if (asks[i] < 0) {
+      EXPECT_TRUE(streams[i].logprobs().empty());
+      continue;
+    }
+    const auto got = streams[i].logprobs();
+    ExpectSameLogprobs(
+        got,
+        ReferenceLogprobs(cases[i].prompt_ids, cases[i].greedy_ids, asks[i]),
+        "case " + std::to_string(i));
+    // Greedy: the emitted token is the most likely one.
+    for (size_t t = 0; asks[i] > 0 && t < got.size(); ++t) {
+      EXPECT_EQ(got[t].top[0].token, cases[i].greedy_ids[t]);
+      EXPECT_EQ(got[t].top[0].logprob, got[t].logprob);
+    }
+  }
+  ExpectNoLeak(*worker);
+}
+
+TEST_P(LogprobsTest, SampledTokensReportTheRawDistribution) {
+  // Temperature and top-p shape the draw, not the reported numbers.
+  auto worker = MakeWorker(Options(GetParam().tp, GetParam().mode));
+  ASSERT_NE(worker, nullptr);
+  const auto golden = AllGoldenCases()[1];
+  RequestParams p;
+  p.max_new_tokens = 24;
+  p.sampling.temperature = 0.8f;
+  p.sampling.top_p = 0.9f;
+  p.sampling.seed = 11;
+  p.logprobs = true;
+  p.top_logprobs = 3;
+  Stream s;
+  ASSERT_TRUE(worker->Submit(0, golden.prompt_ids, p, s.Callback()).ok());
+  ASSERT_TRUE(s.Wait());
+  ASSERT_TRUE(s.status().ok()) << s.status();
+  ExpectSameLogprobs(s.logprobs(),
+                     ReferenceLogprobs(golden.prompt_ids, s.tokens(), 3),
+                     "sampled");
+  ExpectNoLeak(*worker);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LogprobsTest,
+                         ::testing::Values(Layout{1, SpeculationMode::kOff},
+                                           Layout{2, SpeculationMode::kOff},
+                                           Layout{1, SpeculationMode::kNgram},
+                                           Layout{2, SpeculationMode::kDraft}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           const char* mode =
+                               info.param.mode == SpeculationMode::kOff ? "Off"
+                               : info.param.mode == SpeculationMode::kNgram
+                                   ? "Ngram"
+                                   : "Draft";
+                           return "Tp" + std::to_string(info.param.tp) + mode;
+                         });
+
+TEST(RemoteLogprobsTest, TokenZeroCarriesThePrefillsNumbers) {
+  auto worker = MakeWorker(Options(1, SpeculationMode::kNgram));
+  ASSERT_NE(worker, nullptr);
+  const auto golden = AllGoldenCases()[2];
+  RequestParams p = Greedy(golden.max_new_tokens);
+  p.logprobs = true;
+  p.top_logprobs = 2;
+  Stream s;
+  auto admit = worker->Admit(7, golden.prompt_ids, p, s.Callback());
+  ASSERT_TRUE(admit.ok()) << admit.status();
+  const std::vector<float> logits =
+      RemotePrefill(*worker, golden.prompt_ids, *admit);
+  // The prefill reports more alternatives than asked: the worker keeps two.
+  engine::TokenLogprobs first =
+      engine::ComputeTokenLogprobs(logits, engine::ArgMax(logits), /*top_n=*/4);
+  ASSERT_TRUE(worker->MarkKvComplete(7, engine::ArgMax(logits), first).ok());
+  ASSERT_TRUE(s.Wait());
+  EXPECT_EQ(s.tokens(), golden.greedy_ids);
+  const auto got = s.logprobs();
+  ASSERT_EQ(got.size(), golden.greedy_ids.size());
+  EXPECT_EQ(got[0].logprob, first.logprob);
+  ASSERT_EQ(got[0].top.size(), 2u);
+  EXPECT_EQ(got[0].top[0], first.top[0]);
+  EXPECT_EQ(got[0].top[1], first.top[1]);
+  ExpectSameLogprobs(got,
+                     ReferenceLogprobs(golden.prompt_ids, golden.greedy_ids, 2),
+                     "remote");
+  ExpectNoLeak(*worker);
+}
+
+TEST(LogprobsBadInputTest, OutOfRangeRequestsAndReportsAreRefused) {
+  auto worker = MakeWorker(Options(1, SpeculationMode::kOff));
+  ASSERT_NE(worker, nullptr);
+  const auto golden = AllGoldenCases()[0];
+  RequestParams p = Greedy(4);
+  p.logprobs = true;
+  for (int top : {-1, engine::kMaxTopLogprobs + 1}) {
+    p.top_logprobs = top;
+    Stream s;
+    absl::Status submitted =
+        worker->Submit(1, golden.prompt_ids, p, s.Callback());
+    EXPECT_EQ(submitted.code(), absl::StatusCode::kInvalidArgument) << top;
+    EXPECT_NE(submitted.message().find("top_logprobs"), std::string::npos);
+  }
+  // A prefill's report naming an id outside the vocabulary fails the
+  // request (and frees it); the worker keeps serving.
+  p.top_logprobs = 1;
+  Stream bad;
+  auto admit = worker->Admit(2, golden.prompt_ids, p, bad.Callback());
+  ASSERT_TRUE(admit.ok());
+  engine::TokenLogprobs lying{-0.5f, {{512, -0.5f}}};
+  EXPECT_EQ(worker->MarkKvComplete(2, 5, lying).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(bad.Wait());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  Stream too_many;
+  admit = worker->Admit(3, golden.prompt_ids, p, too_many.Callback());
+  ASSERT_TRUE(admit.ok());
+  engine::TokenLogprobs crowded{-0.5f, {}};
+  crowded.top.assign(engine::kMaxTopLogprobs + 1, {5, -0.5f});
+  EXPECT_EQ(worker->MarkKvComplete(3, 5, crowded).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(too_many.Wait());
+  ExpectNoLeak(*worker);
+  Stream fine;
+  ASSERT_TRUE(worker->Submit(4, golden.prompt_ids, p, fine.Callback()).ok());
+  ASSERT_TRUE(fine.Wait());
+  EXPECT_TRUE(fine.status().ok()) << fine.status();
+  EXPECT_EQ(fine.logprobs().size(), 4u);
+  ExpectNoLeak(*worker);
+}
+
+}  // namespace
+}  // namespace pdserve::decode
