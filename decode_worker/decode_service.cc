@@ -181,6 +181,15 @@ void Push(Channel& ch, const decode::TokenDelta& d) {
   v1::DecodeDelta delta;
   delta.mutable_token_ids()->Add(d.tokens.begin(), d.tokens.end());
   delta.set_text(d.text);
+  for (const engine::TokenLogprobs& l : d.logprobs) {
+    v1::TokenLogprob* out = delta.add_logprobs();
+    out->set_logprob(l.logprob);
+    for (const engine::TopLogprob& t : l.top) {
+      v1::TopLogprob* alternative = out->add_top();
+      alternative->set_token_id(t.token);
+      alternative->set_logprob(t.logprob);
+    }
+  }
   if (d.finished) {
     delta.set_finished(true);
     delta.set_finish_reason(ToProto(d.reason));
@@ -318,6 +327,8 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   params.sampling.seed = request.sampling().seed();
   params.stop.assign(request.stop().begin(), request.stop().end());
   params.ignore_eos = request.ignore_eos();
+  params.logprobs = request.include_logprobs();
+  params.top_logprobs = request.top_logprobs();
 
   auto ch = std::make_shared<Channel>(id);
   {
@@ -435,7 +446,12 @@ grpc::ServerUnaryReactor* DecodeService::KvComplete(
   }
   // The sink waits may block (bounded): off the callback threads.
   absl::MutexLock lock(&mu_);
-  jobs_.push_back({id, request->first_token(), std::move(ch), reactor});
+  engine::TokenLogprobs first_logprobs;
+  first_logprobs.logprob = request->first_token_logprob().logprob();
+  for (const v1::TopLogprob& t : request->first_token_logprob().top())
+    first_logprobs.top.push_back({t.token_id(), t.logprob()});
+  jobs_.push_back({id, request->first_token(), std::move(first_logprobs),
+                   std::move(ch), reactor});
   return reactor;
 }
 
@@ -483,7 +499,8 @@ absl::Status DecodeService::Complete(const CompleteJob& job) {
       return s;
     }
   }
-  return worker_->MarkKvComplete(job.request_id, job.first_token);
+  return worker_->MarkKvComplete(job.request_id, job.first_token,
+                                 job.first_logprobs);
 }
 
 grpc::ServerWriteReactor<v1::DecodeDelta>* DecodeService::StreamTokens(

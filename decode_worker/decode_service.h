@@ -118,6 +118,7 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   struct CompleteJob {
     uint64_t request_id = 0;
     int32_t first_token = 0;
+    engine::TokenLogprobs first_logprobs;
     std::shared_ptr<Channel> channel;
     grpc::ServerUnaryReactor* reactor = nullptr;
   };

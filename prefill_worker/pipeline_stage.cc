@@ -196,7 +196,8 @@ void PipelineStage::Process(StageMessage message) {
       token.request_id = chunk.request_id;
       // Output index 0: the same counter-based draw the decode worker would
       // use for this request's first token.
-      token.token = engine::Sample(logits, chunk.sampling, 0);
+      token.token =
+          engine::Sample(logits, chunk.sampling, 0, chunk.top_logprobs);
       events_->Report(std::move(token));
     }
   }

@@ -85,6 +85,12 @@ absl::Status ValidatePrefillRequest(const model::ModelConfig& config,
     return absl::InvalidArgumentError(absl::StrCat(
         "request ", request.request_id, ": sampling: ", s.message()));
   }
+  if (request.top_logprobs < 0 ||
+      request.top_logprobs > engine::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request ", request.request_id, ": top_logprobs ", request.top_logprobs,
+        " is outside [0, ", engine::kMaxTopLogprobs, "]"));
+  }
   if (request.kv_dst_offset < 0 ||
       request.kv_dst_offset >= static_cast<int64_t>(request.prompt.size())) {
     return absl::InvalidArgumentError(
@@ -319,6 +325,7 @@ void PrefillCoordinator::Launch() {
       header.block_table.assign(state.block_table.begin(),
                                 state.block_table.begin() + blocks);
       header.sampling = state.request.sampling;
+      header.top_logprobs = state.request.top_logprobs;
       if (chunk.chunk_index == 0) header.kv_grants = state.request.kv_grants;
       header.kv_dst_offset = state.request.kv_dst_offset;
       message.chunks.push_back(std::move(header));

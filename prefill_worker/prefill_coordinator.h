@@ -40,6 +40,9 @@ struct PrefillRequest {
   uint64_t request_id = 0;
   std::vector<int32_t> prompt;
   engine::SamplingParams sampling;
+  // Most likely alternatives of the first token to report
+  // (PrefillOutcome::first_token.top), 0 to engine::kMaxTopLogprobs.
+  int top_logprobs = 0;
   // Overrides the group's chunk policy for this request.
   std::optional<ChunkPolicy> chunk_policy;
   // Where the KV goes: grant blobs handed to every stage's KV output with the

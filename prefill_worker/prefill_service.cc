@@ -212,6 +212,7 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
       request->sampling().top_p() == 0 ? 1.0f : request->sampling().top_p();
   r.sampling.top_k = request->sampling().top_k();
   r.sampling.seed = request->sampling().seed();
+  r.top_logprobs = request->top_logprobs();
   const v1::PrefillDestination& destination = request->destination();
   call->decode_address = destination.decode_address();
   if (destination.cached_tokens() < 0 ||
@@ -349,6 +350,11 @@ void PrefillService::OnPrefilled(const std::shared_ptr<Call>& call,
   v1::PrefillSubmitResponse* r = call->response;
   r->set_first_token(result->first_token.token);
   r->set_first_token_logprob(result->first_token.logprob);
+  for (const engine::TopLogprob& t : result->first_token.top) {
+    v1::TopLogprob* out = r->add_first_token_top_logprobs();
+    out->set_token_id(t.token);
+    out->set_logprob(t.logprob);
+  }
   r->set_cached_tokens(result->cached_tokens);
   r->set_num_chunks(result->num_chunks);
   r->set_queue_seconds(absl::ToDoubleSeconds(call->submitted - call->received));
@@ -378,6 +384,9 @@ void PrefillService::Notify(const std::shared_ptr<Call>& call) {
   v1::PrefillKvCompleteNotice notice;
   notice.set_request_id(call->id);
   notice.set_first_token(call->response->first_token());
+  v1::TokenLogprob* logprob = notice.mutable_first_token_logprob();
+  logprob->set_logprob(call->response->first_token_logprob());
+  *logprob->mutable_top() = call->response->first_token_top_logprobs();
   std::string bytes = notice.SerializeAsString();
   grpc::Slice slice(bytes);
   call->notify_request = grpc::ByteBuffer(&slice, 1);

@@ -37,6 +37,7 @@ struct ChunkHeader {
   std::vector<int32_t>
       block_table;  // group-wide block ids covering [0, token_end)
   engine::SamplingParams sampling;  // used by the last stage on the final chunk
+  int top_logprobs = 0;             // alternatives of the first token to report
   // A request's first chunk carries the decode side's KV grants (opaque blobs
   // for the stage's KV output, e.g. transport::KvSink::Expect results).
   std::vector<std::string> kv_grants;
@@ -62,7 +63,7 @@ struct StageEvent {
   std::vector<uint64_t> request_ids;  // kMicrobatchDone: requests inside
   uint64_t request_id = 0;            // kFirstToken, kKvWritten
   absl::Status status;                // a failure of this step
-  engine::SampledToken token;         // kFirstToken
+  engine::SampledToken token;         // kFirstToken (with its alternatives)
   absl::Time start, end;              // kMicrobatchDone: compute interval
   int tokens = 0;                     // kMicrobatchDone
 };

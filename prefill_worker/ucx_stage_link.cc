@@ -62,6 +62,7 @@ std::string EncodeStageMessage(const StageMessage& message) {
     w.Put<int32_t>(c.sampling.top_k);
     w.Put<float>(c.sampling.top_p);
     w.Put<uint64_t>(c.sampling.seed);
+    w.Put<int32_t>(c.top_logprobs);
     w.Put<uint32_t>(static_cast<uint32_t>(c.kv_grants.size()));
     for (const std::string& g : c.kv_grants) w.PutBytes(g);
   }
@@ -103,7 +104,7 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
         !GetVector(r, &c.block_table, kMaxItems) ||
         !r.Get(&c.sampling.temperature) || !r.Get(&c.sampling.top_k) ||
         !r.Get(&c.sampling.top_p) || !r.Get(&c.sampling.seed) ||
-        !r.Get(&grants) || grants > blob.size()) {
+        !r.Get(&c.top_logprobs) || !r.Get(&grants) || grants > blob.size()) {
       return Malformed(absl::StrCat("chunk ", i, " is truncated"));
     }
     for (uint32_t g = 0; g < grants; ++g) {
@@ -114,6 +115,7 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
     c.final_chunk = final_chunk != 0;
     if (c.token_begin < 0 || c.token_end <= c.token_begin || c.kv_begin < 0 ||
         c.kv_begin > c.token_begin || c.kv_dst_offset < 0 ||
+        c.top_logprobs < 0 || c.top_logprobs > engine::kMaxTopLogprobs ||
         (!c.tokens.empty() &&
          static_cast<int64_t>(c.tokens.size()) != c.num_tokens())) {
       return Malformed(absl::StrCat("chunk ", i, " has inconsistent ranges"));
@@ -145,6 +147,11 @@ std::string EncodeStageEvent(const StageEvent& e) {
   w.PutBytes(absl::string_view(e.status.message()));
   w.Put<int32_t>(e.token.token);
   w.Put<float>(e.token.logprob);
+  w.Put<uint32_t>(static_cast<uint32_t>(e.token.top.size()));
+  for (const engine::TopLogprob& t : e.token.top) {
+    w.Put<int32_t>(t.token);
+    w.Put<float>(t.logprob);
+  }
   w.Put<int64_t>(absl::ToUnixNanos(e.start));
   w.Put<int64_t>(absl::ToUnixNanos(e.end));
   w.Put<int32_t>(e.tokens);
@@ -158,14 +165,25 @@ absl::StatusOr<StageEvent> DecodeStageEvent(std::string_view blob) {
   int32_t code = 0;
   std::string message;
   int64_t start = 0, end = 0;
+  uint32_t alternatives = 0;
   StageEvent e;
   if (!r.Get(&magic) || magic != kEventMagic || !r.Get(&kind) ||
       kind > static_cast<uint8_t>(StageEvent::Kind::kKvWritten) ||
       !r.Get(&e.stage) || !r.Get(&e.microbatch_id) ||
       !GetVector(r, &e.request_ids, kMaxItems) || !r.Get(&e.request_id) ||
       !r.Get(&code) || !r.GetBytes(&message, 1 << 20) ||
-      !r.Get(&e.token.token) || !r.Get(&e.token.logprob) || !r.Get(&start) ||
-      !r.Get(&end) || !r.Get(&e.tokens) || !r.empty() || code < 0 ||
+      !r.Get(&e.token.token) || !r.Get(&e.token.logprob) ||
+      !r.Get(&alternatives) || alternatives > engine::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError("malformed stage event");
+  }
+  e.token.top.resize(alternatives);
+  for (engine::TopLogprob& t : e.token.top) {
+    if (!r.Get(&t.token) || !r.Get(&t.logprob)) {
+      return absl::InvalidArgumentError("malformed stage event");
+    }
+  }
+  if (!r.Get(&start) || !r.Get(&end) || !r.Get(&e.tokens) || !r.empty() ||
+      code < 0 ||
       code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
     return absl::InvalidArgumentError("malformed stage event");
   }

@@ -368,6 +368,8 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       *admit_request.mutable_sampling() = sampling;
       for (const std::string& s : request.stop) admit_request.add_stop(s);
       admit_request.set_local_prefill(options_.colocated);
+      admit_request.set_include_logprobs(request.logprobs);
+      admit_request.set_top_logprobs(request.top_logprobs);
       grpc::ClientContext context;
       context.set_deadline(Deadline(request.deadline, options_.rpc_timeout));
       if (!call->Enter(&context)) {
@@ -419,6 +421,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         submit.set_request_id(wire_id);
         submit.mutable_prompt_ids()->Add(prompt_ids.begin(), prompt_ids.end());
         *submit.mutable_sampling() = sampling;
+        submit.set_top_logprobs(request.top_logprobs);
         v1::PrefillDestination* destination = submit.mutable_destination();
         destination->set_decode_address(decode_address);
         destination->set_cached_tokens(admit.cached_tokens());
@@ -490,10 +493,41 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         decode->StreamTokens(&context, stream_request);
     v1::DecodeDelta in;
     bool finished = false;
+    // Token text for logprob listings; a worker's id outside the vocabulary
+    // keeps its id and no text rather than failing the stream.
+    auto alternative = [this](int32_t id, float logprob) {
+      TokenAlternative out{id, logprob, {}};
+      if (tokenizer_ != nullptr) {
+        absl::StatusOr<std::string> bytes = tokenizer_->TokenBytes(id);
+        if (bytes.ok()) out.bytes = *std::move(bytes);
+      }
+      return out;
+    };
     while (reader->Read(&in)) {
       GenerationDelta out;
       out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
       out.text = in.text();
+      if (request.logprobs) {
+        if (in.logprobs_size() != in.token_ids_size()) {
+          last_error = absl::InternalError(absl::StrCat(
+              "decode worker ", decode_address, " sent ", in.logprobs_size(),
+              " logprobs for ", in.token_ids_size(), " tokens"));
+          context.TryCancel();
+          (void)reader->Finish();
+          call->Leave();
+          abort_decode();
+          return finish(last_error);
+        }
+        out.logprobs.reserve(in.logprobs_size());
+        for (int k = 0; k < in.logprobs_size(); ++k) {
+          const v1::TokenLogprob& l = in.logprobs(k);
+          TokenLogprob& entry = out.logprobs.emplace_back();
+          entry.chosen = alternative(in.token_ids(k), l.logprob());
+          for (const v1::TopLogprob& t : l.top()) {
+            entry.top.push_back(alternative(t.token_id(), t.logprob()));
+          }
+        }
+      }
       usage.completion_tokens += static_cast<int32_t>(out.token_ids.size());
       const absl::Duration since_start = absl::Now() - started;
       if (!out.token_ids.empty()) {

@@ -67,6 +67,15 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request) {
     return absl::InvalidArgumentError(
         absl::StrCat("top_k must be >= 0 (got ", s.top_k, ")"));
   }
+  if (request.top_logprobs < 0 || request.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs, "] (got ",
+                     request.top_logprobs, ")"));
+  }
+  if (request.top_logprobs > 0 && !request.logprobs) {
+    return absl::InvalidArgumentError(
+        "top_logprobs needs logprobs to be requested");
+  }
   if (request.stop.size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStopStrings,
                                                    " stop strings (got ",

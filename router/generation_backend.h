@@ -54,7 +54,30 @@ struct GenerationRequest {
   int32_t max_tokens = 16;
   SamplingOptions sampling;
   std::vector<std::string> stop;
+  // Report each output token's log-probability (GenerationDelta::logprobs),
+  // with its top_logprobs (0 to kMaxTopLogprobs) most likely alternatives;
+  // top_logprobs > 0 needs logprobs.
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
   absl::Time deadline = absl::InfiniteFuture();
+};
+
+inline constexpr int kMaxTopLogprobs = 20;
+
+// A token at an output position with its log-probability under the model's
+// raw distribution (temperature 1, before top-k/top-p).
+struct TokenAlternative {
+  int32_t token_id = -1;
+  float logprob = 0.0f;
+  // What the token stands for in running text (Tokenizer::TokenBytes: may be
+  // a lone byte of a UTF-8 character); empty when the backend has no
+  // tokenizer.
+  std::string bytes;
+};
+
+struct TokenLogprob {
+  TokenAlternative chosen;            // the emitted token
+  std::vector<TokenAlternative> top;  // most likely first, when asked
 };
 
 struct GenerationUsage {
@@ -73,6 +96,8 @@ struct GenerationTiming {
 struct GenerationDelta {
   std::vector<int32_t> token_ids;
   std::string text;  // never half a UTF-8 character
+  // One per token id when the request asked for logprobs.
+  std::vector<TokenLogprob> logprobs;
   // Set on the last delta only.
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
@@ -117,7 +142,8 @@ class GenerationBackend {
 
 // Front-end checks shared by HTTP and gRPC: one prompt, non-empty, valid
 // UTF-8; max_tokens >= 1; temperature >= 0; top_p in (0, 1]; top_k >= 0; stop
-// strings non-empty and at most kMaxStopStrings. INVALID_ARGUMENT naming the
+// strings non-empty and at most kMaxStopStrings; top_logprobs in
+// [0, kMaxTopLogprobs] and only with logprobs. INVALID_ARGUMENT naming the
 // field.
 inline constexpr int kMaxStopStrings = 16;
 [[nodiscard]] absl::Status ValidateGenerationRequest(

@@ -26,9 +26,20 @@ v1::FinishReason ToProto(FinishReason reason) {
 }
 
 // Appends `delta` to `out` (the streaming item or the unary accumulator).
-void AppendDelta(const GenerationDelta& delta, v1::GenerateResponse* out) {
+void AppendDelta(const GenerationDelta& delta, int32_t top_logprobs,
+                 v1::GenerateResponse* out) {
   for (int32_t id : delta.token_ids) out->add_token_ids(id);
   out->mutable_text()->append(delta.text);
+  for (const TokenLogprob& l : delta.logprobs) {
+    out->add_logprobs(l.chosen.logprob);
+    if (top_logprobs == 0) continue;
+    v1::TopLogprobs* top = out->add_top_logprobs();
+    for (const TokenAlternative& t : l.top) {
+      v1::TopLogprob* alternative = top->add_alternatives();
+      alternative->set_token_id(t.token_id);
+      alternative->set_logprob(t.logprob);
+    }
+  }
   if (!delta.finished) return;
   out->set_finish_reason(ToProto(delta.finish_reason));
   v1::Usage* usage = out->mutable_usage();
@@ -97,6 +108,7 @@ class GenerateReactor final
       return;
     }
     request_id_ = generation->request_id;
+    top_logprobs_ = generation->top_logprobs;
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
     if (!call.ok()) {
@@ -120,7 +132,7 @@ class GenerateReactor final
     if (finished_) return;
     v1::GenerateResponse& item = queue_.emplace_back();
     item.set_request_id(request_id_);
-    AppendDelta(delta, &item);
+    AppendDelta(delta, top_logprobs_, &item);
     if (!write_in_flight_) {
       write_in_flight_ = true;
       StartWrite(&queue_.front());
@@ -196,6 +208,7 @@ class GenerateReactor final
 
   TwoOwners owners_;
   std::string request_id_;
+  int32_t top_logprobs_ = 0;
   absl::Mutex mu_;
   // Items not yet written; the front one is being written when
   // write_in_flight_ (deque: push_back keeps the front's address stable).
@@ -228,6 +241,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
       return;
     }
     response_->set_request_id(generation->request_id);
+    top_logprobs_ = generation->top_logprobs;
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
     if (!call.ok()) {
@@ -246,7 +260,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
 
   void OnDelta(GenerationDelta delta) override {
     absl::MutexLock lock(&mu_);
-    if (!finished_) AppendDelta(delta, response_);
+    if (!finished_) AppendDelta(delta, top_logprobs_, response_);
   }
 
   void OnDone(absl::Status status) override {
@@ -289,6 +303,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
   }
 
   TwoOwners owners_;
+  int32_t top_logprobs_ = 0;
   absl::Mutex mu_;
   // Owned by gRPC; written only before Finish().
   v1::GenerateResponse* const response_ ABSL_PT_GUARDED_BY(mu_);
@@ -332,9 +347,8 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
   out.sampling.top_k = request.sampling().top_k();
   out.sampling.seed = request.sampling().seed();
   out.stop.assign(request.stop().begin(), request.stop().end());
-  if (request.include_logprobs()) {
-    return absl::UnimplementedError("include_logprobs is not supported yet");
-  }
+  out.logprobs = request.include_logprobs();
+  out.top_logprobs = request.top_logprobs();
   out.deadline = deadline;
   if (absl::Status s = ValidateGenerationRequest(out); !s.ok()) return s;
   return out;

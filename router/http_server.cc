@@ -283,6 +283,8 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   if (!model.ok()) return reject(model.status());
 
   GenerationRequest generation = std::move(parsed->generation);
+  const bool logprobs = generation.logprobs;
+  const int32_t top_logprobs = generation.top_logprobs;
   generation.api = api;
   generation.model = model->name;
   generation.request_id = NewRequestId();
@@ -314,6 +316,8 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
 
   if (!parsed->stream) {
     CompletionOutcome outcome;
+    outcome.logprobs.requested = logprobs;
+    outcome.logprobs.top_logprobs = top_logprobs;
     std::optional<StreamBuffer::Event> event = std::move(first);
     while (true) {
       if (!event.has_value()) {
@@ -326,6 +330,9 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         break;
       }
       outcome.text += event->delta->text;
+      for (TokenLogprob& l : event->delta->logprobs) {
+        outcome.logprobs.tokens.push_back(std::move(l));
+      }
       if (event->delta->finished) {
         outcome.finish_reason = event->delta->finish_reason;
         outcome.usage = event->delta->usage;
@@ -344,6 +351,7 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
     std::optional<StreamBuffer::Event> pending;
     bool first = true;
     bool finished = false;
+    int64_t text_offset = 0;  // characters of the tokens already reported
   };
   auto state = std::make_shared<StreamState>();
   state->buffer = buffer;
@@ -354,7 +362,8 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, state, endpoint, id, created, name = model->name, include_usage,
-       deadline, timeout](size_t, httplib::DataSink& sink) {
+       logprobs, top_logprobs, deadline,
+       timeout](size_t, httplib::DataSink& sink) {
         std::optional<StreamBuffer::Event> event = std::move(state->pending);
         state->pending.reset();
         if (!event.has_value()) {
@@ -380,13 +389,24 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
           sink.done();
           return true;
         }
-        const GenerationDelta& delta = *event->delta;
+        GenerationDelta& delta = *event->delta;
         bool ok = true;
-        if (!delta.text.empty() || delta.finished || state->first) {
+        // Tokens whose text is held back (a possible stop string, half a
+        // character) still get their chunk when logprobs were asked for.
+        if (!delta.text.empty() || delta.finished || state->first ||
+            !delta.logprobs.empty()) {
+          LogprobsOutput chunk_logprobs;
+          chunk_logprobs.requested = logprobs;
+          chunk_logprobs.top_logprobs = top_logprobs;
+          chunk_logprobs.text_offset = state->text_offset;
+          for (const TokenLogprob& l : delta.logprobs) {
+            state->text_offset += TokenCharacters(l.chosen);
+          }
+          chunk_logprobs.tokens = std::move(delta.logprobs);
           ok = write(StreamChunkEvent(
               endpoint, id, created, name, delta.text,
               delta.finished ? delta.finish_reason : FinishReason::kNone,
-              state->first));
+              state->first, chunk_logprobs));
           state->first = false;
         }
         if (ok && delta.finished && include_usage) {

@@ -5,6 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "tokenizer/detokenizer.h"
 
 namespace pdserve::router {
 namespace {
@@ -169,8 +171,9 @@ absl::Status RejectUnsupported(const json& body) {
     if (absl::Status s = ReadNumber(body, field, &v); !s.ok()) return s;
     if (v != 0) return FieldError(field, "is not supported (must be 0)");
   }
-  for (const char* field : {"echo", "logprobs", "top_logprobs", "suffix",
-                            "logit_bias", "tools", "functions"}) {
+  // echo would need the prompt's logprobs, which the prefill does not keep.
+  for (const char* field :
+       {"echo", "suffix", "logit_bias", "tools", "functions"}) {
     auto it = body.find(field);
     if (it == body.end() || it->is_null()) continue;
     if ((it->is_boolean() && !it->get<bool>()) ||
@@ -185,6 +188,51 @@ absl::Status RejectUnsupported(const json& body) {
     if (absl::Status s = ReadInteger(body, field, &n); !s.ok()) return s;
     if (n != 1) return FieldError(field, "must be 1");
   }
+  return absl::OkStatus();
+}
+
+// completions: "logprobs": N (0-20) asks for the tokens' logprobs and N
+// alternatives each. chat: "logprobs": true, "top_logprobs": N (needs
+// logprobs).
+absl::Status ReadLogprobs(OpenAiEndpoint endpoint, const json& body,
+                          GenerationRequest* request) {
+  auto it = body.find("logprobs");
+  const bool present = it != body.end() && !it->is_null();
+  int64_t top = 0;
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    if (body.contains("top_logprobs") && !body["top_logprobs"].is_null()) {
+      return FieldError("top_logprobs",
+                        "is a chat option; completions take \"logprobs\": N");
+    }
+    if (!present || (it->is_boolean() && !it->get<bool>())) {
+      return absl::OkStatus();
+    }
+    if (absl::Status s = ReadInteger(body, "logprobs", &top); !s.ok()) {
+      return s;
+    }
+    if (top < 0 || top > kMaxTopLogprobs) {
+      return FieldError("logprobs",
+                        absl::StrCat("must be in [0, ", kMaxTopLogprobs, "]"));
+    }
+    request->logprobs = true;
+    request->top_logprobs = static_cast<int32_t>(top);
+    return absl::OkStatus();
+  }
+  if (absl::Status s = ReadBool(body, "logprobs", &request->logprobs);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = ReadInteger(body, "top_logprobs", &top); !s.ok()) {
+    return s;
+  }
+  if (top < 0 || top > kMaxTopLogprobs) {
+    return FieldError("top_logprobs",
+                      absl::StrCat("must be in [0, ", kMaxTopLogprobs, "]"));
+  }
+  if (top > 0 && !request->logprobs) {
+    return FieldError("top_logprobs", "needs \"logprobs\": true");
+  }
+  request->top_logprobs = static_cast<int32_t>(top);
   return absl::OkStatus();
 }
 
@@ -240,6 +288,56 @@ std::string Event(const json& value) {
   return absl::StrCat("data: ", Dump(value), "\n\n");
 }
 
+json BytesJson(const TokenAlternative& token) {
+  if (token.bytes.empty()) return nullptr;
+  json out = json::array();
+  for (char c : token.bytes) out.push_back(static_cast<unsigned char>(c));
+  return out;
+}
+
+json LogprobsJson(OpenAiEndpoint endpoint, const LogprobsOutput& logprobs) {
+  if (!logprobs.requested) return nullptr;
+  if (endpoint == OpenAiEndpoint::kChatCompletions) {
+    json content = json::array();
+    for (const TokenLogprob& l : logprobs.tokens) {
+      json top = json::array();
+      for (const TokenAlternative& t : l.top) {
+        top.push_back({{"token", TokenDisplay(t)},
+                       {"logprob", t.logprob},
+                       {"bytes", BytesJson(t)}});
+      }
+      content.push_back({{"token", TokenDisplay(l.chosen)},
+                         {"logprob", l.chosen.logprob},
+                         {"bytes", BytesJson(l.chosen)},
+                         {"top_logprobs", std::move(top)}});
+    }
+    return {{"content", std::move(content)}, {"refusal", nullptr}};
+  }
+  json tokens = json::array();
+  json token_logprobs = json::array();
+  json top_logprobs = json::array();
+  json text_offset = json::array();
+  int64_t offset = logprobs.text_offset;
+  for (const TokenLogprob& l : logprobs.tokens) {
+    const std::string shown = TokenDisplay(l.chosen);
+    tokens.push_back(shown);
+    token_logprobs.push_back(l.chosen.logprob);
+    // As OpenAI's legacy API: the alternatives plus the sampled token.
+    json alternatives = json::object();
+    for (const TokenAlternative& t : l.top) {
+      alternatives[TokenDisplay(t)] = t.logprob;
+    }
+    if (!alternatives.contains(shown)) alternatives[shown] = l.chosen.logprob;
+    top_logprobs.push_back(std::move(alternatives));
+    text_offset.push_back(offset);
+    offset += TokenCharacters(l.chosen);
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(token_logprobs)},
+          {"top_logprobs", std::move(top_logprobs)},
+          {"text_offset", std::move(text_offset)}};
+}
+
 }  // namespace
 
 absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
@@ -270,6 +368,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     gen.prompt_text = RenderChatPrompt(request.messages);
   }
   if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
+  if (absl::Status s = ReadLogprobs(endpoint, body, &gen); !s.ok()) return s;
 
   // 16 when absent, for both endpoints: OpenAI's completions default and the
   // gRPC API's (max_tokens 0 = 16). OpenAI's chat would run to the context;
@@ -382,6 +481,22 @@ std::string ErrorBody(const absl::Status& status) {
       std::string_view(status.message().data(), status.message().size()));
 }
 
+std::string TokenDisplay(const TokenAlternative& token) {
+  if (token.bytes.empty()) return absl::StrCat("token_id:", token.token_id);
+  if (tokenizer::IsValidUtf8(token.bytes)) return token.bytes;
+  std::string shown = "bytes:";
+  for (char c : token.bytes) {
+    absl::StrAppendFormat(&shown, "\\x%02x", static_cast<unsigned char>(c));
+  }
+  return shown;
+}
+
+int64_t TokenCharacters(const TokenAlternative& token) {
+  int64_t characters = 0;
+  for (char c : token.bytes) characters += (c & 0xC0) != 0x80 ? 1 : 0;
+  return characters;
+}
+
 std::string OpenAiFinishReason(FinishReason reason) {
   switch (reason) {
     case FinishReason::kStop:
@@ -397,7 +512,7 @@ std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
                            const CompletionOutcome& outcome) {
   json choice = {{"index", 0},
-                 {"logprobs", nullptr},
+                 {"logprobs", LogprobsJson(endpoint, outcome.logprobs)},
                  {"finish_reason", FinishJson(outcome.finish_reason)}};
   if (endpoint == OpenAiEndpoint::kCompletions) {
     choice["text"] = outcome.text;
@@ -416,9 +531,9 @@ std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
 std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,
                              std::string_view text, FinishReason finish_reason,
-                             bool first) {
+                             bool first, const LogprobsOutput& logprobs) {
   json choice = {{"index", 0},
-                 {"logprobs", nullptr},
+                 {"logprobs", LogprobsJson(endpoint, logprobs)},
                  {"finish_reason", FinishJson(finish_reason)}};
   if (endpoint == OpenAiEndpoint::kCompletions) {
     choice["text"] = std::string(text);

@@ -59,11 +59,34 @@ int HttpStatusFor(const absl::Status& status);
 std::string ErrorBody(int http_status, std::string_view message);
 std::string ErrorBody(const absl::Status& status);
 
+// The "logprobs" of a choice: null unless requested; otherwise, for
+// completions {"tokens", "token_logprobs", "top_logprobs" (one object per
+// token: its top_logprobs alternatives plus the token itself), "text_offset"}
+// and for chat {"content": [{"token", "logprob", "bytes", "top_logprobs":
+// [{"token", "logprob", "bytes"}]}], "refusal": null}. A token is shown as
+// its text when that is valid UTF-8, else as "bytes:\xe2\x80" (a piece of a
+// character), or "token_id:N" when the backend has no tokenizer.
+struct LogprobsOutput {
+  bool requested = false;
+  int32_t top_logprobs = 0;
+  std::vector<TokenLogprob> tokens;
+  // Completions: characters of the completion before the first token (a
+  // stream's earlier chunks).
+  int64_t text_offset = 0;
+};
+
+// How a token is shown in logprob listings (see LogprobsOutput).
+std::string TokenDisplay(const TokenAlternative& token);
+// Characters `token` adds to the text (UTF-8 lead bytes: a piece of a
+// character counts once, with its first byte).
+int64_t TokenCharacters(const TokenAlternative& token);
+
 // What a finished generation produced (non-streaming bodies, final chunks).
 struct CompletionOutcome {
   std::string text;
   FinishReason finish_reason = FinishReason::kNone;
   GenerationUsage usage;
+  LogprobsOutput logprobs;
 };
 
 // "stop" or "length" for OpenAI (cancelled/error are not OpenAI reasons and
@@ -75,12 +98,13 @@ std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
                            const CompletionOutcome& outcome);
 
-// One SSE event "data: {...}\n\n" carrying a text delta; `finish_reason`
-// kNone keeps it null. For chat, `first` adds the assistant role to delta.
+// One SSE event "data: {...}\n\n" carrying a text delta (and the logprobs of
+// the tokens that came with it, when requested); `finish_reason` kNone keeps
+// it null. For chat, `first` adds the assistant role to delta.
 std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,
                              std::string_view text, FinishReason finish_reason,
-                             bool first);
+                             bool first, const LogprobsOutput& logprobs = {});
 // The trailing usage chunk (stream_options.include_usage): empty choices.
 std::string StreamUsageEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,

@@ -2,6 +2,8 @@
 //                [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0]
 //                [--seed 0] [--stop STRING] [--model NAME]
 //                [--timeout-seconds 120] [--show-ids 1]
+//                [--logprobs N]   (each token's log-probability and its N
+//                                  most likely alternatives, 0-20)
 //
 // Streams the continuation's text to stdout; a summary (tokens, finish
 // reason, time to first token) goes to stderr. Errors print the gRPC status.
@@ -13,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
@@ -59,6 +62,11 @@ absl::Status RunClient(int argc, char** argv) {
       static_cast<uint64_t>(flags.Num<int64_t>("seed", 0)));
   if (flags.Has("stop")) request.add_stop(flags.Str("stop", ""));
   const double timeout_s = flags.Num<double>("timeout-seconds", 120);
+  const int logprobs = flags.Num<int>("logprobs", -1);
+  if (logprobs >= 0) {
+    request.set_include_logprobs(true);
+    request.set_top_logprobs(logprobs);
+  }
   PDS_RETURN_IF_ERROR(flags.Check());
   if (prompt.empty() == ids_text.empty()) {
     return absl::InvalidArgumentError("give exactly one of --prompt, --ids");
@@ -85,15 +93,31 @@ absl::Status RunClient(int argc, char** argv) {
   v1::GenerateResponse response;
   v1::GenerateResponse last;
   std::vector<int32_t> ids;
+  std::vector<float> token_logprobs;
+  std::vector<v1::TopLogprobs> alternatives;
   while (reader->Read(&response)) {
     std::fputs(response.text().c_str(), stdout);
     std::fflush(stdout);
     ids.insert(ids.end(), response.token_ids().begin(),
                response.token_ids().end());
+    token_logprobs.insert(token_logprobs.end(), response.logprobs().begin(),
+                          response.logprobs().end());
+    alternatives.insert(alternatives.end(), response.top_logprobs().begin(),
+                        response.top_logprobs().end());
     last = response;
   }
   if (!ids.empty()) std::printf("\n");
   PDS_RETURN_IF_ERROR(rpc::FromGrpcStatus(reader->Finish()));
+  // One line per token: id, logprob, then the alternatives as id:logprob.
+  for (size_t i = 0; i < token_logprobs.size() && i < ids.size(); ++i) {
+    std::string line = absl::StrFormat("%6d %9.4f", ids[i], token_logprobs[i]);
+    if (i < alternatives.size()) {
+      for (const v1::TopLogprob& t : alternatives[i].alternatives()) {
+        absl::StrAppendFormat(&line, "  %d:%.4f", t.token_id(), t.logprob());
+      }
+    }
+    std::printf("%s\n", line.c_str());
+  }
   if (show_ids) {
     std::string list;
     for (int32_t id : ids) absl::StrAppend(&list, list.empty() ? "" : ",", id);

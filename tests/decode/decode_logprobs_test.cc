@@ -10,9 +10,8 @@
 #include <cmath>
 
 #include "decode_test_util.h"
-#include "engine/llama_engine.h"
+#include "engine/engine_test_util.h"
 #include "engine/sampler.h"
-#include "kv/kv_pool.h"
 
 namespace pdserve::decode {
 namespace {
@@ -25,46 +24,6 @@ using testing_util::Options;
 using testing_util::RemotePrefill;
 using testing_util::Stories;
 using testing_util::Stream;
-
-// What the single-process engine says about `output` after `prompt`: one
-// forward over prompt + output[0, n - 1) with logits at the positions that
-// predicted each output token.
-std::vector<engine::TokenLogprobs> ReferenceLogprobs(
-    const std::vector<int32_t>& prompt, const std::vector<int32_t>& output,
-    int top_n) {
-  engine::EngineOptions eo;
-  eo.num_threads = 1;
-  auto engine = engine::LlamaEngine::Create(*Stories().weights, eo);
-  EXPECT_TRUE(engine.ok()) << engine.status();
-  if (!engine.ok()) return {};
-  std::vector<int32_t> tokens = prompt;
-  tokens.insert(tokens.end(), output.begin(), output.end() - 1);
-  constexpr int kBlock = 16;
-  const int blocks = static_cast<int>(tokens.size()) / kBlock + 1;
-  auto pool = kv::KvPool::Create((*engine)->KvLayout(kBlock), blocks);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  if (!pool.ok()) return {};
-  std::vector<int32_t> table(blocks);
-  for (int b = 0; b < blocks; ++b) table[b] = b;
-  engine::SequenceStep step;
-  step.tokens = tokens;
-  step.num_tokens = static_cast<int>(tokens.size());
-  step.block_table = table;
-  for (size_t q = prompt.size() - 1; q < tokens.size(); ++q)
-    step.logit_indices.push_back(static_cast<int>(q));
-  engine::ForwardBatch batch;
-  batch.sequences.push_back(step);
-  engine::ForwardResult result;
-  EXPECT_TRUE((*engine)->Forward(batch, **pool, &result).ok());
-  const int vocab = (*engine)->config().vocab_size;
-  std::vector<engine::TokenLogprobs> out;
-  for (size_t k = 0; k < output.size(); ++k) {
-    out.push_back(engine::ComputeTokenLogprobs(
-        std::span<const float>(result.logits).subspan(k * vocab, vocab),
-        output[k], top_n));
-  }
-  return out;
-}
 
 // Same numbers within float tolerance (batching, TP and verify change the
 // summation order); alternatives' ids must match except where the reference
@@ -126,10 +85,11 @@ TEST_P(LogprobsTest, GreedyLogprobsMatchTheSingleProcessEngine) {
       continue;
     }
     const auto got = streams[i].logprobs();
-    ExpectSameLogprobs(
-        got,
-        ReferenceLogprobs(cases[i].prompt_ids, cases[i].greedy_ids, asks[i]),
-        "case " + std::to_string(i));
+    ExpectSameLogprobs(got,
+                       engine::testing_util::ReferenceLogprobs(
+                           *Stories().weights, cases[i].prompt_ids,
+                           cases[i].greedy_ids, asks[i]),
+                       "case " + std::to_string(i));
     // Greedy: the emitted token is the most likely one.
     for (size_t t = 0; asks[i] > 0 && t < got.size(); ++t) {
       EXPECT_EQ(got[t].top[0].token, cases[i].greedy_ids[t]);
@@ -156,7 +116,8 @@ TEST_P(LogprobsTest, SampledTokensReportTheRawDistribution) {
   ASSERT_TRUE(s.Wait());
   ASSERT_TRUE(s.status().ok()) << s.status();
   ExpectSameLogprobs(s.logprobs(),
-                     ReferenceLogprobs(golden.prompt_ids, s.tokens(), 3),
+                     engine::testing_util::ReferenceLogprobs(
+                         *Stories().weights, golden.prompt_ids, s.tokens(), 3),
                      "sampled");
   ExpectNoLeak(*worker);
 }
@@ -199,9 +160,11 @@ TEST(RemoteLogprobsTest, TokenZeroCarriesThePrefillsNumbers) {
   ASSERT_EQ(got[0].top.size(), 2u);
   EXPECT_EQ(got[0].top[0], first.top[0]);
   EXPECT_EQ(got[0].top[1], first.top[1]);
-  ExpectSameLogprobs(got,
-                     ReferenceLogprobs(golden.prompt_ids, golden.greedy_ids, 2),
-                     "remote");
+  ExpectSameLogprobs(
+      got,
+      engine::testing_util::ReferenceLogprobs(
+          *Stories().weights, golden.prompt_ids, golden.greedy_ids, 2),
+      "remote");
   ExpectNoLeak(*worker);
 }
 

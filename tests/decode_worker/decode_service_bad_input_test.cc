@@ -147,6 +147,31 @@ TEST(DecodeServiceBadInputTest, PreciseCodesAndTheServerKeepsServing) {
     EXPECT_FALSE(s.status.ok());
   }
   {
+    // Token 0's report names an alternative outside the vocabulary: refused
+    // precisely, the request failed and freed.
+    auto req = MakeAdmit(7, c.prompt_ids, 8);
+    req.set_include_logprobs(true);
+    req.set_top_logprobs(1);
+    v1::AdmitResponse a7;
+    ASSERT_TRUE(Admit(server.stub(), req, &a7).ok());
+    v1::TokenLogprob lying;
+    lying.set_logprob(-0.1f);
+    v1::TopLogprob* alternative = lying.add_top();
+    alternative->set_token_id(100000);
+    alternative->set_logprob(-0.1f);
+    TestPrefill prefill;
+    EXPECT_EQ(prefill.Run(server.stub(), 7, c.prompt_ids, a7, -1, &lying)
+                  .error_code(),
+              StatusCode::INVALID_ARGUMENT);
+    Streamed s = ReadStream(server.stub(), 7);
+    EXPECT_EQ(s.status.error_code(), StatusCode::INVALID_ARGUMENT);
+    // More alternatives than a request may ask for: refused at admission.
+    req = MakeAdmit(8, c.prompt_ids, 8);
+    req.set_include_logprobs(true);
+    req.set_top_logprobs(21);
+    EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
+  }
+  {
     // Completion claimed but nothing was written: the sinks never get the
     // KV, completion fails after the service's bounded wait and frees it.
     v1::AdmitResponse a6;

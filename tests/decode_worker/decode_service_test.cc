@@ -49,6 +49,47 @@ TEST(DecodeServiceTest, GoldenPromptsStreamGoldenTokensThroughTheTransport) {
   EXPECT_EQ(server.service().channels(), 0);
 }
 
+TEST(DecodeServiceTest, LogprobsAskedAtAdmitStreamWithEveryToken) {
+  Server server(/*tp=*/2);
+  TestPrefill prefill;
+  const auto c = AllGoldenCases()[1];
+  auto req = MakeAdmit(9, c.prompt_ids, c.max_new_tokens);
+  req.set_include_logprobs(true);
+  req.set_top_logprobs(2);
+  v1::AdmitResponse admit;
+  ASSERT_TRUE(Admit(server.stub(), req, &admit).ok());
+  // Token 0's numbers are whatever the prefill reports (here: made up, and
+  // with one more alternative than asked, which the worker drops).
+  v1::TokenLogprob first;
+  first.set_logprob(-0.125f);
+  for (int k = 0; k < 3; ++k) {
+    v1::TopLogprob* t = first.add_top();
+    t->set_token_id(c.greedy_ids[0] + k);
+    t->set_logprob(-0.125f - k);
+  }
+  ASSERT_TRUE(
+      prefill.Run(server.stub(), 9, c.prompt_ids, admit, -1, &first).ok());
+  Streamed out = ReadStream(server.stub(), 9);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_EQ(out.tokens, c.greedy_ids);
+  ASSERT_EQ(out.logprobs.size(), out.tokens.size());
+  EXPECT_EQ(out.logprobs[0].logprob(), -0.125f);
+  ASSERT_EQ(out.logprobs[0].top_size(), 2);
+  EXPECT_EQ(out.logprobs[0].top(1).token_id(), c.greedy_ids[0] + 1);
+  for (size_t i = 1; i < out.logprobs.size(); ++i) {
+    // Greedy: each later token is its row's most likely one.
+    ASSERT_EQ(out.logprobs[i].top_size(), 2) << i;
+    EXPECT_EQ(out.logprobs[i].top(0).token_id(), out.tokens[i]) << i;
+    EXPECT_EQ(out.logprobs[i].top(0).logprob(), out.logprobs[i].logprob());
+    EXPECT_LE(out.logprobs[i].top(1).logprob(), out.logprobs[i].logprob());
+  }
+  // A request that did not ask gets none.
+  ASSERT_TRUE(
+      Admit(server.stub(), MakeAdmit(10, c.prompt_ids, 4), &admit).ok());
+  ASSERT_TRUE(prefill.Run(server.stub(), 10, c.prompt_ids, admit).ok());
+  EXPECT_TRUE(ReadStream(server.stub(), 10).logprobs.empty());
+}
+
 TEST(DecodeServiceTest, StreamAttachedBeforeCompletionGetsEveryToken) {
   Server server(/*tp=*/1);
   TestPrefill prefill;

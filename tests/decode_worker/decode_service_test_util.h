@@ -148,12 +148,13 @@ class TestPrefill {
 
   // Computes the prompt's KV and first token (greedy), writes the KV into the
   // destination `admit` names, then calls KvComplete (or with
-  // `first_token_override` unless it is -1).
-  // Returns KvComplete's status.
+  // `first_token_override` unless it is -1; with `first_logprob` as token 0's
+  // report when given). Returns KvComplete's status.
   grpc::Status Run(v1::DecodeWorker::Stub& stub, uint64_t id,
                    const std::vector<int32_t>& prompt,
                    const v1::AdmitResponse& admit,
-                   int64_t first_token_override = -1) {
+                   int64_t first_token_override = -1,
+                   const v1::TokenLogprob* first_logprob = nullptr) {
     const int n = static_cast<int>(prompt.size());
     const int bs = admit.model().block_size();
     EXPECT_EQ(bs, 16);
@@ -214,6 +215,9 @@ class TestPrefill {
     req.set_first_token(first_token_override == -1
                             ? first
                             : static_cast<int32_t>(first_token_override));
+    if (first_logprob != nullptr) {
+      *req.mutable_first_token_logprob() = *first_logprob;
+    }
     v1::KvCompleteResponse resp;
     return stub.KvComplete(&ctx, req, &resp);
   }
@@ -246,6 +250,7 @@ inline v1::AdmitRequest MakeAdmit(uint64_t id, const std::vector<int32_t>& p,
 
 struct Streamed {
   std::vector<int32_t> tokens;
+  std::vector<v1::TokenLogprob> logprobs;
   std::string text;
   int deltas = 0;
   bool finished = false;
@@ -269,6 +274,8 @@ Streamed ReadStream(v1::DecodeWorker::Stub& stub, uint64_t id, F after_first,
     out.tokens.insert(out.tokens.end(), d.token_ids().begin(),
                       d.token_ids().end());
     out.text += d.text();
+    out.logprobs.insert(out.logprobs.end(), d.logprobs().begin(),
+                        d.logprobs().end());
     if (++out.deltas == 1) after_first(ctx);
     if (d.finished()) {
       out.finished = true;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
 #include "metrics/exposition.h"
 #include "nlohmann/json.hpp"
@@ -56,6 +58,8 @@ struct Generated {
   grpc::Status status;
   std::vector<int32_t> ids;
   std::string text;
+  std::vector<float> logprobs;
+  std::vector<v1::TopLogprobs> top_logprobs;
   v1::GenerateResponse last;
   int items = 0;
 };
@@ -76,6 +80,10 @@ Generated GrpcGenerate(const std::string& address,
     out.ids.insert(out.ids.end(), item.token_ids().begin(),
                    item.token_ids().end());
     out.text += item.text();
+    out.logprobs.insert(out.logprobs.end(), item.logprobs().begin(),
+                        item.logprobs().end());
+    out.top_logprobs.insert(out.top_logprobs.end(), item.top_logprobs().begin(),
+                            item.top_logprobs().end());
     out.last = item;
     ++out.items;
     if (out.items == cancel_after_items) context.TryCancel();
@@ -156,6 +164,82 @@ struct Layout {
 
 class LayoutTest : public ::testing::TestWithParam<Layout> {};
 
+// Per-token logprobs and alternatives through the cluster (token 0 from the
+// last prefill stage, the rest from the decode worker's rows, verified drafts
+// included) against a single-process engine recompute of the same sequence.
+// bf16 KV moves logits by up to ~2e-2 relative, so an unlikely token's
+// logprob (-8) may move by 0.15; f32 only by summation order. The tolerance
+// is `absolute + relative * |logprob|`.
+void ExpectLogprobsMatchTheEngine(const std::string& grpc_address,
+                                  const std::string& http_address,
+                                  const testing::GoldenCase& c, float absolute,
+                                  float relative) {
+  auto tolerance = [&](float want) {
+    return absolute + relative * std::abs(want);
+  };
+  static const auto* weights =
+      engine::testing_util::OpenStories(/*gguf=*/false).release();
+  ASSERT_NE(weights, nullptr);
+  constexpr int kTop = 3;
+  v1::GenerateRequest r = TextRequest(c.prompt, c.max_new_tokens);
+  r.set_include_logprobs(true);
+  r.set_top_logprobs(kTop);
+  Generated g = GrpcGenerate(grpc_address, r);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  ASSERT_EQ(g.ids, c.greedy_ids);
+  const std::vector<engine::TokenLogprobs> want =
+      engine::testing_util::ReferenceLogprobs(*weights, c.prompt_ids,
+                                              c.greedy_ids, kTop);
+  ASSERT_EQ(g.logprobs.size(), want.size());
+  ASSERT_EQ(g.top_logprobs.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(g.logprobs[i], want[i].logprob, tolerance(want[i].logprob))
+        << "token " << i;
+    ASSERT_EQ(g.top_logprobs[i].alternatives_size(), kTop);
+    // Greedy: the emitted token is the most likely alternative.
+    EXPECT_EQ(g.top_logprobs[i].alternatives(0).token_id(), g.ids[i]);
+    for (int k = 0; k < kTop; ++k) {
+      EXPECT_NEAR(g.top_logprobs[i].alternatives(k).logprob(),
+                  want[i].top[k].logprob, tolerance(want[i].top[k].logprob))
+          << "token " << i << " alternative " << k;
+    }
+  }
+  // Without asking: none.
+  Generated plain =
+      GrpcGenerate(grpc_address, TextRequest(c.prompt, c.max_new_tokens));
+  EXPECT_TRUE(plain.logprobs.empty());
+  EXPECT_TRUE(plain.top_logprobs.empty());
+
+  // OpenAI chat shape over the same numbers: "logprobs": true with two
+  // alternatives, the tokens spelling out the text.
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                     {"max_tokens", 12},
+                     {"temperature", 0},
+                     {"logprobs", true},
+                     {"top_logprobs", 2}};
+  HttpReply reply = HttpPost(http_address, "/v1/chat/completions", chat.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const json body = json::parse(reply.body);
+  const json& content = body["choices"][0]["logprobs"]["content"];
+  ASSERT_GT(content.size(), 0u) << reply.body;
+  EXPECT_EQ(content.size(), body["usage"]["completion_tokens"].get<size_t>());
+  std::string spelled;
+  for (const json& token : content) {
+    EXPECT_LE(token["logprob"].get<double>(), 0.0);
+    EXPECT_EQ(token["top_logprobs"].size(), 2u);
+    EXPECT_EQ(token["top_logprobs"][0]["logprob"], token["logprob"]);
+    for (const json& b : token["bytes"]) {
+      spelled.push_back(static_cast<char>(b.get<int>()));
+    }
+  }
+  const std::string text =
+      body["choices"][0]["message"]["content"].get<std::string>();
+  // The text drops the first word's leading space (SentencePiece's dummy
+  // prefix); the token bytes keep it.
+  EXPECT_TRUE(spelled == text || spelled == " " + text)
+      << "'" << spelled << "' vs '" << text << "'";
+}
+
 TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
   const Layout layout = GetParam();
   LocalClusterOptions o = BaseOptions();
@@ -231,6 +315,10 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
     EXPECT_EQ(SseText(streamed.body, &done), c.text);
     EXPECT_TRUE(done);
   }
+  ExpectLogprobsMatchTheEngine(cluster->grpc_address(), cluster->http_address(),
+                               AllGoldens().back(),
+                               layout.kv_dtype == "bf16" ? 2e-2f : 1e-3f,
+                               layout.kv_dtype == "bf16" ? 2e-2f : 1e-4f);
 }
 
 INSTANTIATE_TEST_SUITE_P(

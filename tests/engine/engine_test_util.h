@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/llama_engine.h"
+#include "engine/sampler.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
 #include "testing/golden.h"
@@ -35,6 +36,46 @@ inline std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
         }
       }
     }
+  }
+  return out;
+}
+
+// What the single-process engine says about `output` after `prompt`: one
+// forward over prompt + output[0, n - 1) with logits at the positions that
+// predicted each output token.
+inline std::vector<TokenLogprobs> ReferenceLogprobs(
+    const model::WeightSource& weights, const std::vector<int32_t>& prompt,
+    const std::vector<int32_t>& output, int top_n) {
+  EngineOptions eo;
+  eo.num_threads = 1;
+  auto engine = LlamaEngine::Create(weights, eo);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  if (!engine.ok() || output.empty()) return {};
+  std::vector<int32_t> tokens = prompt;
+  tokens.insert(tokens.end(), output.begin(), output.end() - 1);
+  constexpr int kBlock = 16;
+  const int blocks = static_cast<int>(tokens.size()) / kBlock + 1;
+  auto pool = kv::KvPool::Create((*engine)->KvLayout(kBlock), blocks);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (!pool.ok()) return {};
+  std::vector<int32_t> table(blocks);
+  for (int b = 0; b < blocks; ++b) table[b] = b;
+  SequenceStep step;
+  step.tokens = tokens;
+  step.num_tokens = static_cast<int>(tokens.size());
+  step.block_table = table;
+  for (size_t q = prompt.size() - 1; q < tokens.size(); ++q)
+    step.logit_indices.push_back(static_cast<int>(q));
+  ForwardBatch batch;
+  batch.sequences.push_back(step);
+  ForwardResult result;
+  EXPECT_TRUE((*engine)->Forward(batch, **pool, &result).ok());
+  const int vocab = (*engine)->config().vocab_size;
+  std::vector<TokenLogprobs> out;
+  for (size_t k = 0; k < output.size(); ++k) {
+    out.push_back(ComputeTokenLogprobs(
+        std::span<const float>(result.logits).subspan(k * vocab, vocab),
+        output[k], top_n));
   }
   return out;
 }

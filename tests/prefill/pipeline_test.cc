@@ -168,15 +168,22 @@ TEST_F(PrefillPipelineTest, ExplicitSplitsAndSeededSamplingOfTheFirstToken) {
       request.sampling.temperature = 0.9f;
       request.sampling.top_p = 0.95f;
       request.sampling.seed = seed;
+      request.top_logprobs = static_cast<int>(seed % 5);
       auto ticket = group->Submit(request);
       ASSERT_TRUE(ticket.ok()) << ticket.status();
       auto outcome = (*ticket)->Wait(absl::Seconds(60));
       ASSERT_TRUE(outcome.ok()) << outcome.status();
       // The same counter-based draw the single-process engine makes.
-      engine::SampledToken expected =
-          engine::Sample(ref.last_logits, request.sampling, 0);
+      engine::SampledToken expected = engine::Sample(
+          ref.last_logits, request.sampling, 0, request.top_logprobs);
       EXPECT_EQ(outcome->first_token.token, expected.token) << "seed " << seed;
       EXPECT_NEAR(outcome->first_token.logprob, expected.logprob, 1e-4);
+      ASSERT_EQ(outcome->first_token.top.size(), expected.top.size());
+      for (size_t k = 0; k < expected.top.size(); ++k) {
+        EXPECT_EQ(outcome->first_token.top[k].token, expected.top[k].token);
+        EXPECT_NEAR(outcome->first_token.top[k].logprob,
+                    expected.top[k].logprob, 1e-4);
+      }
       ExpectKvMatches(kv_out, seed, ref, absl::StrCat("seed ", seed));
     }
   }

@@ -109,7 +109,9 @@ TEST(UcxKvOutputTest, StagesWriteEngineKvIntoDecodeRankShards) {
     auto outcome = (*ticket)->Wait(absl::Seconds(60));
     ASSERT_TRUE(outcome.ok()) << outcome.status();
     EXPECT_EQ(outcome->first_token.token, cases[i].greedy_ids[0]);
-    if (i + 1 == cases.size()) EXPECT_EQ(outcome->cached_tokens, 256);
+    if (i + 1 == cases.size()) {
+      EXPECT_EQ(outcome->cached_tokens, 256);
+    }
     for (auto& sink : sinks) {
       ASSERT_TRUE(sink->Wait(id, absl::Seconds(30)).ok());
     }

@@ -30,6 +30,7 @@ StageMessage SampleMessage() {
   a.sampling.top_k = 5;
   a.sampling.top_p = 0.9f;
   a.sampling.seed = 99;
+  a.top_logprobs = 4;
   a.kv_grants = {"grant-a", std::string("\0b", 2)};
   ChunkHeader b;
   b.request_id = 8;
@@ -51,6 +52,8 @@ TEST(StageWireTest, MessagesAndEventsRoundTrip) {
   EXPECT_EQ(back->chunks[0].block_table, m.chunks[0].block_table);
   EXPECT_EQ(back->chunks[0].kv_grants, m.chunks[0].kv_grants);
   EXPECT_EQ(back->chunks[0].sampling.seed, 99u);
+  EXPECT_EQ(back->chunks[0].top_logprobs, 4);
+  EXPECT_EQ(back->chunks[1].top_logprobs, 0);
   EXPECT_TRUE(back->chunks[0].final_chunk);
   EXPECT_FALSE(back->chunks[1].final_chunk);
   EXPECT_EQ(back->hidden, m.hidden);
@@ -71,6 +74,16 @@ TEST(StageWireTest, MessagesAndEventsRoundTrip) {
   EXPECT_EQ(event->status, e.status);
   EXPECT_EQ(event->start, e.start);
   EXPECT_EQ(event->tokens, 17);
+
+  StageEvent token;
+  token.kind = StageEvent::Kind::kFirstToken;
+  token.request_id = 5;
+  token.token = {7, -0.5f, {{7, -0.5f}, {3, -1.25f}}};
+  auto token_back = DecodeStageEvent(EncodeStageEvent(token));
+  ASSERT_TRUE(token_back.ok()) << token_back.status();
+  EXPECT_EQ(token_back->token.token, 7);
+  EXPECT_EQ(token_back->token.logprob, -0.5f);
+  EXPECT_EQ(token_back->token.top, token.token.top);
 }
 
 TEST(StageWireTest, MalformedBlobsAreRejectedNeverCrash) {
@@ -92,6 +105,19 @@ TEST(StageWireTest, MalformedBlobsAreRejectedNeverCrash) {
   bad.hidden.push_back(9);  // 9 floats for 4 tokens
   EXPECT_EQ(DecodeStageMessage(EncodeStageMessage(bad)).status().code(),
             absl::StatusCode::kInvalidArgument);
+  bad = SampleMessage();
+  bad.chunks[0].top_logprobs = engine::kMaxTopLogprobs + 1;
+  EXPECT_EQ(DecodeStageMessage(EncodeStageMessage(bad)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  StageEvent crowded;
+  crowded.token.top.resize(engine::kMaxTopLogprobs + 1);
+  EXPECT_FALSE(DecodeStageEvent(EncodeStageEvent(crowded)).ok());
+  StageEvent with_top;
+  with_top.token.top = {{1, -0.1f}, {2, -3.0f}};
+  const std::string top_event = EncodeStageEvent(with_top);
+  for (size_t n = 0; n < top_event.size(); ++n) {
+    EXPECT_FALSE(DecodeStageEvent(top_event.substr(0, n)).ok());
+  }
   const std::string event = EncodeStageEvent(StageEvent{});
   for (size_t n = 0; n < event.size(); ++n) {
     EXPECT_FALSE(DecodeStageEvent(event.substr(0, n)).ok());

@@ -72,6 +72,11 @@ TEST(PrefillWorkerBadInputTest, PreciseCodesAndTheGroupKeepsServing) {
 
   r = MakeRequest(next_id, prompt, ranks, dst_of(next_id), 0, "");
   ++next_id;
+  r.set_top_logprobs(21);
+  expect(r, grpc::StatusCode::INVALID_ARGUMENT, "top_logprobs");
+
+  r = MakeRequest(next_id, prompt, ranks, dst_of(next_id), 0, "");
+  ++next_id;
   r.mutable_destination()->clear_ranks();
   expect(r, grpc::StatusCode::INVALID_ARGUMENT, "no decode rank");
 

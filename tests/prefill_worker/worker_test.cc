@@ -85,11 +85,23 @@ void RunGolden(int stages, const std::string& split,
     }
     const uint64_t id = 1000 + i;
     v1::PrefillSubmitResponse response;
-    grpc::Status s = group.Prefill(
-        MakeRequest(id, c.prompt_ids, ranks, dst, cached, decode.address()),
-        &response);
+    v1::PrefillSubmitRequest request =
+        MakeRequest(id, c.prompt_ids, ranks, dst, cached, decode.address());
+    // Alternatives of token 0 cross the last stage -> stage 0 link.
+    request.set_top_logprobs(static_cast<int>(i % 4));
+    grpc::Status s = group.Prefill(request, &response);
     ASSERT_TRUE(s.ok()) << s.error_message() << "\n" << group.Logs();
     EXPECT_EQ(response.first_token(), c.greedy_ids[0]) << "prompt " << i;
+    EXPECT_LT(response.first_token_logprob(), 0.0f);
+    ASSERT_EQ(response.first_token_top_logprobs_size(),
+              static_cast<int>(i % 4));
+    if (i % 4 > 0) {
+      // Greedy: token 0 is the most likely one.
+      EXPECT_EQ(response.first_token_top_logprobs(0).token_id(),
+                c.greedy_ids[0]);
+      EXPECT_EQ(response.first_token_top_logprobs(0).logprob(),
+                response.first_token_logprob());
+    }
     EXPECT_TRUE(response.decode_notified());
     ++notified;
     for (auto& sink : ranks.sinks) {
@@ -107,6 +119,10 @@ void RunGolden(int stages, const std::string& split,
     const auto& c = i < cases.size() ? cases[i] : cases.back();
     EXPECT_EQ(notices[i].request_id, 1000 + i);
     EXPECT_EQ(notices[i].first_token, c.greedy_ids[0]);
+    // The decode worker hears token 0's numbers with the notice.
+    EXPECT_LT(notices[i].first_token_logprob.logprob(), 0.0f);
+    EXPECT_EQ(notices[i].first_token_logprob.top_size(),
+              static_cast<int>(i % 4));
   }
   EXPECT_EQ(ranks.active(), 0);
 

@@ -46,6 +46,7 @@ class FakeDecode : public grpc::CallbackGenericService {
   struct Notice {
     uint64_t request_id;
     int32_t first_token;
+    pdserve::v1::TokenLogprob first_token_logprob;
   };
   FakeDecode() {
     grpc::ServerBuilder builder;
@@ -94,8 +95,8 @@ class FakeDecode : public grpc::CallbackGenericService {
         }
         {
           absl::MutexLock lock(&owner_->mu_);
-          owner_->notices_.push_back(
-              {notice.request_id(), notice.first_token()});
+          owner_->notices_.push_back({notice.request_id(), notice.first_token(),
+                                      notice.first_token_logprob()});
         }
         // An empty message still needs a (zero-length) slice.
         grpc::Slice empty(std::string{});

@@ -2,7 +2,10 @@
 // runs on a thread of its own and obeys the callback contract of
 // generation_backend.h. What it does depends on the prompt text:
 //   anything else     max_tokens deltas " w0", " w1", ... (ids 100, 101, ...)
-//                     every `token_delay`, then finish "length"
+//                     every `token_delay`, then finish "length"; with
+//                     logprobs, token i has logprob -0.25 (i + 1) and
+//                     alternative k is id 100 + i + k, logprob -0.25 (i + 1) -
+//                     k
 //   "fail:<code>"     OnDone(<code>) before any token; <code> is one of
 //                     unavailable, exhausted, invalid, deadline, internal
 //   "midfail"         two tokens, then OnDone(INTERNAL)
@@ -167,6 +170,15 @@ class FakeBackend : public GenerationBackend {
       GenerationDelta delta;
       delta.token_ids = {100 + i};
       delta.text = absl::StrCat(" w", i);
+      if (request.logprobs) {
+        const float logprob = -0.25f * static_cast<float>(i + 1);
+        TokenLogprob& l = delta.logprobs.emplace_back();
+        l.chosen = {100 + i, logprob, delta.text};
+        for (int k = 0; k < request.top_logprobs; ++k) {
+          l.top.push_back({100 + i + k, logprob - static_cast<float>(k),
+                           absl::StrCat(" w", i + k)});
+        }
+      }
       if (i + 1 == n) {
         delta.finished = true;
         delta.finish_reason = finish;

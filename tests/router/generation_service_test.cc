@@ -96,6 +96,38 @@ TEST_F(GenerationServiceTest, StreamsDeltasWithTheSummaryOnTheLastItem) {
   EXPECT_LT(seen.deadline, absl::InfiniteFuture());
 }
 
+TEST_F(GenerationServiceTest, LogprobsAndAlternativesPerToken) {
+  v1::GenerateRequest request = Request("x", 3);
+  request.set_include_logprobs(true);
+  request.set_top_logprobs(2);
+  auto [items, status] = ReadAll(request);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(items.size(), 3u);
+  for (size_t i = 0; i < items.size(); ++i) {
+    ASSERT_EQ(items[i].logprobs_size(), 1);
+    EXPECT_FLOAT_EQ(items[i].logprobs(0), -0.25f * (i + 1));
+    ASSERT_EQ(items[i].top_logprobs_size(), 1);
+    const v1::TopLogprobs& top = items[i].top_logprobs(0);
+    ASSERT_EQ(top.alternatives_size(), 2);
+    EXPECT_EQ(top.alternatives(1).token_id(), 100 + static_cast<int>(i) + 1);
+    EXPECT_FLOAT_EQ(top.alternatives(1).logprob(), -0.25f * (i + 1) - 1);
+  }
+  EXPECT_TRUE(backend_.last_request().logprobs);
+  EXPECT_EQ(backend_.last_request().top_logprobs, 2);
+
+  // Unary: the same, accumulated; logprobs alone: no alternatives.
+  request.set_top_logprobs(0);
+  grpc::ClientContext context;
+  v1::GenerateResponse unary;
+  ASSERT_TRUE(stub_->GenerateUnary(&context, request, &unary).ok());
+  EXPECT_EQ(unary.logprobs_size(), 3);
+  EXPECT_EQ(unary.top_logprobs_size(), 0);
+  // Not asked: nothing.
+  auto [plain, plain_status] = ReadAll(Request("x", 2));
+  ASSERT_TRUE(plain_status.ok());
+  for (const auto& item : plain) EXPECT_EQ(item.logprobs_size(), 0);
+}
+
 TEST_F(GenerationServiceTest, TokenIdPromptsAndDefaults) {
   v1::GenerateRequest request;
   request.mutable_token_ids()->add_ids(1);
@@ -163,6 +195,13 @@ TEST_F(GenerationServiceTest, BadRequestsAreInvalidArgument) {
   v1::GenerateRequest stop = Request("a", 4);
   stop.add_stop("");
   bad.push_back(stop);
+  v1::GenerateRequest top_alone = Request("a", 4);
+  top_alone.set_top_logprobs(2);  // without include_logprobs
+  bad.push_back(top_alone);
+  v1::GenerateRequest top_many = Request("a", 4);
+  top_many.set_include_logprobs(true);
+  top_many.set_top_logprobs(21);
+  bad.push_back(top_many);
   for (const v1::GenerateRequest& request : bad) {
     auto [items, status] = ReadAll(request);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)

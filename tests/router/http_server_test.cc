@@ -133,6 +133,49 @@ TEST_F(HttpServerTest, StreamingCompletionSseFraming) {
   EXPECT_EQ(events[5], "[DONE]");
 }
 
+TEST_F(HttpServerTest, CompletionLogprobsWholeAndStreamed) {
+  auto res = Post("/v1/completions",
+                  R"({"prompt": "Once", "max_tokens": 3, "logprobs": 1})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json whole = json::parse(res->body)["choices"][0]["logprobs"];
+  EXPECT_EQ(whole["tokens"], json({" w0", " w1", " w2"}));
+  EXPECT_EQ(whole["token_logprobs"], json({-0.25, -0.5, -0.75}));
+  EXPECT_EQ(whole["text_offset"], json({0, 3, 6}));
+  EXPECT_EQ(whole["top_logprobs"][2], json({{" w2", -0.75}}));
+  EXPECT_TRUE(backend_.last_request().logprobs);
+  EXPECT_EQ(backend_.last_request().top_logprobs, 1);
+
+  // Streamed: each chunk carries its token's logprobs, offsets continuing.
+  res = Post("/v1/completions",
+             R"({"prompt": "Once", "max_tokens": 3, "logprobs": 0,
+                 "stream": true})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  std::vector<std::string> events = Events(res->body);
+  ASSERT_EQ(events.size(), 4u) << res->body;
+  for (int i = 0; i < 3; ++i) {
+    const json lp = json::parse(events[i])["choices"][0]["logprobs"];
+    EXPECT_EQ(lp["tokens"], json({absl::StrCat(" w", i)}));
+    EXPECT_EQ(lp["text_offset"], json({3 * i}));
+  }
+
+  // Chat, and a request without logprobs keeps "logprobs": null.
+  res = Post("/v1/chat/completions",
+             R"({"messages": [{"role": "user", "content": "Hi"}],
+                 "max_tokens": 2, "logprobs": true, "top_logprobs": 3})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json content =
+      json::parse(res->body)["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  EXPECT_EQ(content[1]["token"], " w1");
+  EXPECT_EQ(content[1]["top_logprobs"].size(), 3u);
+  res = Post("/v1/completions", R"({"prompt": "Once", "max_tokens": 1})");
+  ASSERT_TRUE(res);
+  EXPECT_TRUE(json::parse(res->body)["choices"][0]["logprobs"].is_null());
+}
+
 TEST_F(HttpServerTest, ChatStreamingAndNot) {
   auto res = Post("/v1/chat/completions",
                   R"({"messages": [{"role": "user", "content": "Hi"}],

@@ -130,8 +130,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"n_two", kC, R"({"prompt": "a", "n": 2})", "'n'"},
         BadCase{"best_of", kC, R"({"prompt": "a", "best_of": 3})", "best_of"},
         BadCase{"echo", kC, R"({"prompt": "a", "echo": true})", "echo"},
-        BadCase{"logprobs", kC, R"({"prompt": "a", "logprobs": 2})",
-                "logprobs"},
+        BadCase{"logprobs_over_20", kC, R"({"prompt": "a", "logprobs": 21})",
+                "'logprobs'"},
+        BadCase{"logprobs_negative", kC, R"({"prompt": "a", "logprobs": -1})",
+                "'logprobs'"},
+        BadCase{"logprobs_true_completions", kC,
+                R"({"prompt": "a", "logprobs": true})", "'logprobs'"},
+        BadCase{"top_logprobs_completions", kC,
+                R"({"prompt": "a", "top_logprobs": 2})", "chat option"},
         BadCase{"penalty", kC, R"({"prompt": "a", "presence_penalty": 0.5})",
                 "presence_penalty"},
         BadCase{"stream_string", kC, R"({"prompt": "a", "stream": "yes"})",
@@ -148,6 +154,18 @@ INSTANTIATE_TEST_SUITE_P(
                 R"({"messages": [{"role": "tool", "content": "x"}]})", "role"},
         BadCase{"no_content", kChat, R"({"messages": [{"role": "user"}]})",
                 "content"},
+        BadCase{"chat_logprobs_number", kChat,
+                R"({"messages": [{"role": "user", "content": "x"}],
+                    "logprobs": 3})",
+                "'logprobs'"},
+        BadCase{"chat_top_without_logprobs", kChat,
+                R"({"messages": [{"role": "user", "content": "x"}],
+                    "top_logprobs": 3})",
+                "needs \"logprobs\": true"},
+        BadCase{"chat_top_over_20", kChat,
+                R"({"messages": [{"role": "user", "content": "x"}],
+                    "logprobs": true, "top_logprobs": 21})",
+                "'top_logprobs'"},
         BadCase{"image_part", kChat,
                 R"({"messages": [{"role": "user", "content":
                     [{"type": "image_url", "image_url": {}}]}]})",
@@ -177,7 +195,7 @@ TEST(OpenAiApiTest, ErrorShape) {
 }
 
 TEST(OpenAiApiTest, ResponseShapes) {
-  CompletionOutcome outcome{" w0 w1", FinishReason::kLength, {3, 2, 0}};
+  CompletionOutcome outcome{" w0 w1", FinishReason::kLength, {3, 2, 0}, {}};
   json c = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcome));
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["text"], " w0 w1");
@@ -197,6 +215,94 @@ TEST(OpenAiApiTest, ResponseShapes) {
   EXPECT_EQ(chunk["choices"][0]["delta"]["role"], "assistant");
   EXPECT_EQ(chunk["choices"][0]["delta"]["content"], "hi");
   EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+}
+
+TEST(OpenAiApiTest, LogprobsRequests) {
+  auto completions =
+      ParseOpenAiRequest(kC, R"({"prompt": "a", "logprobs": 3})");
+  ASSERT_TRUE(completions.ok()) << completions.status();
+  EXPECT_TRUE(completions->generation.logprobs);
+  EXPECT_EQ(completions->generation.top_logprobs, 3);
+  auto zero = ParseOpenAiRequest(kC, R"({"prompt": "a", "logprobs": 0})");
+  ASSERT_TRUE(zero.ok());
+  EXPECT_TRUE(zero->generation.logprobs);
+  EXPECT_EQ(zero->generation.top_logprobs, 0);
+  for (const char* off :
+       {R"({"prompt": "a"})", R"({"prompt": "a", "logprobs": null})",
+        R"({"prompt": "a", "logprobs": false})"}) {
+    auto parsed = ParseOpenAiRequest(kC, off);
+    ASSERT_TRUE(parsed.ok()) << off;
+    EXPECT_FALSE(parsed->generation.logprobs) << off;
+  }
+  auto chat = ParseOpenAiRequest(
+      kChat, R"({"messages": [{"role": "user", "content": "x"}],
+                 "logprobs": true, "top_logprobs": 20})");
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_TRUE(chat->generation.logprobs);
+  EXPECT_EQ(chat->generation.top_logprobs, 20);
+  auto chat_plain = ParseOpenAiRequest(
+      kChat, R"({"messages": [{"role": "user", "content": "x"}],
+                 "logprobs": true})");
+  ASSERT_TRUE(chat_plain.ok());
+  EXPECT_EQ(chat_plain->generation.top_logprobs, 0);
+}
+
+TEST(OpenAiApiTest, TokenDisplayShowsTextBytesOrIds) {
+  EXPECT_EQ(TokenDisplay({5, -1, " time"}), " time");
+  // Half of "é" (0xC3 0xA9): not text on its own.
+  EXPECT_EQ(TokenDisplay({200, -1, "\xc3"}), "bytes:\\xc3");
+  EXPECT_EQ(TokenDisplay({42, -1, ""}), "token_id:42");
+  EXPECT_EQ(TokenCharacters({200, -1, "\xc3"}), 1);
+  EXPECT_EQ(TokenCharacters({201, -1, "\xa9"}), 0);
+  EXPECT_EQ(TokenCharacters({5, -1, " t\xc3\xa9"}), 3);
+}
+
+TEST(OpenAiApiTest, LogprobsShapes) {
+  CompletionOutcome outcome{" a b", FinishReason::kLength, {3, 2, 0}, {}};
+  outcome.logprobs.requested = true;
+  outcome.logprobs.top_logprobs = 2;
+  outcome.logprobs.tokens = {
+      {{10, -0.25f, " a"}, {{10, -0.25f, " a"}, {11, -2.0f, " c"}}},
+      // The sampled token is not among the top two: completions add it.
+      {{12, -3.0f, " b"}, {{13, -0.5f, " d"}, {14, -1.5f, "\xc3"}}},
+  };
+  json c = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcome));
+  const json& lp = c["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({" a", " b"}));
+  EXPECT_EQ(lp["token_logprobs"], json({-0.25, -3.0}));
+  EXPECT_EQ(lp["text_offset"], json({0, 2}));
+  ASSERT_EQ(lp["top_logprobs"].size(), 2u);
+  EXPECT_EQ(lp["top_logprobs"][0], json({{" a", -0.25}, {" c", -2.0}}));
+  EXPECT_EQ(lp["top_logprobs"][1],
+            json({{" d", -0.5}, {"bytes:\\xc3", -1.5}, {" b", -3.0}}));
+
+  json chat = json::parse(CompletionBody(kChat, "chatcmpl-1", 7, "m", outcome));
+  const json& content = chat["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  EXPECT_EQ(content[0]["token"], " a");
+  EXPECT_EQ(content[0]["logprob"], -0.25);
+  EXPECT_EQ(content[0]["bytes"], json({32, 97}));
+  ASSERT_EQ(content[1]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(content[1]["top_logprobs"][1]["token"], "bytes:\\xc3");
+  EXPECT_EQ(content[1]["top_logprobs"][1]["bytes"], json({0xc3}));
+  EXPECT_TRUE(chat["choices"][0]["logprobs"]["refusal"].is_null());
+
+  // Not requested: null, as before.
+  outcome.logprobs.requested = false;
+  EXPECT_TRUE(json::parse(CompletionBody(kC, "c", 7, "m",
+                                         outcome))["choices"][0]["logprobs"]
+                  .is_null());
+  // A stream chunk starts its offsets where the earlier chunks ended.
+  LogprobsOutput chunk;
+  chunk.requested = true;
+  chunk.text_offset = 9;
+  chunk.tokens = {{{12, -3.0f, " b"}, {}}};
+  json event = json::parse(StreamChunkEvent(kC, "id", 7, "m", " b",
+                                            FinishReason::kNone, false, chunk)
+                               .substr(6));
+  EXPECT_EQ(event["choices"][0]["logprobs"]["text_offset"], json({9}));
+  EXPECT_EQ(event["choices"][0]["logprobs"]["top_logprobs"][0],
+            json({{" b", -3.0}}));
 }
 
 }  // namespace
