@@ -2,7 +2,8 @@
 // on a dummy-weight llama-110m at several batch sizes and TP degrees,
 // speculation with an always-right proposer against speculation off, the
 // verify-cost curve that sets the speculation-off rule, and the n-gram
-// proposer's mean acceptance length on the stories260K golden prompts.
+// proposer's mean acceptance length on the stories260K golden prompts, and
+// what asking for logprobs (and 20 alternatives) costs a decode step.
 // Everything compared is measured side by side in one run, interleaved
 // repetition by repetition (the dev machine is 2 shared, noisy cores).
 //
@@ -342,6 +343,44 @@ int Run(const Options& opt) {
     std::printf("| %d |", batch);
     for (auto& v : tps) std::printf(" %.1f |", Median(v));
     std::printf(" %.2f |\n", Median(tps.back()) / Median(tps.front()));
+  }
+
+  // ---- Logprobs: the same worker with and without them --------------------
+  // A request asking for logprobs makes its step download logits rows (not
+  // only argmaxes) and costs a log-softmax (+ a top-N heap) per token on the
+  // scheduler thread.
+  {
+    decode::RequestParams with = params;
+    with.logprobs = true;
+    decode::RequestParams with_top = with;
+    with_top.top_logprobs = 20;
+    std::printf(
+        "\n### Logprobs cost, T=%d (decode tokens/s, median of %d; ratios "
+        "median of per-rep ratios)\n\n"
+        "| batch | off | logprobs | logprobs + 20 alternatives | logprobs / "
+        "off | + 20 alternatives / off | outputs equal |\n"
+        "|---:|---:|---:|---:|---:|---:|---|\n",
+        opt.tp.front(), opt.reps);
+    for (int batch : opt.batches) {
+      auto prompts = Prompts(batch, opt.context, vocab);
+      std::vector<double> a, b, c, rb, rc;
+      bool same = true;
+      for (int rep = 0; rep < opt.reps; ++rep) {
+        auto x = off[0]->Run(prompts, params);
+        auto y = off[0]->Run(prompts, with);
+        auto z = off[0]->Run(prompts, with_top);
+        if (!x.ok() || !y.ok() || !z.ok()) return 1;
+        a.push_back(x->decode_tps);
+        b.push_back(y->decode_tps);
+        c.push_back(z->decode_tps);
+        rb.push_back(y->decode_tps / x->decode_tps);
+        rc.push_back(z->decode_tps / x->decode_tps);
+        same = same && x->outputs == y->outputs && x->outputs == z->outputs;
+      }
+      std::printf("| %d | %.1f | %.1f | %.1f | %.3f | %.3f | %s |\n", batch,
+                  Median(a), Median(b), Median(c), Median(rb), Median(rc),
+                  same ? "yes" : "NO");
+    }
   }
 
   // ---- Speculation at batch 1: always-right proposer vs off ---------------

@@ -146,18 +146,17 @@ absl::Status Generate(int argc, char** argv) {
     engine::ForwardResult result;
     PDS_RETURN_IF_ERROR(llama->Forward(batch, *pool, &result));
     position += step.num_tokens;
-    engine::SampledToken next =
-        engine::Sample(result.logits, sampling, generated);
+    const int32_t next = engine::DrawToken(result.logits, sampling, generated);
     if (generated == 0) {
       first_token_seconds = std::chrono::duration<double>(
                                 std::chrono::steady_clock::now() - start)
                                 .count();
     }
     ++generated;
-    if (tokenizer->IsEos(next.token)) break;
-    PDS_ASSIGN_OR_RETURN(std::string delta, detokenizer.Push(next.token));
+    if (tokenizer->IsEos(next)) break;
+    PDS_ASSIGN_OR_RETURN(std::string delta, detokenizer.Push(next));
     std::cout << delta << std::flush;
-    step_tokens = {next.token};
+    step_tokens = {next};
   }
   std::cout << detokenizer.Finish() << std::endl;
   double seconds =

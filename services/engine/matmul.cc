@@ -353,6 +353,71 @@ void SoftmaxInPlace(float* p, int64_t n) {
   for (; i < n; ++i) p[i] *= inv_sum;
 }
 
+float MaxOf(const float* x, int64_t n) {
+  int64_t i = 0;
+  float max_value = -INFINITY;
+#ifdef PDSERVE_MATMUL_AVX2
+  if (n >= 8) {
+    __m256 max8 = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8)
+      max8 = _mm256_max_ps(max8, _mm256_loadu_ps(x + i));
+    max_value = HorizontalMax(max8);
+  }
+#endif
+  for (; i < n; ++i) max_value = std::max(max_value, x[i]);
+  return max_value;
+}
+
+int64_t FirstAbove(const float* x, int64_t n, float threshold, bool or_equal) {
+  int64_t i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  const __m256 t8 = _mm256_set1_ps(threshold);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int mask =
+        _mm256_movemask_ps(or_equal ? _mm256_cmp_ps(v, t8, _CMP_GE_OQ)
+                                    : _mm256_cmp_ps(v, t8, _CMP_GT_OQ));
+    if (mask != 0) return i + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (or_equal ? x[i] >= threshold : x[i] > threshold) return i;
+  }
+  return n;
+}
+
+double LogSumExp(const float* x, int64_t n) {
+  if (n <= 0) return -INFINITY;
+  const float max_value = MaxOf(x, n);
+  int64_t i = 0;
+  // Every term is in (0, 1]: float lanes lose nothing that matters over a
+  // few thousand adds, and moving them into the double every kFlush vectors
+  // keeps a 256k-entry vocabulary as exact as a short one.
+  double sum = 0;
+  i = 0;
+#ifdef PDSERVE_MATMUL_AVX2
+  constexpr int64_t kFlush = 8 * 256;
+  const __m256 max8 = _mm256_set1_ps(max_value);
+  while (i + 8 <= n) {
+    __m256 sum_a = _mm256_setzero_ps(), sum_b = _mm256_setzero_ps();
+    const int64_t end = std::min(n, i + kFlush);
+    for (; i + 16 <= end; i += 16) {
+      sum_a = _mm256_add_ps(sum_a,
+                            Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), max8)));
+      sum_b = _mm256_add_ps(
+          sum_b, Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), max8)));
+    }
+    for (; i + 8 <= end; i += 8) {
+      sum_a = _mm256_add_ps(sum_a,
+                            Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), max8)));
+    }
+    sum += HorizontalSum(_mm256_add_ps(sum_a, sum_b));
+  }
+#endif
+  for (; i < n; ++i) sum += std::exp(double{x[i]} - max_value);
+  return max_value + std::log(sum);
+}
+
 void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef PDSERVE_MATMUL_AVX2

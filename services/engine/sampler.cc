@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "engine/matmul.h"
 
 namespace pdserve::engine {
 namespace {
@@ -14,14 +15,6 @@ uint64_t SplitMix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
-}
-
-// max + log(sum(exp(logit - max))): the log-softmax normalizer.
-double LogNormalizer(std::span<const float> logits) {
-  const float max_logit = *std::max_element(logits.begin(), logits.end());
-  double sum = 0;
-  for (float v : logits) sum += std::exp(double{v} - max_logit);
-  return max_logit + std::log(sum);
 }
 
 // Orders candidates best first: higher logit, then lower id.
@@ -53,8 +46,17 @@ double UniformForRequest(uint64_t seed, uint64_t index, uint64_t stream) {
 }
 
 int32_t ArgMax(std::span<const float> logits) {
-  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                              logits.begin());
+  if (logits.empty()) return 0;  // as max_element: the (empty) begin
+  const int64_t n = static_cast<int64_t>(logits.size());
+  // The first element equal to the maximum: the lowest id on ties.
+  const int64_t at =
+      FirstAbove(logits.data(), n, MaxOf(logits.data(), n), /*or_equal=*/true);
+  // Only NaNs compare false with everything; fall back to the scalar rule.
+  if (at == n) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                logits.begin());
+  }
+  return static_cast<int32_t>(at);
 }
 
 void SamplingDistribution(std::span<const float> logits,
@@ -125,7 +127,8 @@ TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
                                    int top_n) {
   TokenLogprobs out;
   if (logits.empty()) return out;
-  const double log_z = LogNormalizer(logits);
+  const double log_z =
+      LogSumExp(logits.data(), static_cast<int64_t>(logits.size()));
   if (token >= 0 && static_cast<size_t>(token) < logits.size())
     out.logprob = static_cast<float>(double{logits[token]} - log_z);
   const size_t n =
@@ -135,9 +138,16 @@ TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
   // the common case of a logit below the current n-th.
   std::vector<TopLogprob>& heap = out.top;
   heap.reserve(n + 1);
-  for (size_t i = 0; i < logits.size(); ++i) {
+  const int64_t size = static_cast<int64_t>(logits.size());
+  for (int64_t i = 0; i < size; ++i) {
+    if (heap.size() == n) {
+      // Skip to the next logit above the worst kept one (ids only grow, so a
+      // later logit equal to it loses the tie).
+      i += FirstAbove(logits.data() + i, size - i, heap.front().logprob,
+                      /*or_equal=*/false);
+      if (i == size) break;
+    }
     TopLogprob candidate{static_cast<int32_t>(i), logits[i]};
-    if (heap.size() == n && !Better(candidate, heap.front())) continue;
     heap.push_back(candidate);
     std::push_heap(heap.begin(), heap.end(), Better);
     if (heap.size() > n) {
@@ -151,17 +161,18 @@ TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
   return out;
 }
 
+int32_t DrawToken(std::span<const float> logits, const SamplingParams& params,
+                  uint64_t index) {
+  if (params.greedy()) return ArgMax(logits);
+  std::vector<float> probs;
+  SamplingDistribution(logits, params, &probs);
+  return DrawFromDistribution(probs, UniformForRequest(params.seed, index));
+}
+
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
                     uint64_t index, int top_logprobs) {
   SampledToken out;
-  if (params.greedy()) {
-    out.token = ArgMax(logits);
-  } else {
-    std::vector<float> probs;
-    SamplingDistribution(logits, params, &probs);
-    out.token =
-        DrawFromDistribution(probs, UniformForRequest(params.seed, index));
-  }
+  out.token = DrawToken(logits, params, index);
   TokenLogprobs logprobs =
       ComputeTokenLogprobs(logits, out.token, top_logprobs);
   out.logprob = logprobs.logprob;

@@ -73,7 +73,12 @@ void SamplingDistribution(std::span<const float> logits,
 // Inverse-CDF draw from `probs` (need not be normalized) with uniform `u`.
 int32_t DrawFromDistribution(std::span<const float> probs, double u);
 
-// Picks output token `index` of a request from its logits; with
+// Picks output token `index` of a request from its logits, nothing else (no
+// log-softmax pass: what a verifier or a plain decode loop needs).
+int32_t DrawToken(std::span<const float> logits, const SamplingParams& params,
+                  uint64_t index);
+
+// DrawToken plus the token's log-probability; with
 // `top_logprobs` > 0 also reports that many most likely alternatives.
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
                     uint64_t index, int top_logprobs = 0);

@@ -79,7 +79,7 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
     ++out.accepted_drafts;
   }
   out.tokens.push_back(
-      engine::Sample(row(gamma), params, first_output_index + gamma).token);
+      engine::DrawToken(row(gamma), params, first_output_index + gamma));
   return out;
 }
 

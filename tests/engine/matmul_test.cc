@@ -97,6 +97,52 @@ TEST(MatMulTest, SizeBeyondAnyMemoryIsResourceExhausted) {
 // The vector exp must stay within a few ulp of double-precision math over the
 // whole range attention and SiLU feed it: every lane position and tail, ties,
 // scores far below the maximum (e^-100 must read as ~0, not NaN or inf).
+TEST(MatMulTest, MaxOfAndFirstAboveMatchScalarScans) {
+  std::mt19937 rng(17);
+  for (int64_t n : {0, 1, 7, 8, 9, 23, 1000}) {
+    std::uniform_int_distribution<int> dist(-20, 20);  // many exact ties
+    std::vector<float> x(n);
+    for (auto& v : x) v = static_cast<float>(dist(rng));
+    const float max_value =
+        n == 0 ? -INFINITY : *std::max_element(x.begin(), x.end());
+    EXPECT_EQ(MaxOf(x.data(), n), max_value) << "n=" << n;
+    for (float t : {-21.0f, -3.0f, 0.0f, 19.0f, 20.0f, 25.0f}) {
+      for (bool or_equal : {false, true}) {
+        int64_t want = n;
+        for (int64_t i = 0; i < n; ++i) {
+          if (or_equal ? x[i] >= t : x[i] > t) {
+            want = i;
+            break;
+          }
+        }
+        EXPECT_EQ(FirstAbove(x.data(), n, t, or_equal), want)
+            << "n=" << n << " t=" << t << " or_equal=" << or_equal;
+      }
+    }
+  }
+}
+
+TEST(MatMulTest, LogSumExpMatchesDoublePrecision) {
+  std::mt19937 rng(13);
+  // Vocabulary-sized rows included: the float lanes flush into the double
+  // total every 2048 terms.
+  for (int64_t n : {1, 7, 8, 9, 31, 1027, 32000, 262144}) {
+    for (float spread : {0.0f, 1.0f, 30.0f, 200.0f}) {
+      std::uniform_real_distribution<float> dist(-spread, spread);
+      std::vector<float> x(n);
+      for (auto& v : x) v = dist(rng);
+      double max_value = -INFINITY, sum = 0;
+      for (float v : x) max_value = std::max<double>(max_value, v);
+      for (float v : x) sum += std::exp(v - max_value);
+      const double want = max_value + std::log(sum);
+      // A logprob is logit - LogSumExp: what matters is the absolute error.
+      EXPECT_NEAR(LogSumExp(x.data(), n), want, 2e-6 * (1 + std::abs(want)))
+          << "n=" << n << " spread=" << spread;
+    }
+  }
+  EXPECT_EQ(LogSumExp(nullptr, 0), -INFINITY);
+}
+
 TEST(MatMulTest, SoftmaxMatchesDoublePrecision) {
   std::mt19937 rng(11);
   for (int64_t n : {1, 2, 7, 8, 9, 16, 31, 100, 1027}) {
