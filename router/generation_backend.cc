@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -106,6 +107,11 @@ absl::StatusOr<ModelDescription> ResolveModel(const GenerationBackend& backend,
   }
   return absl::NotFoundError(
       absl::StrCat("The model `", requested, "` does not exist"));
+}
+
+uint64_t NewRandomSeed() {
+  thread_local absl::BitGen gen;
+  return absl::Uniform<uint64_t>(gen);
 }
 
 std::string NewRequestId() {

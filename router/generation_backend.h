@@ -39,6 +39,7 @@ struct SamplingOptions {
   float temperature = 0.0f;  // 0 = greedy
   float top_p = 1.0f;        // 1 = off
   int32_t top_k = 0;         // 0 = off
+  // Always resolved by the front-end: the client's, or NewRandomSeed().
   uint64_t seed = 0;
 };
 
@@ -162,5 +163,8 @@ using RejectionHook =
 
 // A fresh request id ("req-" + 16 hex digits), unique within the process.
 std::string NewRequestId();
+
+// A random sampling seed for a request that did not fix one (thread-safe).
+uint64_t NewRandomSeed();
 
 }  // namespace pdserve::router

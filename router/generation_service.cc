@@ -345,7 +345,8 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
   out.sampling.top_p =
       request.sampling().top_p() == 0 ? 1.0f : request.sampling().top_p();
   out.sampling.top_k = request.sampling().top_k();
-  out.sampling.seed = request.sampling().seed();
+  out.sampling.seed = request.sampling().has_seed() ? request.sampling().seed()
+                                                    : NewRandomSeed();
   out.stop.assign(request.stop().begin(), request.stop().end());
   out.logprobs = request.include_logprobs();
   out.top_logprobs = request.top_logprobs();

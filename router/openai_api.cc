@@ -403,7 +403,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   if (top_k < 0 || top_k > std::numeric_limits<int32_t>::max()) {
     return FieldError("top_k", "must be >= 0 (or -1 for off)");
   }
-  int64_t seed = 0;
+  // No seed: a fresh one, so repeated sampled requests differ (OpenAI's
+  // behaviour); a given seed reproduces the text.
+  int64_t seed = static_cast<int64_t>(NewRandomSeed());
   if (absl::Status s = ReadInteger(body, "seed", &seed); !s.ok()) return s;
   gen.sampling.temperature = static_cast<float>(temperature);
   gen.sampling.top_p = static_cast<float>(top_p);

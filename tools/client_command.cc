@@ -1,6 +1,6 @@
 // pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3)
 //                [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0]
-//                [--seed 0] [--stop STRING] [--model NAME]
+//                [--seed N] [--stop STRING] [--model NAME]
 //                [--timeout-seconds 120] [--show-ids 1]
 //                [--logprobs N]   (each token's log-probability and its N
 //                                  most likely alternatives, 0-20)
@@ -58,8 +58,11 @@ absl::Status RunClient(int argc, char** argv) {
       flags.Num<float>("temperature", 0.0f));
   request.mutable_sampling()->set_top_p(flags.Num<float>("top-p", 1.0f));
   request.mutable_sampling()->set_top_k(flags.Num<int>("top-k", 0));
-  request.mutable_sampling()->set_seed(
-      static_cast<uint64_t>(flags.Num<int64_t>("seed", 0)));
+  // No --seed: the router picks a fresh one per request.
+  if (flags.Has("seed")) {
+    request.mutable_sampling()->set_seed(
+        static_cast<uint64_t>(flags.Num<int64_t>("seed", 0)));
+  }
   if (flags.Has("stop")) request.add_stop(flags.Str("stop", ""));
   const double timeout_s = flags.Num<double>("timeout-seconds", 120);
   const int logprobs = flags.Num<int>("logprobs", -1);

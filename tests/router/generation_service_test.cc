@@ -128,6 +128,19 @@ TEST_F(GenerationServiceTest, LogprobsAndAlternativesPerToken) {
   for (const auto& item : plain) EXPECT_EQ(item.logprobs_size(), 0);
 }
 
+TEST_F(GenerationServiceTest, UnsetSeedIsFreshPerRequestAndZeroIsKept) {
+  v1::GenerateRequest request = Request("x", 1);
+  request.mutable_sampling()->set_temperature(1.0f);
+  ASSERT_TRUE(ReadAll(request).second.ok());
+  const uint64_t first = backend_.last_request().sampling.seed;
+  ASSERT_TRUE(ReadAll(request).second.ok());
+  // Two draws of a 64-bit generator: equal only by a 2^-64 accident.
+  EXPECT_NE(backend_.last_request().sampling.seed, first);
+  request.mutable_sampling()->set_seed(0);  // explicitly 0: reproducible
+  ASSERT_TRUE(ReadAll(request).second.ok());
+  EXPECT_EQ(backend_.last_request().sampling.seed, 0u);
+}
+
 TEST_F(GenerationServiceTest, TokenIdPromptsAndDefaults) {
   v1::GenerateRequest request;
   request.mutable_token_ids()->add_ids(1);

@@ -217,6 +217,15 @@ TEST(OpenAiApiTest, ResponseShapes) {
   EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
 }
 
+TEST(OpenAiApiTest, NoSeedMeansAFreshOne) {
+  auto a = ParseOpenAiRequest(kC, R"({"prompt": "a"})");
+  auto b = ParseOpenAiRequest(kC, R"({"prompt": "a", "seed": null})");
+  auto fixed = ParseOpenAiRequest(kC, R"({"prompt": "a", "seed": 0})");
+  ASSERT_TRUE(a.ok() && b.ok() && fixed.ok());
+  EXPECT_NE(a->generation.sampling.seed, b->generation.sampling.seed);
+  EXPECT_EQ(fixed->generation.sampling.seed, 0u);
+}
+
 TEST(OpenAiApiTest, LogprobsRequests) {
   auto completions =
       ParseOpenAiRequest(kC, R"({"prompt": "a", "logprobs": 3})");
