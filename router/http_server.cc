@@ -49,83 +49,113 @@ absl::StatusCode StatusCodeOfHttpError(int http_status) {
   }
 }
 
-// One request's events, filled by the backend's callbacks and drained by the
-// connection thread. Keeps itself alive until the backend's OnDone, so the
+// One HTTP request's events, for each of its choices (OpenAI's `n`: one
+// backend call per choice), filled by the backend's callbacks and drained by
+// the connection thread. Keeps itself alive until every call's OnDone, so the
 // connection may go away first (client disconnect) without a dangling
 // observer.
-class StreamBuffer : public GenerationObserver,
-                     public std::enable_shared_from_this<StreamBuffer> {
+class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
  public:
   struct Event {
-    std::optional<GenerationDelta> delta;  // else: the final status
+    int choice = 0;
+    std::optional<GenerationDelta> delta;  // else: that choice's final status
     absl::Status status;
   };
 
-  // Starts the call with this buffer as observer.
-  absl::Status Start(GenerationBackend* backend, GenerationRequest request) {
+  // Starts one call per request (choice i is requests[i]). When the backend
+  // refuses one, the calls already started are cancelled and the refusal is
+  // returned (their events still arrive and are ignored).
+  absl::Status Start(GenerationBackend* backend,
+                     std::vector<GenerationRequest> requests) {
+    const int n = static_cast<int>(requests.size());
     {
       absl::MutexLock lock(&mu_);
       keep_alive_ = shared_from_this();
+      running_ = n;
+      for (int i = 0; i < n; ++i) {
+        observers_.push_back(std::make_unique<ChoiceObserver>(this, i));
+      }
     }
-    absl::StatusOr<std::unique_ptr<GenerationCall>> call =
-        backend->Start(std::move(request), this);
-    absl::MutexLock lock(&mu_);
-    if (!call.ok()) {
-      // No callback will come: drop the self-reference (the caller holds
-      // another, so this does not destroy us here).
-      keep_alive_.reset();
-      return call.status();
+    for (int i = 0; i < n; ++i) {
+      absl::StatusOr<std::unique_ptr<GenerationCall>> call =
+          backend->Start(std::move(requests[i]), observers_[i].get());
+      absl::MutexLock lock(&mu_);
+      if (!call.ok()) {
+        // Choices i.. never get a callback; the started ones are told to
+        // stop. The caller holds a reference, so dropping ours here does
+        // not destroy us.
+        running_ -= n - i;
+        cancel_requested_ = true;
+        for (auto& started : calls_) started->Cancel();
+        if (running_ == 0) keep_alive_.reset();
+        return call.status();
+      }
+      calls_.push_back(std::move(call).value());
+      if (cancel_requested_) calls_.back()->Cancel();
     }
-    call_ = std::move(call).value();
-    if (cancel_requested_) call_->Cancel();
     return absl::OkStatus();
   }
 
   void Cancel() {
     absl::MutexLock lock(&mu_);
     cancel_requested_ = true;
-    if (call_ != nullptr && !done_) call_->Cancel();
+    if (running_ > 0) {
+      for (auto& call : calls_) call->Cancel();
+    }
   }
 
-  // Next event, or nullopt when `until` passes first.
+  // Next event of any choice, or nullopt when `until` passes first.
   std::optional<Event> Next(absl::Time until) {
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return !deltas_.empty() || done_;
+      return !events_.empty();
     };
     mu_.AwaitWithDeadline(absl::Condition(&ready), until);
-    if (!deltas_.empty()) {
-      Event event{std::move(deltas_.front()), absl::OkStatus()};
-      deltas_.pop_front();
-      return event;
+    if (events_.empty()) return std::nullopt;
+    Event event = std::move(events_.front());
+    events_.pop_front();
+    return event;
+  }
+
+ private:
+  class ChoiceObserver : public GenerationObserver {
+   public:
+    ChoiceObserver(StreamBuffer* owner, int index)
+        : owner_(owner), index_(index) {}
+    void OnDelta(GenerationDelta delta) override {
+      owner_->OnDelta(index_, std::move(delta));
     }
-    if (done_) return Event{std::nullopt, status_};
-    return std::nullopt;
-  }
+    // May destroy the buffer (and this observer): nothing after the call.
+    void OnDone(absl::Status status) override {
+      owner_->OnDone(index_, std::move(status));
+    }
 
-  void OnDelta(GenerationDelta delta) override {
+   private:
+    StreamBuffer* const owner_;
+    const int index_;
+  };
+
+  void OnDelta(int choice, GenerationDelta delta) {
     absl::MutexLock lock(&mu_);
-    deltas_.push_back(std::move(delta));
+    events_.push_back({choice, std::move(delta), absl::OkStatus()});
   }
 
-  void OnDone(absl::Status status) override {
+  void OnDone(int choice, absl::Status status) {
     std::shared_ptr<StreamBuffer> self;
     {
       absl::MutexLock lock(&mu_);
-      done_ = true;
-      status_ = std::move(status);
-      self = std::move(keep_alive_);
+      events_.push_back({choice, std::nullopt, std::move(status)});
+      if (--running_ == 0) self = std::move(keep_alive_);
     }
     // `self` may be the last reference: nothing touches members past here.
   }
 
- private:
   absl::Mutex mu_;
-  std::deque<GenerationDelta> deltas_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<ChoiceObserver>> observers_;  // set in Start
+  std::deque<Event> events_ ABSL_GUARDED_BY(mu_);
+  int running_ ABSL_GUARDED_BY(mu_) = 0;  // calls without their OnDone yet
   bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<GenerationCall> call_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<GenerationCall>> calls_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<StreamBuffer> keep_alive_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -285,6 +315,7 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   GenerationRequest generation = std::move(parsed->generation);
   const bool logprobs = generation.logprobs;
   const int32_t top_logprobs = generation.top_logprobs;
+  const int n = parsed->n;
   generation.api = api;
   generation.model = model->name;
   generation.request_id = NewRequestId();
@@ -294,68 +325,92 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
       endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-",
       generation.request_id);
   const int64_t created = NowUnixSeconds();
+  // Choice i: its own request (id suffix -i) with seed + i, so n sampled
+  // choices differ and a fixed seed reproduces all of them.
+  std::vector<GenerationRequest> choices;
+  for (int i = 0; i < n; ++i) {
+    GenerationRequest& choice = choices.emplace_back(generation);
+    if (n > 1) {
+      absl::StrAppend(&choice.request_id, "-", i);
+      choice.sampling.seed += static_cast<uint64_t>(i);
+    }
+  }
 
   auto buffer = std::make_shared<StreamBuffer>();
-  if (absl::Status started = buffer->Start(backend_, std::move(generation));
+  if (absl::Status started = buffer->Start(backend_, std::move(choices));
       !started.ok()) {
     return SendError(res, started);
   }
   const absl::Status timeout =
       absl::DeadlineExceededError("request deadline exceeded");
+  auto fail = [&](const absl::Status& status) {
+    buffer->Cancel();  // the other choices, if any are still running
+    SendError(res, status);
+  };
   // The first event decides the status line: an error before any token is
   // an HTTP error with the right code, even for a streaming request.
   std::optional<StreamBuffer::Event> first =
       NextEvent(*buffer, deadline + kDeadlineGrace);
   if (!first.has_value()) {
-    return SendError(
-        res, stopped_ ? absl::UnavailableError("router stopping") : timeout);
+    return fail(stopped_ ? absl::UnavailableError("router stopping") : timeout);
   }
   if (!first->delta.has_value() && !first->status.ok()) {
-    return SendError(res, first->status);
+    return fail(first->status);
   }
 
   if (!parsed->stream) {
-    CompletionOutcome outcome;
-    outcome.logprobs.requested = logprobs;
-    outcome.logprobs.top_logprobs = top_logprobs;
+    std::vector<CompletionOutcome> outcomes(n);
+    for (CompletionOutcome& outcome : outcomes) {
+      outcome.logprobs.requested = logprobs;
+      outcome.logprobs.top_logprobs = top_logprobs;
+    }
     std::optional<StreamBuffer::Event> event = std::move(first);
-    while (true) {
+    for (int open = n; open > 0;) {
       if (!event.has_value()) {
-        return SendError(res, stopped_
-                                  ? absl::UnavailableError("router stopping")
-                                  : timeout);
+        return fail(stopped_ ? absl::UnavailableError("router stopping")
+                             : timeout);
       }
       if (!event->delta.has_value()) {
-        if (!event->status.ok()) return SendError(res, event->status);
-        break;
+        if (!event->status.ok()) return fail(event->status);
+        --open;
+      } else {
+        CompletionOutcome& outcome = outcomes[event->choice];
+        outcome.text += event->delta->text;
+        for (TokenLogprob& l : event->delta->logprobs) {
+          outcome.logprobs.tokens.push_back(std::move(l));
+        }
+        if (event->delta->finished) {
+          outcome.finish_reason = event->delta->finish_reason;
+          outcome.usage = event->delta->usage;
+        }
       }
-      outcome.text += event->delta->text;
-      for (TokenLogprob& l : event->delta->logprobs) {
-        outcome.logprobs.tokens.push_back(std::move(l));
-      }
-      if (event->delta->finished) {
-        outcome.finish_reason = event->delta->finish_reason;
-        outcome.usage = event->delta->usage;
-      }
-      event = NextEvent(*buffer, deadline + kDeadlineGrace);
+      if (open > 0) event = NextEvent(*buffer, deadline + kDeadlineGrace);
     }
-    res.set_content(CompletionBody(endpoint, id, created, model->name, outcome),
-                    "application/json");
+    res.set_content(
+        CompletionBody(endpoint, id, created, model->name, outcomes),
+        "application/json");
     return;
   }
 
   // Streaming: the provider runs on this connection's thread after the
-  // handler returns, once per chunk, until it calls done() or returns false.
+  // handler returns, once per event, until it calls done() or returns false.
+  // Choices' chunks interleave as they come, each with its index.
   struct StreamState {
     std::shared_ptr<StreamBuffer> buffer;
     std::optional<StreamBuffer::Event> pending;
-    bool first = true;
+    int open = 0;                        // choices not finished yet
+    std::vector<bool> first;             // per choice: no chunk sent yet
+    std::vector<int64_t> text_offset;    // per choice: characters reported
+    std::vector<GenerationUsage> usage;  // per choice, from its last delta
     bool finished = false;
-    int64_t text_offset = 0;  // characters of the tokens already reported
   };
   auto state = std::make_shared<StreamState>();
   state->buffer = buffer;
   state->pending = std::move(first);
+  state->open = n;
+  state->first.assign(n, true);
+  state->text_offset.assign(n, 0);
+  state->usage.resize(n);
   const bool include_usage = parsed->include_usage;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Request-Id", id);
@@ -372,50 +427,59 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         auto write = [&sink](const std::string& data) {
           return sink.write(data.data(), data.size());
         };
+        auto end_stream = [&] {
+          write(std::string(kStreamDoneEvent));
+          state->finished = true;
+          sink.done();
+          return true;
+        };
         if (!event.has_value()) {
           // Deadline or shutdown mid-stream: say so, then end the stream.
           write(StreamErrorEvent(
               stopped_ ? absl::UnavailableError("router stopping") : timeout));
-          write(std::string(kStreamDoneEvent));
-          state->finished = true;
-          sink.done();
-          return true;
+          return end_stream();
         }
         if (!event->delta.has_value()) {
-          // OnDone: OK after the finished delta, or a mid-stream error.
-          if (!event->status.ok()) write(StreamErrorEvent(event->status));
-          write(std::string(kStreamDoneEvent));
-          state->finished = true;
-          sink.done();
-          return true;
+          // A choice's OnDone: OK after its finished delta, or a mid-stream
+          // error, which ends the whole stream (the other choices stop).
+          if (!event->status.ok()) {
+            state->buffer->Cancel();
+            write(StreamErrorEvent(event->status));
+            return end_stream();
+          }
+          if (--state->open > 0) return true;
+          if (include_usage &&
+              !write(StreamUsageEvent(endpoint, id, created, name,
+                                      CombinedUsage(state->usage)))) {
+            return false;
+          }
+          return end_stream();
         }
+        const int choice = event->choice;
         GenerationDelta& delta = *event->delta;
-        bool ok = true;
+        if (delta.finished) state->usage[choice] = delta.usage;
         // Tokens whose text is held back (a possible stop string, half a
         // character) still get their chunk when logprobs were asked for.
-        if (!delta.text.empty() || delta.finished || state->first ||
-            !delta.logprobs.empty()) {
-          LogprobsOutput chunk_logprobs;
-          chunk_logprobs.requested = logprobs;
-          chunk_logprobs.top_logprobs = top_logprobs;
-          chunk_logprobs.text_offset = state->text_offset;
-          for (const TokenLogprob& l : delta.logprobs) {
-            state->text_offset += TokenCharacters(l.chosen);
-          }
-          chunk_logprobs.tokens = std::move(delta.logprobs);
-          ok = write(StreamChunkEvent(
-              endpoint, id, created, name, delta.text,
-              delta.finished ? delta.finish_reason : FinishReason::kNone,
-              state->first, chunk_logprobs));
-          state->first = false;
+        if (delta.text.empty() && !delta.finished && !state->first[choice] &&
+            delta.logprobs.empty()) {
+          return true;
         }
-        if (ok && delta.finished && include_usage) {
-          ok =
-              write(StreamUsageEvent(endpoint, id, created, name, delta.usage));
+        LogprobsOutput chunk_logprobs;
+        chunk_logprobs.requested = logprobs;
+        chunk_logprobs.top_logprobs = top_logprobs;
+        chunk_logprobs.text_offset = state->text_offset[choice];
+        for (const TokenLogprob& l : delta.logprobs) {
+          state->text_offset[choice] += TokenCharacters(l.chosen);
         }
+        chunk_logprobs.tokens = std::move(delta.logprobs);
+        const bool first_chunk = state->first[choice];
+        state->first[choice] = false;
         // A failed write means the client went away: returning false closes
         // the connection and the releaser cancels the generation.
-        return ok;
+        return write(StreamChunkEvent(
+            endpoint, id, created, name, delta.text,
+            delta.finished ? delta.finish_reason : FinishReason::kNone,
+            first_chunk, chunk_logprobs, choice));
       },
       [state](bool /*success*/) {
         if (!state->finished) state->buffer->Cancel();

@@ -183,11 +183,11 @@ absl::Status RejectUnsupported(const json& body) {
     }
     return FieldError(field, "is not supported");
   }
-  for (const char* field : {"n", "best_of"}) {
-    int64_t n = 1;
-    if (absl::Status s = ReadInteger(body, field, &n); !s.ok()) return s;
-    if (n != 1) return FieldError(field, "must be 1");
+  int64_t best_of = 1;
+  if (absl::Status s = ReadInteger(body, "best_of", &best_of); !s.ok()) {
+    return s;
   }
+  if (best_of != 1) return FieldError("best_of", "must be 1");
   return absl::OkStatus();
 }
 
@@ -412,6 +412,13 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   gen.sampling.top_k = static_cast<int32_t>(top_k);
   gen.sampling.seed = static_cast<uint64_t>(seed);
 
+  int64_t n = 1;
+  if (absl::Status s = ReadInteger(body, "n", &n); !s.ok()) return s;
+  if (n < 1 || n > kMaxChoices) {
+    return FieldError("n", absl::StrCat("must be in [1, ", kMaxChoices, "]"));
+  }
+  request.n = static_cast<int>(n);
+
   if (absl::Status s = ReadStop(body, &gen.stop); !s.ok()) return s;
   if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
     return s;
@@ -510,31 +517,50 @@ std::string OpenAiFinishReason(FinishReason reason) {
   }
 }
 
+GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices) {
+  GenerationUsage total;
+  if (choices.empty()) return total;
+  total.prompt_tokens = choices.front().prompt_tokens;
+  total.cached_prompt_tokens = choices.front().cached_prompt_tokens;
+  for (const GenerationUsage& u : choices) {
+    total.completion_tokens += u.completion_tokens;
+  }
+  return total;
+}
+
 std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
-                           const CompletionOutcome& outcome) {
-  json choice = {{"index", 0},
-                 {"logprobs", LogprobsJson(endpoint, outcome.logprobs)},
-                 {"finish_reason", FinishJson(outcome.finish_reason)}};
-  if (endpoint == OpenAiEndpoint::kCompletions) {
-    choice["text"] = outcome.text;
-  } else {
-    choice["message"] = {{"role", "assistant"}, {"content", outcome.text}};
+                           const std::vector<CompletionOutcome>& outcomes) {
+  json choices = json::array();
+  std::vector<GenerationUsage> usages;
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    const CompletionOutcome& outcome = outcomes[i];
+    json choice = {{"index", i},
+                   {"logprobs", LogprobsJson(endpoint, outcome.logprobs)},
+                   {"finish_reason", FinishJson(outcome.finish_reason)}};
+    if (endpoint == OpenAiEndpoint::kCompletions) {
+      choice["text"] = outcome.text;
+    } else {
+      choice["message"] = {{"role", "assistant"}, {"content", outcome.text}};
+    }
+    choices.push_back(std::move(choice));
+    usages.push_back(outcome.usage);
   }
   json body = {{"id", std::string(id)},
                {"object", ObjectName(endpoint, /*chunk=*/false)},
                {"created", created},
                {"model", std::string(model)},
-               {"choices", json::array({std::move(choice)})},
-               {"usage", UsageJson(outcome.usage)}};
+               {"choices", std::move(choices)},
+               {"usage", UsageJson(CombinedUsage(usages))}};
   return Dump(body);
 }
 
 std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,
                              std::string_view text, FinishReason finish_reason,
-                             bool first, const LogprobsOutput& logprobs) {
-  json choice = {{"index", 0},
+                             bool first, const LogprobsOutput& logprobs,
+                             int choice_index) {
+  json choice = {{"index", choice_index},
                  {"logprobs", LogprobsJson(endpoint, logprobs)},
                  {"finish_reason", FinishJson(finish_reason)}};
   if (endpoint == OpenAiEndpoint::kCompletions) {

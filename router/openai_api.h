@@ -29,10 +29,18 @@ struct OpenAiRequest {
   std::vector<ChatMessage> messages;  // chat only; already rendered in prompt
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // Choices to generate (OpenAI's `n`), each an independent request with
+  // seed generation.sampling.seed + index.
+  int n = 1;
 };
 
+// The most choices one request may ask for: each is a full generation
+// (prefill included) counted by the admission limit.
+inline constexpr int kMaxChoices = 16;
+
 // Parses and validates a request body (INVALID_ARGUMENT naming the field for
-// malformed JSON, wrong types, n != 1, unsupported options, out-of-range
+// malformed JSON, wrong types, n outside [1, kMaxChoices], best_of != 1 and
+// other unsupported options, out-of-range
 // values). Unknown fields are ignored, as OpenAI's clients send many.
 [[nodiscard]] absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
     OpenAiEndpoint endpoint, std::string_view body);
@@ -93,10 +101,21 @@ struct CompletionOutcome {
 // map to null).
 std::string OpenAiFinishReason(FinishReason reason);
 
-// The complete non-streaming response body.
+// The complete non-streaming response body: one choice per outcome (index =
+// position), usage = the first choice's prompt tokens (one prompt) and the
+// sum of their completion tokens.
 std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
-                           const CompletionOutcome& outcome);
+                           const std::vector<CompletionOutcome>& choices);
+inline std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
+                                  int64_t created, std::string_view model,
+                                  const CompletionOutcome& outcome) {
+  return CompletionBody(endpoint, id, created, model,
+                        std::vector<CompletionOutcome>{outcome});
+}
+
+// The usage of several choices of one prompt, as CompletionBody counts it.
+GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices);
 
 // One SSE event "data: {...}\n\n" carrying a text delta (and the logprobs of
 // the tokens that came with it, when requested); `finish_reason` kNone keeps
@@ -104,7 +123,8 @@ std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
 std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,
                              std::string_view text, FinishReason finish_reason,
-                             bool first, const LogprobsOutput& logprobs = {});
+                             bool first, const LogprobsOutput& logprobs = {},
+                             int choice_index = 0);
 // The trailing usage chunk (stream_options.include_usage): empty choices.
 std::string StreamUsageEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,

@@ -164,6 +164,36 @@ struct Layout {
 
 class LayoutTest : public ::testing::TestWithParam<Layout> {};
 
+// OpenAI `n`: choice i is the request with seed + i, so each choice equals
+// a single gRPC request made with that seed (sampling is reproducible
+// through every layout, speculation included).
+void ExpectChoicesReproduceBySeed(const std::string& grpc_address,
+                                  const std::string& http_address,
+                                  const testing::GoldenCase& c) {
+  constexpr int kChoices = 3;
+  constexpr uint64_t kSeed = 100;
+  const json request = {{"prompt", c.prompt},
+                        {"max_tokens", 12},
+                        {"temperature", 0.8},
+                        {"seed", kSeed},
+                        {"n", kChoices}};
+  HttpReply reply = HttpPost(http_address, "/v1/completions", request.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const json body = json::parse(reply.body);
+  ASSERT_EQ(body["choices"].size(), static_cast<size_t>(kChoices));
+  int completion_tokens = 0;
+  for (int i = 0; i < kChoices; ++i) {
+    v1::GenerateRequest r = TextRequest(c.prompt, 12);
+    r.mutable_sampling()->set_temperature(0.8f);
+    r.mutable_sampling()->set_seed(kSeed + i);
+    Generated g = GrpcGenerate(grpc_address, r);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+    EXPECT_EQ(body["choices"][i]["text"], g.text) << "choice " << i;
+    completion_tokens += g.last.usage().completion_tokens();
+  }
+  EXPECT_EQ(body["usage"]["completion_tokens"], completion_tokens);
+}
+
 // Per-token logprobs and alternatives through the cluster (token 0 from the
 // last prefill stage, the rest from the decode worker's rows, verified drafts
 // included) against a single-process engine recompute of the same sequence.
@@ -315,6 +345,8 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
     EXPECT_EQ(SseText(streamed.body, &done), c.text);
     EXPECT_TRUE(done);
   }
+  ExpectChoicesReproduceBySeed(cluster->grpc_address(), cluster->http_address(),
+                               AllGoldens().front());
   ExpectLogprobsMatchTheEngine(cluster->grpc_address(), cluster->http_address(),
                                AllGoldens().back(),
                                layout.kv_dtype == "bf16" ? 2e-2f : 1e-3f,

@@ -58,6 +58,7 @@ class FakeBackend : public GenerationBackend {
       absl::MutexLock lock(&mu_);
       if (!start_error_.ok()) return start_error_;
       last_request_ = request;
+      requests_.push_back(request);
       ++started_;
       ++active_;
       threads_.emplace_back([this, state, request = std::move(request),
@@ -69,6 +70,10 @@ class FakeBackend : public GenerationBackend {
   GenerationRequest last_request() const {
     absl::MutexLock lock(&mu_);
     return last_request_;
+  }
+  std::vector<GenerationRequest> requests() const {
+    absl::MutexLock lock(&mu_);
+    return requests_;
   }
   int started() const {
     absl::MutexLock lock(&mu_);
@@ -196,6 +201,7 @@ class FakeBackend : public GenerationBackend {
   absl::Status health_ ABSL_GUARDED_BY(mu_);
   absl::Status start_error_ ABSL_GUARDED_BY(mu_);
   GenerationRequest last_request_ ABSL_GUARDED_BY(mu_);
+  std::vector<GenerationRequest> requests_ ABSL_GUARDED_BY(mu_);
   int started_ ABSL_GUARDED_BY(mu_) = 0;
   int active_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int> cancelled_{0};

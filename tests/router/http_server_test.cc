@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -176,6 +178,67 @@ TEST_F(HttpServerTest, CompletionLogprobsWholeAndStreamed) {
   EXPECT_TRUE(json::parse(res->body)["choices"][0]["logprobs"].is_null());
 }
 
+TEST_F(HttpServerTest, SeveralChoicesWholeAndStreamed) {
+  auto res = Post("/v1/completions",
+                  R"({"prompt": "Once", "max_tokens": 2, "n": 3,
+                      "temperature": 1, "seed": 40})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  json body = json::parse(res->body);
+  ASSERT_EQ(body["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(body["choices"][i]["index"], i);
+    EXPECT_EQ(body["choices"][i]["text"], " w0 w1");
+  }
+  EXPECT_EQ(body["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 4);
+  // One backend call per choice, seeds 40, 41, 42, distinct ids.
+  std::vector<GenerationRequest> seen = backend_.requests();
+  ASSERT_EQ(seen.size(), 3u);
+  std::set<uint64_t> seeds;
+  std::set<std::string> ids;
+  for (const GenerationRequest& r : seen) {
+    seeds.insert(r.sampling.seed);
+    ids.insert(r.request_id);
+  }
+  EXPECT_EQ(seeds, (std::set<uint64_t>{40, 41, 42}));
+  EXPECT_EQ(ids.size(), 3u);
+
+  // Streamed chat: chunks of both choices, each starting with the role,
+  // then one usage chunk for all, then [DONE].
+  res = Post("/v1/chat/completions",
+             R"({"messages": [{"role": "user", "content": "Hi"}],
+                 "max_tokens": 3, "n": 2, "stream": true,
+                 "stream_options": {"include_usage": true}})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  std::vector<std::string> events = Events(res->body);
+  ASSERT_EQ(events.size(), 2u * 3u + 2u) << res->body;
+  std::map<int, std::string> text;
+  std::map<int, int> roles, finishes;
+  for (size_t e = 0; e + 2 < events.size(); ++e) {
+    json chunk = json::parse(events[e]);
+    const int index = chunk["choices"][0]["index"].get<int>();
+    const json& delta = chunk["choices"][0]["delta"];
+    if (delta.contains("role")) ++roles[index];
+    if (delta.contains("content")) {
+      text[index] += delta["content"].get<std::string>();
+    }
+    if (!chunk["choices"][0]["finish_reason"].is_null()) ++finishes[index];
+  }
+  EXPECT_EQ(text,
+            (std::map<int, std::string>{{0, " w0 w1 w2"}, {1, " w0 w1 w2"}}));
+  EXPECT_EQ(roles, (std::map<int, int>{{0, 1}, {1, 1}}));
+  EXPECT_EQ(finishes, (std::map<int, int>{{0, 1}, {1, 1}}));
+  EXPECT_EQ(
+      json::parse(events[events.size() - 2])["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(events.back(), "[DONE]");
+
+  // A failing choice fails the request (the others are cancelled).
+  ExpectError(Post("/v1/completions", R"({"prompt": "fail:invalid", "n": 2})"),
+              400);
+}
+
 TEST_F(HttpServerTest, ChatStreamingAndNot) {
   auto res = Post("/v1/chat/completions",
                   R"({"messages": [{"role": "user", "content": "Hi"}],
@@ -227,7 +290,7 @@ TEST_F(HttpServerTest, BadRequestsGet400AndTheServerKeepsServing) {
         "{\"prompt\": \"a\", "
         "\"max_tokens\": 0}",
         "{\"prompt\": \"a\", \"temperature\": -1}",
-        "{\"prompt\": \"a\", \"n\": 2}", "{\"prompt\": \"\xc3\x28\"}",
+        "{\"prompt\": \"a\", \"n\": 0}", "{\"prompt\": \"\xc3\x28\"}",
         "{\"model\": \"stories260K\"}"}) {
     std::string message = ExpectError(Post("/v1/completions", body), 400);
     EXPECT_FALSE(message.empty()) << body;
@@ -374,6 +437,7 @@ TEST_F(HttpServerTest, AdmissionLimitIs429) {
   std::string message =
       ExpectError(Post("/v1/completions", R"({"prompt": "a"})"), 429);
   EXPECT_NE(message.find("admission"), std::string::npos);
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "n": 2})"), 429);
   // Stopping the server cancels the held stream.
   server_->Stop();
   holder.join();

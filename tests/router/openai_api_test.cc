@@ -127,7 +127,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"top_p_zero", kC, R"({"prompt": "a", "top_p": 0})", "top_p"},
         BadCase{"top_k_negative", kC, R"({"prompt": "a", "top_k": -5})",
                 "top_k"},
-        BadCase{"n_two", kC, R"({"prompt": "a", "n": 2})", "'n'"},
+        BadCase{"n_zero", kC, R"({"prompt": "a", "n": 0})", "'n'"},
+        BadCase{"n_too_many", kC, R"({"prompt": "a", "n": 17})", "'n'"},
         BadCase{"best_of", kC, R"({"prompt": "a", "best_of": 3})", "best_of"},
         BadCase{"echo", kC, R"({"prompt": "a", "echo": true})", "echo"},
         BadCase{"logprobs_over_20", kC, R"({"prompt": "a", "logprobs": 21})",
@@ -215,6 +216,29 @@ TEST(OpenAiApiTest, ResponseShapes) {
   EXPECT_EQ(chunk["choices"][0]["delta"]["role"], "assistant");
   EXPECT_EQ(chunk["choices"][0]["delta"]["content"], "hi");
   EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+}
+
+TEST(OpenAiApiTest, SeveralChoices) {
+  auto parsed = ParseOpenAiRequest(kC, R"({"prompt": "a", "n": 3})");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->n, 3);
+  EXPECT_EQ(ParseOpenAiRequest(kC, R"({"prompt": "a"})")->n, 1);
+  std::vector<CompletionOutcome> outcomes = {
+      {" a", FinishReason::kLength, {5, 2, 3}, {}},
+      {" b c", FinishReason::kStop, {5, 1, 3}, {}}};
+  json body = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcomes));
+  ASSERT_EQ(body["choices"].size(), 2u);
+  EXPECT_EQ(body["choices"][1]["index"], 1);
+  EXPECT_EQ(body["choices"][1]["text"], " b c");
+  EXPECT_EQ(body["choices"][1]["finish_reason"], "stop");
+  // One prompt, counted once; completions summed.
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(body["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(body["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
+  json chunk = json::parse(StreamChunkEvent(kChat, "id", 7, "m", "x",
+                                            FinishReason::kNone, true, {}, 4)
+                               .substr(6));
+  EXPECT_EQ(chunk["choices"][0]["index"], 4);
 }
 
 TEST(OpenAiApiTest, NoSeedMeansAFreshOne) {
