@@ -314,21 +314,26 @@ inline float HorizontalMax(__m256 v) {
 #endif
 }  // namespace
 
-void SoftmaxInPlace(float* p, int64_t n) {
-  if (n <= 0) return;
+float MaxOf(const float* x, int64_t n) {
   int64_t i = 0;
   float max_value = -INFINITY;
 #ifdef PDSERVE_MATMUL_AVX2
   if (n >= 8) {
     __m256 max8 = _mm256_set1_ps(-INFINITY);
     for (; i + 8 <= n; i += 8)
-      max8 = _mm256_max_ps(max8, _mm256_loadu_ps(p + i));
+      max8 = _mm256_max_ps(max8, _mm256_loadu_ps(x + i));
     max_value = HorizontalMax(max8);
   }
 #endif
-  for (; i < n; ++i) max_value = std::max(max_value, p[i]);
+  for (; i < n; ++i) max_value = std::max(max_value, x[i]);
+  return max_value;
+}
+
+void SoftmaxInPlace(float* p, int64_t n) {
+  if (n <= 0) return;
+  const float max_value = MaxOf(p, n);
   float sum = 0;
-  i = 0;
+  int64_t i = 0;
 #ifdef PDSERVE_MATMUL_AVX2
   const __m256 max8 = _mm256_set1_ps(max_value);
   __m256 sum8 = _mm256_setzero_ps();
@@ -351,21 +356,6 @@ void SoftmaxInPlace(float* p, int64_t n) {
     _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inv8));
 #endif
   for (; i < n; ++i) p[i] *= inv_sum;
-}
-
-float MaxOf(const float* x, int64_t n) {
-  int64_t i = 0;
-  float max_value = -INFINITY;
-#ifdef PDSERVE_MATMUL_AVX2
-  if (n >= 8) {
-    __m256 max8 = _mm256_set1_ps(-INFINITY);
-    for (; i + 8 <= n; i += 8)
-      max8 = _mm256_max_ps(max8, _mm256_loadu_ps(x + i));
-    max_value = HorizontalMax(max8);
-  }
-#endif
-  for (; i < n; ++i) max_value = std::max(max_value, x[i]);
-  return max_value;
 }
 
 int64_t FirstAbove(const float* x, int64_t n, float threshold, bool or_equal) {

@@ -242,26 +242,32 @@ TEST_F(PrefillPipelineTest, PrefixReuseSkipsComputeButStillSendsTheKv) {
 TEST_F(PrefillPipelineTest, StagesWorkOnDifferentMicrobatchesAtOnce) {
   // From recorded stage intervals, not wall-clock speed: with many queued
   // chunks, some microbatch of stage i runs while stage j runs another.
-  CapturingKvOutput kv_out;
-  auto group = MakeGroup({2, 2, 1}, &kv_out, false, 1024, 16,
-                         ChunkPolicy{ChunkPolicyKind::kFixed, 16});
-  ASSERT_NE(group, nullptr);
-  std::vector<std::shared_ptr<PrefillTicket>> tickets;
-  for (uint64_t id = 1; id <= 6; ++id) {
-    PrefillRequest request;
-    request.request_id = id;
-    request.prompt = (*references_)[4 + id % 2].prompt;
-    auto ticket = group->Submit(request);
-    ASSERT_TRUE(ticket.ok());
-    tickets.push_back(*ticket);
-  }
-  for (auto& t : tickets) ASSERT_TRUE(t->Wait(absl::Seconds(60)).ok());
+  // Overlap needs two stage threads on cores at once, which a 2-core machine
+  // running other tests beside this one may not grant for a whole run: a
+  // pipeline that overlaps does so in one of a few attempts; one that
+  // serializes its stages never does.
   int overlaps = 0;
-  for (int a = 0; a < group->num_stages(); ++a) {
-    for (int b = a + 1; b < group->num_stages(); ++b) {
-      for (const auto& x : group->stage(a).BusyIntervalsForTest()) {
-        for (const auto& y : group->stage(b).BusyIntervalsForTest()) {
-          if (x.first < y.second && y.first < x.second) ++overlaps;
+  for (int attempt = 0; attempt < 5 && overlaps == 0; ++attempt) {
+    CapturingKvOutput kv_out;
+    auto group = MakeGroup({2, 2, 1}, &kv_out, false, 1024, 16,
+                           ChunkPolicy{ChunkPolicyKind::kFixed, 16});
+    ASSERT_NE(group, nullptr);
+    std::vector<std::shared_ptr<PrefillTicket>> tickets;
+    for (uint64_t id = 1; id <= 6; ++id) {
+      PrefillRequest request;
+      request.request_id = id;
+      request.prompt = (*references_)[4 + id % 2].prompt;
+      auto ticket = group->Submit(request);
+      ASSERT_TRUE(ticket.ok());
+      tickets.push_back(*ticket);
+    }
+    for (auto& t : tickets) ASSERT_TRUE(t->Wait(absl::Seconds(60)).ok());
+    for (int a = 0; a < group->num_stages(); ++a) {
+      for (int b = a + 1; b < group->num_stages(); ++b) {
+        for (const auto& x : group->stage(a).BusyIntervalsForTest()) {
+          for (const auto& y : group->stage(b).BusyIntervalsForTest()) {
+            if (x.first < y.second && y.first < x.second) ++overlaps;
+          }
         }
       }
     }
