@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "decode_test_util.h"
+#include "engine/sampler.h"
 
 namespace pdserve::decode {
 namespace {
@@ -139,6 +140,48 @@ TEST(DecodeBadInputTest, NoTokenizerMeansTokensOnlyAndNoStopStrings) {
   EXPECT_EQ(s.tokens(), std::vector<int32_t>(golden.greedy_ids.begin(),
                                              golden.greedy_ids.begin() + 6));
   EXPECT_EQ(s.text(), "");
+}
+
+TEST(LogprobsBadInputTest, OutOfRangeRequestsAndReportsAreRefused) {
+  auto worker = MakeWorker(Options(1, SpeculationMode::kOff));
+  ASSERT_NE(worker, nullptr);
+  const auto golden = AllGoldenCases()[0];
+  RequestParams p = Greedy(4);
+  p.logprobs = true;
+  for (int top : {-1, engine::kMaxTopLogprobs + 1}) {
+    p.top_logprobs = top;
+    Stream s;
+    absl::Status submitted =
+        worker->Submit(1, golden.prompt_ids, p, s.Callback());
+    EXPECT_EQ(submitted.code(), absl::StatusCode::kInvalidArgument) << top;
+    EXPECT_NE(submitted.message().find("top_logprobs"), std::string::npos);
+  }
+  // A prefill's report naming an id outside the vocabulary fails the
+  // request (and frees it); the worker keeps serving.
+  p.top_logprobs = 1;
+  Stream bad;
+  auto admit = worker->Admit(2, golden.prompt_ids, p, bad.Callback());
+  ASSERT_TRUE(admit.ok());
+  engine::TokenLogprobs lying{-0.5f, {{512, -0.5f}}};
+  EXPECT_EQ(worker->MarkKvComplete(2, 5, lying).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(bad.Wait());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  Stream too_many;
+  admit = worker->Admit(3, golden.prompt_ids, p, too_many.Callback());
+  ASSERT_TRUE(admit.ok());
+  engine::TokenLogprobs crowded{-0.5f, {}};
+  crowded.top.assign(engine::kMaxTopLogprobs + 1, {5, -0.5f});
+  EXPECT_EQ(worker->MarkKvComplete(3, 5, crowded).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(too_many.Wait());
+  ExpectNoLeak(*worker);
+  Stream fine;
+  ASSERT_TRUE(worker->Submit(4, golden.prompt_ids, p, fine.Callback()).ok());
+  ASSERT_TRUE(fine.Wait());
+  EXPECT_TRUE(fine.status().ok()) << fine.status();
+  EXPECT_EQ(fine.logprobs().size(), 4u);
+  ExpectNoLeak(*worker);
 }
 
 }  // namespace
