@@ -62,21 +62,27 @@ class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
     absl::Status status;
   };
 
-  // Starts one call per request (choice i is requests[i]). When the backend
-  // refuses one, the calls already started are cancelled and the refusal is
-  // returned (their events still arrive and are ignored).
+  // Starts one call per request (choice i is requests[i]); with `stagger`,
+  // choice 0 now and the rest once choice 0 delivered its first delta (see
+  // HttpServerOptions::stagger_choices). When the backend refuses a choice
+  // started here, the calls already started are cancelled and the refusal is
+  // returned (their events still arrive and are ignored); a refusal of a
+  // staggered choice arrives as that choice's final event.
   absl::Status Start(GenerationBackend* backend,
-                     std::vector<GenerationRequest> requests) {
+                     std::vector<GenerationRequest> requests, bool stagger) {
     const int n = static_cast<int>(requests.size());
+    const int now = stagger ? 1 : n;
     {
       absl::MutexLock lock(&mu_);
       keep_alive_ = shared_from_this();
+      backend_ = backend;
       running_ = n;
       for (int i = 0; i < n; ++i) {
         observers_.push_back(std::make_unique<ChoiceObserver>(this, i));
       }
+      for (int i = now; i < n; ++i) deferred_.push_back(std::move(requests[i]));
     }
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < now; ++i) {
       absl::StatusOr<std::unique_ptr<GenerationCall>> call =
           backend->Start(std::move(requests[i]), observers_[i].get());
       absl::MutexLock lock(&mu_);
@@ -85,6 +91,7 @@ class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
         // stop. The caller holds a reference, so dropping ours here does
         // not destroy us.
         running_ -= n - i;
+        deferred_.clear();
         cancel_requested_ = true;
         for (auto& started : calls_) started->Cancel();
         if (running_ == 0) keep_alive_.reset();
@@ -136,8 +143,33 @@ class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
   };
 
   void OnDelta(int choice, GenerationDelta delta) {
-    absl::MutexLock lock(&mu_);
-    events_.push_back({choice, std::move(delta), absl::OkStatus()});
+    std::vector<GenerationRequest> deferred;
+    {
+      absl::MutexLock lock(&mu_);
+      events_.push_back({choice, std::move(delta), absl::OkStatus()});
+      if (choice == 0 && !cancel_requested_) deferred.swap(deferred_);
+    }
+    if (!deferred.empty()) StartDeferred(std::move(deferred));
+  }
+
+  // The staggered choices 1.., on choice 0's callback thread (the backend
+  // contract allows Start from there: no lock of ours is held).
+  void StartDeferred(std::vector<GenerationRequest> deferred) {
+    const int first = static_cast<int>(observers_.size() - deferred.size());
+    for (size_t k = 0; k < deferred.size(); ++k) {
+      const int choice = first + static_cast<int>(k);
+      absl::StatusOr<std::unique_ptr<GenerationCall>> call =
+          backend_->Start(std::move(deferred[k]), observers_[choice].get());
+      if (!call.ok()) {
+        // As if the call had failed at once: the front-end fails the
+        // request (and cancels the others) on this event.
+        OnDone(choice, call.status());
+        continue;
+      }
+      absl::MutexLock lock(&mu_);
+      calls_.push_back(std::move(call).value());
+      if (cancel_requested_) calls_.back()->Cancel();
+    }
   }
 
   void OnDone(int choice, absl::Status status) {
@@ -145,6 +177,12 @@ class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
     {
       absl::MutexLock lock(&mu_);
       events_.push_back({choice, std::nullopt, std::move(status)});
+      // Choice 0 ended before its first delta (an error) or the request was
+      // cancelled: the staggered choices never start.
+      if (choice == 0 && !deferred_.empty()) {
+        running_ -= static_cast<int>(deferred_.size());
+        deferred_.clear();
+      }
       if (--running_ == 0) self = std::move(keep_alive_);
     }
     // `self` may be the last reference: nothing touches members past here.
@@ -152,6 +190,9 @@ class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
 
   absl::Mutex mu_;
   std::vector<std::unique_ptr<ChoiceObserver>> observers_;  // set in Start
+  GenerationBackend* backend_ = nullptr;                    // set in Start
+  // Staggered choices not started yet (the last ones, in order).
+  std::vector<GenerationRequest> deferred_ ABSL_GUARDED_BY(mu_);
   std::deque<Event> events_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;  // calls without their OnDone yet
   bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
@@ -337,7 +378,8 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   }
 
   auto buffer = std::make_shared<StreamBuffer>();
-  if (absl::Status started = buffer->Start(backend_, std::move(choices));
+  if (absl::Status started = buffer->Start(backend_, std::move(choices),
+                                           options_.stagger_choices && n > 1);
       !started.ok()) {
     return SendError(res, started);
   }

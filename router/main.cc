@@ -14,13 +14,17 @@
 //          [--block-size 16] [--colocated 0|1]
 //          [--metrics-port -1 (off; 0 = any free port)] [--metrics-host HOST]
 //          [--worker-id ID] [--metrics-port-file PATH]
-//          [--layout-stages S] [--layout-tp T]
+//          [--layout-stages S] [--layout-tp T] [--stagger-choices 1]
 //
 // --colocated 1: the decode workers prefill prompts themselves (no prefill
 // groups; the layout disaggregation is measured against).
 // --layout-stages / --layout-tp: labels only (num_stages, tp on the router's
 // series): the layout of the cluster this router fronts, so its TTFT and
 // TPOT can be compared across layouts on one dashboard.
+//
+// --stagger-choices 0: OpenAI n > 1 starts every choice at once (lower
+// latency for choices 1.., but each prefills the whole prompt; with 1 they
+// start at choice 0's first token and reuse its cached prompt blocks).
 //
 // The model path gives the tokenizer, the context length and the vocabulary;
 // the workers load the same model. --model-name must match the workers'
@@ -97,6 +101,7 @@ int Main(int argc, char** argv) {
   const std::string grpc_port_file = flags.Str("grpc-port-file", "");
   const std::string http_port_file = flags.Str("http-port-file", "");
   const int http_threads = flags.Num<int>("http-threads", 0);
+  const bool stagger_choices = flags.Num<int>("stagger-choices", 1) != 0;
   const double request_timeout_s =
       flags.Num<double>("request-timeout-seconds", 600);
   const int refresh_ms = flags.Num<int>("refresh-ms", 1000);
@@ -239,6 +244,7 @@ int Main(int argc, char** argv) {
   http_options.port = http_port;
   http_options.threads = http_threads > 0 ? http_threads : max_in_flight + 16;
   http_options.request_timeout = absl::Seconds(request_timeout_s);
+  http_options.stagger_choices = stagger_choices;
   http_options.on_rejected = on_rejected;
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
       OpenAiHttpServer::Start(http_options, &metered);

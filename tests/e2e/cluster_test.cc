@@ -194,6 +194,42 @@ void ExpectChoicesReproduceBySeed(const std::string& grpc_address,
   EXPECT_EQ(body["usage"]["completion_tokens"], completion_tokens);
 }
 
+// Prompt tokens the prefill groups' prefix caches let them skip, over all
+// groups.
+int64_t PrefillCachedTokens(const LocalCluster& cluster) {
+  int64_t total = 0;
+  for (const std::string& address : cluster.prefill_addresses()) {
+    auto stub = v1::PrefillGroup::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::PrefillLoad load;
+    EXPECT_TRUE(stub->GetLoad(&context, v1::PrefillLoadRequest(), &load).ok());
+    total += load.cached_tokens();
+  }
+  return total;
+}
+
+// `n` > 1 (staggered, the router's default): choices 1.. start at choice 0's
+// first token, when its prompt blocks are in the prefill group's prefix
+// cache, so each of them skips the prompt's full blocks. A fresh prompt
+// (the long golden with a unique first word) so no earlier request cached it.
+void ExpectStaggeredChoicesReuseThePromptBlocks(const LocalCluster& cluster,
+                                                const testing::GoldenCase& c) {
+  static int round = 0;
+  const std::string prompt = absl::StrCat("Round", ++round, " ", c.prompt);
+  const int64_t before = PrefillCachedTokens(cluster);
+  const json request = {{"prompt", prompt}, {"max_tokens", 2}, {"n", 3}};
+  HttpReply reply =
+      HttpPost(cluster.http_address(), "/v1/completions", request.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const json body = json::parse(reply.body);
+  ASSERT_EQ(body["choices"].size(), 3u);
+  const int prompt_tokens = body["usage"]["prompt_tokens"].get<int>();
+  const int64_t full_blocks = (prompt_tokens - 1) / 16 * 16;
+  ASSERT_GE(full_blocks, 256);
+  EXPECT_GE(PrefillCachedTokens(cluster) - before, 2 * full_blocks);
+}
+
 // Per-token logprobs and alternatives through the cluster (token 0 from the
 // last prefill stage, the rest from the decode worker's rows, verified drafts
 // included) against a single-process engine recompute of the same sequence.
@@ -347,6 +383,7 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
   }
   ExpectChoicesReproduceBySeed(cluster->grpc_address(), cluster->http_address(),
                                AllGoldens().front());
+  ExpectStaggeredChoicesReuseThePromptBlocks(*cluster, AllGoldens().back());
   ExpectLogprobsMatchTheEngine(cluster->grpc_address(), cluster->http_address(),
                                AllGoldens().back(),
                                layout.kv_dtype == "bf16" ? 2e-2f : 1e-3f,

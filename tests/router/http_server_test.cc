@@ -234,6 +234,45 @@ TEST_F(HttpServerTest, SeveralChoicesWholeAndStreamed) {
       json::parse(events[events.size() - 2])["usage"]["completion_tokens"], 6);
   EXPECT_EQ(events.back(), "[DONE]");
 
+  // Staggered (the default): choices 1.. start once choice 0 streamed its
+  // first token; a choice 0 that never does leaves them unstarted.
+  const int before = backend_.started();
+  std::thread hung([&] {
+    httplib::Client client("127.0.0.1", server_->port());
+    client.set_read_timeout(30, 0);
+    (void)client.Post("/v1/completions", R"({"prompt": "hang", "n": 3})",
+                      "application/json");
+  });
+  absl::Time until = absl::Now() + absl::Seconds(5);
+  while (backend_.started() == before && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(backend_.started(), before + 1);
+  server_->Stop();  // cancels the hung choice 0
+  hung.join();
+  EXPECT_TRUE(backend_.WaitIdle(absl::Seconds(5)));
+  EXPECT_EQ(backend_.started(), before + 1);
+
+  // Not staggered: all at once.
+  HttpServerOptions all_at_once;
+  all_at_once.stagger_choices = false;
+  StartServer(&backend_, all_at_once);
+  std::thread hung_all([&] {
+    httplib::Client client("127.0.0.1", server_->port());
+    client.set_read_timeout(30, 0);
+    (void)client.Post("/v1/completions", R"({"prompt": "hang", "n": 3})",
+                      "application/json");
+  });
+  until = absl::Now() + absl::Seconds(5);
+  while (backend_.started() < before + 4 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(backend_.started(), before + 4);
+  server_->Stop();
+  hung_all.join();
+  StartServer(&backend_);
+
   // A failing choice fails the request (the others are cancelled).
   ExpectError(Post("/v1/completions", R"({"prompt": "fail:invalid", "n": 2})"),
               400);
