@@ -191,6 +191,17 @@ absl::Status RejectUnsupported(const json& body) {
   return absl::OkStatus();
 }
 
+// An optional count of alternatives per token in [0, kMaxTopLogprobs].
+absl::Status ReadAlternativesCount(const json& body, const char* field,
+                                   int64_t* out) {
+  if (absl::Status s = ReadInteger(body, field, out); !s.ok()) return s;
+  if (*out < 0 || *out > kMaxTopLogprobs) {
+    return FieldError(field,
+                      absl::StrCat("must be in [0, ", kMaxTopLogprobs, "]"));
+  }
+  return absl::OkStatus();
+}
+
 // completions: "logprobs": N (0-20) asks for the tokens' logprobs and N
 // alternatives each. chat: "logprobs": true, "top_logprobs": N (needs
 // logprobs).
@@ -207,12 +218,9 @@ absl::Status ReadLogprobs(OpenAiEndpoint endpoint, const json& body,
     if (!present || (it->is_boolean() && !it->get<bool>())) {
       return absl::OkStatus();
     }
-    if (absl::Status s = ReadInteger(body, "logprobs", &top); !s.ok()) {
+    if (absl::Status s = ReadAlternativesCount(body, "logprobs", &top);
+        !s.ok()) {
       return s;
-    }
-    if (top < 0 || top > kMaxTopLogprobs) {
-      return FieldError("logprobs",
-                        absl::StrCat("must be in [0, ", kMaxTopLogprobs, "]"));
     }
     request->logprobs = true;
     request->top_logprobs = static_cast<int32_t>(top);
@@ -222,12 +230,9 @@ absl::Status ReadLogprobs(OpenAiEndpoint endpoint, const json& body,
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = ReadInteger(body, "top_logprobs", &top); !s.ok()) {
+  if (absl::Status s = ReadAlternativesCount(body, "top_logprobs", &top);
+      !s.ok()) {
     return s;
-  }
-  if (top < 0 || top > kMaxTopLogprobs) {
-    return FieldError("top_logprobs",
-                      absl::StrCat("must be in [0, ", kMaxTopLogprobs, "]"));
   }
   if (top > 0 && !request->logprobs) {
     return FieldError("top_logprobs", "needs \"logprobs\": true");

@@ -160,6 +160,26 @@ absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
   return absl::OkStatus();
 }
 
+// The prefill's token 0 report is peer input: at most kMaxTopLogprobs
+// alternatives, each an id that decodes.
+absl::Status CheckFirstLogprobs(const engine::TokenLogprobs& logprobs,
+                                uint64_t request_id, int vocab_size) {
+  if (logprobs.top.size() > engine::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first token of request ", request_id, " comes with ",
+                     logprobs.top.size(), " alternatives, more than ",
+                     engine::kMaxTopLogprobs));
+  }
+  for (const engine::TopLogprob& t : logprobs.top) {
+    if (t.token < 0 || t.token >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "alternative ", t.token, " of request ", request_id,
+          "'s first token is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Bytes at the end of `text` that could start one of `stops`: held back so a
 // stop string split over tokens never reaches the client.
 size_t StopHoldback(const std::string& text,
@@ -471,15 +491,14 @@ void DecodeWorker::Impl::ApplyCommand(const Command& c) {
       (void)r->sequence->PublishFullBlocks(r->history);
       running.push_back(r);
       const int32_t token = c.token;
-      if (r->params.wants_logprobs()) {
-        engine::TokenLogprobs first = c.logprobs;
-        if (first.top.size() > static_cast<size_t>(r->params.top_logprobs))
-          first.top.resize(r->params.top_logprobs);
-        AppendTokens(r, std::span<const int32_t>(&token, 1),
-                     std::span<const engine::TokenLogprobs>(&first, 1));
-      } else {
-        AppendTokens(r, std::span<const int32_t>(&token, 1));
-      }
+      // The prefill may report more alternatives than this request wants.
+      engine::TokenLogprobs first = c.logprobs;
+      if (first.top.size() > static_cast<size_t>(r->params.top_logprobs))
+        first.top.resize(r->params.top_logprobs);
+      AppendTokens(r, std::span<const int32_t>(&token, 1),
+                   r->params.wants_logprobs()
+                       ? std::span<const engine::TokenLogprobs>(&first, 1)
+                       : std::span<const engine::TokenLogprobs>());
       return;
     }
   }
@@ -993,22 +1012,8 @@ absl::Status DecodeWorker::MarkKvComplete(
     m.commands.push_back({Command::kFail, request_id, 0, error, {}});
     return error;
   }
-  // The prefill's token 0 report is peer input: ids it names must decode.
-  absl::Status bad_logprobs;
-  if (first_logprobs.top.size() > engine::kMaxTopLogprobs) {
-    bad_logprobs = absl::InvalidArgumentError(
-        absl::StrCat("first token of request ", request_id, " comes with ",
-                     first_logprobs.top.size(), " alternatives, more than ",
-                     engine::kMaxTopLogprobs));
-  }
-  for (const engine::TopLogprob& t : first_logprobs.top) {
-    if (bad_logprobs.ok() && (t.token < 0 || t.token >= m.config.vocab_size)) {
-      bad_logprobs = absl::InvalidArgumentError(
-          absl::StrCat("alternative ", t.token, " of request ", request_id,
-                       "'s first token is outside the vocabulary [0, ",
-                       m.config.vocab_size, ")"));
-    }
-  }
+  absl::Status bad_logprobs =
+      CheckFirstLogprobs(first_logprobs, request_id, m.config.vocab_size);
   if (!bad_logprobs.ok()) {
     m.commands.push_back({Command::kFail, request_id, 0, bad_logprobs, {}});
     return bad_logprobs;

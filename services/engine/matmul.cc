@@ -379,12 +379,11 @@ int64_t FirstAbove(const float* x, int64_t n, float threshold, bool or_equal) {
 double LogSumExp(const float* x, int64_t n) {
   if (n <= 0) return -INFINITY;
   const float max_value = MaxOf(x, n);
-  int64_t i = 0;
   // Every term is in (0, 1]: float lanes lose nothing that matters over a
   // few thousand adds, and moving them into the double every kFlush vectors
   // keeps a 256k-entry vocabulary as exact as a short one.
   double sum = 0;
-  i = 0;
+  int64_t i = 0;
 #ifdef PDSERVE_MATMUL_AVX2
   constexpr int64_t kFlush = 8 * 256;
   const __m256 max8 = _mm256_set1_ps(max_value);

@@ -134,8 +134,8 @@ TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
   const size_t n =
       std::min(static_cast<size_t>(std::max(top_n, 0)), logits.size());
   if (n == 0) return out;
-  // A heap of the n best so far, worst on top: one compare per logit for
-  // the common case of a logit below the current n-th.
+  // A heap of the n best so far, worst on top. Once it is full, FirstAbove
+  // skips (8 logits per compare) to the next logit that beats the worst.
   std::vector<TopLogprob>& heap = out.top;
   heap.reserve(n + 1);
   const int64_t size = static_cast<int64_t>(logits.size());

@@ -159,19 +159,21 @@ int32_t Tokenizer::bos_id() const { return impl_->bos_id; }
 int32_t Tokenizer::eos_id() const { return impl_->eos_id; }
 int32_t Tokenizer::unk_id() const { return impl_->unk_id; }
 
-absl::StatusOr<std::string_view> Tokenizer::IdToPiece(int32_t id) const {
+absl::Status Tokenizer::CheckId(int32_t id) const {
   if (id < 0 || id >= impl_->vocab_size) {
     return absl::OutOfRangeError(absl::StrCat(
         "token id ", id, " is outside the vocabulary of ", impl_->vocab_size));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string_view> Tokenizer::IdToPiece(int32_t id) const {
+  PDS_RETURN_IF_ERROR(CheckId(id));
   return std::string_view(impl_->sp.IdToPiece(id));
 }
 
 absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
-  if (id < 0 || id >= impl_->vocab_size) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "token id ", id, " is outside the vocabulary of ", impl_->vocab_size));
-  }
+  PDS_RETURN_IF_ERROR(CheckId(id));
   using Kind = internal::PieceEntry::Kind;
   const internal::PieceEntry& e = impl_->pieces[id];
   switch (e.kind) {

@@ -82,6 +82,8 @@ class Tokenizer {
 
  private:
   friend class IncrementalDetokenizer;
+  // OUT_OF_RANGE unless 0 <= id < vocab_size().
+  absl::Status CheckId(int32_t id) const;
   explicit Tokenizer(std::unique_ptr<internal::TokenizerImpl> impl);
 
   std::unique_ptr<internal::TokenizerImpl> impl_;
