@@ -1,6 +1,7 @@
 #include "prefill_worker/pipeline_stage.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -119,13 +120,20 @@ void PipelineStage::Process(StageMessage message) {
     step.num_tokens = chunk.num_tokens();
     step.start_position = chunk.token_begin;
     step.block_table = chunk.block_table;
-    // Logits only where a first token is sampled.
-    if (chunk.final_chunk) step.logit_indices = {chunk.num_tokens() - 1};
+    // Logits only where a first token is sampled, or at every position of a
+    // chunk whose prompt is being scored.
+    if (chunk.prompt_logprobs && out_ == nullptr) {
+      step.logit_indices.resize(chunk.num_tokens());
+      std::iota(step.logit_indices.begin(), step.logit_indices.end(), 0);
+    } else if (chunk.final_chunk) {
+      step.logit_indices = {chunk.num_tokens() - 1};
+    }
     batch.sequences.push_back(std::move(step));
   }
   batch.hidden_in = message.hidden;
   engine::ForwardResult result;
-  absl::Status status = engine_->Forward(batch, *pool_, &result);
+  absl::Status status = CheckPromptScoring(message);
+  if (status.ok()) status = engine_->Forward(batch, *pool_, &result);
   const absl::Time mirror_start = absl::Now();
   int64_t mirror_bytes = 0;
   // A GPU stage mirrors every position it computed (not only those it will
@@ -185,10 +193,20 @@ void PipelineStage::Process(StageMessage message) {
   } else {
     const int vocab = engine_->config().vocab_size;
     int row = 0;
-    for (const ChunkHeader& chunk : message.chunks) {
-      if (!chunk.final_chunk) continue;
-      std::span<const float> logits(result.logits.data() + int64_t{row} * vocab,
+    auto logits_row = [&](int r) {
+      return std::span<const float>(result.logits.data() + int64_t{r} * vocab,
                                     vocab);
+    };
+    for (const ChunkHeader& chunk : message.chunks) {
+      if (chunk.prompt_logprobs) {
+        ReportPromptLogprobs(chunk, row, logits_row);
+        row += chunk.num_tokens() - 1;
+      }
+      if (!chunk.final_chunk) {
+        if (chunk.prompt_logprobs) ++row;
+        continue;
+      }
+      std::span<const float> logits = logits_row(row);
       ++row;
       StageEvent token;
       token.kind = StageEvent::Kind::kFirstToken;
@@ -203,6 +221,59 @@ void PipelineStage::Process(StageMessage message) {
   }
   for (const ChunkHeader& chunk : message.chunks) StartKvWrites(chunk);
   events_->Report(std::move(done));
+}
+
+absl::Status PipelineStage::CheckPromptScoring(
+    const StageMessage& message) const {
+  if (out_ != nullptr) return absl::OkStatus();
+  const int vocab = engine_->config().vocab_size;
+  for (const ChunkHeader& chunk : message.chunks) {
+    if (!chunk.prompt_logprobs) continue;
+    if (static_cast<int>(chunk.tokens.size()) != chunk.num_tokens()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", chunk.request_id,
+                       ": a prompt-scoring chunk arrived without its tokens"));
+    }
+    for (int32_t token : chunk.tokens) {
+      if (token < 0 || token >= vocab) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("request ", chunk.request_id, ": prompt token ", token,
+                         " is outside the vocabulary"));
+      }
+    }
+    const bool next_ok =
+        chunk.final_chunk ? chunk.next_token == -1
+                          : chunk.next_token >= 0 && chunk.next_token < vocab;
+    if (!next_ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("request ", chunk.request_id, ": next prompt token ",
+                       chunk.next_token, " does not fit a ",
+                       chunk.final_chunk ? "final" : "non-final", " chunk"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void PipelineStage::ReportPromptLogprobs(
+    const ChunkHeader& chunk, int first_row,
+    const std::function<std::span<const float>(int)>& logits_row) {
+  // Row k (position token_begin + k) predicts the prompt token after it: the
+  // chunk's next token, or for its last position the first of the next chunk
+  // (none after the final chunk, whose last row samples the output instead).
+  StageEvent scored;
+  scored.kind = StageEvent::Kind::kPromptLogprobs;
+  scored.stage = options_.stage_index;
+  scored.request_id = chunk.request_id;
+  scored.first_scored = chunk.token_begin + 1;
+  const int n = chunk.num_tokens();
+  const int scored_rows = chunk.final_chunk ? n - 1 : n;
+  scored.prompt_logprobs.reserve(scored_rows);
+  for (int k = 0; k < scored_rows; ++k) {
+    const int32_t next = k + 1 < n ? chunk.tokens[k + 1] : chunk.next_token;
+    scored.prompt_logprobs.push_back(engine::ComputeTokenLogprobs(
+        logits_row(first_row + k), next, chunk.top_logprobs));
+  }
+  events_->Report(std::move(scored));
 }
 
 void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
@@ -220,7 +291,7 @@ void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
   // a chunk entirely below them writes nothing but its grants still must
   // reach the output (they ride with the first chunk).
   const int kv_begin = std::max(chunk.kv_begin, chunk.kv_dst_offset);
-  if (kv_out_ != nullptr &&
+  if (kv_out_ != nullptr && chunk.write_kv &&
       (kv_begin < chunk.token_end || !chunk.kv_grants.empty())) {
     KvWrite write;
     write.request_id = id;

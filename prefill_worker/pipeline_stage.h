@@ -5,7 +5,9 @@
 //
 // The last stage computes logits only for the last position of each
 // request's final chunk and samples the first output token (index 0) with the
-// request's sampling parameters and seed.
+// request's sampling parameters and seed; for a request scoring its prompt
+// (ChunkHeader::prompt_logprobs) it computes them at every position and
+// reports each prompt token's log-probability.
 //
 // Block ids are group-wide: the coordinator's block manager hands them out and
 // every stage's pool has the same number of blocks, so one block table names
@@ -21,6 +23,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <span>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -133,6 +136,14 @@ class PipelineStage {
                 StageKvOutput* kv_out);
   void Run();
   void Process(StageMessage message);
+  // Last stage: INVALID_ARGUMENT for a prompt_logprobs chunk without its
+  // tokens or with a next token that cannot follow it (a peer's bug).
+  absl::Status CheckPromptScoring(const StageMessage& message) const;
+  // Last stage, a prompt_logprobs chunk whose logit rows start at
+  // `first_row`: reports log p(each next prompt token).
+  void ReportPromptLogprobs(
+      const ChunkHeader& chunk, int first_row,
+      const std::function<std::span<const float>(int)>& logits_row);
   void StartKvWrites(const ChunkHeader& chunk);
   void OnKvWriteDone(uint64_t request_id, absl::Status status);
 

@@ -98,6 +98,11 @@ absl::Status ValidatePrefillRequest(const model::ModelConfig& config,
                      request.kv_dst_offset, " is outside the prompt [0, ",
                      request.prompt.size(), ")"));
   }
+  if (!request.write_kv && !request.kv_grants.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request ", request.request_id,
+                     ": KV grants given for a request that writes no KV"));
+  }
   if (request.chunk_policy.has_value()) {
     if (absl::Status s = request.chunk_policy->Validate(); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -121,6 +126,7 @@ struct PrefillCoordinator::RequestState {
   int chunks_in_flight = 0;
   bool first_token_received = false;
   engine::SampledToken first_token;
+  std::vector<engine::TokenLogprobs> prompt_logprobs;
   int kv_written_stages = 0;
   absl::Status status;  // first failure
 };
@@ -274,7 +280,7 @@ void PrefillCoordinator::TryAdmit() {
     const int total = static_cast<int>(prompt.size());
     kv::KvSequence sequence(blocks_.get());
     int64_t cached = 0;
-    if (options_.prefix_reuse) {
+    if (options_.prefix_reuse && !state.request.prompt_logprobs) {
       kv::KvSequenceStart start =
           kv::KvSequence::StartWithPrefix(blocks_.get(), prompt);
       sequence = std::move(start.sequence);
@@ -326,6 +332,10 @@ void PrefillCoordinator::Launch() {
                                 state.block_table.begin() + blocks);
       header.sampling = state.request.sampling;
       header.top_logprobs = state.request.top_logprobs;
+      header.prompt_logprobs = state.request.prompt_logprobs;
+      header.next_token =
+          chunk.final_chunk ? -1 : state.request.prompt[chunk.token_end];
+      header.write_kv = state.request.write_kv;
       if (chunk.chunk_index == 0) header.kv_grants = state.request.kv_grants;
       header.kv_dst_offset = state.request.kv_dst_offset;
       message.chunks.push_back(std::move(header));
@@ -391,6 +401,30 @@ void PrefillCoordinator::Handle(const StageEvent& event) {
       MaybeFinish(event.request_id);
       return;
     }
+    case StageEvent::Kind::kPromptLogprobs: {
+      auto it = requests_.find(event.request_id);
+      if (it == requests_.end()) return;
+      RequestState& state = *it->second;
+      // Chunks of a request leave the last stage in order, so the scores
+      // arrive contiguous; anything else is a peer's bug.
+      const size_t expected_first = state.prompt_logprobs.size() + 1;
+      if (!state.request.prompt_logprobs ||
+          event.first_scored != static_cast<int>(expected_first) ||
+          expected_first - 1 + event.prompt_logprobs.size() >=
+              state.request.prompt.size()) {
+        Fail(event.request_id,
+             absl::InternalError(absl::StrCat(
+                 "request ", event.request_id, ": prompt scores from position ",
+                 event.first_scored, " (", event.prompt_logprobs.size(),
+                 " entries) do not continue the ", state.prompt_logprobs.size(),
+                 " received")));
+        return;
+      }
+      state.prompt_logprobs.insert(state.prompt_logprobs.end(),
+                                   event.prompt_logprobs.begin(),
+                                   event.prompt_logprobs.end());
+      return;
+    }
     case StageEvent::Kind::kKvWritten: {
       auto it = requests_.find(event.request_id);
       if (it == requests_.end()) return;
@@ -431,8 +465,17 @@ void PrefillCoordinator::MaybeFinish(uint64_t request_id) {
     // leading blocks skip that compute.
     (void)state.sequence->PublishFullBlocks(state.request.prompt);
   }
+  if (state.request.prompt_logprobs &&
+      state.prompt_logprobs.size() + 1 != state.request.prompt.size()) {
+    Finish(request_id,
+           absl::InternalError(absl::StrCat(
+               "request ", request_id, ": ", state.prompt_logprobs.size(),
+               " prompt tokens scored of ", state.request.prompt.size() - 1)));
+    return;
+  }
   PrefillOutcome outcome;
   outcome.request_id = request_id;
+  outcome.prompt_logprobs = std::move(state.prompt_logprobs);
   outcome.first_token = state.first_token;
   outcome.cached_tokens = state.cached_tokens;
   outcome.num_chunks = state.num_chunks;

@@ -43,6 +43,14 @@ struct PrefillRequest {
   // Most likely alternatives of the first token to report
   // (PrefillOutcome::first_token.top), 0 to engine::kMaxTopLogprobs.
   int top_logprobs = 0;
+  // Score the prompt: report log p(prompt token k | tokens before it) for
+  // k >= 1 (PrefillOutcome::prompt_logprobs) with top_logprobs alternatives
+  // each. The prefix cache is not consulted for such a request (every
+  // position's logits are needed), though its blocks are still published.
+  bool prompt_logprobs = false;
+  // False: nothing leaves the group (no destination; scoring only), and
+  // kv_grants must be empty.
+  bool write_kv = true;
   // Overrides the group's chunk policy for this request.
   std::optional<ChunkPolicy> chunk_policy;
   // Where the KV goes: grant blobs handed to every stage's KV output with the
@@ -59,6 +67,9 @@ struct PrefillOutcome {
   // Prompt tokens whose compute prefix reuse skipped (their KV was still sent).
   int64_t cached_tokens = 0;
   int num_chunks = 0;
+  // With PrefillRequest::prompt_logprobs: entry k scores prompt token k + 1
+  // (prompt length - 1 entries).
+  std::vector<engine::TokenLogprobs> prompt_logprobs;
 };
 
 // Completion of one submitted request. Thread-safe.

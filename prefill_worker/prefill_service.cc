@@ -213,6 +213,8 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
   r.sampling.top_k = request->sampling().top_k();
   r.sampling.seed = request->sampling().seed();
   r.top_logprobs = request->top_logprobs();
+  r.prompt_logprobs = request->prompt_logprobs();
+  r.write_kv = request->has_destination();
   const v1::PrefillDestination& destination = request->destination();
   call->decode_address = destination.decode_address();
   if (destination.cached_tokens() < 0 ||
@@ -222,7 +224,7 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
     r.kv_dst_offset = static_cast<int>(destination.cached_tokens());
   }
   absl::Status status = ValidatePrefillRequest(weights_.config(), r);
-  if (status.ok() && destination.ranks().empty()) {
+  if (status.ok() && r.write_kv && destination.ranks().empty()) {
     status = absl::InvalidArgumentError(absl::StrCat(
         "request ", r.request_id, ": the destination names no decode rank"));
   }
@@ -354,6 +356,15 @@ void PrefillService::OnPrefilled(const std::shared_ptr<Call>& call,
     v1::TopLogprob* out = r->add_first_token_top_logprobs();
     out->set_token_id(t.token);
     out->set_logprob(t.logprob);
+  }
+  for (const engine::TokenLogprobs& scored : result->prompt_logprobs) {
+    v1::TokenLogprob* out = r->add_prompt_logprobs();
+    out->set_logprob(scored.logprob);
+    for (const engine::TopLogprob& t : scored.top) {
+      v1::TopLogprob* alternative = out->add_top();
+      alternative->set_token_id(t.token);
+      alternative->set_logprob(t.logprob);
+    }
   }
   r->set_cached_tokens(result->cached_tokens);
   r->set_num_chunks(result->num_chunks);

@@ -38,6 +38,16 @@ struct ChunkHeader {
       block_table;  // group-wide block ids covering [0, token_end)
   engine::SamplingParams sampling;  // used by the last stage on the final chunk
   int top_logprobs = 0;             // alternatives of the first token to report
+  // Score the prompt: the last stage computes logits at every position of the
+  // chunk and reports log p(next prompt token) (kPromptLogprobs), with
+  // top_logprobs alternatives each.
+  bool prompt_logprobs = false;
+  // The prompt token at token_end (what the chunk's last position predicts);
+  // -1 on the final chunk. Only meaningful with prompt_logprobs.
+  int32_t next_token = -1;
+  // False for a request with no KV destination (scoring only): the stages
+  // compute into their own pool and send nothing.
+  bool write_kv = true;
   // A request's first chunk carries the decode side's KV grants (opaque blobs
   // for the stage's KV output, e.g. transport::KvSink::Expect results).
   std::vector<std::string> kv_grants;
@@ -56,6 +66,7 @@ struct StageEvent {
     kMicrobatchDone,  // a stage finished (or failed) a microbatch
     kFirstToken,      // the last stage sampled a request's first token
     kKvWritten,       // a stage's KV writes of a request's final chunk landed
+    kPromptLogprobs,  // the last stage scored a prompt_logprobs chunk
   };
   Kind kind = Kind::kMicrobatchDone;
   int stage = 0;
@@ -66,6 +77,10 @@ struct StageEvent {
   engine::SampledToken token;         // kFirstToken (with its alternatives)
   absl::Time start, end;              // kMicrobatchDone: compute interval
   int tokens = 0;                     // kMicrobatchDone
+  // kPromptLogprobs: entry k is log p(prompt token first_scored + k | the
+  // tokens before it), with the chunk's top_logprobs alternatives.
+  int first_scored = 0;
+  std::vector<engine::TokenLogprobs> prompt_logprobs;
 };
 
 // Sending end of a link to the next stage. Thread-compatible: one sender.

@@ -7,8 +7,10 @@
 namespace pdserve::prefill {
 namespace {
 
-constexpr uint32_t kMessageMagic = 0x314d5350;  // "PSM1"
-constexpr uint32_t kEventMagic = 0x31455350;    // "PSE1"
+// Version 2: chunk flags + next token, prompt scores in events. A stage of
+// another version fails its peers' messages as malformed.
+constexpr uint32_t kMessageMagic = 0x324d5350;  // "PSM2"
+constexpr uint32_t kEventMagic = 0x32455350;    // "PSE2"
 constexpr uint32_t kEndMagic = 0x21444e45;      // "END!"
 
 absl::Status Malformed(std::string_view what) {
@@ -41,6 +43,32 @@ bool GetVector(transport::ByteReader& r, std::vector<T>* v,
 
 constexpr uint64_t kMaxItems = uint64_t{1} << 31;
 
+// ChunkHeader flag bits on the wire.
+constexpr uint8_t kScorePrompt = 1;
+constexpr uint8_t kWriteKv = 2;
+
+void PutLogprobs(transport::ByteWriter& w, const engine::TokenLogprobs& l) {
+  w.Put<float>(l.logprob);
+  w.Put<uint32_t>(static_cast<uint32_t>(l.top.size()));
+  for (const engine::TopLogprob& t : l.top) {
+    w.Put<int32_t>(t.token);
+    w.Put<float>(t.logprob);
+  }
+}
+
+bool GetLogprobs(transport::ByteReader& r, engine::TokenLogprobs* l) {
+  uint32_t alternatives = 0;
+  if (!r.Get(&l->logprob) || !r.Get(&alternatives) ||
+      alternatives > engine::kMaxTopLogprobs) {
+    return false;
+  }
+  l->top.resize(alternatives);
+  for (engine::TopLogprob& t : l->top) {
+    if (!r.Get(&t.token) || !r.Get(&t.logprob)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 std::string EncodeStageMessage(const StageMessage& message) {
@@ -63,6 +91,9 @@ std::string EncodeStageMessage(const StageMessage& message) {
     w.Put<float>(c.sampling.top_p);
     w.Put<uint64_t>(c.sampling.seed);
     w.Put<int32_t>(c.top_logprobs);
+    w.Put<uint8_t>((c.prompt_logprobs ? kScorePrompt : 0) |
+                   (c.write_kv ? kWriteKv : 0));
+    w.Put<int32_t>(c.next_token);
     w.Put<uint32_t>(static_cast<uint32_t>(c.kv_grants.size()));
     for (const std::string& g : c.kv_grants) w.PutBytes(g);
   }
@@ -96,6 +127,7 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
   for (uint32_t i = 0; i < chunks; ++i) {
     ChunkHeader c;
     uint8_t final_chunk = 0;
+    uint8_t flags = 0;
     uint32_t grants = 0;
     if (!r.Get(&c.request_id) || !r.Get(&c.token_begin) ||
         !r.Get(&c.token_end) || !r.Get(&c.kv_begin) ||
@@ -104,7 +136,8 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
         !GetVector(r, &c.block_table, kMaxItems) ||
         !r.Get(&c.sampling.temperature) || !r.Get(&c.sampling.top_k) ||
         !r.Get(&c.sampling.top_p) || !r.Get(&c.sampling.seed) ||
-        !r.Get(&c.top_logprobs) || !r.Get(&grants) || grants > blob.size()) {
+        !r.Get(&c.top_logprobs) || !r.Get(&flags) || !r.Get(&c.next_token) ||
+        !r.Get(&grants) || grants > blob.size()) {
       return Malformed(absl::StrCat("chunk ", i, " is truncated"));
     }
     for (uint32_t g = 0; g < grants; ++g) {
@@ -113,6 +146,11 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
       c.kv_grants.push_back(std::move(grant));
     }
     c.final_chunk = final_chunk != 0;
+    c.prompt_logprobs = (flags & kScorePrompt) != 0;
+    c.write_kv = (flags & kWriteKv) != 0;
+    if ((flags & ~(kScorePrompt | kWriteKv)) != 0) {
+      return Malformed(absl::StrCat("chunk ", i, " has unknown flags"));
+    }
     if (c.token_begin < 0 || c.token_end <= c.token_begin || c.kv_begin < 0 ||
         c.kv_begin > c.token_begin || c.kv_dst_offset < 0 ||
         c.top_logprobs < 0 || c.top_logprobs > engine::kMaxTopLogprobs ||
@@ -146,15 +184,13 @@ std::string EncodeStageEvent(const StageEvent& e) {
   w.Put<int32_t>(static_cast<int32_t>(e.status.code()));
   w.PutBytes(absl::string_view(e.status.message()));
   w.Put<int32_t>(e.token.token);
-  w.Put<float>(e.token.logprob);
-  w.Put<uint32_t>(static_cast<uint32_t>(e.token.top.size()));
-  for (const engine::TopLogprob& t : e.token.top) {
-    w.Put<int32_t>(t.token);
-    w.Put<float>(t.logprob);
-  }
+  PutLogprobs(w, engine::TokenLogprobs{e.token.logprob, e.token.top});
   w.Put<int64_t>(absl::ToUnixNanos(e.start));
   w.Put<int64_t>(absl::ToUnixNanos(e.end));
   w.Put<int32_t>(e.tokens);
+  w.Put<int32_t>(e.first_scored);
+  w.Put<uint64_t>(e.prompt_logprobs.size());
+  for (const engine::TokenLogprobs& l : e.prompt_logprobs) PutLogprobs(w, l);
   return w.Take();
 }
 
@@ -165,25 +201,29 @@ absl::StatusOr<StageEvent> DecodeStageEvent(std::string_view blob) {
   int32_t code = 0;
   std::string message;
   int64_t start = 0, end = 0;
-  uint32_t alternatives = 0;
+  uint64_t scored = 0;
   StageEvent e;
+  engine::TokenLogprobs first;
   if (!r.Get(&magic) || magic != kEventMagic || !r.Get(&kind) ||
-      kind > static_cast<uint8_t>(StageEvent::Kind::kKvWritten) ||
+      kind > static_cast<uint8_t>(StageEvent::Kind::kPromptLogprobs) ||
       !r.Get(&e.stage) || !r.Get(&e.microbatch_id) ||
       !GetVector(r, &e.request_ids, kMaxItems) || !r.Get(&e.request_id) ||
       !r.Get(&code) || !r.GetBytes(&message, 1 << 20) ||
-      !r.Get(&e.token.token) || !r.Get(&e.token.logprob) ||
-      !r.Get(&alternatives) || alternatives > engine::kMaxTopLogprobs) {
+      !r.Get(&e.token.token) || !GetLogprobs(r, &first) || !r.Get(&start) ||
+      !r.Get(&end) || !r.Get(&e.tokens) || !r.Get(&e.first_scored) ||
+      // Each entry takes at least 8 bytes.
+      !r.Get(&scored) || scored > blob.size() / 8) {
     return absl::InvalidArgumentError("malformed stage event");
   }
-  e.token.top.resize(alternatives);
-  for (engine::TopLogprob& t : e.token.top) {
-    if (!r.Get(&t.token) || !r.Get(&t.logprob)) {
+  e.token.logprob = first.logprob;
+  e.token.top = std::move(first.top);
+  e.prompt_logprobs.resize(scored);
+  for (engine::TokenLogprobs& l : e.prompt_logprobs) {
+    if (!GetLogprobs(r, &l)) {
       return absl::InvalidArgumentError("malformed stage event");
     }
   }
-  if (!r.Get(&start) || !r.Get(&end) || !r.Get(&e.tokens) || !r.empty() ||
-      code < 0 ||
+  if (!r.empty() || code < 0 ||
       code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
     return absl::InvalidArgumentError("malformed stage event");
   }

@@ -24,8 +24,9 @@ constexpr int kBlockSize = 16;
 struct Reference {
   std::vector<int32_t> prompt;
   int32_t golden_first = -1;
-  std::vector<float> kv;           // [layer][k|v][head][pos][dim]
-  std::vector<float> last_logits;  // of the last prompt position
+  std::vector<float> kv;                       // [layer][k|v][head][pos][dim]
+  std::vector<float> last_logits;              // of the last prompt position
+  std::vector<std::vector<float>> all_logits;  // of every prompt position
 };
 
 class PrefillPipelineTest : public ::testing::Test {
@@ -50,6 +51,7 @@ class PrefillPipelineTest : public ::testing::Test {
       auto logits = engine::testing_util::PrefillAllLogits(*full, *pool,
                                                            ref.prompt, table);
       ref.last_logits = logits.back();
+      ref.all_logits = logits;
       ref.kv = ExtractKv(*pool, n);
       references_->push_back(std::move(ref));
     }
@@ -237,6 +239,94 @@ TEST_F(PrefillPipelineTest, PrefixReuseSkipsComputeButStillSendsTheKv) {
   other_ref.kv = ExtractKv(*pool, static_cast<int>(other.size()));
   ExpectKvMatches(kv_out, 3, other_ref, "shared prefix");
   EXPECT_EQ(shared.first_token.token, engine::ArgMax(logits.back()));
+}
+
+// Prompt scoring: log p(prompt token k | tokens before it) from the last
+// stage equals the single-process engine's at every depth and chunk size,
+// mixed into microbatches with plain requests; the prefix cache is bypassed
+// (a repeated prompt is scored in full) while plain requests still use it; a
+// request without a KV destination writes nothing.
+TEST_F(PrefillPipelineTest, PromptLogprobsMatchTheEngineAtEveryDepthAndChunk) {
+  const std::vector<size_t> refs = {0, references_->size() - 1};
+  for (int stages : {1, 2, 3, 5}) {
+    for (ChunkPolicy policy : {ChunkPolicy{ChunkPolicyKind::kFixed, 1},
+                               ChunkPolicy{ChunkPolicyKind::kFixed, 7},
+                               ChunkPolicy{ChunkPolicyKind::kEqualCost, 64}}) {
+      const std::string layout =
+          absl::StrCat("S=", stages, " ", policy.DebugString());
+      CapturingKvOutput kv_out;
+      auto group = MakeGroup(SplitFor(stages, weights_->config()), &kv_out,
+                             /*prefix_reuse=*/true, 256, 48, policy);
+      ASSERT_NE(group, nullptr);
+      struct Submitted {
+        std::shared_ptr<PrefillTicket> ticket;
+        size_t ref;
+        bool scored, writes_kv;
+        int top_n;
+      };
+      std::vector<Submitted> submitted;
+      uint64_t id = 1;
+      // Each prompt: plain (fills the prefix cache), scored with and without
+      // alternatives, scored without a destination, plain again (hits it).
+      for (size_t r : refs) {
+        for (int variant = 0; variant < 5; ++variant) {
+          PrefillRequest request;
+          request.request_id = id++;
+          request.prompt = (*references_)[r].prompt;
+          request.prompt_logprobs = variant >= 1 && variant <= 3;
+          request.top_logprobs = variant == 2 ? 3 : 0;
+          request.write_kv = variant != 3;
+          auto ticket = group->Submit(request);
+          ASSERT_TRUE(ticket.ok()) << ticket.status();
+          submitted.push_back({*ticket, r, request.prompt_logprobs,
+                               request.write_kv, request.top_logprobs});
+          // The plain one finishes first, so the others could reuse it.
+          if (variant == 0)
+            ASSERT_TRUE((*ticket)->Wait(absl::Seconds(60)).ok());
+        }
+      }
+      for (const Submitted& s : submitted) {
+        const uint64_t rid = s.ticket->request_id();
+        const std::string what = absl::StrCat(layout, " request ", rid);
+        auto outcome = s.ticket->Wait(absl::Seconds(60));
+        ASSERT_TRUE(outcome.ok()) << what << ": " << outcome.status();
+        const Reference& ref = (*references_)[s.ref];
+        EXPECT_EQ(outcome->first_token.token, ref.golden_first) << what;
+        const int n = static_cast<int>(ref.prompt.size());
+        const int layers = weights_->config().num_layers;
+        if (!s.writes_kv) {
+          std::vector<int> counts = kv_out.WriteCounts(rid, layers, n);
+          EXPECT_TRUE(std::all_of(counts.begin(), counts.end(),
+                                  [](int c) { return c == 0; }))
+              << what << ": a request without destination sent KV";
+        } else {
+          ExpectKvMatches(kv_out, rid, ref, what);
+        }
+        if (!s.scored) {
+          EXPECT_TRUE(outcome->prompt_logprobs.empty()) << what;
+          continue;
+        }
+        EXPECT_EQ(outcome->cached_tokens, 0) << what << ": cache bypassed";
+        ASSERT_EQ(outcome->prompt_logprobs.size(), static_cast<size_t>(n - 1))
+            << what;
+        for (int k = 1; k < n; ++k) {
+          const engine::TokenLogprobs expected = engine::ComputeTokenLogprobs(
+              ref.all_logits[k - 1], ref.prompt[k], s.top_n);
+          const engine::TokenLogprobs& got = outcome->prompt_logprobs[k - 1];
+          ASSERT_NEAR(got.logprob, expected.logprob, 1e-4)
+              << what << " prompt token " << k;
+          ASSERT_EQ(got.top.size(), expected.top.size()) << what;
+          for (size_t t = 0; t < expected.top.size(); ++t) {
+            EXPECT_EQ(got.top[t].token, expected.top[t].token) << what;
+            EXPECT_NEAR(got.top[t].logprob, expected.top[t].logprob, 1e-4);
+          }
+        }
+      }
+      // The last plain request of each prompt reused the cache.
+      EXPECT_GT(group->coordinator().stats().cached_tokens, 0) << layout;
+      EXPECT_EQ(group->coordinator().stats().used_blocks, 0) << layout;
+    }
+  }
 }
 
 TEST_F(PrefillPipelineTest, StagesWorkOnDifferentMicrobatchesAtOnce) {

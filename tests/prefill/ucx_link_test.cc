@@ -56,7 +56,21 @@ TEST(StageWireTest, MessagesAndEventsRoundTrip) {
   EXPECT_EQ(back->chunks[1].top_logprobs, 0);
   EXPECT_TRUE(back->chunks[0].final_chunk);
   EXPECT_FALSE(back->chunks[1].final_chunk);
+  EXPECT_FALSE(back->chunks[0].prompt_logprobs);
+  EXPECT_TRUE(back->chunks[0].write_kv);
+  EXPECT_EQ(back->chunks[0].next_token, -1);
   EXPECT_EQ(back->hidden, m.hidden);
+
+  StageMessage scored = SampleMessage();
+  scored.chunks[1].prompt_logprobs = true;
+  scored.chunks[1].write_kv = false;
+  scored.chunks[1].next_token = 321;
+  auto scored_back = DecodeStageMessage(EncodeStageMessage(scored));
+  ASSERT_TRUE(scored_back.ok()) << scored_back.status();
+  EXPECT_TRUE(scored_back->chunks[1].prompt_logprobs);
+  EXPECT_FALSE(scored_back->chunks[1].write_kv);
+  EXPECT_EQ(scored_back->chunks[1].next_token, 321);
+  EXPECT_FALSE(scored_back->chunks[0].prompt_logprobs);
 
   StageEvent e;
   e.kind = StageEvent::Kind::kMicrobatchDone;
@@ -84,6 +98,20 @@ TEST(StageWireTest, MessagesAndEventsRoundTrip) {
   EXPECT_EQ(token_back->token.token, 7);
   EXPECT_EQ(token_back->token.logprob, -0.5f);
   EXPECT_EQ(token_back->token.top, token.token.top);
+
+  StageEvent prompt;
+  prompt.kind = StageEvent::Kind::kPromptLogprobs;
+  prompt.request_id = 6;
+  prompt.first_scored = 17;
+  prompt.prompt_logprobs = {{-0.25f, {}}, {-2.5f, {{4, -0.5f}, {9, -1.0f}}}};
+  auto prompt_back = DecodeStageEvent(EncodeStageEvent(prompt));
+  ASSERT_TRUE(prompt_back.ok()) << prompt_back.status();
+  EXPECT_EQ(prompt_back->kind, StageEvent::Kind::kPromptLogprobs);
+  EXPECT_EQ(prompt_back->first_scored, 17);
+  ASSERT_EQ(prompt_back->prompt_logprobs.size(), 2u);
+  EXPECT_EQ(prompt_back->prompt_logprobs[0].logprob, -0.25f);
+  EXPECT_EQ(prompt_back->prompt_logprobs[1].logprob, -2.5f);
+  EXPECT_EQ(prompt_back->prompt_logprobs[1].top, prompt.prompt_logprobs[1].top);
 }
 
 TEST(StageWireTest, MalformedBlobsAreRejectedNeverCrash) {
@@ -118,6 +146,15 @@ TEST(StageWireTest, MalformedBlobsAreRejectedNeverCrash) {
   for (size_t n = 0; n < top_event.size(); ++n) {
     EXPECT_FALSE(DecodeStageEvent(top_event.substr(0, n)).ok());
   }
+  StageEvent scores;
+  scores.kind = StageEvent::Kind::kPromptLogprobs;
+  scores.prompt_logprobs = {{-1.0f, {{3, -1.0f}}}, {-2.0f, {}}};
+  const std::string scores_event = EncodeStageEvent(scores);
+  for (size_t n = 0; n < scores_event.size(); ++n) {
+    EXPECT_FALSE(DecodeStageEvent(scores_event.substr(0, n)).ok());
+  }
+  scores.prompt_logprobs[0].top.resize(engine::kMaxTopLogprobs + 1);
+  EXPECT_FALSE(DecodeStageEvent(EncodeStageEvent(scores)).ok());
   const std::string event = EncodeStageEvent(StageEvent{});
   for (size_t n = 0; n < event.size(); ++n) {
     EXPECT_FALSE(DecodeStageEvent(event.substr(0, n)).ok());

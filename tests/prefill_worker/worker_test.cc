@@ -113,6 +113,38 @@ void RunGolden(int stages, const std::string& split,
     // check happens before the next write.
     next_block = kSinkBlocks - 1;
   }
+  {
+    // Scoring only (no destination): the prompt's logprobs cross the stage
+    // links and equal the engine's; no KV leaves, nobody is notified.
+    const auto& c = cases.back();
+    v1::PrefillSubmitRequest request;
+    request.set_request_id(7000);
+    for (int32_t t : c.prompt_ids) request.add_prompt_ids(t);
+    request.set_prompt_logprobs(true);
+    request.set_top_logprobs(2);
+    v1::PrefillSubmitResponse response;
+    grpc::Status s = group.Prefill(request, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message() << "\n" << group.Logs();
+    EXPECT_EQ(response.first_token(), c.greedy_ids[0]);
+    EXPECT_FALSE(response.decode_notified());
+    const int n = static_cast<int>(c.prompt_ids.size());
+    ASSERT_EQ(response.prompt_logprobs_size(), n - 1);
+    const int blocks = (n + kBlockSize - 1) / kBlockSize;
+    auto full = engine::testing_util::MakeEngine(*weights, {}, nullptr, 1);
+    auto pool = engine::testing_util::MakePool(*full, kBlockSize, blocks);
+    auto logits = engine::testing_util::PrefillAllLogits(
+        *full, *pool, c.prompt_ids,
+        engine::testing_util::IdentityBlockTable(blocks));
+    for (int k = 1; k < n; ++k) {
+      const engine::TokenLogprobs want =
+          engine::ComputeTokenLogprobs(logits[k - 1], c.prompt_ids[k], 2);
+      const v1::TokenLogprob& got = response.prompt_logprobs(k - 1);
+      ASSERT_NEAR(got.logprob(), want.logprob, 1e-4) << "prompt token " << k;
+      ASSERT_EQ(got.top_size(), 2);
+      EXPECT_EQ(got.top(0).token_id(), want.top[0].token);
+      EXPECT_NEAR(got.top(1).logprob(), want.top[1].logprob, 1e-4);
+    }
+  }
   auto notices = decode.notices();
   ASSERT_EQ(static_cast<int>(notices.size()), notified);
   for (size_t i = 0; i < notices.size(); ++i) {
@@ -132,7 +164,7 @@ void RunGolden(int stages, const std::string& split,
   EXPECT_TRUE(load.serving());
   EXPECT_EQ(load.kv_blocks_used(), 0);
   EXPECT_EQ(load.kv_blocks_total(), 256);
-  EXPECT_EQ(load.completed(), static_cast<int64_t>(notified));
+  EXPECT_EQ(load.completed(), static_cast<int64_t>(notified) + 1);  // + scoring
   ASSERT_EQ(load.stages_size(), stages);
   EXPECT_GT(load.stages(0).microbatches(), 0);
 }
