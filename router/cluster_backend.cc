@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -232,6 +233,11 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
                      " exceeds the context: the prompt's ", n, " tokens leave ",
                      context - n, " of ", context));
   }
+  if (request.echo && request.logprobs && options_.colocated) {
+    return absl::UnimplementedError(
+        "prompt logprobs (echo with logprobs) need a prefill group; this "
+        "router runs colocated");
+  }
   if (absl::Now() >= request.deadline) {
     return absl::DeadlineExceededError("deadline passed before the start");
   }
@@ -274,6 +280,41 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
   GenerationUsage usage;
   usage.prompt_tokens = static_cast<int32_t>(prompt_ids.size());
   GenerationTiming timing;
+  // Token text for logprob listings; a worker's id outside the vocabulary
+  // keeps its id and no text rather than failing the stream.
+  auto alternative = [this](int32_t id, float logprob) {
+    TokenAlternative out{id, logprob, {}};
+    if (tokenizer_ != nullptr) {
+      absl::StatusOr<std::string> bytes = tokenizer_->TokenBytes(id);
+      if (bytes.ok()) out.bytes = *std::move(bytes);
+      out.control = tokenizer_->IsControl(id);
+    }
+    return out;
+  };
+  auto ToTokenLogprob = [&](int32_t id, const v1::TokenLogprob& l) {
+    TokenLogprob entry;
+    entry.chosen = alternative(id, l.logprob());
+    for (const v1::TopLogprob& t : l.top()) {
+      entry.top.push_back(alternative(t.token_id(), t.logprob()));
+    }
+    return entry;
+  };
+  // Echo: the prompt's text now; its scores (with logprobs) come from the
+  // prefill group. Delivered with the first delta.
+  const bool score_only = request.max_tokens == 0;
+  const bool submit_scored = request.echo && request.logprobs;
+  std::optional<PromptEcho> echo;
+  auto reset_echo = [&] {
+    echo.reset();
+    if (!request.echo) return;
+    echo.emplace();
+    if (request.prompt_text.has_value()) {
+      echo->text = *request.prompt_text;
+    } else if (tokenizer_ != nullptr) {
+      absl::StatusOr<std::string> text = tokenizer_->Decode(prompt_ids);
+      if (text.ok()) echo->text = *std::move(text);
+    }
+  };
   bool delivered = false;  // a delta reached the observer: no more retries
   metrics::RouterMetrics* const m = options_.metrics;
   bool awaiting_first = true;
@@ -315,7 +356,21 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
   };
 
   absl::Status last_error = absl::UnavailableError("no attempt made");
+  if (score_only && !submit_scored) {
+    // Echo of the prompt with nothing to generate or score: no worker needed.
+    reset_echo();
+    GenerationDelta out;
+    out.echo = std::move(echo);
+    out.finished = true;
+    out.finish_reason = FinishReason::kLength;
+    out.usage = usage;
+    timing.total_seconds = absl::ToDoubleSeconds(absl::Now() - started);
+    out.timing = timing;
+    observer->OnDelta(std::move(out));
+    return finish(absl::OkStatus());
+  }
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+    reset_echo();  // a retry scores the prompt again
     if (attempt > 0) {
       if (m != nullptr) m->OnRetry(retry_side);
       absl::MutexLock lock(&shared_->mu);
@@ -330,26 +385,33 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     }
 
     // --- Decode worker: admit (allocates the KV destination). ---
-    absl::StatusOr<WorkerLease> decode_lease =
-        registry_->Assign(WorkerRole::kDecode, *decode_policy_, assignment);
-    if (!decode_lease.ok()) {
-      return finish(attempt == 0
-                        ? decode_lease.status()
-                        : absl::UnavailableError(absl::StrCat(
-                              decode_lease.status().message(),
-                              "; last error: ", last_error.message())));
-    }
-    const std::string decode_address = decode_lease->address();
-    if (m != nullptr) {
-      m->OnRouting(std::string(decode_policy_->name()), "decode",
-                   decode_address);
-    }
-    retry_side = "decode";
-    auto decode = v1::DecodeWorker::NewStub(ChannelFor(decode_address));
+    // Not for a request that only scores its prompt: it needs no decode
+    // worker and its KV goes nowhere.
+    std::string decode_address;
+    std::unique_ptr<v1::DecodeWorker::Stub> decode;
     const uint64_t wire_id = NewWireId();
+    if (!score_only) {
+      absl::StatusOr<WorkerLease> decode_lease =
+          registry_->Assign(WorkerRole::kDecode, *decode_policy_, assignment);
+      if (!decode_lease.ok()) {
+        return finish(attempt == 0
+                          ? decode_lease.status()
+                          : absl::UnavailableError(absl::StrCat(
+                                decode_lease.status().message(),
+                                "; last error: ", last_error.message())));
+      }
+      decode_address = decode_lease->address();
+      if (m != nullptr) {
+        m->OnRouting(std::string(decode_policy_->name()), "decode",
+                     decode_address);
+      }
+      retry_side = "decode";
+      decode = v1::DecodeWorker::NewStub(ChannelFor(decode_address));
+    }
     // Frees the request's blocks at the decode worker (best effort: NOT_FOUND
     // when it already finished or was never admitted).
     auto abort_decode = [&] {
+      if (decode == nullptr) return;
       grpc::ClientContext context;
       context.set_deadline(
           Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
@@ -359,7 +421,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       (void)decode->Abort(&context, abort, &ignored);
     };
     v1::AdmitResponse admit;
-    {
+    if (!score_only) {
       v1::AdmitRequest admit_request;
       admit_request.set_request_id(wire_id);
       admit_request.mutable_prompt_ids()->Add(prompt_ids.begin(),
@@ -422,13 +484,16 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         submit.mutable_prompt_ids()->Add(prompt_ids.begin(), prompt_ids.end());
         *submit.mutable_sampling() = sampling;
         submit.set_top_logprobs(request.top_logprobs);
-        v1::PrefillDestination* destination = submit.mutable_destination();
-        destination->set_decode_address(decode_address);
-        destination->set_cached_tokens(admit.cached_tokens());
-        for (const v1::KvRankDestination& rank : admit.ranks()) {
-          v1::PrefillKvRank* out = destination->add_ranks();
-          out->set_sink_descriptor(rank.sink_descriptor());
-          out->set_grant(rank.grant());
+        submit.set_prompt_logprobs(request.echo && request.logprobs);
+        if (!score_only) {
+          v1::PrefillDestination* destination = submit.mutable_destination();
+          destination->set_decode_address(decode_address);
+          destination->set_cached_tokens(admit.cached_tokens());
+          for (const v1::KvRankDestination& rank : admit.ranks()) {
+            v1::PrefillKvRank* out = destination->add_ranks();
+            out->set_sink_descriptor(rank.sink_descriptor());
+            out->set_grant(rank.grant());
+          }
         }
         grpc::ClientContext context;
         context.set_deadline(
@@ -476,6 +541,33 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
                         prefilled.queue_seconds();
       breakdown.prefill = prefilled.prefill_seconds();
       breakdown.kv_transfer = prefilled.notify_seconds();
+      if (submit_scored) {
+        if (prefilled.prompt_logprobs_size() + 1 !=
+            static_cast<int>(prompt_ids.size())) {
+          abort_decode();
+          return finish(absl::InternalError(
+              absl::StrCat("prefill group ", prefill_address, " scored ",
+                           prefilled.prompt_logprobs_size(),
+                           " prompt tokens of ", prompt_ids.size() - 1)));
+        }
+        echo->first_token = alternative(prompt_ids[0], 0.0f);
+        for (int k = 0; k < prefilled.prompt_logprobs_size(); ++k) {
+          echo->scored_tokens.push_back(
+              ToTokenLogprob(prompt_ids[k + 1], prefilled.prompt_logprobs(k)));
+        }
+      }
+      if (score_only) {
+        // Nothing to generate: the prompt's numbers are the whole answer.
+        GenerationDelta out;
+        out.echo = std::move(echo);
+        out.finished = true;
+        out.finish_reason = FinishReason::kLength;
+        out.usage = usage;
+        timing.total_seconds = absl::ToDoubleSeconds(absl::Now() - started);
+        out.timing = timing;
+        observer->OnDelta(std::move(out));
+        return finish(absl::OkStatus());
+      }
     }
 
     // --- Decode worker: stream the tokens. ---
@@ -493,16 +585,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         decode->StreamTokens(&context, stream_request);
     v1::DecodeDelta in;
     bool finished = false;
-    // Token text for logprob listings; a worker's id outside the vocabulary
-    // keeps its id and no text rather than failing the stream.
-    auto alternative = [this](int32_t id, float logprob) {
-      TokenAlternative out{id, logprob, {}};
-      if (tokenizer_ != nullptr) {
-        absl::StatusOr<std::string> bytes = tokenizer_->TokenBytes(id);
-        if (bytes.ok()) out.bytes = *std::move(bytes);
-      }
-      return out;
-    };
+    bool restore_space = false;  // echo: see below
     while (reader->Read(&in)) {
       GenerationDelta out;
       out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
@@ -520,12 +603,8 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         }
         out.logprobs.reserve(in.logprobs_size());
         for (int k = 0; k < in.logprobs_size(); ++k) {
-          const v1::TokenLogprob& l = in.logprobs(k);
-          TokenLogprob& entry = out.logprobs.emplace_back();
-          entry.chosen = alternative(in.token_ids(k), l.logprob());
-          for (const v1::TopLogprob& t : l.top()) {
-            entry.top.push_back(alternative(t.token_id(), t.logprob()));
-          }
+          out.logprobs.push_back(
+              ToTokenLogprob(in.token_ids(k), in.logprobs(k)));
         }
       }
       usage.completion_tokens += static_cast<int32_t>(out.token_ids.size());
@@ -562,7 +641,25 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         timing.total_seconds = absl::ToDoubleSeconds(since_start);
         out.timing = timing;
       }
-      if (out.finished || !out.token_ids.empty() || !out.text.empty()) {
+      const bool first_tokens =
+          !out.token_ids.empty() &&
+          usage.completion_tokens == static_cast<int32_t>(out.token_ids.size());
+      if (request.echo && tokenizer_ != nullptr && first_tokens) {
+        absl::StatusOr<std::string> bytes =
+            tokenizer_->TokenBytes(out.token_ids[0]);
+        restore_space = bytes.ok() && absl::StartsWith(*bytes, " ");
+      }
+      if (restore_space && !out.text.empty()) {
+        // The worker decodes the continuation on its own, dropping its first
+        // word's space (SentencePiece's dummy prefix); after the echoed
+        // prompt that space separates the two.
+        if (!absl::StartsWith(out.text, " ")) out.text.insert(0, " ");
+        restore_space = false;
+      }
+      if (echo.has_value()) out.echo = std::move(echo);  // first delta only
+      echo.reset();
+      if (out.finished || !out.token_ids.empty() || !out.text.empty() ||
+          out.echo.has_value()) {
         delivered = true;
         observer->OnDelta(std::move(out));
       }

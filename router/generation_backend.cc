@@ -51,9 +51,11 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request) {
       }
     }
   }
-  if (request.max_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_tokens must be at least 1 (got ", request.max_tokens, ")"));
+  if (request.max_tokens < (request.echo ? 0 : 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be at least ", request.echo ? 0 : 1,
+                     request.echo ? "" : " (0 only with echo)", " (got ",
+                     request.max_tokens, ")"));
   }
   const SamplingOptions& s = request.sampling;
   if (!std::isfinite(s.temperature) || s.temperature < 0) {

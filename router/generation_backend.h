@@ -60,6 +60,10 @@ struct GenerationRequest {
   // top_logprobs > 0 needs logprobs.
   bool logprobs = false;
   int32_t top_logprobs = 0;
+  // Return the prompt as well (OpenAI's `echo`): the first delta carries it
+  // (GenerationDelta::echo), with logprobs its tokens' log-probabilities
+  // under the model. With echo, max_tokens may be 0 (score the prompt only).
+  bool echo = false;
   absl::Time deadline = absl::InfiniteFuture();
 };
 
@@ -74,11 +78,26 @@ struct TokenAlternative {
   // a lone byte of a UTF-8 character); empty when the backend has no
   // tokenizer.
   std::string bytes;
+  // A control token (BOS, EOS): shown by its piece ("<s>") but adds nothing
+  // to the text.
+  bool control = false;
 };
 
 struct TokenLogprob {
   TokenAlternative chosen;            // the emitted token
   std::vector<TokenAlternative> top;  // most likely first, when asked
+};
+
+// The prompt, when the request asked for echo.
+struct PromptEcho {
+  // The prompt as text: as given, or its token ids decoded (empty when the
+  // backend has no tokenizer).
+  std::string text;
+  // With logprobs: prompt token 0 (nothing precedes it, so it has no
+  // log-probability) and tokens 1.. each with log p(token | the tokens
+  // before it) and the request's top_logprobs alternatives.
+  TokenAlternative first_token;
+  std::vector<TokenLogprob> scored_tokens;
 };
 
 struct GenerationUsage {
@@ -95,6 +114,9 @@ struct GenerationTiming {
 };
 
 struct GenerationDelta {
+  // Set on the first delta only, and only for requests with echo (it may be
+  // a delta of its own, before any token).
+  std::optional<PromptEcho> echo;
   std::vector<int32_t> token_ids;
   std::string text;  // never half a UTF-8 character
   // One per token id when the request asked for logprobs.
@@ -142,9 +164,9 @@ class GenerationBackend {
 };
 
 // Front-end checks shared by HTTP and gRPC: one prompt, non-empty, valid
-// UTF-8; max_tokens >= 1; temperature >= 0; top_p in (0, 1]; top_k >= 0; stop
-// strings non-empty and at most kMaxStopStrings; top_logprobs in
-// [0, kMaxTopLogprobs] and only with logprobs. INVALID_ARGUMENT naming the
+// UTF-8; max_tokens >= 1 (>= 0 with echo); temperature >= 0; top_p in (0, 1];
+// top_k >= 0; stop strings non-empty and at most kMaxStopStrings; top_logprobs
+// in [0, kMaxTopLogprobs] and only with logprobs. INVALID_ARGUMENT naming the
 // field.
 inline constexpr int kMaxStopStrings = 16;
 [[nodiscard]] absl::Status ValidateGenerationRequest(

@@ -26,19 +26,34 @@ v1::FinishReason ToProto(FinishReason reason) {
 }
 
 // Appends `delta` to `out` (the streaming item or the unary accumulator).
+void AppendTop(const std::vector<TokenAlternative>& alternatives,
+               v1::TopLogprobs* top) {
+  for (const TokenAlternative& t : alternatives) {
+    v1::TopLogprob* alternative = top->add_alternatives();
+    alternative->set_token_id(t.token_id);
+    alternative->set_logprob(t.logprob);
+  }
+}
+
 void AppendDelta(const GenerationDelta& delta, int32_t top_logprobs,
-                 v1::GenerateResponse* out) {
+                 bool logprobs, v1::GenerateResponse* out) {
+  if (delta.echo.has_value()) {
+    v1::PromptEcho* echo = out->mutable_echo();
+    echo->set_text(delta.echo->text);
+    if (logprobs) {
+      echo->add_token_ids(delta.echo->first_token.token_id);
+      for (const TokenLogprob& l : delta.echo->scored_tokens) {
+        echo->add_token_ids(l.chosen.token_id);
+        echo->add_logprobs(l.chosen.logprob);
+        if (top_logprobs > 0) AppendTop(l.top, echo->add_top_logprobs());
+      }
+    }
+  }
   for (int32_t id : delta.token_ids) out->add_token_ids(id);
   out->mutable_text()->append(delta.text);
   for (const TokenLogprob& l : delta.logprobs) {
     out->add_logprobs(l.chosen.logprob);
-    if (top_logprobs == 0) continue;
-    v1::TopLogprobs* top = out->add_top_logprobs();
-    for (const TokenAlternative& t : l.top) {
-      v1::TopLogprob* alternative = top->add_alternatives();
-      alternative->set_token_id(t.token_id);
-      alternative->set_logprob(t.logprob);
-    }
+    if (top_logprobs > 0) AppendTop(l.top, out->add_top_logprobs());
   }
   if (!delta.finished) return;
   out->set_finish_reason(ToProto(delta.finish_reason));
@@ -109,6 +124,7 @@ class GenerateReactor final
     }
     request_id_ = generation->request_id;
     top_logprobs_ = generation->top_logprobs;
+    logprobs_ = generation->logprobs;
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
     if (!call.ok()) {
@@ -132,7 +148,7 @@ class GenerateReactor final
     if (finished_) return;
     v1::GenerateResponse& item = queue_.emplace_back();
     item.set_request_id(request_id_);
-    AppendDelta(delta, top_logprobs_, &item);
+    AppendDelta(delta, top_logprobs_, logprobs_, &item);
     if (!write_in_flight_) {
       write_in_flight_ = true;
       StartWrite(&queue_.front());
@@ -209,6 +225,7 @@ class GenerateReactor final
   TwoOwners owners_;
   std::string request_id_;
   int32_t top_logprobs_ = 0;
+  bool logprobs_ = false;
   absl::Mutex mu_;
   // Items not yet written; the front one is being written when
   // write_in_flight_ (deque: push_back keeps the front's address stable).
@@ -242,6 +259,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
     }
     response_->set_request_id(generation->request_id);
     top_logprobs_ = generation->top_logprobs;
+    logprobs_ = generation->logprobs;
     absl::StatusOr<std::unique_ptr<GenerationCall>> call =
         backend->Start(std::move(generation).value(), this);
     if (!call.ok()) {
@@ -260,7 +278,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
 
   void OnDelta(GenerationDelta delta) override {
     absl::MutexLock lock(&mu_);
-    if (!finished_) AppendDelta(delta, top_logprobs_, response_);
+    if (!finished_) AppendDelta(delta, top_logprobs_, logprobs_, response_);
   }
 
   void OnDone(absl::Status status) override {
@@ -304,6 +322,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
 
   TwoOwners owners_;
   int32_t top_logprobs_ = 0;
+  bool logprobs_ = false;
   absl::Mutex mu_;
   // Owned by gRPC; written only before Finish().
   v1::GenerateResponse* const response_ ABSL_PT_GUARDED_BY(mu_);
@@ -336,10 +355,9 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
       return absl::InvalidArgumentError(
           "a prompt (text or token_ids) is required");
   }
-  if (request.max_tokens() < 0) {
-    return absl::InvalidArgumentError("max_tokens must be >= 0 (0 = 16)");
-  }
-  out.max_tokens = request.max_tokens() == 0 ? 16 : request.max_tokens();
+  out.echo = request.echo();
+  // Unset: 16 (validation below refuses 0 without echo, and negatives).
+  out.max_tokens = request.has_max_tokens() ? request.max_tokens() : 16;
   out.sampling.temperature = request.sampling().temperature();
   // proto3 cannot tell an unset top_p from 0: 0 is read as "off".
   out.sampling.top_p =

@@ -417,6 +417,13 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         --open;
       } else {
         CompletionOutcome& outcome = outcomes[event->choice];
+        if (event->delta->echo.has_value()) {
+          // The first delta: the prompt comes before anything generated.
+          PromptEcho& echo = *event->delta->echo;
+          outcome.text = echo.text + outcome.text;
+          outcome.logprobs.text_offset = TextCharacters(echo.text);
+          if (logprobs) outcome.logprobs.prompt = std::move(echo);
+        }
         outcome.text += event->delta->text;
         for (TokenLogprob& l : event->delta->logprobs) {
           outcome.logprobs.tokens.push_back(std::move(l));
@@ -503,12 +510,20 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         // Tokens whose text is held back (a possible stop string, half a
         // character) still get their chunk when logprobs were asked for.
         if (delta.text.empty() && !delta.finished && !state->first[choice] &&
-            delta.logprobs.empty()) {
+            delta.logprobs.empty() && !delta.echo.has_value()) {
           return true;
         }
         LogprobsOutput chunk_logprobs;
         chunk_logprobs.requested = logprobs;
         chunk_logprobs.top_logprobs = top_logprobs;
+        std::string text = std::move(delta.text);
+        if (delta.echo.has_value()) {
+          // The prompt leads the choice's first chunk; offsets of the
+          // generated tokens count from its end.
+          text = delta.echo->text + text;
+          state->text_offset[choice] += TextCharacters(delta.echo->text);
+          if (logprobs) chunk_logprobs.prompt = std::move(delta.echo);
+        }
         chunk_logprobs.text_offset = state->text_offset[choice];
         for (const TokenLogprob& l : delta.logprobs) {
           state->text_offset[choice] += TokenCharacters(l.chosen);
@@ -519,7 +534,7 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         // A failed write means the client went away: returning false closes
         // the connection and the releaser cancels the generation.
         return write(StreamChunkEvent(
-            endpoint, id, created, name, delta.text,
+            endpoint, id, created, name, text,
             delta.finished ? delta.finish_reason : FinishReason::kNone,
             first_chunk, chunk_logprobs, choice));
       },

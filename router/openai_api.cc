@@ -4,6 +4,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "tokenizer/detokenizer.h"
@@ -171,9 +172,7 @@ absl::Status RejectUnsupported(const json& body) {
     if (absl::Status s = ReadNumber(body, field, &v); !s.ok()) return s;
     if (v != 0) return FieldError(field, "is not supported (must be 0)");
   }
-  // echo would need the prompt's logprobs, which the prefill does not keep.
-  for (const char* field :
-       {"echo", "suffix", "logit_bias", "tools", "functions"}) {
+  for (const char* field : {"suffix", "logit_bias", "tools", "functions"}) {
     auto it = body.find(field);
     if (it == body.end() || it->is_null()) continue;
     if ((it->is_boolean() && !it->get<bool>()) ||
@@ -322,6 +321,42 @@ json LogprobsJson(OpenAiEndpoint endpoint, const LogprobsOutput& logprobs) {
   json token_logprobs = json::array();
   json top_logprobs = json::array();
   json text_offset = json::array();
+  if (logprobs.prompt.has_value()) {
+    const PromptEcho& prompt = *logprobs.prompt;
+    // Token 0 has no numbers: nothing precedes it.
+    tokens.push_back(TokenDisplay(prompt.first_token));
+    token_logprobs.push_back(nullptr);
+    top_logprobs.push_back(nullptr);
+    text_offset.push_back(0);
+    // Offsets index the prompt text: control tokens (BOS) add nothing to it,
+    // and the first word's piece carries SentencePiece's dummy-prefix space,
+    // which the text does not start with.
+    bool first_text_token = true;
+    auto characters = [&](const TokenAlternative& token) {
+      if (token.control) return int64_t{0};  // before first_text_token
+      int64_t n = TokenCharacters(token);
+      if (first_text_token && absl::StartsWith(token.bytes, " ") &&
+          !absl::StartsWith(prompt.text, " ")) {
+        --n;
+      }
+      first_text_token = false;
+      return n;
+    };
+    int64_t offset = characters(prompt.first_token);
+    for (const TokenLogprob& l : prompt.scored_tokens) {
+      const std::string shown = TokenDisplay(l.chosen);
+      tokens.push_back(shown);
+      token_logprobs.push_back(l.chosen.logprob);
+      json alternatives = json::object();
+      for (const TokenAlternative& t : l.top) {
+        alternatives[TokenDisplay(t)] = t.logprob;
+      }
+      if (!alternatives.contains(shown)) alternatives[shown] = l.chosen.logprob;
+      top_logprobs.push_back(std::move(alternatives));
+      text_offset.push_back(offset);
+      offset += characters(l.chosen);
+    }
+  }
   int64_t offset = logprobs.text_offset;
   for (const TokenLogprob& l : logprobs.tokens) {
     const std::string shown = TokenDisplay(l.chosen);
@@ -386,9 +421,22 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
       !s.ok()) {
     return s;
   }
-  if (max_tokens < 1 || max_tokens > std::numeric_limits<int32_t>::max()) {
-    return FieldError("max_tokens", absl::StrCat("must be at least 1 (got ",
-                                                 max_tokens, ")"));
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    if (absl::Status s = ReadBool(body, "echo", &gen.echo); !s.ok()) return s;
+  } else if (auto it = body.find("echo");
+             it != body.end() && !it->is_null() &&
+             !(it->is_boolean() && !it->get<bool>())) {
+    return FieldError("echo", "is a completions option");
+  }
+  // max_tokens 0 with echo scores the prompt (lm-eval-harness's
+  // loglikelihood requests) or just returns it.
+  const int64_t min_tokens = gen.echo ? 0 : 1;
+  if (max_tokens < min_tokens ||
+      max_tokens > std::numeric_limits<int32_t>::max()) {
+    return FieldError("max_tokens",
+                      absl::StrCat("must be at least ", min_tokens,
+                                   gen.echo ? "" : " (0 only with echo)",
+                                   " (got ", max_tokens, ")"));
   }
   gen.max_tokens = static_cast<int32_t>(max_tokens);
 
@@ -505,10 +553,14 @@ std::string TokenDisplay(const TokenAlternative& token) {
   return shown;
 }
 
-int64_t TokenCharacters(const TokenAlternative& token) {
+int64_t TextCharacters(std::string_view text) {
   int64_t characters = 0;
-  for (char c : token.bytes) characters += (c & 0xC0) != 0x80 ? 1 : 0;
+  for (char c : text) characters += (c & 0xC0) != 0x80 ? 1 : 0;
   return characters;
+}
+
+int64_t TokenCharacters(const TokenAlternative& token) {
+  return token.control ? 0 : TextCharacters(token.bytes);
 }
 
 std::string OpenAiFinishReason(FinishReason reason) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -77,17 +78,23 @@ std::string ErrorBody(const absl::Status& status);
 struct LogprobsOutput {
   bool requested = false;
   int32_t top_logprobs = 0;
+  // Completions with echo: the prompt's tokens come first (token 0 with null
+  // numbers, as OpenAI lists it), their text_offset counting from the start
+  // of the prompt text.
+  std::optional<PromptEcho> prompt;
   std::vector<TokenLogprob> tokens;
-  // Completions: characters of the completion before the first token (a
-  // stream's earlier chunks).
+  // Completions: characters of the choice's text before the first of
+  // `tokens` (the echoed prompt, a stream's earlier chunks).
   int64_t text_offset = 0;
 };
 
 // How a token is shown in logprob listings (see LogprobsOutput).
 std::string TokenDisplay(const TokenAlternative& token);
 // Characters `token` adds to the text (UTF-8 lead bytes: a piece of a
-// character counts once, with its first byte).
+// character counts once, with its first byte; a control token none).
 int64_t TokenCharacters(const TokenAlternative& token);
+// Characters of UTF-8 text (lead bytes).
+int64_t TextCharacters(std::string_view text);
 
 // What a finished generation produced (non-streaming bodies, final chunks).
 struct CompletionOutcome {

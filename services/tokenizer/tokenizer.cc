@@ -188,6 +188,11 @@ absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
   return e.text;
 }
 
+bool Tokenizer::IsControl(int32_t id) const {
+  return CheckId(id).ok() &&
+         impl_->pieces[id].kind == internal::PieceEntry::Kind::kControl;
+}
+
 absl::Status Tokenizer::CheckCompatibleWith(int model_vocab_size) const {
   if (model_vocab_size != impl_->vocab_size) {
     return absl::FailedPreconditionError(absl::StrCat(

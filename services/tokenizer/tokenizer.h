@@ -61,6 +61,9 @@ class Tokenizer {
   int32_t eos_id() const;  // -1 when the vocabulary has none
   int32_t unk_id() const;
   bool IsEos(int32_t id) const { return id >= 0 && id == eos_id(); }
+  // A control token (BOS, EOS, ...): invisible in decoded text. False for an
+  // id outside the vocabulary.
+  bool IsControl(int32_t id) const;
 
   // The raw piece, e.g. "▁the" or "<0x0A>". OUT_OF_RANGE for a bad id. The
   // view lives as long as the Tokenizer.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,9 +46,11 @@ inline std::vector<float> ExtractKv(const kv::KvPool& pool, int tokens) {
 // predicted each output token.
 inline std::vector<TokenLogprobs> ReferenceLogprobs(
     const model::WeightSource& weights, const std::vector<int32_t>& prompt,
-    const std::vector<int32_t>& output, int top_n) {
+    const std::vector<int32_t>& output, int top_n,
+    std::optional<kv::KvDType> kv_dtype = std::nullopt) {
   EngineOptions eo;
   eo.num_threads = 1;
+  eo.kv_dtype = kv_dtype;
   auto engine = LlamaEngine::Create(weights, eo);
   EXPECT_TRUE(engine.ok()) << engine.status();
   if (!engine.ok() || output.empty()) return {};

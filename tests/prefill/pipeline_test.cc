@@ -281,8 +281,9 @@ TEST_F(PrefillPipelineTest, PromptLogprobsMatchTheEngineAtEveryDepthAndChunk) {
           submitted.push_back({*ticket, r, request.prompt_logprobs,
                                request.write_kv, request.top_logprobs});
           // The plain one finishes first, so the others could reuse it.
-          if (variant == 0)
+          if (variant == 0) {
             ASSERT_TRUE((*ticket)->Wait(absl::Seconds(60)).ok());
+          }
         }
       }
       for (const Submitted& s : submitted) {

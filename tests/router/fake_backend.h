@@ -11,12 +11,17 @@
 //   "midfail"         two tokens, then OnDone(INTERNAL)
 //   "hang"            nothing until cancelled or past the deadline
 //   "stop"            one token, then finish "stop"
+// With echo the first delta (one of its own when max_tokens is 0) carries the
+// prompt text; with logprobs too, one prompt token per character of the
+// prompt (id 1000 + k, text the character), token k >= 1 scored -0.5 k, its
+// alternative j id 2000 + j scored -0.5 k - 1 - j.
 // Past the request's deadline a call ends with DEADLINE_EXCEEDED; a
 // cancelled one with CANCELLED.
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -165,6 +170,33 @@ class FakeBackend : public GenerationBackend {
       n = 1;
       finish = FinishReason::kStop;
     }
+    std::optional<PromptEcho> echo;
+    if (request.echo) {
+      echo.emplace();
+      echo->text = prompt;
+      if (request.logprobs && !prompt.empty()) {
+        echo->first_token = {1000, 0.0f, prompt.substr(0, 1)};
+        for (size_t k = 1; k < prompt.size(); ++k) {
+          const float logprob = -0.5f * static_cast<float>(k);
+          TokenLogprob& l = echo->scored_tokens.emplace_back();
+          l.chosen = {1000 + static_cast<int32_t>(k), logprob,
+                      prompt.substr(k, 1)};
+          for (int j = 0; j < request.top_logprobs; ++j) {
+            l.top.push_back({2000 + j, logprob - 1.0f - static_cast<float>(j),
+                             absl::StrCat("alt", j)});
+          }
+        }
+      }
+    }
+    if (n == 0) {
+      GenerationDelta delta;
+      delta.echo = std::move(echo);
+      delta.finished = true;
+      delta.finish_reason = FinishReason::kLength;
+      delta.usage = {prompt_tokens, 0, 0};
+      observer->OnDelta(std::move(delta));
+      return absl::OkStatus();
+    }
     for (int i = 0; i < n; ++i) {
       if (absl::Status s = Wait(state, request, token_delay_); !s.ok()) {
         return s;
@@ -173,6 +205,7 @@ class FakeBackend : public GenerationBackend {
         return absl::InternalError("worker died mid-stream");
       }
       GenerationDelta delta;
+      if (i == 0) delta.echo = std::move(echo);
       delta.token_ids = {100 + i};
       delta.text = absl::StrCat(" w", i);
       if (request.logprobs) {

@@ -128,6 +128,47 @@ TEST_F(GenerationServiceTest, LogprobsAndAlternativesPerToken) {
   for (const auto& item : plain) EXPECT_EQ(item.logprobs_size(), 0);
 }
 
+TEST_F(GenerationServiceTest, EchoCarriesThePromptAndItsScores) {
+  // Scoring only: one item, the prompt's numbers, nothing generated.
+  v1::GenerateRequest request = Request("abc", 0);
+  request.set_echo(true);
+  request.set_include_logprobs(true);
+  request.set_top_logprobs(1);
+  auto [items, status] = ReadAll(request);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(items.size(), 1u);
+  const v1::PromptEcho& echo = items[0].echo();
+  EXPECT_EQ(echo.text(), "abc");
+  EXPECT_EQ(
+      std::vector<int32_t>(echo.token_ids().begin(), echo.token_ids().end()),
+      (std::vector<int32_t>{1000, 1001, 1002}));
+  ASSERT_EQ(echo.logprobs_size(), 2);
+  EXPECT_FLOAT_EQ(echo.logprobs(1), -1.0f);
+  ASSERT_EQ(echo.top_logprobs_size(), 2);
+  EXPECT_EQ(echo.top_logprobs(0).alternatives(0).token_id(), 2000);
+  EXPECT_EQ(items[0].token_ids_size(), 0);
+  EXPECT_EQ(items[0].finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_TRUE(backend_.last_request().echo);
+  EXPECT_EQ(backend_.last_request().max_tokens, 0);
+
+  // With a continuation: the echo rides on the first item only; without
+  // logprobs it is the text alone.
+  request = Request("ab", 2);
+  request.set_echo(true);
+  auto [streamed, streamed_status] = ReadAll(request);
+  ASSERT_TRUE(streamed_status.ok()) << streamed_status.error_message();
+  ASSERT_EQ(streamed.size(), 2u);
+  EXPECT_EQ(streamed[0].echo().text(), "ab");
+  EXPECT_EQ(streamed[0].echo().token_ids_size(), 0);
+  EXPECT_EQ(streamed[0].token_ids_size(), 1);
+  EXPECT_FALSE(streamed[1].has_echo());
+  grpc::ClientContext context;
+  v1::GenerateResponse unary;
+  ASSERT_TRUE(stub_->GenerateUnary(&context, request, &unary).ok());
+  EXPECT_EQ(unary.echo().text(), "ab");
+  EXPECT_EQ(unary.token_ids_size(), 2);
+}
+
 TEST_F(GenerationServiceTest, UnsetSeedIsFreshPerRequestAndZeroIsKept) {
   v1::GenerateRequest request = Request("x", 1);
   request.mutable_sampling()->set_temperature(1.0f);
@@ -147,7 +188,7 @@ TEST_F(GenerationServiceTest, TokenIdPromptsAndDefaults) {
   request.mutable_token_ids()->add_ids(42);
   auto [items, status] = ReadAll(request);
   ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_EQ(items.size(), 16u);  // max_tokens 0 = 16
+  EXPECT_EQ(items.size(), 16u);  // max_tokens unset = 16
   EXPECT_FALSE(items[0].request_id().empty());
   EXPECT_EQ(backend_.last_request().prompt_ids, (std::vector<int32_t>{1, 42}));
 }
@@ -215,6 +256,7 @@ TEST_F(GenerationServiceTest, BadRequestsAreInvalidArgument) {
   top_many.set_include_logprobs(true);
   top_many.set_top_logprobs(21);
   bad.push_back(top_many);
+  bad.push_back(Request("a", 0));  // generate nothing: only with echo
   for (const v1::GenerateRequest& request : bad) {
     auto [items, status] = ReadAll(request);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)

@@ -178,6 +178,75 @@ TEST_F(HttpServerTest, CompletionLogprobsWholeAndStreamed) {
   EXPECT_TRUE(json::parse(res->body)["choices"][0]["logprobs"].is_null());
 }
 
+TEST_F(HttpServerTest, EchoWholeStreamedAndScoringOnly) {
+  // Scoring only (lm-eval-harness): the prompt with its tokens' numbers, no
+  // completion.
+  auto res = Post("/v1/completions",
+                  R"({"prompt": "abc", "echo": true, "max_tokens": 0,
+                      "logprobs": 1})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  json body = json::parse(res->body);
+  json choice = body["choices"][0];
+  EXPECT_EQ(choice["text"], "abc");
+  EXPECT_EQ(choice["finish_reason"], "length");
+  EXPECT_EQ(choice["logprobs"]["tokens"], json({"a", "b", "c"}));
+  EXPECT_EQ(choice["logprobs"]["token_logprobs"], json({nullptr, -0.5, -1.0}));
+  EXPECT_EQ(choice["logprobs"]["text_offset"], json({0, 1, 2}));
+  EXPECT_TRUE(choice["logprobs"]["top_logprobs"][0].is_null());
+  EXPECT_EQ(choice["logprobs"]["top_logprobs"][2],
+            json({{"alt0", -2.0}, {"c", -1.0}}));
+  EXPECT_EQ(body["usage"]["completion_tokens"], 0);
+  EXPECT_TRUE(backend_.last_request().echo);
+  EXPECT_EQ(backend_.last_request().max_tokens, 0);
+
+  // Echo with a completion: prompt first, the tokens' offsets after it.
+  res = Post("/v1/completions",
+             R"({"prompt": "ab", "echo": true, "max_tokens": 2,
+                 "logprobs": 0})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  choice = json::parse(res->body)["choices"][0];
+  EXPECT_EQ(choice["text"], "ab w0 w1");
+  EXPECT_EQ(choice["logprobs"]["tokens"], json({"a", "b", " w0", " w1"}));
+  EXPECT_EQ(choice["logprobs"]["token_logprobs"],
+            json({nullptr, -0.5, -0.25, -0.5}));
+  EXPECT_EQ(choice["logprobs"]["text_offset"], json({0, 1, 2, 5}));
+
+  // Echo without logprobs: only the text; streamed, the prompt leads the
+  // first chunk.
+  res = Post("/v1/completions",
+             R"({"prompt": "ab", "echo": true, "max_tokens": 2})");
+  ASSERT_TRUE(res);
+  choice = json::parse(res->body)["choices"][0];
+  EXPECT_EQ(choice["text"], "ab w0 w1");
+  EXPECT_TRUE(choice["logprobs"].is_null());
+  res = Post("/v1/completions",
+             R"({"prompt": "ab", "echo": true, "max_tokens": 2,
+                 "logprobs": 0, "stream": true})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  std::vector<std::string> events = Events(res->body);
+  ASSERT_EQ(events.size(), 3u) << res->body;
+  const json first = json::parse(events[0])["choices"][0];
+  EXPECT_EQ(first["text"], "ab w0");
+  EXPECT_EQ(first["logprobs"]["tokens"], json({"a", "b", " w0"}));
+  EXPECT_EQ(first["logprobs"]["text_offset"], json({0, 1, 2}));
+  const json second = json::parse(events[1])["choices"][0];
+  EXPECT_EQ(second["text"], " w1");
+  EXPECT_EQ(second["logprobs"]["text_offset"], json({5}));
+
+  // Chat has no echo; max_tokens 0 needs it.
+  res = Post("/v1/chat/completions",
+             R"({"messages": [{"role": "user", "content": "Hi"}],
+                 "echo": true})");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400) << res->body;
+  res = Post("/v1/completions", R"({"prompt": "ab", "max_tokens": 0})");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 400) << res->body;
+}
+
 TEST_F(HttpServerTest, SeveralChoicesWholeAndStreamed) {
   auto res = Post("/v1/completions",
                   R"({"prompt": "Once", "max_tokens": 2, "n": 3,

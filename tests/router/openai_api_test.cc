@@ -130,7 +130,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"n_zero", kC, R"({"prompt": "a", "n": 0})", "'n'"},
         BadCase{"n_too_many", kC, R"({"prompt": "a", "n": 17})", "'n'"},
         BadCase{"best_of", kC, R"({"prompt": "a", "best_of": 3})", "best_of"},
-        BadCase{"echo", kC, R"({"prompt": "a", "echo": true})", "echo"},
+        BadCase{"echo_string", kC, R"({"prompt": "a", "echo": "yes"})", "echo"},
+        BadCase{"max_tokens_negative_echo", kC,
+                R"({"prompt": "a", "echo": true, "max_tokens": -1})",
+                "max_tokens"},
+        BadCase{"chat_echo", kChat,
+                R"({"messages": [{"role": "user", "content": "x"}],
+                    "echo": true})",
+                "completions option"},
         BadCase{"logprobs_over_20", kC, R"({"prompt": "a", "logprobs": 21})",
                 "'logprobs'"},
         BadCase{"logprobs_negative", kC, R"({"prompt": "a", "logprobs": -1})",
@@ -278,6 +285,61 @@ TEST(OpenAiApiTest, LogprobsRequests) {
                  "logprobs": true})");
   ASSERT_TRUE(chat_plain.ok());
   EXPECT_EQ(chat_plain->generation.top_logprobs, 0);
+}
+
+TEST(OpenAiApiTest, EchoRequests) {
+  // lm-eval-harness's loglikelihood request: score the prompt, generate
+  // nothing.
+  auto scoring = ParseOpenAiRequest(
+      kC, R"({"prompt": "a b", "echo": true, "max_tokens": 0, "logprobs": 1})");
+  ASSERT_TRUE(scoring.ok()) << scoring.status();
+  EXPECT_TRUE(scoring->generation.echo);
+  EXPECT_EQ(scoring->generation.max_tokens, 0);
+  EXPECT_TRUE(scoring->generation.logprobs);
+  EXPECT_EQ(scoring->generation.top_logprobs, 1);
+  auto plain = ParseOpenAiRequest(kC, R"({"prompt": "a", "echo": false})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->generation.echo);
+  auto zero = ParseOpenAiRequest(kC, R"({"prompt": "a", "max_tokens": 0})");
+  ASSERT_FALSE(zero.ok());
+  EXPECT_NE(zero.status().message().find("0 only with echo"),
+            absl::string_view::npos)
+      << zero.status();
+  GenerationRequest without_echo = scoring->generation;
+  without_echo.echo = false;
+  EXPECT_FALSE(ValidateGenerationRequest(without_echo).ok());
+}
+
+TEST(OpenAiApiTest, EchoedPromptLeadsTheLogprobs) {
+  // "Once upon": token 0 " Once" carries SentencePiece's dummy-prefix space,
+  // which the prompt text does not start with.
+  CompletionOutcome outcome{
+      "Once upon a", FinishReason::kLength, {2, 1, 0}, {}};
+  outcome.logprobs.requested = true;
+  outcome.logprobs.top_logprobs = 1;
+  PromptEcho echo;
+  echo.text = "Once upon";
+  echo.first_token = {20, 0.0f, " Once"};
+  TokenLogprob upon;
+  upon.chosen = {21, -1.5f, " upon"};
+  upon.top = {{22, -0.5f, " on"}};
+  echo.scored_tokens = {upon};
+  outcome.logprobs.prompt = echo;
+  outcome.logprobs.text_offset = TextCharacters(echo.text);
+  TokenLogprob a;
+  a.chosen = {23, -0.25f, " a"};
+  a.top = {a.chosen};
+  outcome.logprobs.tokens = {a};
+  json c = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcome));
+  const json& lp = c["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({" Once", " upon", " a"}));
+  EXPECT_EQ(lp["token_logprobs"], json({nullptr, -1.5, -0.25}));
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  EXPECT_EQ(lp["top_logprobs"][1], json({{" on", -0.5}, {" upon", -1.5}}));
+  // Offsets index the choice's text "Once upon a": "Once" 0, " upon" 4,
+  // " a" 9.
+  EXPECT_EQ(lp["text_offset"], json({0, 4, 9}));
+  EXPECT_EQ(c["choices"][0]["text"], "Once upon a");
 }
 
 TEST(OpenAiApiTest, TokenDisplayShowsTextBytesOrIds) {

@@ -96,6 +96,13 @@ TEST(TokenizerTest, TokenBytesAreWhatATokenAddsToRunningText) {
   EXPECT_EQ(tok->TokenBytes(512).status().code(),
             absl::StatusCode::kOutOfRange);
   EXPECT_EQ(tok->TokenBytes(-1).status().code(), absl::StatusCode::kOutOfRange);
+  // Control tokens are shown by their piece but add nothing to decoded text.
+  EXPECT_TRUE(tok->IsControl(1));   // <s>
+  EXPECT_TRUE(tok->IsControl(2));   // </s>
+  EXPECT_FALSE(tok->IsControl(3));  // <0x00>
+  EXPECT_FALSE(tok->IsControl(403));
+  EXPECT_FALSE(tok->IsControl(512));
+  EXPECT_FALSE(tok->IsControl(-1));
 }
 
 TEST(TokenizerTest, GoldenPromptsEncodeWithHfTokenizer) {
