@@ -80,6 +80,29 @@ TEST(PrefillWorkerBadInputTest, PreciseCodesAndTheGroupKeepsServing) {
   r.mutable_destination()->clear_ranks();
   expect(r, grpc::StatusCode::INVALID_ARGUMENT, "no decode rank");
 
+  // Scoring without a destination: the same checks apply.
+  r = v1::PrefillSubmitRequest();
+  r.set_request_id(next_id++);
+  for (int32_t t : prompt) r.add_prompt_ids(t);
+  r.set_prompt_logprobs(true);
+  r.set_top_logprobs(21);
+  expect(r, grpc::StatusCode::INVALID_ARGUMENT, "top_logprobs");
+  r.set_top_logprobs(2);
+  r.set_prompt_ids(0, -3);
+  expect(r, grpc::StatusCode::INVALID_ARGUMENT, "outside the vocabulary");
+  {
+    // ... and a valid one is answered in full, with nothing to release.
+    r.set_prompt_ids(0, prompt[0]);
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    v1::PrefillSubmitResponse response;
+    grpc::Status s = group.stub()->Prefill(&context, r, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(response.prompt_logprobs_size(),
+              static_cast<int>(prompt.size()) - 1);
+    EXPECT_FALSE(response.decode_notified());
+  }
+
   r = MakeRequest(next_id, prompt, ranks, dst_of(next_id), 0, "");
   ++next_id;
   r.mutable_destination()->mutable_ranks(0)->set_sink_descriptor("garbage");
