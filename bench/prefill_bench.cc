@@ -5,12 +5,19 @@
 //                 [--prompt 2048] [--requests 4] [--stages 1,2]
 //                 [--chunk-tokens 512] [--microbatch-tokens 512]
 //                 [--policy equal-cost|fixed] [--max-in-flight 0 (= 2S)]
+//                 [--prompt-logprobs -1 (off) | N alternatives]
 //
 // The whole queue is submitted at once (a full queue: every stage can have
 // work). Reported per S: prefill tokens/s over the queue, TTFT of the first
 // and last request, the auto layer split, every stage's busy seconds from the
 // stage counters, and the bubble ratio = 1 - Σ busy / (S × wall). The issue's
 // target: S = 2 tokens/s >= 1.6 x S = 1.
+//
+// With --prompt-logprobs N every S also runs the same queue scoring its
+// prompts (echo + logprobs: logits at every position on the last stage, log
+// p(next prompt token) and N alternatives per position), right after the
+// plain run on the same group layout, and prints scored / plain tokens/s.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -48,7 +55,8 @@ struct Result {
 absl::StatusOr<Result> RunOnce(const model::WeightSource& weights, int stages,
                                int prompt_tokens, int requests,
                                const prefill::ChunkPolicy& policy,
-                               int microbatch_tokens, int max_in_flight) {
+                               int microbatch_tokens, int max_in_flight,
+                               int prompt_logprobs) {
   const model::ModelConfig& config = weights.config();
   prefill::PrefillGroupOptions options;
   // The FLOP model: dummy weights, and measuring would add minutes here.
@@ -79,6 +87,9 @@ absl::StatusOr<Result> RunOnce(const model::WeightSource& weights, int stages,
       request.prompt.push_back(3 + (i * 7919 + r * 104729) %
                                        (config.vocab_size - 3));
     }
+    request.prompt_logprobs = prompt_logprobs >= 0;
+    request.top_logprobs = std::max(prompt_logprobs, 0);
+    request.write_kv = false;  // no destination either way (kv_out is null)
     PDS_ASSIGN_OR_RETURN(auto ticket, group->Submit(std::move(request)));
     tickets.push_back(std::move(ticket));
   }
@@ -118,6 +129,7 @@ int Main(int argc, char** argv) {
   const int microbatch = flags.Num<int>("microbatch-tokens", 512);
   const std::string policy_name = flags.Str("policy", "equal-cost");
   const int max_in_flight = flags.Num<int>("max-in-flight", 0);
+  const int prompt_logprobs = flags.Num<int>("prompt-logprobs", -1);
   if (auto s = flags.Check(); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
@@ -151,23 +163,39 @@ int Main(int argc, char** argv) {
   std::printf("%-3s %-14s %9s %10s %10s %10s %8s %s\n", "S", "split", "wall",
               "tokens/s", "TTFT 1st", "TTFT last", "bubble", "busy per stage");
   double base = 0;
+  auto print = [&](const Result& r, const char* what) {
+    std::vector<std::string> busy;
+    for (double b : r.busy) busy.push_back(absl::StrFormat("%.2fs", b));
+    std::printf(
+        "%-3d %-14s %8.2fs %10.1f %9.2fs %9.2fs %7.1f%% %s  (%.2fx S=%d)%s\n",
+        r.stages, absl::StrJoin(r.split, ",").c_str(), r.wall, r.tokens_per_s,
+        r.first_ttft, r.last_ttft, r.bubble * 100,
+        absl::StrJoin(busy, " ").c_str(), r.tokens_per_s / base,
+        stage_counts[0], what);
+    std::fflush(stdout);
+  };
   for (int stages : stage_counts) {
     absl::StatusOr<Result> r = RunOnce(**weights, stages, prompt, requests,
-                                       policy, microbatch, max_in_flight);
+                                       policy, microbatch, max_in_flight, -1);
     if (!r.ok()) {
       std::fprintf(stderr, "S=%d: %s\n", stages, r.status().ToString().c_str());
       return 1;
     }
     if (base == 0) base = r->tokens_per_s;
-    std::vector<std::string> busy;
-    for (double b : r->busy) busy.push_back(absl::StrFormat("%.2fs", b));
-    std::printf(
-        "%-3d %-14s %8.2fs %10.1f %9.2fs %9.2fs %7.1f%% %s  (%.2fx S=%d)\n",
-        stages, absl::StrJoin(r->split, ",").c_str(), r->wall, r->tokens_per_s,
-        r->first_ttft, r->last_ttft, r->bubble * 100,
-        absl::StrJoin(busy, " ").c_str(), r->tokens_per_s / base,
-        stage_counts[0]);
-    std::fflush(stdout);
+    print(*r, "");
+    if (prompt_logprobs < 0) continue;
+    absl::StatusOr<Result> scored =
+        RunOnce(**weights, stages, prompt, requests, policy, microbatch,
+                max_in_flight, prompt_logprobs);
+    if (!scored.ok()) {
+      std::fprintf(stderr, "S=%d scored: %s\n", stages,
+                   scored.status().ToString().c_str());
+      return 1;
+    }
+    print(*scored, absl::StrFormat(
+                       "  scoring prompts (%d alternatives): %.2fx plain",
+                       prompt_logprobs, scored->tokens_per_s / r->tokens_per_s)
+                       .c_str());
   }
   return 0;
 }

@@ -4,6 +4,9 @@
 //                [--timeout-seconds 120] [--show-ids 1]
 //                [--logprobs N]   (each token's log-probability and its N
 //                                  most likely alternatives, 0-20)
+//                [--echo 1]       (print the prompt first; with --logprobs,
+//                                  score its tokens too; --max-tokens 0
+//                                  then only scores the prompt)
 //
 // Streams the continuation's text to stdout; a summary (tokens, finish
 // reason, time to first token) goes to stderr. Errors print the gRPC status.
@@ -66,6 +69,7 @@ absl::Status RunClient(int argc, char** argv) {
   if (flags.Has("stop")) request.add_stop(flags.Str("stop", ""));
   const double timeout_s = flags.Num<double>("timeout-seconds", 120);
   const int logprobs = flags.Num<int>("logprobs", -1);
+  request.set_echo(flags.Num<int>("echo", 0) != 0);
   if (logprobs >= 0) {
     request.set_include_logprobs(true);
     request.set_top_logprobs(logprobs);
@@ -98,7 +102,12 @@ absl::Status RunClient(int argc, char** argv) {
   std::vector<int32_t> ids;
   std::vector<float> token_logprobs;
   std::vector<v1::TopLogprobs> alternatives;
+  v1::PromptEcho echo;
   while (reader->Read(&response)) {
+    if (response.has_echo()) {
+      echo = response.echo();
+      std::fputs(echo.text().c_str(), stdout);
+    }
     std::fputs(response.text().c_str(), stdout);
     std::fflush(stdout);
     ids.insert(ids.end(), response.token_ids().begin(),
@@ -109,8 +118,32 @@ absl::Status RunClient(int argc, char** argv) {
                         response.top_logprobs().end());
     last = response;
   }
-  if (!ids.empty()) std::printf("\n");
+  if (!ids.empty() || !echo.text().empty()) std::printf("\n");
   PDS_RETURN_IF_ERROR(rpc::FromGrpcStatus(reader->Finish()));
+  // The prompt's scores (echo + logprobs): token 0 has none; "p" marks
+  // prompt lines, then the total a scorer adds up.
+  double prompt_total = 0;
+  for (int k = 0; k < echo.token_ids_size(); ++k) {
+    if (k == 0) {
+      std::printf("p%5d         -\n", echo.token_ids(0));
+      continue;
+    }
+    const float logprob =
+        k - 1 < echo.logprobs_size() ? echo.logprobs(k - 1) : 0;
+    prompt_total += logprob;
+    std::string line =
+        absl::StrFormat("p%5d %9.4f", echo.token_ids(k), logprob);
+    if (k - 1 < echo.top_logprobs_size()) {
+      for (const v1::TopLogprob& t : echo.top_logprobs(k - 1).alternatives()) {
+        absl::StrAppendFormat(&line, "  %d:%.4f", t.token_id(), t.logprob());
+      }
+    }
+    std::printf("%s\n", line.c_str());
+  }
+  if (echo.token_ids_size() > 1) {
+    std::printf("prompt log-likelihood %.4f over %d tokens\n", prompt_total,
+                echo.token_ids_size() - 1);
+  }
   // One line per token: id, logprob, then the alternatives as id:logprob.
   for (size_t i = 0; i < token_logprobs.size() && i < ids.size(); ++i) {
     std::string line = absl::StrFormat("%6d %9.4f", ids[i], token_logprobs[i]);

@@ -59,7 +59,9 @@ constexpr char kUsage[] =
     "       pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
     "[--max-tokens N]\n"
     "                      [--temperature T] [--seed S] [--stop S] "
-    "[--show-ids 1]\n";
+    "[--show-ids 1]\n"
+    "                      [--logprobs N] [--echo 1] (--echo 1 --logprobs 0 "
+    "--max-tokens 0: score the prompt)\n";
 
 absl::Status Generate(int argc, char** argv) {
   CommandLineFlags flags;

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -406,6 +407,32 @@ void ExpectPromptScoresMatchTheEngine(const std::string& grpc_address,
     const std::string token = tokens[k].get<std::string>();
     ASSERT_EQ(c.prompt.substr(offsets[k].get<size_t>(), token.size()), token)
         << "token " << k;
+  }
+
+  // The command-line client a person would use adds the scores up.
+  {
+    std::string quoted = "'";
+    for (char ch : c.prompt) {
+      quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+    }
+    quoted += "'";
+    const std::string command = absl::StrCat(
+        PDSERVE_BINARY_DIR, "/pdserve client --router ", grpc_address,
+        " --echo 1 --logprobs 0 --max-tokens 0", " --prompt ", quoted, " 2>&1");
+    FILE* pipe = popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string out;
+    char buffer[4096];
+    size_t n;
+    while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0)
+      out.append(buffer, n);
+    ASSERT_EQ(pclose(pipe), 0) << out;
+    const size_t at = out.find("prompt log-likelihood ");
+    ASSERT_NE(at, std::string::npos) << out;
+    const double printed = std::strtod(out.c_str() + at + 22, nullptr);
+    EXPECT_NEAR(printed, want_total,
+                1e-3 + tolerance(static_cast<float>(want_total)))
+        << out.substr(at);
   }
 
   // A continuation after the echo keeps the space between prompt and text.
