@@ -6,6 +6,7 @@
 //                 [--chunk-tokens 512] [--microbatch-tokens 512]
 //                 [--policy equal-cost|fixed] [--max-in-flight 0 (= 2S)]
 //                 [--prompt-logprobs -1 (off) | N alternatives]
+//                 [--scored-share 0] (split `auto` as prefill_worker's flag)
 //
 // The whole queue is submitted at once (a full queue: every stage can have
 // work). Reported per S: prefill tokens/s over the queue, TTFT of the first
@@ -56,15 +57,17 @@ absl::StatusOr<Result> RunOnce(const model::WeightSource& weights, int stages,
                                int prompt_tokens, int requests,
                                const prefill::ChunkPolicy& policy,
                                int microbatch_tokens, int max_in_flight,
-                               int prompt_logprobs) {
+                               int prompt_logprobs, double scored_share) {
   const model::ModelConfig& config = weights.config();
   prefill::PrefillGroupOptions options;
   // The FLOP model: dummy weights, and measuring would add minutes here.
   PDS_ASSIGN_OR_RETURN(
       options.layer_split,
-      prefill::AutoLayerSplit(prefill::EstimateLayerCosts(
-                                  config, microbatch_tokens, /*logit_rows=*/1),
-                              stages));
+      prefill::AutoLayerSplit(
+          prefill::EstimateLayerCosts(
+              config, microbatch_tokens,
+              std::max(1, static_cast<int>(scored_share * microbatch_tokens))),
+          stages));
   options.threads_per_stage = 1;
   options.scheduler.chunk_policy = policy;
   options.scheduler.microbatch_token_budget = microbatch_tokens;
@@ -130,6 +133,7 @@ int Main(int argc, char** argv) {
   const std::string policy_name = flags.Str("policy", "equal-cost");
   const int max_in_flight = flags.Num<int>("max-in-flight", 0);
   const int prompt_logprobs = flags.Num<int>("prompt-logprobs", -1);
+  const double scored_share = flags.Num<double>("scored-share", 0.0);
   if (auto s = flags.Check(); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
@@ -175,8 +179,9 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
   };
   for (int stages : stage_counts) {
-    absl::StatusOr<Result> r = RunOnce(**weights, stages, prompt, requests,
-                                       policy, microbatch, max_in_flight, -1);
+    absl::StatusOr<Result> r =
+        RunOnce(**weights, stages, prompt, requests, policy, microbatch,
+                max_in_flight, -1, 0.0);
     if (!r.ok()) {
       std::fprintf(stderr, "S=%d: %s\n", stages, r.status().ToString().c_str());
       return 1;
@@ -186,7 +191,7 @@ int Main(int argc, char** argv) {
     if (prompt_logprobs < 0) continue;
     absl::StatusOr<Result> scored =
         RunOnce(**weights, stages, prompt, requests, policy, microbatch,
-                max_in_flight, prompt_logprobs);
+                max_in_flight, prompt_logprobs, 0.0);
     if (!scored.ok()) {
       std::fprintf(stderr, "S=%d scored: %s\n", stages,
                    scored.status().ToString().c_str());
@@ -196,6 +201,20 @@ int Main(int argc, char** argv) {
                        "  scoring prompts (%d alternatives): %.2fx plain",
                        prompt_logprobs, scored->tokens_per_s / r->tokens_per_s)
                        .c_str());
+    if (scored_share <= 0 || stages == 1) continue;
+    absl::StatusOr<Result> rebalanced =
+        RunOnce(**weights, stages, prompt, requests, policy, microbatch,
+                max_in_flight, prompt_logprobs, scored_share);
+    if (!rebalanced.ok()) {
+      std::fprintf(stderr, "S=%d rebalanced: %s\n", stages,
+                   rebalanced.status().ToString().c_str());
+      return 1;
+    }
+    print(*rebalanced,
+          absl::StrFormat(
+              "  scoring, split for --scored-share %.2f: %.2fx plain",
+              scored_share, rebalanced->tokens_per_s / r->tokens_per_s)
+              .c_str());
   }
   return 0;
 }

@@ -2,6 +2,9 @@
 //
 //   prefill_worker --model PATH [--format auto|gguf|safetensors|dummy]
 //                  --stage I --stages S [--layer-split auto|2,2,1]
+//                  [--scored-share 0] (share of prompt tokens scored with
+//                  echo + logprobs: `auto` then weighs the last stage's
+//                  logits rows; every stage must get the same value)
 //                  [--chunk-policy equal-cost|fixed] [--chunk-tokens 256]
 //                  [--microbatch-tokens 512] [--max-in-flight 0 (= 2S)]
 //                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
@@ -36,6 +39,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -138,6 +142,9 @@ int Main(int argc, char** argv) {
   const int stage = static_cast<int>(flags.Num<int64_t>("stage", 0));
   const int stages = static_cast<int>(flags.Num<int64_t>("stages", 1));
   const std::string split_text = flags.Str("layer-split", "auto");
+  // Share of prompt tokens expected to be scored (echo + logprobs): their
+  // logits rows weigh on the last stage, which `auto` then gives fewer layers.
+  const double scored_share = flags.Num<double>("scored-share", 0.0);
   const std::string policy_name = flags.Str("chunk-policy", "equal-cost");
   const int chunk_tokens =
       static_cast<int>(flags.Num<int64_t>("chunk-tokens", 256));
@@ -182,6 +189,9 @@ int Main(int argc, char** argv) {
   if (threads < 1) {
     return Fail(absl::InvalidArgumentError("--threads must be >= 1"));
   }
+  if (!(scored_share >= 0.0 && scored_share <= 1.0)) {
+    return Fail(absl::InvalidArgumentError("--scored-share must be in [0, 1]"));
+  }
   std::vector<std::string> peers;
   if (!peers_text.empty()) peers = absl::StrSplit(peers_text, ',');
   if (stage == 0 && static_cast<int>(peers.size()) != stages - 1) {
@@ -202,8 +212,11 @@ int Main(int argc, char** argv) {
   const model::ModelConfig& config = (*weights)->config();
   // `auto` uses the FLOP model, not timings: every stage process computes
   // the split on its own and all must get the same answer.
+  const int logit_rows = std::max(
+      1, static_cast<int>(std::lround(scored_share * microbatch_tokens)));
   auto split = ResolveLayerSplit(
-      split_text, stages, EstimateLayerCosts(config, microbatch_tokens, 1));
+      split_text, stages,
+      EstimateLayerCosts(config, microbatch_tokens, logit_rows));
   if (!split.ok()) return Fail(split.status());
 
   StageProcessOptions stage_options;

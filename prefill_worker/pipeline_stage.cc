@@ -131,7 +131,8 @@ void PipelineStage::Process(StageMessage message) {
     batch.sequences.push_back(std::move(step));
   }
   batch.hidden_in = message.hidden;
-  engine::ForwardResult result;
+  // The stage's own result buffers, reused: see ForwardResult::logits.
+  engine::ForwardResult& result = result_;
   absl::Status status = CheckPromptScoring(message);
   if (status.ok()) status = engine_->Forward(batch, *pool_, &result);
   const absl::Time mirror_start = absl::Now();

@@ -158,6 +158,9 @@ class PipelineStage {
   StageEventSink* const events_;
   StageKvOutput* kv_out_;  // set before Start()
   std::thread thread_;
+  // Stage thread only: Forward's output, kept so its logits buffer (large
+  // when a chunk scores its prompt) is not allocated anew per microbatch.
+  engine::ForwardResult result_;
 
   // KV writes in flight per request; the final chunk's notice goes out once
   // every write of the request has landed.

@@ -113,6 +113,8 @@ struct ForwardResult {
   // [total_tokens, hidden]; filled iff the engine does not hold the last layer.
   std::vector<float> hidden_out;
   // [rows, vocab]: one row per requested logit index, sequences in order.
+  // Reuse one ForwardResult across steps where rows are many (prompt
+  // scoring): the CPU backend resizes this buffer instead of allocating it.
   std::vector<float> logits;
   // Per logit row, the index of its largest logit (the lowest on ties).
   std::vector<int32_t> argmax;

@@ -10,6 +10,7 @@
 #include "common/thread_pool.h"
 #include "engine/engine_backend.h"
 #include "engine/matmul.h"
+#include "engine/sampler.h"
 #include "engine/shard_plan.h"
 
 namespace pdserve::engine {
@@ -503,9 +504,8 @@ absl::Status LlamaEngine::Forward(const ForwardBatch& batch, kv::KvPool& pool,
     const int64_t vocab = config().vocab_size;
     result->argmax.resize(result->num_logit_rows);
     for (int r = 0; r < result->num_logit_rows; ++r) {
-      const float* row = result->logits.data() + r * vocab;
-      result->argmax[r] =
-          static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      result->argmax[r] = ArgMax(std::span<const float>(
+          result->logits.data() + int64_t{r} * vocab, vocab));
     }
   }
   return absl::OkStatus();
@@ -625,9 +625,12 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
   }
 
   result->hidden_out.clear();
-  result->logits.clear();
+  // Not cleared: resized below, so a caller reusing its ForwardResult keeps
+  // the buffer (a prefill chunk scoring its prompt has [512, 32000] logits:
+  // 65 MB that a fresh vector would page-fault in and zero on every step).
   result->num_logit_rows = 0;
   if (!m.holds_last()) {
+    result->logits.clear();
     result->hidden_out.assign(m.x.begin(), m.x.end());
     return absl::OkStatus();
   }
@@ -640,20 +643,25 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
   }
   const int64_t num_rows = static_cast<int64_t>(rows.size());
   result->num_logit_rows = static_cast<int>(num_rows);
-  if (num_rows == 0) return absl::OkStatus();
+  if (num_rows == 0) {
+    result->logits.clear();
+    return absl::OkStatus();
+  }
   const int64_t vocab_shard = m.vocab_end - m.vocab_begin;
   std::vector<float> normed_rows(num_rows * hidden);
   for (int64_t i = 0; i < num_rows; ++i) {
     RmsNorm(m.x.data() + rows[i] * hidden, m.final_norm.data(), hidden,
             c.rms_norm_eps, normed_rows.data() + i * hidden);
   }
+  if (m.shard.tp_size == 1) {
+    result->logits.resize(num_rows * vocab_shard);
+    PackedMatMul(normed_rows.data(), num_rows, m.lm_head, result->logits.data(),
+                 *m.workers);
+    return absl::OkStatus();
+  }
   std::vector<float> shard_logits(num_rows * vocab_shard);
   PackedMatMul(normed_rows.data(), num_rows, m.lm_head, shard_logits.data(),
                *m.workers);
-  if (m.shard.tp_size == 1) {
-    result->logits = std::move(shard_logits);
-    return absl::OkStatus();
-  }
   // Vocab-parallel lm_head: place this rank's columns, sum = gather.
   result->logits.assign(num_rows * c.vocab_size, 0.0f);
   for (int64_t i = 0; i < num_rows; ++i) {

@@ -92,7 +92,9 @@ TEST(MicrobatchFormerTest, PacksChunksOfSeveralRequestsUnderTheBudget) {
       shape.emplace_back(c.request_id, c.chunk_index);
       // One chunk per request per microbatch.
       for (const ChunkWork& other : batch->chunks) {
-        if (&other != &c) EXPECT_NE(other.request_id, c.request_id);
+        if (&other != &c) {
+          EXPECT_NE(other.request_id, c.request_id);
+        }
       }
     }
     batches.push_back(shape);
