@@ -1,5 +1,7 @@
 #include "prefill_worker/in_process_group.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "prefill_worker/layer_split.h"
@@ -46,6 +48,13 @@ InProcessPrefillGroup::Create(const model::WeightSource& weights,
     stage_options.threads = options.threads_per_stage;
     stage_options.backend = options.backend;
     stage_options.cuda = options.cuda;
+    if (stage_options.cuda.max_logit_rows == 0) {
+      // As prefill_worker: a microbatch scoring its prompts asks for a row
+      // per token.
+      stage_options.cuda.max_logit_rows =
+          std::max(options.scheduler.microbatch_token_budget,
+                   options.scheduler.chunk_policy.chunk_tokens);
+    }
     stage_options.kv_dtype = options.kv_dtype;
     StageSender* out =
         i + 1 < num_stages ? group->links_[i + 1].get() : nullptr;

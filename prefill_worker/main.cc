@@ -234,6 +234,9 @@ int Main(int argc, char** argv) {
   stage_options.cuda.max_tokens_per_step =
       std::max({stage_options.cuda.max_tokens_per_step, microbatch_tokens,
                 chunk_tokens});
+  // A microbatch of requests scoring their prompts asks for a logits row per
+  // token (the last stage's buffer: 512 x 128k vocab x 4 B = 262 MB).
+  stage_options.cuda.max_logit_rows = std::max(microbatch_tokens, chunk_tokens);
   // Metrics are off unless asked for: no observers, no HTTP thread.
   std::shared_ptr<metrics::MetricsRegistry> registry;
   std::unique_ptr<PrefillStageMetrics> stage_metrics;

@@ -39,6 +39,11 @@ struct CudaOptions {
   int max_graph_tokens_per_sequence = 8;
   // Largest tokens one Forward may carry (sizes the activation buffers).
   int max_tokens_per_step = 8192;
+  // Largest logits rows one Forward may ask for (sizes the [rows, vocab]
+  // logits buffer of the last-layer shard). 0: enough for the largest graph
+  // step and at least 256 rows. A prefill stage scoring prompts needs one row
+  // per microbatch token.
+  int max_logit_rows = 0;
   // Decode/verify steps whose sequences feed different query counts replay
   // the graph of the largest, padding the others, while the padded step has
   // at most this many tokens or twice the real ones (beyond that the padded

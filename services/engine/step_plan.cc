@@ -46,7 +46,7 @@ std::optional<GraphShape> GraphShapeFor(const ForwardBatch& batch,
   // Sequences with fewer queries than q (speculation proposed fewer drafts
   // for them) are padded to q. Padding costs GEMM rows: allow it while the
   // step stays small (weight-bandwidth bound) or at most doubles.
-  if (real_tokens < int64_t{batch.sequences.size()} * q &&
+  if (real_tokens < static_cast<int64_t>(batch.sequences.size()) * q &&
       int64_t{*bucket} * q >
           std::max<int64_t>(options.max_ragged_graph_tokens, 2 * real_tokens)) {
     return std::nullopt;

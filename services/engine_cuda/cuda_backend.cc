@@ -334,8 +334,10 @@ absl::Status CudaBackend::Init(const model::WeightSource& weights) {
   const int64_t hidden = c.hidden_size;
   max_context_ = c.max_position_embeddings;
   max_logit_rows_ = static_cast<int>(std::min<int64_t>(
-      t, std::max(256, options_.max_graph_batch *
-                           options_.max_graph_tokens_per_sequence)));
+      t, options_.max_logit_rows > 0
+             ? options_.max_logit_rows
+             : std::max(256, options_.max_graph_batch *
+                                 options_.max_graph_tokens_per_sequence)));
   split_partition_ =
       std::max(options_.attention_partition, PartitionForContext(max_context_));
   const int64_t partial_rows =

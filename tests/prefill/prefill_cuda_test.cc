@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "engine/engine_test_util.h"
 #include "prefill_worker/in_process_group.h"
@@ -78,6 +79,54 @@ TEST_P(PrefillCudaTest, GoldenFirstTokensAndKvWithinBf16Tolerance) {
         std::all_of(counts.begin(), counts.end(), [](int c) { return c == 1; }))
         << "case " << i << ": every (layer, position) is sent exactly once";
   }
+}
+
+// Prompt scoring on GPU stages: every position's logits row (a microbatch of
+// 64 rows) and log p(next prompt token) against the CPU engine's f32 numbers
+// within bf16 tolerance.
+TEST_P(PrefillCudaTest, PromptScoresWithinBf16Tolerance) {
+  if (!GpuVisible()) GTEST_SKIP() << "no GPU visible";
+  auto weights = engine::testing_util::OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  PrefillGroupOptions options;
+  options.layer_split = GetParam();
+  options.scheduler.block_size = kBlockSize;
+  options.scheduler.num_blocks = 1024;
+  options.scheduler.microbatch_token_budget = 64;
+  options.backend = engine::Backend::kCuda;
+  auto group = InProcessPrefillGroup::Create(*weights, options, nullptr);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const auto cases = pdserve::testing::LoadGoldenCases("golden_long.jsonl");
+  ASSERT_FALSE(cases.empty());
+  const std::vector<int32_t>& prompt = cases.front().prompt_ids;
+  PrefillRequest request;
+  request.request_id = 1;
+  request.prompt = prompt;
+  request.prompt_logprobs = true;
+  request.top_logprobs = 2;
+  request.write_kv = false;
+  auto ticket = (*group)->Submit(request);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  auto outcome = (*ticket)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  const std::vector<engine::TokenLogprobs> want =
+      engine::testing_util::ReferenceLogprobs(
+          *weights, {prompt.front()},
+          std::vector<int32_t>(prompt.begin() + 1, prompt.end()), 2);
+  ASSERT_EQ(outcome->prompt_logprobs.size(), want.size());
+  double worst = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    worst = std::max<double>(
+        worst, std::abs(outcome->prompt_logprobs[k].logprob - want[k].logprob) /
+                   (1.0 + std::abs(want[k].logprob)));
+  }
+  // bf16 activations and KV: ~1e-2 relative on logits (see the decode
+  // tests' logprob tolerance).
+  EXPECT_LE(worst, 5e-2);
+  std::printf(
+      "prompt scores on GPU stages: worst |d logprob| / (1 + |lp|) "
+      "= %.4f over %zu tokens\n",
+      worst, want.size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Splits, PrefillCudaTest,
