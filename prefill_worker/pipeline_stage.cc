@@ -160,6 +160,11 @@ void PipelineStage::Process(StageMessage message) {
     ++stats_.microbatches;
     stats_.tokens += done.tokens;
     stats_.chunks += static_cast<int64_t>(message.chunks.size());
+    if (out_ == nullptr && status.ok()) {
+      for (const ChunkHeader& chunk : message.chunks) {
+        if (chunk.prompt_logprobs) stats_.scored_tokens += chunk.num_tokens();
+      }
+    }
     if (landing_ != nullptr) {
       stats_.kv_mirror_bytes += mirror_bytes;
       stats_.kv_mirror_seconds +=

@@ -80,6 +80,10 @@ struct StageStats {
   int64_t chunks = 0;
   int64_t kv_writes = 0;
   int64_t failures = 0;
+  // Last stage: prompt tokens whose logits rows it computed to score the
+  // prompt (echo + logprobs). Their share of `tokens` is the --scored-share
+  // the layer split should be computed for.
+  int64_t scored_tokens = 0;
   // GPU stages: KV copied device → host mirror before the writes (bytes, and
   // seconds of the stage thread, included in busy_seconds).
   int64_t kv_mirror_bytes = 0;

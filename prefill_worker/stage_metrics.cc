@@ -36,6 +36,10 @@ PrefillStageMetrics::PrefillStageMetrics(metrics::MetricsRegistry& r)
                         "Request chunks the stage computed")),
       tokens_(r.Counter("pdserve_prefill_tokens_total",
                         "Prompt tokens the stage computed")),
+      scored_tokens_(r.Counter(
+          "pdserve_prefill_scored_tokens_total",
+          "Last stage: prompt tokens whose logits it computed to score the "
+          "prompt (echo + logprobs); / tokens_total = --scored-share")),
       stage_failures_(r.Counter("pdserve_prefill_stage_failures_total",
                                 "Microbatches whose forward failed")),
       kv_mirror_bytes_(r.Counter(
@@ -98,6 +102,7 @@ void PrefillStageMetrics::Refresh(const StageProcess& stage,
   SyncCounter(microbatches_, static_cast<double>(s.microbatches));
   SyncCounter(chunks_, static_cast<double>(s.chunks));
   SyncCounter(tokens_, static_cast<double>(s.tokens));
+  SyncCounter(scored_tokens_, static_cast<double>(s.scored_tokens));
   SyncCounter(stage_failures_, static_cast<double>(s.failures));
   SyncCounter(kv_mirror_bytes_, static_cast<double>(s.kv_mirror_bytes));
   SyncCounter(kv_mirror_seconds_, s.kv_mirror_seconds);

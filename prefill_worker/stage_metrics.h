@@ -45,6 +45,7 @@ class PrefillStageMetrics {
   prometheus::Counter& microbatches_;
   prometheus::Counter& chunks_;
   prometheus::Counter& tokens_;
+  prometheus::Counter& scored_tokens_;
   prometheus::Counter& stage_failures_;
   prometheus::Counter& kv_mirror_bytes_;
   prometheus::Counter& kv_mirror_seconds_;

@@ -170,7 +170,11 @@ def prefill():
          "p95 {{worker_id}}")])
     d.panel("Prefill tokens per second per stage", [
         (rate("pdserve_prefill_tokens_total", "worker_id, stage"),
-         "{{worker_id}} stage {{stage}}")])
+         "{{worker_id}} stage {{stage}}"),
+        # Scored prompt tokens (echo + logprobs) on the last stage: their
+        # share of the tokens is the --scored-share to split the layers for.
+        (rate("pdserve_prefill_scored_tokens_total", "worker_id"),
+         "scored (echo + logprobs) {{worker_id}}")])
     d.row("Group (stage 0)")
     d.panel("Queue depth and in flight", [
         ("sum by (worker_id) (pdserve_prefill_queue_depth)", "queued {{worker_id}}"),

@@ -177,6 +177,19 @@ TEST(ClusterMetricsTest, EveryDashboardExpressionReturnsDataFromRealWorkers) {
       b.join();
     }
   }
+  {
+    // One prompt scored (echo + logprobs, no KV destination): the last
+    // stage's scored-token counter the prefill dashboard plots.
+    v1::PrefillSubmitRequest score;
+    score.set_request_id(next_id++);
+    for (int32_t t : cases.front().prompt_ids) score.add_prompt_ids(t);
+    score.set_prompt_logprobs(true);
+    v1::PrefillSubmitResponse scored;
+    grpc::Status s = group.Prefill(score, &scored);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(scored.prompt_logprobs_size(),
+              static_cast<int>(cases.front().prompt_ids.size()) - 1);
+  }
 
   // ---- Wait for scrapes after the load, then check every expression --------
   {
@@ -197,7 +210,8 @@ TEST(ClusterMetricsTest, EveryDashboardExpressionReturnsDataFromRealWorkers) {
 
   // The load really moved the counters the dashboards are built on.
   for (const std::string expr :
-       {"sum(pdserve_decode_spec_proposed_tokens_total)",
+       {"sum(pdserve_prefill_scored_tokens_total)",
+        "sum(pdserve_decode_spec_proposed_tokens_total)",
         "sum(pdserve_decode_allreduce_seconds_total)",
         "sum(pdserve_decode_output_tokens_total)",
         "min(pdserve_prefill_kv_bytes_written_total)",
