@@ -357,6 +357,9 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   const bool logprobs = generation.logprobs;
   const int32_t top_logprobs = generation.top_logprobs;
   const int n = parsed->n;
+  // A completions batch: every prompt gets its n choices.
+  const int num_prompts = std::max<int>(1, parsed->prompts.size());
+  const int num_choices = num_prompts * n;
   generation.api = api;
   generation.model = model->name;
   generation.request_id = NewRequestId();
@@ -366,20 +369,30 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
       endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-",
       generation.request_id);
   const int64_t created = NowUnixSeconds();
-  // Choice i: its own request (id suffix -i) with seed + i, so n sampled
-  // choices differ and a fixed seed reproduces all of them.
+  // Choice p * n + i: prompt p's i-th, its own request (id suffix) with
+  // seed + i, so n sampled choices differ and a fixed seed reproduces all of
+  // them.
   std::vector<GenerationRequest> choices;
-  for (int i = 0; i < n; ++i) {
-    GenerationRequest& choice = choices.emplace_back(generation);
-    if (n > 1) {
-      absl::StrAppend(&choice.request_id, "-", i);
+  for (int p = 0; p < num_prompts; ++p) {
+    for (int i = 0; i < n; ++i) {
+      GenerationRequest& choice = choices.emplace_back(generation);
+      if (p > 0) {
+        choice.prompt_text = parsed->prompts[p].text;
+        choice.prompt_ids = parsed->prompts[p].ids;
+      }
+      if (num_choices > 1) {
+        absl::StrAppend(&choice.request_id, "-", p * n + i);
+      }
       choice.sampling.seed += static_cast<uint64_t>(i);
     }
   }
 
   auto buffer = std::make_shared<StreamBuffer>();
-  if (absl::Status started = buffer->Start(backend_, std::move(choices),
-                                           options_.stagger_choices && n > 1);
+  // The stagger shares one prompt's prefill among its choices; a batch of
+  // prompts starts at once.
+  if (absl::Status started =
+          buffer->Start(backend_, std::move(choices),
+                        options_.stagger_choices && n > 1 && num_prompts == 1);
       !started.ok()) {
     return SendError(res, started);
   }
@@ -401,13 +414,13 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   }
 
   if (!parsed->stream) {
-    std::vector<CompletionOutcome> outcomes(n);
+    std::vector<CompletionOutcome> outcomes(num_choices);
     for (CompletionOutcome& outcome : outcomes) {
       outcome.logprobs.requested = logprobs;
       outcome.logprobs.top_logprobs = top_logprobs;
     }
     std::optional<StreamBuffer::Event> event = std::move(first);
-    for (int open = n; open > 0;) {
+    for (int open = num_choices; open > 0;) {
       if (!event.has_value()) {
         return fail(stopped_ ? absl::UnavailableError("router stopping")
                              : timeout);
@@ -436,7 +449,7 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
       if (open > 0) event = NextEvent(*buffer, deadline + kDeadlineGrace);
     }
     res.set_content(
-        CompletionBody(endpoint, id, created, model->name, outcomes),
+        CompletionBody(endpoint, id, created, model->name, outcomes, n),
         "application/json");
     return;
   }
@@ -456,17 +469,17 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   auto state = std::make_shared<StreamState>();
   state->buffer = buffer;
   state->pending = std::move(first);
-  state->open = n;
-  state->first.assign(n, true);
-  state->text_offset.assign(n, 0);
-  state->usage.resize(n);
+  state->open = num_choices;
+  state->first.assign(num_choices, true);
+  state->text_offset.assign(num_choices, 0);
+  state->usage.resize(num_choices);
   const bool include_usage = parsed->include_usage;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Request-Id", id);
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, state, endpoint, id, created, name = model->name, include_usage,
-       logprobs, top_logprobs, deadline,
+       logprobs, top_logprobs, deadline, n,
        timeout](size_t, httplib::DataSink& sink) {
         std::optional<StreamBuffer::Event> event = std::move(state->pending);
         state->pending.reset();
@@ -499,7 +512,7 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
           if (--state->open > 0) return true;
           if (include_usage &&
               !write(StreamUsageEvent(endpoint, id, created, name,
-                                      CombinedUsage(state->usage)))) {
+                                      CombinedUsage(state->usage, n)))) {
             return false;
           }
           return end_stream();

@@ -1,5 +1,6 @@
 #include "router/openai_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -56,34 +57,18 @@ absl::Status ReadBool(const json& body, const char* field, bool* out) {
   return absl::OkStatus();
 }
 
-// prompt: a string, a one-element array of strings, an array of token ids,
-// or a one-element array of token-id arrays. Batches (several prompts) are
-// not supported: the router streams one sequence per request.
-absl::Status ReadPrompt(const json& body, GenerationRequest* request) {
-  auto it = body.find("prompt");
-  if (it == body.end() || it->is_null()) {
-    return FieldError("prompt", "is required");
-  }
-  const json* prompt = &*it;
-  if (prompt->is_array() && prompt->size() == 1 &&
-      ((*prompt)[0].is_string() || (*prompt)[0].is_array())) {
-    prompt = &(*prompt)[0];
-  }
-  if (prompt->is_string()) {
-    request->prompt_text = prompt->get<std::string>();
-    if (request->prompt_text->empty()) {
-      return FieldError("prompt", "must not be empty");
-    }
+// One prompt: a non-empty string or a non-empty array of token ids.
+absl::Status ReadOnePrompt(const json& prompt, PromptInput* out) {
+  if (prompt.is_string()) {
+    out->text = prompt.get<std::string>();
+    if (out->text->empty()) return FieldError("prompt", "must not be empty");
     return absl::OkStatus();
   }
-  if (prompt->is_array()) {
-    if (prompt->empty()) return FieldError("prompt", "must not be empty");
+  if (prompt.is_array()) {
+    if (prompt.empty()) return FieldError("prompt", "must not be empty");
     std::vector<int32_t> ids;
-    ids.reserve(prompt->size());
-    for (const json& id : *prompt) {
-      if (id.is_string() || id.is_array()) {
-        return FieldError("prompt", "with several prompts is not supported");
-      }
+    ids.reserve(prompt.size());
+    for (const json& id : prompt) {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
           id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
         return FieldError("prompt",
@@ -91,10 +76,37 @@ absl::Status ReadPrompt(const json& body, GenerationRequest* request) {
       }
       ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
     }
-    request->prompt_ids = std::move(ids);
+    out->ids = std::move(ids);
     return absl::OkStatus();
   }
   return FieldError("prompt", "must be a string or an array of token ids");
+}
+
+// prompt: a string, an array of token ids, or a batch: an array of strings or
+// of token-id arrays (at most kMaxBatchChoices prompts; what
+// lm-eval-harness's batched loglikelihood requests send).
+absl::Status ReadPrompts(const json& body, std::vector<PromptInput>* out) {
+  auto it = body.find("prompt");
+  if (it == body.end() || it->is_null()) {
+    return FieldError("prompt", "is required");
+  }
+  const bool batch = it->is_array() && !it->empty() &&
+                     ((*it)[0].is_string() || (*it)[0].is_array());
+  if (!batch) return ReadOnePrompt(*it, &out->emplace_back());
+  if (it->size() > static_cast<size_t>(kMaxBatchChoices)) {
+    return FieldError("prompt", absl::StrCat("holds more than ",
+                                             kMaxBatchChoices, " prompts"));
+  }
+  for (const json& prompt : *it) {
+    if (prompt.is_string() != (*it)[0].is_string()) {
+      return FieldError("prompt",
+                        "mixes text and token-id prompts in one batch");
+    }
+    if (absl::Status s = ReadOnePrompt(prompt, &out->emplace_back()); !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ReadMessages(const json& body, std::vector<ChatMessage>* out) {
@@ -400,7 +412,11 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     gen.model = it->get<std::string>();
   }
   if (endpoint == OpenAiEndpoint::kCompletions) {
-    if (absl::Status s = ReadPrompt(body, &gen); !s.ok()) return s;
+    if (absl::Status s = ReadPrompts(body, &request.prompts); !s.ok()) {
+      return s;
+    }
+    gen.prompt_text = request.prompts.front().text;
+    gen.prompt_ids = request.prompts.front().ids;
   } else {
     if (absl::Status s = ReadMessages(body, &request.messages); !s.ok()) {
       return s;
@@ -471,6 +487,11 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     return FieldError("n", absl::StrCat("must be in [1, ", kMaxChoices, "]"));
   }
   request.n = static_cast<int>(n);
+  if (request.prompts.size() * request.n > kMaxBatchChoices) {
+    return FieldError(
+        "n", absl::StrCat("times the ", request.prompts.size(),
+                          " prompts exceeds ", kMaxBatchChoices, " choices"));
+  }
 
   if (absl::Status s = ReadStop(body, &gen.stop); !s.ok()) return s;
   if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
@@ -487,6 +508,15 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     }
   }
   if (absl::Status s = ValidateGenerationRequest(gen); !s.ok()) return s;
+  for (size_t p = 1; p < request.prompts.size(); ++p) {
+    GenerationRequest other = gen;
+    other.prompt_text = request.prompts[p].text;
+    other.prompt_ids = request.prompts[p].ids;
+    if (absl::Status s = ValidateGenerationRequest(other); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt ", p, ": ", s.message()));
+    }
+  }
   return request;
 }
 
@@ -574,12 +604,16 @@ std::string OpenAiFinishReason(FinishReason reason) {
   }
 }
 
-GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices) {
+GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices,
+                              int choices_per_prompt) {
   GenerationUsage total;
-  if (choices.empty()) return total;
-  total.prompt_tokens = choices.front().prompt_tokens;
-  total.cached_prompt_tokens = choices.front().cached_prompt_tokens;
-  for (const GenerationUsage& u : choices) {
+  const size_t per_prompt = std::max(1, choices_per_prompt);
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const GenerationUsage& u = choices[i];
+    if (i % per_prompt == 0) {
+      total.prompt_tokens += u.prompt_tokens;
+      total.cached_prompt_tokens += u.cached_prompt_tokens;
+    }
     total.completion_tokens += u.completion_tokens;
   }
   return total;
@@ -587,7 +621,8 @@ GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices) {
 
 std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
-                           const std::vector<CompletionOutcome>& outcomes) {
+                           const std::vector<CompletionOutcome>& outcomes,
+                           int choices_per_prompt) {
   json choices = json::array();
   std::vector<GenerationUsage> usages;
   for (size_t i = 0; i < outcomes.size(); ++i) {
@@ -608,7 +643,7 @@ std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                {"created", created},
                {"model", std::string(model)},
                {"choices", std::move(choices)},
-               {"usage", UsageJson(CombinedUsage(usages))}};
+               {"usage", UsageJson(CombinedUsage(usages, choices_per_prompt))}};
   return Dump(body);
 }
 

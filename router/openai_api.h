@@ -23,10 +23,21 @@ struct ChatMessage {
   std::string content;
 };
 
+// One prompt of a completions request: text or token ids.
+struct PromptInput {
+  std::optional<std::string> text;
+  std::optional<std::vector<int32_t>> ids;
+};
+
 struct OpenAiRequest {
   OpenAiEndpoint endpoint = OpenAiEndpoint::kCompletions;
   // `model` may be empty (the cluster's only model); request_id is empty.
+  // Holds the first prompt.
   GenerationRequest generation;
+  // Completions: every prompt of the request (a batch: `prompt` as an array
+  // of strings or of token-id arrays), the first also in `generation`. Choice
+  // index = prompt index * n + choice (OpenAI's numbering).
+  std::vector<PromptInput> prompts;
   std::vector<ChatMessage> messages;  // chat only; already rendered in prompt
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
@@ -35,9 +46,11 @@ struct OpenAiRequest {
   int n = 1;
 };
 
-// The most choices one request may ask for: each is a full generation
-// (prefill included) counted by the admission limit.
+// The most choices one request may ask for (`n`), and the most prompts times
+// choices of a batch: each is a full generation (prefill included) counted by
+// the admission limit.
 inline constexpr int kMaxChoices = 16;
+inline constexpr int kMaxBatchChoices = 64;
 
 // Parses and validates a request body (INVALID_ARGUMENT naming the field for
 // malformed JSON, wrong types, n outside [1, kMaxChoices], best_of != 1 and
@@ -109,20 +122,22 @@ struct CompletionOutcome {
 std::string OpenAiFinishReason(FinishReason reason);
 
 // The complete non-streaming response body: one choice per outcome (index =
-// position), usage = the first choice's prompt tokens (one prompt) and the
-// sum of their completion tokens.
+// position), usage as CombinedUsage.
 std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
-                           const std::vector<CompletionOutcome>& choices);
+                           const std::vector<CompletionOutcome>& choices,
+                           int choices_per_prompt);
 inline std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                                   int64_t created, std::string_view model,
                                   const CompletionOutcome& outcome) {
   return CompletionBody(endpoint, id, created, model,
-                        std::vector<CompletionOutcome>{outcome});
+                        std::vector<CompletionOutcome>{outcome}, 1);
 }
 
-// The usage of several choices of one prompt, as CompletionBody counts it.
-GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices);
+// Usage of a whole request: each prompt's tokens once (choices
+// [p * n, (p + 1) * n) share prompt p), completions summed.
+GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices,
+                              int choices_per_prompt);
 
 // One SSE event "data: {...}\n\n" carrying a text delta (and the logprobs of
 // the tokens that came with it, when requested); `finish_reason` kNone keeps

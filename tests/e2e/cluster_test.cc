@@ -409,6 +409,30 @@ void ExpectPromptScoresMatchTheEngine(const std::string& grpc_address,
         << "token " << k;
   }
 
+  // lm-eval-harness batches its loglikelihood requests: several prompts,
+  // echo, one generated token. Every choice scores its own prompt in full.
+  {
+    const json batch = {{"prompt", {c.prompt_ids, c.prompt_ids}},
+                        {"echo", true},
+                        {"max_tokens", 1},
+                        {"logprobs", 1},
+                        {"temperature", 0}};
+    HttpReply batched = HttpPost(http_address, "/v1/completions", batch.dump());
+    ASSERT_EQ(batched.status, 200) << batched.body;
+    const json choices = json::parse(batched.body)["choices"];
+    ASSERT_EQ(choices.size(), 2u);
+    for (const json& choice : choices) {
+      const json& lp = choice["logprobs"]["token_logprobs"];
+      // The prompt's tokens, then the generated one.
+      ASSERT_EQ(lp.size(), c.prompt_ids.size() + 1);
+      double sum = 0;
+      for (size_t k = 1; k < c.prompt_ids.size(); ++k) {
+        sum += lp[k].get<double>();
+      }
+      EXPECT_NEAR(sum, want_total, tolerance(static_cast<float>(want_total)));
+    }
+  }
+
   // The command-line client a person would use adds the scores up.
   {
     std::string quoted = "'";

@@ -247,6 +247,54 @@ TEST_F(HttpServerTest, EchoWholeStreamedAndScoringOnly) {
   EXPECT_EQ(res->status, 400) << res->body;
 }
 
+TEST_F(HttpServerTest, PromptBatchesLikeLmEvalHarness) {
+  // lm-eval-harness's batched loglikelihood request: several prompts, echo,
+  // one token, logprobs 1. One choice per prompt, in prompt order.
+  auto res = Post("/v1/completions",
+                  R"({"prompt": ["ab", "xyz"], "echo": true, "max_tokens": 1,
+                      "logprobs": 1, "temperature": 0})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  json body = json::parse(res->body);
+  ASSERT_EQ(body["choices"].size(), 2u);
+  EXPECT_EQ(body["choices"][0]["index"], 0);
+  EXPECT_EQ(body["choices"][0]["text"], "ab w0");
+  EXPECT_EQ(body["choices"][1]["text"], "xyz w0");
+  EXPECT_EQ(body["choices"][1]["logprobs"]["tokens"],
+            json({"x", "y", "z", " w0"}));
+  // Each prompt counted once: 2 + 3 characters (the fake's tokens).
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 5);
+  EXPECT_EQ(body["usage"]["completion_tokens"], 2);
+
+  // Two prompts x n = 2, streamed: four choices, indices p * n + i.
+  res = Post("/v1/completions",
+             R"({"prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2,
+                 "stream": true, "stream_options": {"include_usage": true}})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  std::set<int> indices;
+  int usage_events = 0;
+  for (const std::string& event : Events(res->body)) {
+    if (event == "[DONE]") continue;
+    const json chunk = json::parse(event);
+    for (const json& choice : chunk["choices"]) {
+      indices.insert(choice["index"].get<int>());
+    }
+    if (chunk.contains("usage") && !chunk["usage"].is_null()) {
+      ++usage_events;
+      EXPECT_EQ(chunk["usage"]["prompt_tokens"], 3);
+      EXPECT_EQ(chunk["usage"]["completion_tokens"], 8);
+    }
+  }
+  EXPECT_EQ(indices, (std::set<int>{0, 1, 2, 3}));
+  EXPECT_EQ(usage_events, 1);
+  std::vector<std::vector<int32_t>> prompts;
+  for (const GenerationRequest& r : backend_.requests()) {
+    if (r.prompt_ids.has_value()) prompts.push_back(*r.prompt_ids);
+  }
+  EXPECT_EQ(prompts.size(), 4u);
+}
+
 TEST_F(HttpServerTest, SeveralChoicesWholeAndStreamed) {
   auto res = Post("/v1/completions",
                   R"({"prompt": "Once", "max_tokens": 2, "n": 3,

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
+
 namespace pdserve::router {
 namespace {
 
@@ -59,6 +61,34 @@ TEST(OpenAiApiTest, PromptForms) {
   auto stop = Completion(R"({"prompt": "a", "stop": "x"})");
   ASSERT_TRUE(stop.ok());
   EXPECT_EQ(stop->generation.stop, std::vector<std::string>{"x"});
+  // Batches: several text prompts or several token-id prompts.
+  auto texts = Completion(R"({"prompt": ["a", "bc"], "n": 2})");
+  ASSERT_TRUE(texts.ok()) << texts.status();
+  ASSERT_EQ(texts->prompts.size(), 2u);
+  EXPECT_EQ(texts->prompts[1].text, "bc");
+  EXPECT_EQ(texts->generation.prompt_text, "a");
+  auto id_batch = Completion(R"({"prompt": [[1, 2], [3]]})");
+  ASSERT_TRUE(id_batch.ok()) << id_batch.status();
+  ASSERT_EQ(id_batch->prompts.size(), 2u);
+  EXPECT_EQ(id_batch->prompts[1].ids, (std::vector<int32_t>{3}));
+  std::string many = R"({"prompt": [)";
+  for (int i = 0; i <= kMaxBatchChoices; ++i) {
+    absl::StrAppend(&many, i ? "," : "", "\"p\"");
+  }
+  many += "]}";
+  auto too_many = Completion(many);
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_NE(too_many.status().message().find("more than"),
+            absl::string_view::npos);
+}
+
+TEST(OpenAiApiTest, BatchUsageCountsEachPromptOnce) {
+  // Two prompts x two choices: prompts of 5 and 7 tokens.
+  const GenerationUsage usage = CombinedUsage(
+      {{5, 1, 0}, {5, 2, 0}, {7, 3, 4}, {7, 4, 4}}, /*choices_per_prompt=*/2);
+  EXPECT_EQ(usage.prompt_tokens, 12);
+  EXPECT_EQ(usage.completion_tokens, 10);
+  EXPECT_EQ(usage.cached_prompt_tokens, 4);
 }
 
 TEST(OpenAiApiTest, ChatTemplateForBaseModels) {
@@ -110,7 +140,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"empty_prompt", kC, R"({"prompt": ""})", "'prompt'"},
         BadCase{"empty_ids", kC, R"({"prompt": []})", "'prompt'"},
         BadCase{"negative_id", kC, R"({"prompt": [1, -2]})", "'prompt'"},
-        BadCase{"batch", kC, R"({"prompt": ["a", "b"]})", "several prompts"},
+        BadCase{"batch_mixed", kC, R"({"prompt": ["a", [1, 2]]})",
+                "mixes text and token-id"},
+        BadCase{"batch_empty_member", kC, R"({"prompt": [[1], []]})",
+                "'prompt'"},
+        BadCase{"batch_too_many_choices", kC,
+                R"({"prompt": ["a", "b", "c", "d", "e"], "n": 13})", "'n'"},
         BadCase{"prompt_number", kC, R"({"prompt": 5})", "'prompt'"},
         BadCase{"model_number", kC, R"({"prompt": "a", "model": 3})",
                 "'model'"},
@@ -233,7 +268,7 @@ TEST(OpenAiApiTest, SeveralChoices) {
   std::vector<CompletionOutcome> outcomes = {
       {" a", FinishReason::kLength, {5, 2, 3}, {}},
       {" b c", FinishReason::kStop, {5, 1, 3}, {}}};
-  json body = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcomes));
+  json body = json::parse(CompletionBody(kC, "cmpl-1", 7, "m", outcomes, 2));
   ASSERT_EQ(body["choices"].size(), 2u);
   EXPECT_EQ(body["choices"][1]["index"], 1);
   EXPECT_EQ(body["choices"][1]["text"], " b c");
