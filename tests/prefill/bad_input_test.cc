@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -13,6 +14,8 @@
 #include "prefill_worker/in_process_group.h"
 #include "prefill_worker/kv_output.h"
 #include "prefill_worker/layer_split.h"
+#include "prefill_worker/prefill_coordinator.h"
+#include "prefill_worker/stage_link.h"
 
 namespace pdserve::prefill {
 namespace {
@@ -240,6 +243,99 @@ TEST_F(PrefillBadInputTest, SubmitAfterShutdownIsUnavailable) {
   good.request_id = 9;
   good.prompt = {1, 2, 3};
   ExpectError(Submit(good), absl::StatusCode::kUnavailable, "shutting down");
+}
+
+// A stage reporting prompt scores that do not fit the request (a peer's
+// bug or a corrupted event): that request fails with INTERNAL naming the
+// mismatch, nothing leaks, and the coordinator keeps serving.
+TEST(PrefillCoordinatorBadInputTest, MisfitPromptScoresFailOnlyThatRequest) {
+  model::ModelConfig config;
+  config.vocab_size = 32;
+  config.max_position_embeddings = 64;
+  InProcessStageLink stage0;  // the test plays the (single) stage
+  SchedulerOptions options;
+  options.block_size = 4;
+  options.num_blocks = 16;
+  options.prefix_reuse = false;
+  auto coordinator = PrefillCoordinator::Create(config, 1, options, &stage0);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  // Answers one microbatch as the last stage would, with `scores` injected
+  // for each scored chunk.
+  auto serve = [&](const std::function<void(const ChunkHeader&)>& scores) {
+    std::optional<StageMessage> m = stage0.Receive();
+    ASSERT_TRUE(m.has_value());
+    StageEvent done;
+    done.kind = StageEvent::Kind::kMicrobatchDone;
+    done.stage = 0;
+    done.microbatch_id = m->microbatch_id;
+    for (const ChunkHeader& c : m->chunks) {
+      done.request_ids.push_back(c.request_id);
+      if (c.prompt_logprobs) scores(c);
+      if (!c.final_chunk) continue;
+      StageEvent token;
+      token.kind = StageEvent::Kind::kFirstToken;
+      token.request_id = c.request_id;
+      token.token.token = 3;
+      (*coordinator)->Report(token);
+      StageEvent written;
+      written.kind = StageEvent::Kind::kKvWritten;
+      written.request_id = c.request_id;
+      (*coordinator)->Report(written);
+    }
+    (*coordinator)->Report(done);
+  };
+  auto submit = [&](uint64_t id, bool scored) {
+    PrefillRequest request;
+    request.request_id = id;
+    request.prompt = {1, 5, 7, 9, 11};
+    request.prompt_logprobs = scored;
+    request.write_kv = false;
+    auto ticket = (*coordinator)->Submit(request);
+    EXPECT_TRUE(ticket.ok()) << ticket.status();
+    return ticket.ok() ? *ticket : nullptr;
+  };
+  auto report_scores = [&](uint64_t id, int first, size_t count) {
+    StageEvent e;
+    e.kind = StageEvent::Kind::kPromptLogprobs;
+    e.request_id = id;
+    e.first_scored = first;
+    e.prompt_logprobs.resize(count);
+    (*coordinator)->Report(e);
+  };
+
+  // Scores starting at the wrong position.
+  auto gap = submit(1, true);
+  serve([&](const ChunkHeader& c) { report_scores(c.request_id, 2, 3); });
+  ExpectError(gap->Wait(absl::Seconds(10)).status(),
+              absl::StatusCode::kInternal, "do not continue");
+  // More scores than the prompt has tokens after the first.
+  auto extra = submit(2, true);
+  serve([&](const ChunkHeader& c) { report_scores(c.request_id, 1, 5); });
+  ExpectError(extra->Wait(absl::Seconds(10)).status(),
+              absl::StatusCode::kInternal, "do not continue");
+  // Too few scores by the time the request completes.
+  auto short_scores = submit(3, true);
+  serve([&](const ChunkHeader& c) { report_scores(c.request_id, 1, 2); });
+  ExpectError(short_scores->Wait(absl::Seconds(10)).status(),
+              absl::StatusCode::kInternal, "2 prompt tokens scored of 4");
+  // Scores for a request that did not ask.
+  auto unasked = submit(4, false);
+  report_scores(4, 1, 4);
+  serve([](const ChunkHeader&) {});
+  ExpectError(unasked->Wait(absl::Seconds(10)).status(),
+              absl::StatusCode::kInternal, "do not continue");
+  // Still serving: a well-scored request completes with its scores.
+  auto good = submit(5, true);
+  serve([&](const ChunkHeader& c) {
+    report_scores(c.request_id, c.token_begin + 1,
+                  c.num_tokens() - (c.final_chunk ? 1 : 0));
+  });
+  auto outcome = good->Wait(absl::Seconds(10));
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_EQ(outcome->prompt_logprobs.size(), 4u);
+  EXPECT_EQ((*coordinator)->stats().used_blocks, 0);
+  EXPECT_EQ((*coordinator)->stats().active_requests, 0);
+  (*coordinator)->Shutdown();
 }
 
 }  // namespace
