@@ -356,9 +356,8 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
   };
 
   absl::Status last_error = absl::UnavailableError("no attempt made");
-  if (score_only && !submit_scored) {
-    // Echo of the prompt with nothing to generate or score: no worker needed.
-    reset_echo();
+  // A request generating nothing ends with one delta: the echoed prompt.
+  auto finish_with_echo = [&] {
     GenerationDelta out;
     out.echo = std::move(echo);
     out.finished = true;
@@ -367,7 +366,12 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     timing.total_seconds = absl::ToDoubleSeconds(absl::Now() - started);
     out.timing = timing;
     observer->OnDelta(std::move(out));
-    return finish(absl::OkStatus());
+    finish(absl::OkStatus());
+  };
+  if (score_only && !submit_scored) {
+    // Echo of the prompt with nothing to generate or score: no worker needed.
+    reset_echo();
+    return finish_with_echo();
   }
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     reset_echo();  // a retry scores the prompt again
@@ -556,18 +560,8 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
               ToTokenLogprob(prompt_ids[k + 1], prefilled.prompt_logprobs(k)));
         }
       }
-      if (score_only) {
-        // Nothing to generate: the prompt's numbers are the whole answer.
-        GenerationDelta out;
-        out.echo = std::move(echo);
-        out.finished = true;
-        out.finish_reason = FinishReason::kLength;
-        out.usage = usage;
-        timing.total_seconds = absl::ToDoubleSeconds(absl::Now() - started);
-        out.timing = timing;
-        observer->OnDelta(std::move(out));
-        return finish(absl::OkStatus());
-      }
+      // Nothing to generate: the prompt's numbers are the whole answer.
+      if (score_only) return finish_with_echo();
     }
 
     // --- Decode worker: stream the tokens. ---

@@ -333,6 +333,20 @@ json LogprobsJson(OpenAiEndpoint endpoint, const LogprobsOutput& logprobs) {
   json token_logprobs = json::array();
   json top_logprobs = json::array();
   json text_offset = json::array();
+  // One listed token at `offset`; as OpenAI's legacy API, its alternatives
+  // object holds the top_logprobs alternatives plus the token itself.
+  auto append = [&](const TokenLogprob& l, int64_t offset) {
+    const std::string shown = TokenDisplay(l.chosen);
+    tokens.push_back(shown);
+    token_logprobs.push_back(l.chosen.logprob);
+    json alternatives = json::object();
+    for (const TokenAlternative& t : l.top) {
+      alternatives[TokenDisplay(t)] = t.logprob;
+    }
+    if (!alternatives.contains(shown)) alternatives[shown] = l.chosen.logprob;
+    top_logprobs.push_back(std::move(alternatives));
+    text_offset.push_back(offset);
+  };
   if (logprobs.prompt.has_value()) {
     const PromptEcho& prompt = *logprobs.prompt;
     // Token 0 has no numbers: nothing precedes it.
@@ -356,32 +370,13 @@ json LogprobsJson(OpenAiEndpoint endpoint, const LogprobsOutput& logprobs) {
     };
     int64_t offset = characters(prompt.first_token);
     for (const TokenLogprob& l : prompt.scored_tokens) {
-      const std::string shown = TokenDisplay(l.chosen);
-      tokens.push_back(shown);
-      token_logprobs.push_back(l.chosen.logprob);
-      json alternatives = json::object();
-      for (const TokenAlternative& t : l.top) {
-        alternatives[TokenDisplay(t)] = t.logprob;
-      }
-      if (!alternatives.contains(shown)) alternatives[shown] = l.chosen.logprob;
-      top_logprobs.push_back(std::move(alternatives));
-      text_offset.push_back(offset);
+      append(l, offset);
       offset += characters(l.chosen);
     }
   }
   int64_t offset = logprobs.text_offset;
   for (const TokenLogprob& l : logprobs.tokens) {
-    const std::string shown = TokenDisplay(l.chosen);
-    tokens.push_back(shown);
-    token_logprobs.push_back(l.chosen.logprob);
-    // As OpenAI's legacy API: the alternatives plus the sampled token.
-    json alternatives = json::object();
-    for (const TokenAlternative& t : l.top) {
-      alternatives[TokenDisplay(t)] = t.logprob;
-    }
-    if (!alternatives.contains(shown)) alternatives[shown] = l.chosen.logprob;
-    top_logprobs.push_back(std::move(alternatives));
-    text_offset.push_back(offset);
+    append(l, offset);
     offset += TokenCharacters(l.chosen);
   }
   return {{"tokens", std::move(tokens)},
