@@ -181,14 +181,18 @@ void Push(Channel& ch, const decode::TokenDelta& d) {
   v1::DecodeDelta delta;
   delta.mutable_token_ids()->Add(d.tokens.begin(), d.tokens.end());
   delta.set_text(d.text);
-  for (const engine::TokenLogprobs& l : d.logprobs) {
-    v1::TokenLogprob* out = delta.add_logprobs();
+  auto add = [](const engine::TokenLogprobs& l, v1::TokenLogprob* out) {
     out->set_logprob(l.logprob);
     for (const engine::TopLogprob& t : l.top) {
       v1::TopLogprob* alternative = out->add_top();
       alternative->set_token_id(t.token);
       alternative->set_logprob(t.logprob);
     }
+  };
+  for (const engine::TokenLogprobs& l : d.logprobs)
+    add(l, delta.add_logprobs());
+  for (const engine::TokenLogprobs& l : d.prompt_logprobs) {
+    add(l, delta.add_prompt_logprobs());
   }
   if (d.finished) {
     delta.set_finished(true);
@@ -329,6 +333,12 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   params.ignore_eos = request.ignore_eos();
   params.logprobs = request.include_logprobs();
   params.top_logprobs = request.top_logprobs();
+  params.prompt_logprobs = request.include_prompt_logprobs();
+  if (params.prompt_logprobs && !request.local_prefill()) {
+    return absl::InvalidArgumentError(
+        "include_prompt_logprobs needs local_prefill: a remote prefill's "
+        "prompt scores come from its prefill group");
+  }
 
   auto ch = std::make_shared<Channel>(id);
   {

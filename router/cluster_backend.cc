@@ -233,11 +233,6 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
                      " exceeds the context: the prompt's ", n, " tokens leave ",
                      context - n, " of ", context));
   }
-  if (request.echo && request.logprobs && options_.colocated) {
-    return absl::UnimplementedError(
-        "prompt logprobs (echo with logprobs) need a prefill group; this "
-        "router runs colocated");
-  }
   if (absl::Now() >= request.deadline) {
     return absl::DeadlineExceededError("deadline passed before the start");
   }
@@ -389,12 +384,14 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     }
 
     // --- Decode worker: admit (allocates the KV destination). ---
-    // Not for a request that only scores its prompt: it needs no decode
-    // worker and its KV goes nowhere.
+    // Not for a request that only scores its prompt on a prefill group: it
+    // needs no decode worker and its KV goes nowhere. (Colocated, the decode
+    // worker is what scores it.)
+    const bool uses_decode = !score_only || options_.colocated;
     std::string decode_address;
     std::unique_ptr<v1::DecodeWorker::Stub> decode;
     const uint64_t wire_id = NewWireId();
-    if (!score_only) {
+    if (uses_decode) {
       absl::StatusOr<WorkerLease> decode_lease =
           registry_->Assign(WorkerRole::kDecode, *decode_policy_, assignment);
       if (!decode_lease.ok()) {
@@ -425,12 +422,16 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       (void)decode->Abort(&context, abort, &ignored);
     };
     v1::AdmitResponse admit;
-    if (!score_only) {
+    if (uses_decode) {
       v1::AdmitRequest admit_request;
       admit_request.set_request_id(wire_id);
       admit_request.mutable_prompt_ids()->Add(prompt_ids.begin(),
                                               prompt_ids.end());
-      admit_request.set_max_tokens(request.max_tokens);
+      // Colocated scoring only: the worker prefills (and scores) the prompt
+      // and samples one token, which is not returned.
+      admit_request.set_max_tokens(score_only ? 1 : request.max_tokens);
+      admit_request.set_include_prompt_logprobs(options_.colocated &&
+                                                submit_scored);
       *admit_request.mutable_sampling() = sampling;
       for (const std::string& s : request.stop) admit_request.add_stop(s);
       admit_request.set_local_prefill(options_.colocated);
@@ -580,7 +581,38 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     v1::DecodeDelta in;
     bool finished = false;
     bool restore_space = false;  // echo: see below
+    // Colocated: the decode worker scored the prompt; its numbers ride on
+    // the first delta.
+    bool awaiting_scores = options_.colocated && submit_scored;
     while (reader->Read(&in)) {
+      if (awaiting_scores) {
+        awaiting_scores = false;
+        if (in.prompt_logprobs_size() + 1 !=
+            static_cast<int>(prompt_ids.size())) {
+          last_error = absl::InternalError(
+              absl::StrCat("decode worker ", decode_address, " scored ",
+                           in.prompt_logprobs_size(), " prompt tokens of ",
+                           prompt_ids.size() - 1));
+          context.TryCancel();
+          (void)reader->Finish();
+          call->Leave();
+          abort_decode();
+          return finish(last_error);
+        }
+        echo->first_token = alternative(prompt_ids[0], 0.0f);
+        for (int k = 0; k < in.prompt_logprobs_size(); ++k) {
+          echo->scored_tokens.push_back(
+              ToTokenLogprob(prompt_ids[k + 1], in.prompt_logprobs(k)));
+        }
+      }
+      if (score_only) {
+        // The token sampled after the scored prompt is not part of the
+        // answer; the stream ends after it (max_tokens 1).
+        if (!in.finished()) continue;
+        (void)reader->Finish();
+        call->Leave();
+        return finish_with_echo();
+      }
       GenerationDelta out;
       out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
       out.text = in.text();

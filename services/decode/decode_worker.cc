@@ -65,6 +65,14 @@ struct Request {
   std::string text;  // generated text (cut at a stop string)
   size_t sent = 0;   // bytes of `text` streamed
   spec::AdaptiveGamma gamma;
+  // RequestParams::prompt_logprobs: entry k scores prompt token k + 1;
+  // complete at prompt_len - 1 entries, handed to the first delta.
+  std::vector<engine::TokenLogprobs> prompt_scores;
+  bool prompt_scores_sent = false;
+  bool scoring() const {
+    return params.prompt_logprobs && !prompt_scores_sent &&
+           prompt_scores.size() + 1 < prompt_len;
+  }
 };
 
 struct Command {
@@ -115,6 +123,9 @@ struct Planned {
   std::vector<int32_t> drafts;
   std::vector<std::vector<float>> draft_probs;
   bool wants_logits = false;
+  // Leading rows (positions kv_tokens ..) whose logits only score the
+  // prompt (Request::scoring): they precede the wants_logits rows.
+  int score_rows = 0;
 };
 
 absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
@@ -252,7 +263,10 @@ struct DecodeWorker::Impl {
                     std::span<const engine::TokenLogprobs> logprobs = {});
   void Finish(Request* r, FinishReason reason, absl::Status status,
               std::vector<int32_t> tokens = {},
-              std::vector<engine::TokenLogprobs> logprobs = {});
+              std::vector<engine::TokenLogprobs> logprobs = {},
+              std::vector<engine::TokenLogprobs> prompt_logprobs = {});
+  // Moves a scored prompt's numbers into the request's first delta.
+  void TakePromptScores(Request* r, TokenDelta* delta);
   void Deliver();
   void PublishLoad();
   // Copies a remotely prefilled request's new blocks to every rank's device
@@ -556,9 +570,15 @@ void DecodeWorker::Impl::AdmitWaiting() {
     // FIFO: the head waits until enough KV frees up (a later, smaller request
     // does not overtake it, so it cannot starve).
     if (manager->available_blocks() < need_blocks) break;
-    auto start = kv::KvSequence::StartWithPrefix(manager.get(), r->history);
-    r->sequence.emplace(std::move(start.sequence));
-    r->kv_tokens = start.cached_tokens;
+    if (r->scoring()) {
+      // Every prompt position's logits are needed: a cached prefix has none.
+      r->sequence.emplace(manager.get());
+      r->kv_tokens = 0;
+    } else {
+      auto start = kv::KvSequence::StartWithPrefix(manager.get(), r->history);
+      r->sequence.emplace(std::move(start.sequence));
+      r->kv_tokens = start.cached_tokens;
+    }
     r->phase = Phase::kRunning;
     waiting.pop_front();
     running.push_back(r);
@@ -628,6 +648,11 @@ void DecodeWorker::Impl::RunStep() {
     p.history_feed =
         static_cast<int>(std::min<int64_t>(len - r->kv_tokens, budget));
     p.wants_logits = r->kv_tokens + p.history_feed == len;
+    if (r->scoring()) {
+      // Positions before the last prompt token predict prompt tokens; the
+      // last one (wants_logits) predicts output token 0.
+      p.score_rows = p.history_feed - (p.wants_logits ? 1 : 0);
+    }
     if (p.wants_logits && p.history_feed == 1) {
       auto it = proposals.find(r);
       if (it != proposals.end()) {
@@ -676,6 +701,7 @@ void DecodeWorker::Impl::RunStep() {
     step.num_tokens = static_cast<int>(tokens.size());
     step.start_position = static_cast<int>(r->kv_tokens);
     step.block_table = work->tables[k];
+    for (int q = 0; q < p.score_rows; ++q) step.logit_indices.push_back(q);
     if (p.wants_logits) {
       for (int q = p.history_feed - 1; q < step.num_tokens; ++q)
         step.logit_indices.push_back(q);
@@ -694,8 +720,9 @@ void DecodeWorker::Impl::RunStep() {
   }
   bool argmax_only = !obs && !verify_options.accept_all_for_test;
   for (const Planned& p : plan) {
-    if (p.wants_logits && (!p.request->params.sampling.greedy() ||
-                           p.request->params.wants_logprobs())) {
+    if (p.score_rows > 0 ||
+        (p.wants_logits && (!p.request->params.sampling.greedy() ||
+                            p.request->params.wants_logprobs()))) {
       argmax_only = false;
     }
   }
@@ -741,6 +768,15 @@ void DecodeWorker::Impl::RunStep() {
   size_t row = 0;
   for (Planned& p : plan) {
     Request* r = p.request;
+    for (int k = 0; k < p.score_rows; ++k, ++row) {
+      // Position q predicts prompt token q + 1; positions scored before a
+      // preemption are computed again but not scored twice.
+      const int64_t q = r->kv_tokens + k;
+      if (q != static_cast<int64_t>(r->prompt_scores.size())) continue;
+      r->prompt_scores.push_back(engine::ComputeTokenLogprobs(
+          std::span<const float>(logits.data() + row * vocab, vocab),
+          r->history[q + 1], r->params.top_logprobs));
+    }
     if (!p.wants_logits) {
       r->kv_tokens += p.history_feed;
       (void)r->sequence->Truncate(r->kv_tokens);
@@ -812,6 +848,7 @@ bool DecodeWorker::Impl::AppendTokens(
     Request* r, std::span<const int32_t> tokens,
     std::span<const engine::TokenLogprobs> logprobs) {
   TokenDelta delta;
+  TakePromptScores(r, &delta);
   FinishReason reason = FinishReason::kNone;
   size_t max_stop = 0;
   for (const auto& s : r->params.stop) max_stop = std::max(max_stop, s.size());
@@ -825,7 +862,7 @@ bool DecodeWorker::Impl::AppendTokens(
         r->detokenizer ? r->detokenizer->Push(t) : std::string();
     if (!piece.ok()) {
       Finish(r, FinishReason::kError, piece.status(), std::move(delta.tokens),
-             std::move(delta.logprobs));
+             std::move(delta.logprobs), std::move(delta.prompt_logprobs));
       return true;
     }
     const size_t before = r->text.size();
@@ -856,7 +893,7 @@ bool DecodeWorker::Impl::AppendTokens(
     if (reason != FinishReason::kStop && r->detokenizer)
       r->text += r->detokenizer->Finish();
     Finish(r, reason, absl::OkStatus(), std::move(delta.tokens),
-           std::move(delta.logprobs));
+           std::move(delta.logprobs), std::move(delta.prompt_logprobs));
     return true;
   }
   const size_t safe = r->text.size() - StopHoldback(r->text, r->params.stop);
@@ -868,13 +905,21 @@ bool DecodeWorker::Impl::AppendTokens(
   return false;
 }
 
-void DecodeWorker::Impl::Finish(Request* r, FinishReason reason,
-                                absl::Status status,
-                                std::vector<int32_t> tokens,
-                                std::vector<engine::TokenLogprobs> logprobs) {
+void DecodeWorker::Impl::TakePromptScores(Request* r, TokenDelta* delta) {
+  if (!r->params.prompt_logprobs || r->prompt_scores_sent) return;
+  r->prompt_scores_sent = true;
+  delta->prompt_logprobs = std::move(r->prompt_scores);
+  r->prompt_scores.clear();
+}
+
+void DecodeWorker::Impl::Finish(
+    Request* r, FinishReason reason, absl::Status status,
+    std::vector<int32_t> tokens, std::vector<engine::TokenLogprobs> logprobs,
+    std::vector<engine::TokenLogprobs> prompt_logprobs) {
   TokenDelta delta;
   delta.tokens = std::move(tokens);
   delta.logprobs = std::move(logprobs);
+  delta.prompt_logprobs = std::move(prompt_logprobs);
   if (status.ok() && r->text.size() > r->sent)
     delta.text = r->text.substr(r->sent);
   delta.finished = true;
@@ -962,6 +1007,11 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
   Impl& m = *impl_;
   PDS_RETURN_IF_ERROR(
       ValidateRequest(prompt, params, m.config, m.options, m.tok != nullptr));
+  if (params.prompt_logprobs) {
+    return absl::InvalidArgumentError(
+        "prompt logprobs of a remotely prefilled request come from its "
+        "prefill group; only a local prefill (Submit) scores the prompt");
+  }
   {
     absl::MutexLock lock(&m.mu);
     if (m.stop) return absl::UnavailableError("decode worker shutting down");

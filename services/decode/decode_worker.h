@@ -134,6 +134,11 @@ struct RequestParams {
   bool logprobs = false;
   int top_logprobs = 0;
   bool wants_logprobs() const { return logprobs || top_logprobs > 0; }
+  // Local path only (Submit): score the prompt while prefilling it. The
+  // first delta carries log p(prompt token k | tokens before it) for k >= 1
+  // (TokenDelta::prompt_logprobs) with top_logprobs alternatives each. The
+  // prefix cache is not used for such a request until its prompt is scored.
+  bool prompt_logprobs = false;
 };
 
 enum class FinishReason { kNone, kEos, kLength, kStop, kAborted, kError };
@@ -143,6 +148,9 @@ struct TokenDelta {
   std::vector<int32_t> tokens;  // new output tokens
   // One per token when the request asked (RequestParams::logprobs).
   std::vector<engine::TokenLogprobs> logprobs;
+  // First delta of a request with RequestParams::prompt_logprobs: entry k
+  // scores prompt token k + 1.
+  std::vector<engine::TokenLogprobs> prompt_logprobs;
   std::string text;  // text they complete (UTF-8, stop-safe)
   bool finished = false;
   FinishReason reason = FinishReason::kNone;

@@ -123,6 +123,104 @@ TEST_P(LogprobsTest, SampledTokensReportTheRawDistribution) {
   ExpectNoLeak(*worker);
 }
 
+// What the single-process engine says of each prompt token after the ones
+// before it.
+std::vector<engine::TokenLogprobs> PromptReference(
+    const std::vector<int32_t>& prompt, int top_n) {
+  return engine::testing_util::ReferenceLogprobs(
+      *Stories().weights, {prompt.front()},
+      std::vector<int32_t>(prompt.begin() + 1, prompt.end()), top_n);
+}
+
+TEST_P(LogprobsTest, LocalPrefillScoresThePromptInChunks) {
+  // Small steps: prompts are prefilled (and scored) over several steps,
+  // several at once, beside a request that does not score.
+  DecodeWorkerOptions o = Options(GetParam().tp, GetParam().mode);
+  o.max_step_tokens = 40;
+  auto worker = MakeWorker(o);
+  ASSERT_NE(worker, nullptr);
+  const auto cases = AllGoldenCases();
+  // The longest prompt three times: plain (fills the prefix cache), then
+  // scored twice (the cache must not skip positions), then a short one.
+  struct Ask {
+    size_t golden;
+    bool scored;
+    int top;
+  };
+  const std::vector<Ask> asks = {{cases.size() - 1, false, 0},
+                                 {cases.size() - 1, true, 2},
+                                 {cases.size() - 1, true, 0},
+                                 {0, true, 3}};
+  std::vector<Stream> streams(asks.size());
+  for (size_t i = 0; i < asks.size(); ++i) {
+    RequestParams p = Greedy(cases[asks[i].golden].max_new_tokens);
+    p.prompt_logprobs = asks[i].scored;
+    p.top_logprobs = asks[i].top;
+    ASSERT_TRUE(worker
+                    ->Submit(i, cases[asks[i].golden].prompt_ids, p,
+                             streams[i].Callback())
+                    .ok());
+    if (i == 0) {
+      ASSERT_TRUE(streams[0].Wait());
+    }
+  }
+  for (size_t i = 0; i < asks.size(); ++i) {
+    const pdserve::testing::GoldenCase& c = cases[asks[i].golden];
+    ASSERT_TRUE(streams[i].Wait());
+    ASSERT_TRUE(streams[i].status().ok()) << streams[i].status();
+    EXPECT_EQ(streams[i].tokens(), c.greedy_ids) << "request " << i;
+    if (!asks[i].scored) {
+      EXPECT_TRUE(streams[i].prompt_logprobs().empty());
+      continue;
+    }
+    ExpectSameLogprobs(streams[i].prompt_logprobs(),
+                       PromptReference(c.prompt_ids, asks[i].top),
+                       "request " + std::to_string(i));
+  }
+  ExpectNoLeak(*worker);
+}
+
+TEST(PromptScoringTest, PreemptedMidPrefillScoresEveryTokenOnce) {
+  // Two long prompts admitted together into a pool that cannot hold both:
+  // the younger is preempted while prefilling and recomputed later.
+  DecodeWorkerOptions o = Options(1, SpeculationMode::kOff);
+  o.max_step_tokens = 48;
+  o.num_blocks = 26;
+  auto worker = MakeWorker(o);
+  ASSERT_NE(worker, nullptr);
+  const auto cases = AllGoldenCases();
+  const pdserve::testing::GoldenCase& c = cases.back();
+  std::vector<Stream> streams(2);
+  for (size_t i = 0; i < streams.size(); ++i) {
+    RequestParams p = Greedy(c.max_new_tokens);
+    p.prompt_logprobs = true;
+    p.top_logprobs = 1;
+    ASSERT_TRUE(worker->Submit(i, c.prompt_ids, p, streams[i].Callback()).ok());
+  }
+  const auto want = PromptReference(c.prompt_ids, 1);
+  for (size_t i = 0; i < streams.size(); ++i) {
+    ASSERT_TRUE(streams[i].Wait());
+    ASSERT_TRUE(streams[i].status().ok()) << streams[i].status();
+    EXPECT_EQ(streams[i].tokens(), c.greedy_ids);
+    ExpectSameLogprobs(streams[i].prompt_logprobs(), want,
+                       "request " + std::to_string(i));
+  }
+  EXPECT_GT(worker->Load().preemptions, 0);
+  ExpectNoLeak(*worker);
+}
+
+TEST(PromptScoringTest, RemoteAdmitRefusesPromptLogprobs) {
+  auto worker = MakeWorker(Options(1, SpeculationMode::kOff));
+  ASSERT_NE(worker, nullptr);
+  RequestParams p = Greedy(4);
+  p.prompt_logprobs = true;
+  Stream s;
+  auto admitted = worker->Admit(1, {1, 2, 3}, p, s.Callback());
+  ASSERT_FALSE(admitted.ok());
+  EXPECT_EQ(admitted.status().code(), absl::StatusCode::kInvalidArgument);
+  ExpectNoLeak(*worker);
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, LogprobsTest,
                          ::testing::Values(Layout{1, SpeculationMode::kOff},
                                            Layout{2, SpeculationMode::kOff},

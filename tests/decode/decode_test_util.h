@@ -65,6 +65,11 @@ class Stream {
           << " tokens";
       tokens_.insert(tokens_.end(), d.tokens.begin(), d.tokens.end());
       logprobs_.insert(logprobs_.end(), d.logprobs.begin(), d.logprobs.end());
+      if (!d.prompt_logprobs.empty()) {
+        EXPECT_EQ(deltas_, 0) << "prompt scores after the first delta";
+        EXPECT_TRUE(prompt_logprobs_.empty()) << "prompt scores twice";
+        prompt_logprobs_ = d.prompt_logprobs;
+      }
       text_ += d.text;
       ++deltas_;
       if (d.finished) {
@@ -86,6 +91,10 @@ class Stream {
   std::vector<engine::TokenLogprobs> logprobs() {
     absl::MutexLock lock(&mu_);
     return logprobs_;
+  }
+  std::vector<engine::TokenLogprobs> prompt_logprobs() {
+    absl::MutexLock lock(&mu_);
+    return prompt_logprobs_;
   }
   size_t num_tokens() {
     absl::MutexLock lock(&mu_);
@@ -112,6 +121,7 @@ class Stream {
   absl::Mutex mu_;
   std::vector<int32_t> tokens_;
   std::vector<engine::TokenLogprobs> logprobs_;
+  std::vector<engine::TokenLogprobs> prompt_logprobs_;
   std::string text_;
   int deltas_ = 0;
   bool finished_ = false;

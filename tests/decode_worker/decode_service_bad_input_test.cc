@@ -67,6 +67,12 @@ TEST(DecodeServiceBadInputTest, PreciseCodesAndTheServerKeepsServing) {
     req.add_stop("");
     EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
   }
+  {
+    // Prompt scores of a remote prefill come from the prefill group.
+    auto req = MakeAdmit(1, c.prompt_ids, 8);
+    req.set_include_prompt_logprobs(true);
+    EXPECT_EQ(AdmitCode(server, req), StatusCode::INVALID_ARGUMENT);
+  }
   // More tokens than the context.
   EXPECT_EQ(AdmitCode(server, MakeAdmit(1, c.prompt_ids, 1 << 20)),
             StatusCode::INVALID_ARGUMENT);

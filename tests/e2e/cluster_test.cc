@@ -595,16 +595,17 @@ TEST(ClusterTest, ColocatedLayoutGivesGoldenTokens) {
     EXPECT_EQ(g.ids, c.greedy_ids);
     EXPECT_EQ(g.text, c.text);
   }
-  // Echo of the text works here; scoring the prompt needs a prefill group.
+  // Echo, and prompt scoring: here the decode worker scores the prompt while
+  // it prefills it (TP 2).
   const testing::GoldenCase c = AllGoldens().front();
   v1::GenerateRequest echo = TextRequest(c.prompt, 2);
   echo.set_echo(true);
   Generated echoed = GrpcGenerate(cluster->grpc_address(), echo);
   ASSERT_TRUE(echoed.status.ok()) << echoed.status.error_message();
   EXPECT_EQ(echoed.echo.text(), c.prompt);
-  echo.set_include_logprobs(true);
-  Generated scored = GrpcGenerate(cluster->grpc_address(), echo);
-  EXPECT_EQ(scored.status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  ExpectPromptScoresMatchTheEngine(cluster->grpc_address(),
+                                   cluster->http_address(), AllGoldens().back(),
+                                   std::nullopt, 1e-3f, 1e-3f);
 }
 
 // ---- Many streams at once ---------------------------------------------------
