@@ -316,6 +316,16 @@ absl::Status DecodeWorker::Impl::Start() {
         std::max(eo.cuda.max_graph_tokens_per_sequence,
                  options.speculation.max_gamma + 1);
     eo.cuda.device = device_of(r);
+    // A colocated prefill chunk scoring its prompt asks for a logits row per
+    // token: as many rows as the step holds tokens (the buffer is
+    // max_step_tokens x vocab x 4 bytes: 262 MB at 512 x 128k; the graph
+    // steps' rows at least).
+    if (eo.cuda.max_logit_rows == 0) {
+      eo.cuda.max_logit_rows =
+          std::max(options.max_step_tokens,
+                   eo.cuda.max_graph_batch *
+                       eo.cuda.max_graph_tokens_per_sequence);
+    }
     PDS_ASSIGN_OR_RETURN(ranks[r].engine,
                          engine::LlamaEngine::Create(weights, eo));
     engine::LlamaEngine& engine = *ranks[r].engine;
