@@ -434,6 +434,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
                                                 submit_scored);
       *admit_request.mutable_sampling() = sampling;
       for (const std::string& s : request.stop) admit_request.add_stop(s);
+      admit_request.set_ignore_eos(request.ignore_eos);
       admit_request.set_local_prefill(options_.colocated);
       admit_request.set_include_logprobs(request.logprobs);
       admit_request.set_top_logprobs(request.top_logprobs);

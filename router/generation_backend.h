@@ -55,6 +55,9 @@ struct GenerationRequest {
   int32_t max_tokens = 16;
   SamplingOptions sampling;
   std::vector<std::string> stop;
+  // Keep generating past the end-of-sequence token until max_tokens (what
+  // load generators ask for fixed-length outputs: vLLM's `ignore_eos`).
+  bool ignore_eos = false;
   // Report each output token's log-probability (GenerationDelta::logprobs),
   // with its top_logprobs (0 to kMaxTopLogprobs) most likely alternatives;
   // top_logprobs > 0 needs logprobs.

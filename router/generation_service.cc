@@ -366,6 +366,7 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
   out.sampling.seed = request.sampling().has_seed() ? request.sampling().seed()
                                                     : NewRandomSeed();
   out.stop.assign(request.stop().begin(), request.stop().end());
+  out.ignore_eos = request.ignore_eos();
   out.logprobs = request.include_logprobs();
   out.top_logprobs = request.top_logprobs();
   out.deadline = deadline;

@@ -489,6 +489,11 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   }
 
   if (absl::Status s = ReadStop(body, &gen.stop); !s.ok()) return s;
+  // vLLM's extension, sent by its benchmark_serving and genai-perf for
+  // fixed-length outputs.
+  if (absl::Status s = ReadBool(body, "ignore_eos", &gen.ignore_eos); !s.ok()) {
+    return s;
+  }
   if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
     return s;
   }

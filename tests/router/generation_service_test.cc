@@ -191,6 +191,10 @@ TEST_F(GenerationServiceTest, TokenIdPromptsAndDefaults) {
   EXPECT_EQ(items.size(), 16u);  // max_tokens unset = 16
   EXPECT_FALSE(items[0].request_id().empty());
   EXPECT_EQ(backend_.last_request().prompt_ids, (std::vector<int32_t>{1, 42}));
+  EXPECT_FALSE(backend_.last_request().ignore_eos);
+  request.set_ignore_eos(true);
+  ASSERT_TRUE(ReadAll(request).second.ok());
+  EXPECT_TRUE(backend_.last_request().ignore_eos);
 }
 
 TEST_F(GenerationServiceTest, UnaryAndListModels) {

@@ -61,6 +61,10 @@ TEST(OpenAiApiTest, PromptForms) {
   auto stop = Completion(R"({"prompt": "a", "stop": "x"})");
   ASSERT_TRUE(stop.ok());
   EXPECT_EQ(stop->generation.stop, std::vector<std::string>{"x"});
+  EXPECT_FALSE(stop->generation.ignore_eos);
+  auto no_eos = Completion(R"({"prompt": "a", "ignore_eos": true})");
+  ASSERT_TRUE(no_eos.ok());
+  EXPECT_TRUE(no_eos->generation.ignore_eos);
   // Batches: several text prompts or several token-id prompts.
   auto texts = Completion(R"({"prompt": ["a", "bc"], "n": 2})");
   ASSERT_TRUE(texts.ok()) << texts.status();
@@ -186,6 +190,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"stream_string", kC, R"({"prompt": "a", "stream": "yes"})",
                 "stream"},
         BadCase{"stop_number", kC, R"({"prompt": "a", "stop": 1})", "stop"},
+        BadCase{"ignore_eos_string", kC,
+                R"({"prompt": "a", "ignore_eos": "1"})", "ignore_eos"},
         BadCase{"stop_empty", kC, R"({"prompt": "a", "stop": [""]})", "stop"},
         BadCase{"too_many_stops", kC,
                 R"({"prompt": "a", "stop": ["1","2","3","4","5","6","7","8",
