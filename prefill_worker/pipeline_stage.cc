@@ -204,16 +204,18 @@ void PipelineStage::Process(StageMessage message) {
                                     vocab);
     };
     for (const ChunkHeader& chunk : message.chunks) {
+      // The chunk's logit rows, as its step asked for them above.
+      const int rows = chunk.prompt_logprobs ? chunk.num_tokens()
+                       : chunk.final_chunk   ? 1
+                                             : 0;
+      const int first_row = row;
+      row += rows;
       if (chunk.prompt_logprobs) {
-        ReportPromptLogprobs(chunk, row, logits_row);
-        row += chunk.num_tokens() - 1;
+        ReportPromptLogprobs(chunk, first_row, logits_row);
       }
-      if (!chunk.final_chunk) {
-        if (chunk.prompt_logprobs) ++row;
-        continue;
-      }
-      std::span<const float> logits = logits_row(row);
-      ++row;
+      if (!chunk.final_chunk) continue;
+      // The last row samples output token 0.
+      std::span<const float> logits = logits_row(first_row + rows - 1);
       StageEvent token;
       token.kind = StageEvent::Kind::kFirstToken;
       token.stage = options_.stage_index;

@@ -321,10 +321,9 @@ absl::Status DecodeWorker::Impl::Start() {
     // max_step_tokens x vocab x 4 bytes: 262 MB at 512 x 128k; the graph
     // steps' rows at least).
     if (eo.cuda.max_logit_rows == 0) {
-      eo.cuda.max_logit_rows =
-          std::max(options.max_step_tokens,
-                   eo.cuda.max_graph_batch *
-                       eo.cuda.max_graph_tokens_per_sequence);
+      eo.cuda.max_logit_rows = std::max(
+          options.max_step_tokens,
+          eo.cuda.max_graph_batch * eo.cuda.max_graph_tokens_per_sequence);
     }
     PDS_ASSIGN_OR_RETURN(ranks[r].engine,
                          engine::LlamaEngine::Create(weights, eo));

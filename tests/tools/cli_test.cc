@@ -36,8 +36,8 @@ std::string Quote(const std::string& s) {
 }
 
 TEST(PdserveGenerateTest, StreamsGoldenTextForBothLayouts) {
-  for (const std::string model : {pdserve::testing::Stories260KDir(),
-                                  pdserve::testing::Stories260KGguf()}) {
+  for (const std::string& model : {pdserve::testing::Stories260KDir(),
+                                   pdserve::testing::Stories260KGguf()}) {
     for (const auto& golden : pdserve::testing::LoadGoldenCases()) {
       auto result =
           RunPdserve("generate --model " + Quote(model) + " --prompt " +
