@@ -47,10 +47,11 @@ constexpr uint64_t kMaxItems = uint64_t{1} << 31;
 constexpr uint8_t kScorePrompt = 1;
 constexpr uint8_t kWriteKv = 2;
 
-void PutLogprobs(transport::ByteWriter& w, const engine::TokenLogprobs& l) {
-  w.Put<float>(l.logprob);
-  w.Put<uint32_t>(static_cast<uint32_t>(l.top.size()));
-  for (const engine::TopLogprob& t : l.top) {
+void PutLogprobs(transport::ByteWriter& w, float logprob,
+                 const std::vector<engine::TopLogprob>& top) {
+  w.Put<float>(logprob);
+  w.Put<uint32_t>(static_cast<uint32_t>(top.size()));
+  for (const engine::TopLogprob& t : top) {
     w.Put<int32_t>(t.token);
     w.Put<float>(t.logprob);
   }
@@ -184,13 +185,15 @@ std::string EncodeStageEvent(const StageEvent& e) {
   w.Put<int32_t>(static_cast<int32_t>(e.status.code()));
   w.PutBytes(absl::string_view(e.status.message()));
   w.Put<int32_t>(e.token.token);
-  PutLogprobs(w, engine::TokenLogprobs{e.token.logprob, e.token.top});
+  PutLogprobs(w, e.token.logprob, e.token.top);
   w.Put<int64_t>(absl::ToUnixNanos(e.start));
   w.Put<int64_t>(absl::ToUnixNanos(e.end));
   w.Put<int32_t>(e.tokens);
   w.Put<int32_t>(e.first_scored);
   w.Put<uint64_t>(e.prompt_logprobs.size());
-  for (const engine::TokenLogprobs& l : e.prompt_logprobs) PutLogprobs(w, l);
+  for (const engine::TokenLogprobs& l : e.prompt_logprobs) {
+    PutLogprobs(w, l.logprob, l.top);
+  }
   return w.Take();
 }
 

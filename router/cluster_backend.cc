@@ -286,7 +286,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     }
     return out;
   };
-  auto ToTokenLogprob = [&](int32_t id, const v1::TokenLogprob& l) {
+  auto to_token_logprob = [&](int32_t id, const v1::TokenLogprob& l) {
     TokenLogprob entry;
     entry.chosen = alternative(id, l.logprob());
     for (const v1::TopLogprob& t : l.top()) {
@@ -309,6 +309,23 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       absl::StatusOr<std::string> text = tokenizer_->Decode(prompt_ids);
       if (text.ok()) echo->text = *std::move(text);
     }
+  };
+  // The prompt's scores as a worker (`who`) reported them, one per prompt
+  // token after the first; INTERNAL for any other count.
+  auto take_scores =
+      [&](const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& scores,
+          const std::string& who) -> absl::Status {
+    if (scores.size() + 1 != static_cast<int>(prompt_ids.size())) {
+      return absl::InternalError(absl::StrCat(who, " scored ", scores.size(),
+                                              " prompt tokens of ",
+                                              prompt_ids.size() - 1));
+    }
+    echo->first_token = alternative(prompt_ids[0], 0.0f);
+    for (int k = 0; k < scores.size(); ++k) {
+      echo->scored_tokens.push_back(
+          to_token_logprob(prompt_ids[k + 1], scores[k]));
+    }
+    return absl::OkStatus();
   };
   bool delivered = false;  // a delta reached the observer: no more retries
   metrics::RouterMetrics* const m = options_.metrics;
@@ -490,7 +507,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         submit.mutable_prompt_ids()->Add(prompt_ids.begin(), prompt_ids.end());
         *submit.mutable_sampling() = sampling;
         submit.set_top_logprobs(request.top_logprobs);
-        submit.set_prompt_logprobs(request.echo && request.logprobs);
+        submit.set_prompt_logprobs(submit_scored);
         if (!score_only) {
           v1::PrefillDestination* destination = submit.mutable_destination();
           destination->set_decode_address(decode_address);
@@ -548,18 +565,12 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       breakdown.prefill = prefilled.prefill_seconds();
       breakdown.kv_transfer = prefilled.notify_seconds();
       if (submit_scored) {
-        if (prefilled.prompt_logprobs_size() + 1 !=
-            static_cast<int>(prompt_ids.size())) {
+        absl::Status s =
+            take_scores(prefilled.prompt_logprobs(),
+                        absl::StrCat("prefill group ", prefill_address));
+        if (!s.ok()) {
           abort_decode();
-          return finish(absl::InternalError(
-              absl::StrCat("prefill group ", prefill_address, " scored ",
-                           prefilled.prompt_logprobs_size(),
-                           " prompt tokens of ", prompt_ids.size() - 1)));
-        }
-        echo->first_token = alternative(prompt_ids[0], 0.0f);
-        for (int k = 0; k < prefilled.prompt_logprobs_size(); ++k) {
-          echo->scored_tokens.push_back(
-              ToTokenLogprob(prompt_ids[k + 1], prefilled.prompt_logprobs(k)));
+          return finish(s);
         }
       }
       // Nothing to generate: the prompt's numbers are the whole answer.
@@ -588,22 +599,15 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
     while (reader->Read(&in)) {
       if (awaiting_scores) {
         awaiting_scores = false;
-        if (in.prompt_logprobs_size() + 1 !=
-            static_cast<int>(prompt_ids.size())) {
-          last_error = absl::InternalError(
-              absl::StrCat("decode worker ", decode_address, " scored ",
-                           in.prompt_logprobs_size(), " prompt tokens of ",
-                           prompt_ids.size() - 1));
+        absl::Status s =
+            take_scores(in.prompt_logprobs(),
+                        absl::StrCat("decode worker ", decode_address));
+        if (!s.ok()) {
           context.TryCancel();
           (void)reader->Finish();
           call->Leave();
           abort_decode();
-          return finish(last_error);
-        }
-        echo->first_token = alternative(prompt_ids[0], 0.0f);
-        for (int k = 0; k < in.prompt_logprobs_size(); ++k) {
-          echo->scored_tokens.push_back(
-              ToTokenLogprob(prompt_ids[k + 1], in.prompt_logprobs(k)));
+          return finish(s);
         }
       }
       if (score_only) {
@@ -631,7 +635,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
         out.logprobs.reserve(in.logprobs_size());
         for (int k = 0; k < in.logprobs_size(); ++k) {
           out.logprobs.push_back(
-              ToTokenLogprob(in.token_ids(k), in.logprobs(k)));
+              to_token_logprob(in.token_ids(k), in.logprobs(k)));
         }
       }
       usage.completion_tokens += static_cast<int32_t>(out.token_ids.size());

@@ -155,6 +155,29 @@ TEST(StageWireTest, MalformedBlobsAreRejectedNeverCrash) {
   }
   scores.prompt_logprobs[0].top.resize(engine::kMaxTopLogprobs + 1);
   EXPECT_FALSE(DecodeStageEvent(EncodeStageEvent(scores)).ok());
+  {
+    // An unknown chunk flag bit is refused, not ignored: the flags byte
+    // sits right before the next token, here a pattern found once.
+    constexpr int32_t kPattern = 0x5a6b7c1d;
+    StageMessage flagged = SampleMessage();
+    flagged.chunks.resize(1);
+    flagged.hidden.clear();
+    flagged.chunks[0].prompt_logprobs = true;
+    flagged.chunks[0].next_token = kPattern;
+    std::string blob = EncodeStageMessage(flagged);
+    ASSERT_TRUE(DecodeStageMessage(blob).ok());
+    const std::string needle(reinterpret_cast<const char*>(&kPattern), 4);
+    const size_t at = blob.find(needle);
+    ASSERT_NE(at, std::string::npos);
+    ASSERT_EQ(blob.find(needle, at + 1), std::string::npos);
+    ASSERT_EQ(static_cast<uint8_t>(blob[at - 1]), 3);  // score + write KV
+    blob[at - 1] = static_cast<char>(0x83);
+    auto refused = DecodeStageMessage(blob);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.status().message().find("unknown flags"),
+              std::string::npos)
+        << refused.status();
+  }
   const std::string event = EncodeStageEvent(StageEvent{});
   for (size_t n = 0; n < event.size(); ++n) {
     EXPECT_FALSE(DecodeStageEvent(event.substr(0, n)).ok());

@@ -292,7 +292,9 @@ TEST_F(HttpServerTest, PromptBatchesLikeLmEvalHarness) {
   for (const GenerationRequest& r : backend_.requests()) {
     if (r.prompt_ids.has_value()) prompts.push_back(*r.prompt_ids);
   }
-  EXPECT_EQ(prompts.size(), 4u);
+  // In choice order: prompt 0's two choices, then prompt 1's.
+  EXPECT_EQ(prompts,
+            (std::vector<std::vector<int32_t>>{{1, 2}, {1, 2}, {3}, {3}}));
 }
 
 TEST_F(HttpServerTest, SeveralChoicesWholeAndStreamed) {
