@@ -6,17 +6,25 @@
 //   - CUDA Graph replay vs eager launches, and the fused residual+RMSNorm vs
 //     unfused, on the same decode steps;
 //   - speculation with an always-right proposer at batch 1 (a γ+1-token
-//     verify step vs γ+1 decode steps; the proposer itself costs nothing).
+//     verify step vs γ+1 decode steps; the proposer itself costs nothing);
+//   - the attention kernels (flash-decoding, tensor-core prefill) against
+//     the legacy kernel on the same steps;
+//   - with --peer-command, a peer (../shared/peers/torch_decode_peer.py) run
+//     after this process has freed the GPU, its rows echoed, and pdserve ÷
+//     peer printed for each row both measured.
 // Prints a markdown table (docs/PERFORMANCE.md, CUDA). Needs a GPU.
 //
 //   build-cuda/bench/cuda_engine_bench [--config PATH] [--context 1024]
 //       [--batches 1,32,128] [--prompt 2048] [--steps 20] [--gamma 4]
+//       [--attention auto|legacy|tensor-core] [--compare-legacy 1]
+//       [--peer-command "python3 torch_decode_peer.py CONFIG ..."]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -24,6 +32,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "engine/backend_flags.h"
 #include "engine/llama_engine.h"
 #include "model/weight_source.h"
 
@@ -43,6 +53,16 @@ struct Options {
   int prompt = 2048;
   int steps = 20;
   int gamma = 4;
+  engine::AttentionKernels attention = engine::AttentionKernels::kAuto;
+  bool compare_legacy = true;
+  std::string peer_command;
+};
+
+// pdserve's figures that a peer row can be set against.
+struct OwnRows {
+  std::map<int, double> decode_ms;  // batch -> TPOT
+  double prefill_tokens_per_second = 0;
+  int prompt = 0;
 };
 
 #define CHECK_CUDA(expr)                                              \
@@ -206,6 +226,62 @@ std::unique_ptr<engine::LlamaEngine> Load(const model::WeightSource& weights,
   return std::move(engine).value();
 }
 
+// Runs the peer, echoes its output, and prints pdserve ÷ peer per row: the
+// peer's TPOT over ours (>1 = pdserve faster) and our prefill tokens/s over
+// its.
+void RunPeer(const Options& opt, const OwnRows& own) {
+  std::printf("\n== peer: %s\n", opt.peer_command.c_str());
+  std::fflush(stdout);
+  FILE* pipe = popen((opt.peer_command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) {
+    std::printf("peer: cannot start\n");
+    return;
+  }
+  std::map<int, double> peer_decode;
+  double peer_prefill = 0;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), pipe) != nullptr) {
+    std::fputs(line, stdout);
+    // "| torch graph decode TPOT batch 32, context 1024 | 9.42 ms | ..."
+    // "| torch eager prefill 1 x 2048 tokens | 30900 tokens/s (...) | ..."
+    const std::vector<std::string> cells = absl::StrSplit(line, '|');
+    if (cells.size() < 3) continue;
+    const std::string name(absl::StripAsciiWhitespace(cells[1]));
+    const std::string value(absl::StripAsciiWhitespace(cells[2]));
+    const std::vector<std::string> words = absl::StrSplit(value, ' ');
+    double number = 0;
+    if (words.empty() || !absl::SimpleAtod(words[0], &number)) continue;
+    if (const size_t at = name.find("decode TPOT batch ");
+        at != std::string::npos) {
+      int batch = 0;
+      const std::vector<std::string> rest =
+          absl::StrSplit(name.substr(at + 18), ',');
+      if (!rest.empty() && absl::SimpleAtoi(rest[0], &batch)) {
+        peer_decode[batch] = number;
+      }
+    } else if (name.find("prefill 1 x") != std::string::npos) {
+      peer_prefill = number;
+    }
+  }
+  const int rc = pclose(pipe);
+  if (rc != 0) std::printf("peer exited with status %d\n", rc);
+  std::printf(
+      "\n| row | pdserve | peer | pdserve ÷ peer (>1: pdserve faster) "
+      "|\n|---|---|---|---|\n");
+  for (const auto& [batch, ms] : own.decode_ms) {
+    if (!peer_decode.count(batch)) continue;
+    std::printf("| decode TPOT batch %d | %.3f ms | %.3f ms | %.2f |\n", batch,
+                ms, peer_decode[batch], peer_decode[batch] / ms);
+  }
+  if (peer_prefill > 0 && own.prefill_tokens_per_second > 0) {
+    std::printf(
+        "| prefill 1 x %d tokens | %.0f tokens/s | %.0f tokens/s | "
+        "%.2f |\n",
+        own.prompt, own.prefill_tokens_per_second, peer_prefill,
+        own.prefill_tokens_per_second / peer_prefill);
+  }
+}
+
 int Run(const Options& opt) {
   auto weights = model::OpenModel(opt.config, model::LoadFormat::kDummy);
   if (!weights.ok()) {
@@ -219,12 +295,14 @@ int Run(const Options& opt) {
   const double gemm = GemmRate();
   std::printf(
       "device: %s; copy %.0f GB/s (read+write), bf16 GEMM %.0f "
-      "TFLOP/s (8192^3)\n",
-      prop.name, copy_bw / 1e9, gemm / 1e12);
+      "TFLOP/s (8192^3); attention kernels: %s\n",
+      prop.name, copy_bw / 1e9, gemm / 1e12,
+      engine::AttentionKernelsName(opt.attention));
 
   const int max_batch =
       *std::max_element(opt.batches.begin(), opt.batches.end());
   engine::CudaOptions cuda;
+  cuda.attention = opt.attention;
   cuda.max_graph_batch = std::max(max_batch, 1);
   cuda.max_sequences = std::max(max_batch, 4);
   cuda.max_tokens_per_step =
@@ -242,12 +320,18 @@ int Run(const Options& opt) {
   std::printf(
       "\n| measurement | value | reference | ratio |\n|---|---|---|---|\n");
   std::vector<double> graph_tpot;
-  double decode_batch1 = 0;
-  for (int variant = 0; variant < 3; ++variant) {
-    // 0: graphs + fused (production); 1: eager; 2: graphs, unfused norm.
+  double decode_batch1 = 0, prefill_one = 0;
+  OwnRows own;
+  own.prompt = opt.prompt;
+  const bool legacy_variant =
+      opt.compare_legacy && opt.attention != engine::AttentionKernels::kLegacy;
+  for (int variant = 0; variant < (legacy_variant ? 4 : 3); ++variant) {
+    // 0: graphs + fused (production); 1: eager; 2: graphs, unfused norm;
+    // 3: graphs + fused with the legacy attention kernel.
     engine::CudaOptions o = cuda;
     o.use_graphs = variant != 1;
     o.fuse_residual_norm = variant != 2;
+    if (variant == 3) o.attention = engine::AttentionKernels::kLegacy;
     double load_seconds = 0;
     auto engine = Load(**weights, o, &load_seconds);
     auto pool = engine->CreateKvPool(Bench::kBlockSize,
@@ -267,6 +351,7 @@ int Run(const Options& opt) {
       const double t = bench.StepSeconds(b, 1, /*argmax_only=*/true);
       if (variant == 0) {
         graph_tpot.push_back(t);
+        own.decode_ms[b] = t * 1e3;
         if (b == 1) decode_batch1 = t;
         const double bytes = engine->weight_bytes() +
                              b * (opt.context + 1.0) * kv_bytes_per_token;
@@ -280,6 +365,12 @@ int Run(const Options& opt) {
             "| same, logits copied to host | %.3f ms | argmax-only "
             "%.3f ms | %.2f |\n",
             with_logits * 1e3, t * 1e3, t / with_logits);
+      } else if (variant == 3) {
+        std::printf(
+            "| decode TPOT batch %d, legacy attention kernel | %.3f ms | "
+            "%s %.3f ms | new kernels' speedup %.2f |\n",
+            b, t * 1e3, engine::AttentionKernelsName(opt.attention),
+            graph_tpot[i] * 1e3, t / graph_tpot[i]);
       } else if (variant == 1) {
         std::printf(
             "| decode step batch %d eager | %.3f ms | graph %.3f ms "
@@ -291,6 +382,15 @@ int Run(const Options& opt) {
             "fused %.3f ms | fusion speedup %.2f |\n",
             b, t * 1e3, graph_tpot[i] * 1e3, t / graph_tpot[i]);
       }
+    }
+    if (variant == 3) {
+      const double t = bench.PrefillSeconds(1, opt.prompt);
+      std::printf(
+          "| prefill 1 x %d tokens, legacy attention kernel | %.0f tokens/s "
+          "| %s %.0f tokens/s | new kernels' speedup %.2f |\n",
+          opt.prompt, opt.prompt / t,
+          engine::AttentionKernelsName(opt.attention), opt.prompt / prefill_one,
+          t / prefill_one);
     }
     if (variant != 0) continue;
     // Prefill: one and four prompts in one step.
@@ -312,6 +412,10 @@ int Run(const Options& opt) {
           "GEMM %.0f TFLOP/s | %.2f |\n",
           n, opt.prompt, tokens / t, flops / t / 1e12, gemm / 1e12,
           flops / t / gemm);
+      if (n == 1) {
+        prefill_one = t;
+        own.prefill_tokens_per_second = tokens / t;
+      }
     }
     // Speculation, always-right proposer, batch 1: a verify step emits γ+1.
     const double verify = bench.StepSeconds(1, opt.gamma + 1, true);
@@ -321,6 +425,8 @@ int Run(const Options& opt) {
         opt.gamma, verify * 1e3, decode_batch1 * 1e3,
         (opt.gamma + 1) * decode_batch1 / verify);
   }
+  std::fflush(stdout);
+  if (!opt.peer_command.empty()) RunPeer(opt, own);
   return 0;
 }
 
@@ -334,6 +440,17 @@ int main(int argc, char** argv) {
     int number = 0;
     if (flag == "--config") {
       opt.config = value;
+    } else if (flag == "--peer-command") {
+      opt.peer_command = value;
+    } else if (flag == "--attention") {
+      auto kernels = pdserve::engine::ParseAttentionKernels(value);
+      if (!kernels.ok()) {
+        std::fprintf(stderr, "%s\n", kernels.status().ToString().c_str());
+        return 2;
+      }
+      opt.attention = *kernels;
+    } else if (flag == "--compare-legacy") {
+      opt.compare_legacy = value != "0";
     } else if (flag == "--batches") {
       opt.batches.clear();
       for (absl::string_view part : absl::StrSplit(value, ',')) {

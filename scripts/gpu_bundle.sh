@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Prepares one device run of the CUDA checks (issue 8): builds the CUDA tree,
-# then gathers into .gpu/ (ignored by git, never committed) the gpu test
-# binaries and cuda_engine_bench, the non-CUDA shared libraries they load (the
-# device image has CUDA, cuBLAS and NCCL but not Debian's abseil, OpenBLAS or
-# GoogleTest), glibc for a fallback loader, and the models the tests read
-# (the device cannot see ../shared). Then, with the device tool:
+# Prepares one device run of the CUDA checks: builds the CUDA tree, then
+# gathers into .gpu/ (ignored by git, never committed) the gpu test binaries
+# and cuda_engine_bench, the non-CUDA shared libraries they load (the device
+# image has CUDA, cuBLAS and NCCL but not Debian's abseil, OpenBLAS or
+# GoogleTest), glibc for a fallback loader, the models the tests read and
+# the PyTorch peer the bench runs after itself (the device cannot see
+# ../shared). Then, with the device tool:
 #
 #   run  command: "bash .gpu/run.sh"   carry: [".gpu"]   timeout_s: 540
 #
@@ -13,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODELS="${PDSERVE_MODELS_DIR:-../shared/models}"
+PEERS="${PDSERVE_PEERS_DIR:-../shared/peers}"
 
 cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPDSERVE_CUDA=ON >/dev/null
 cmake --build build-cuda -j "$(nproc)" --target gpu_tests cuda_engine_bench \
@@ -21,7 +23,8 @@ cmake --build build-cuda -j "$(nproc)" --target gpu_tests cuda_engine_bench \
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib .gpu/glibc .gpu/models
-BINARIES=(build-cuda/tests/engine/engine_cuda_test build-cuda/tests/comm/comm_nccl_test
+BINARIES=(build-cuda/tests/engine/engine_cuda_attention_test
+          build-cuda/tests/engine/engine_cuda_test build-cuda/tests/comm/comm_nccl_test
           build-cuda/tests/decode/decode_cuda_test build-cuda/tests/prefill/prefill_cuda_test
           build-cuda/tests/e2e/e2e_cuda_cluster_test
           build-cuda/router/router build-cuda/prefill_worker/prefill_worker
@@ -45,6 +48,7 @@ done
 cp -L /lib64/ld-linux-x86-64.so.2 .gpu/glibc/
 cp -r "$MODELS/stories260K" "$MODELS/bench-configs" .gpu/models/
 cp scripts/gpu_run.sh .gpu/run.sh
+cp "$PEERS/torch_decode_peer.py" .gpu/
 # What travels to the device is capped (64 MiB); OpenBLAS alone is 36 MB, so
 # binaries and libraries go as one xz archive (~15 MB) that run.sh unpacks.
 XZ_OPT=-T0 tar cJf .gpu/payload.tar.xz -C .gpu bin lib glibc

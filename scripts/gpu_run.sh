@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Runs on the device machine from the bundle scripts/gpu_bundle.sh made (as
-# .gpu/run.sh): the gpu-labelled tests, compute-sanitizer over the CUDA
-# engine's tests, and cuda_engine_bench on the llama-8b shape.
+# .gpu/run.sh), most telling first, each step time-boxed so one hang cannot
+# cost the rest: the attention kernels against a float64 reference,
+# cuda_engine_bench on the llama-8b shape followed by the PyTorch peer (with
+# pdserve ÷ peer per row), the gpu-labelled tests, then compute-sanitizer
+# memcheck over the CUDA engine tests (eager and graphs) and racecheck over
+# the attention kernels. Logs land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")"
 # bin/, lib/ and glibc/ travel packed (gpu_bundle.sh).
 if [ -f payload.tar.xz ] && [ ! -d bin ]; then tar xJf payload.tar.xz; fi
 OUT="${OUT:-/tmp/pdserve-gpu-out}"
 mkdir -p "$OUT"
+START=$(date +%s)
+stamp() { echo "-- $(( $(date +%s) - START )) s: $*"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 # CUDA libraries of the device image (system CUDA, or pip's nvidia wheels).
@@ -33,28 +39,56 @@ if ! bin/comm_nccl_test --gtest_list_tests >/dev/null 2>"$OUT/launch.err"; then
 fi
 
 status=0
-echo "== gpu tests"
+# gtest output filtered to what a person reads first; the whole log is kept.
+run_test() {  # seconds binary [args...]
+  local seconds=$1 t=$2
+  shift 2
+  stamp "$t $*"
+  timeout "$seconds" "${launch[@]}" bin/"$t" "$@" 2>&1 | tee -a "$OUT/tests.log" |
+    grep -E '^\[ (cuda|attention)|^\[  (PASSED|FAILED|SKIPPED)|Failure|flip|rror|Expected|Which is|actual' |
+    head -80 || true
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "$t exited $rc"; status=1; }
+}
+
+run_test 60 engine_cuda_attention_test
+
+stamp "cuda_engine_bench (llama-8b shape, dummy weights) + PyTorch peer"
+peer=""
+if python3 -c 'import torch' 2>/dev/null; then
+  peer="python3 $PWD/torch_decode_peer.py $PWD/models/bench-configs/llama-8b.json --batches 1,32,128 --prefill 2048"
+else
+  echo "no PyTorch on the device: the bench runs without its peer"
+fi
+timeout 300 "${launch[@]}" bin/cuda_engine_bench \
+  --config models/bench-configs/llama-8b.json ${peer:+--peer-command "$peer"} \
+  2>&1 | tee "$OUT/bench.md"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
 # The e2e test starts router/prefill_worker/decode_worker from bin/ (the
 # tokenizer finds its sentencepiece shim next to them).
 export PDSERVE_BIN_DIR="$PWD/bin"
-for t in comm_nccl_test engine_cuda_test decode_cuda_test prefill_cuda_test \
-         e2e_cuda_cluster_test; do
-  "${launch[@]}" bin/$t 2>&1 | tee -a "$OUT/tests.log" |
-    grep -E '^\[ cuda|^\[  (PASSED|FAILED|SKIPPED)|Failure|flip|rror' || true
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-done
+run_test 150 engine_cuda_test
+run_test 90 decode_cuda_test
+run_test 90 prefill_cuda_test
+run_test 120 e2e_cuda_cluster_test
+run_test 60 comm_nccl_test
 
 if [ ${#launch[@]} -eq 0 ] && command -v compute-sanitizer >/dev/null; then
-  echo "== compute-sanitizer memcheck (CUDA engine tests, eager and graphs)"
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
-    bin/engine_cuda_test --gtest_filter='*PromptLogits*:*GraphReplay*:*BadInput*' \
-    >"$OUT/memcheck.log" 2>&1
-  echo "memcheck exit $? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"
-  grep -m5 -A6 'Invalid' "$OUT/memcheck.log" || true
+  stamp "compute-sanitizer memcheck: attention kernels, CUDA engine (eager and graphs)"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    bin/engine_cuda_attention_test >"$OUT/memcheck_attention.log" 2>&1
+  echo "memcheck attention exit $? ($(grep -c 'Invalid' "$OUT/memcheck_attention.log") invalid accesses)"
+  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    bin/engine_cuda_test --gtest_filter='*PromptLogitsWithin*:*GraphReplay*:*BadInput*:*DeviceArgmax*:*PipelineStages*' \
+    >"$OUT/memcheck_engine.log" 2>&1
+  echo "memcheck engine exit $? ($(grep -c 'Invalid' "$OUT/memcheck_engine.log") invalid accesses)"
+  grep -m5 -A6 'Invalid' "$OUT"/memcheck_*.log || true
+  stamp "compute-sanitizer racecheck: attention kernels"
+  timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 \
+    bin/engine_cuda_attention_test >"$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $? ($(grep -ci 'hazard' "$OUT/racecheck.log") hazard lines)"
+  grep -m5 -i -B2 -A6 'hazard' "$OUT/racecheck.log" || true
 fi
-
-echo "== cuda_engine_bench (llama-8b shape, dummy weights)"
-timeout 360 "${launch[@]}" bin/cuda_engine_bench \
-  --config models/bench-configs/llama-8b.json 2>&1 | tee "$OUT/bench.md"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+stamp "done"
 exit $status

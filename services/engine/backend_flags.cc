@@ -31,6 +31,29 @@ absl::StatusOr<std::optional<kv::KvDType>> ParseKvDTypeFlag(
                    "\" (expected auto, f32, bf16 or f16)"));
 }
 
+absl::StatusOr<AttentionKernels> ParseAttentionKernels(std::string_view name) {
+  for (AttentionKernels kernels :
+       {AttentionKernels::kAuto, AttentionKernels::kLegacy,
+        AttentionKernels::kTensorCore}) {
+    if (name == AttentionKernelsName(kernels)) return kernels;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown attention kernels \"", std::string(name),
+                   "\" (expected auto, legacy or tensor-core)"));
+}
+
+const char* AttentionKernelsName(AttentionKernels kernels) {
+  switch (kernels) {
+    case AttentionKernels::kAuto:
+      return "auto";
+    case AttentionKernels::kLegacy:
+      return "legacy";
+    case AttentionKernels::kTensorCore:
+      return "tensor-core";
+  }
+  return "auto";
+}
+
 absl::StatusOr<std::vector<int>> ParseDeviceList(std::string_view list) {
   std::vector<int> devices;
   for (absl::string_view part :

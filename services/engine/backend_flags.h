@@ -1,7 +1,7 @@
 // Command-line spellings of the engine backend, shared by every binary that
 // runs an engine (pdserve generate, decode_worker, prefill_worker):
 //   --backend cpu|cuda  --cuda-devices 0[,1,...]  --cuda-graphs 1|0
-//   --kv-dtype auto|f32|bf16
+//   --kv-dtype auto|f32|bf16  --cuda-attention auto|legacy|tensor-core
 #pragma once
 
 #include <optional>
@@ -22,6 +22,12 @@ const char* BackendName(Backend backend);
 // when the engine is created.
 [[nodiscard]] absl::StatusOr<std::optional<kv::KvDType>> ParseKvDTypeFlag(
     std::string_view name);
+
+// --cuda-attention: "auto", "legacy" or "tensor-core" (CudaOptions::
+// attention); INVALID_ARGUMENT names the accepted values.
+[[nodiscard]] absl::StatusOr<AttentionKernels> ParseAttentionKernels(
+    std::string_view name);
+const char* AttentionKernelsName(AttentionKernels kernels);
 
 // "0,1,3" -> {0, 1, 3}; INVALID_ARGUMENT for anything but non-negative
 // integers separated by commas.

@@ -26,8 +26,24 @@ enum class Backend {
   kCuda,  // bf16 weights/activations, fp32 accumulation; -DPDSERVE_CUDA=ON
 };
 
+// Which attention kernels the CUDA backend runs.
+enum class AttentionKernels {
+  // Decode and verify steps: flash-decoding on CUDA cores (a GQA group's
+  // query heads and a verify step's tokens share each K/V tile, the context
+  // split across blocks); prefill chunks and mixed steps: tensor-core
+  // FlashAttention tiles. Falls back to kLegacy for head dims neither holds.
+  kAuto,
+  // The first kernel (one warp per token, query head and partition): the
+  // reference a wrong result is bisected against.
+  kLegacy,
+  // The tensor-core prefill kernel for every step, decode included (tests
+  // check it on the goldens' decode steps too).
+  kTensorCore,
+};
+
 struct CudaOptions {
   int device = 0;
+  AttentionKernels attention = AttentionKernels::kAuto;
   // Replay decode/verify steps from CUDA Graphs (captured per batch bucket).
   // false = eager launches of the same kernels: the first thing to compare
   // against when graph output differs.
@@ -54,12 +70,10 @@ struct CudaOptions {
   // Fuse the residual add into the next RMSNorm (one kernel instead of two);
   // false runs them separately, for measuring the fusion.
   bool fuse_residual_norm = true;
-  // Keys per attention partition (split-K over the context for decode). One
-  // warp walks a partition serially, so this bounds a decode step's attention
-  // latency: at batch 1 an 8B model's 8 KV-head groups give only 8 x
-  // partitions warp-blocks, and 128 keys (4 tiles of 32) keeps ctx 1024 at 64
-  // blocks instead of 16 with 512. A floor: the backend raises it so that
-  // the longest context needs at most 64 partitions.
+  // kLegacy only: keys per attention partition (split-K over the context
+  // for decode). A floor: the backend raises it so that the longest context
+  // needs at most 64 partitions. The other kernels size their splits per
+  // step from the batch, the context and the GPU's multiprocessors.
   int attention_partition = 128;
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "engine/attention_math.h"
 
 namespace pdserve::engine {
 
@@ -55,11 +56,16 @@ std::optional<GraphShape> GraphShapeFor(const ForwardBatch& batch,
 }
 
 StepMetadataLayout StepMetadataLayout::For(int max_tokens, int max_sequences,
-                                           int max_blocks_per_sequence) {
+                                           int max_blocks_per_sequence,
+                                           int tokens_per_tile) {
   StepMetadataLayout l;
   l.max_tokens = max_tokens;
   l.max_sequences = max_sequences;
   l.max_blocks_per_sequence = max_blocks_per_sequence;
+  l.tokens_per_tile = std::max(1, tokens_per_tile);
+  // Each sequence's tokens fill whole tiles but its last.
+  l.max_tiles =
+      (max_tokens + l.tokens_per_tile - 1) / l.tokens_per_tile + max_sequences;
   int64_t at = 0;
   // 4-element alignment (16 bytes) for every array.
   auto take = [&](int64_t count) {
@@ -67,13 +73,15 @@ StepMetadataLayout StepMetadataLayout::For(int max_tokens, int max_sequences,
     at += (count + 3) / 4 * 4;
     return offset;
   };
-  l.header = take(3);
+  l.header = take(kHeaderSlots);
   l.tokens = take(max_tokens);
   l.positions = take(max_tokens);
   l.slots = take(max_tokens);
   l.token_sequence = take(max_tokens);
   l.block_tables = take(int64_t{max_sequences} * max_blocks_per_sequence);
   l.logit_rows = take(max_tokens);
+  l.sequence_items = take(int64_t{max_sequences} * 4);
+  l.attention_tiles = take(int64_t{l.max_tiles} * 4);
   l.total = at;
   return l;
 }
@@ -176,15 +184,107 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
       logit_rows[row++] = static_cast<int32_t>(t);
     }
   }
+  // Attention work: one item per sequence, and the prefill tiles. Every
+  // sequence's tokens are consecutive in the step with consecutive
+  // positions (padding repeats the last one), so a sequence's context is
+  // its last token's position + 1.
+  AttentionItem* items =
+      reinterpret_cast<AttentionItem*>(out.data() + layout.sequence_items);
+  std::vector<AttentionItem> tiles;
+  int max_queries = 0, max_context = 0;
+  {
+    int64_t first = 0;
+    for (int s = 0; s < num_sequences; ++s) {
+      const int n = s < real_sequences && !graph ? batch.sequences[s].num_tokens
+                                                 : graph->tokens_per_sequence;
+      AttentionItem item;
+      item.sequence = s;
+      item.first_token = static_cast<int32_t>(first);
+      item.num_tokens = n;
+      item.context = positions[first + n - 1] + 1;
+      items[s] = item;
+      max_queries = std::max(max_queries, n);
+      max_context = std::max(max_context, item.context);
+      for (int i = 0; i < n; i += layout.tokens_per_tile) {
+        AttentionItem tile = item;
+        tile.first_token = static_cast<int32_t>(first + i);
+        tile.num_tokens = std::min(layout.tokens_per_tile, n - i);
+        tile.context = positions[tile.first_token + tile.num_tokens - 1] + 1;
+        tiles.push_back(tile);
+      }
+      first += n;
+    }
+  }
+  if (static_cast<int64_t>(tiles.size()) > layout.max_tiles) {
+    return absl::InternalError(absl::StrCat(
+        tiles.size(), " attention tiles exceed the layout's ",
+        layout.max_tiles));  // For() sizes max_tiles for any fitting step
+  }
+  // Longest contexts first: causal tiles differ in work, and the GPU runs
+  // blocks roughly in index order, so the long ones should not start last.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const AttentionItem& a, const AttentionItem& b) {
+                     return a.context > b.context;
+                   });
+  std::copy(
+      tiles.begin(), tiles.end(),
+      reinterpret_cast<AttentionItem*>(out.data() + layout.attention_tiles));
+
   int32_t* header = out.data() + layout.header;
-  header[0] = static_cast<int32_t>(num_tokens);
-  header[1] = num_sequences;
-  header[2] = static_cast<int32_t>(row);
+  std::fill(header, header + kHeaderSlots, 0);
+  header[kHeaderTokens] = static_cast<int32_t>(num_tokens);
+  header[kHeaderSequences] = num_sequences;
+  header[kHeaderLogitRows] = static_cast<int32_t>(row);
+  header[kHeaderTiles] = static_cast<int32_t>(tiles.size());
+  header[kHeaderMaxQueries] = max_queries;
+  header[kHeaderMaxContext] = max_context;
   counts->num_tokens = static_cast<int>(num_tokens);
   counts->num_sequences = num_sequences;
   counts->num_logit_rows = static_cast<int>(row);
   counts->real_logit_rows = static_cast<int>(real_rows);
+  counts->num_tiles = static_cast<int>(tiles.size());
+  counts->max_queries = max_queries;
+  counts->max_context = max_context;
   return absl::OkStatus();
+}
+
+AttentionPlan PlanAttention(AttentionKernels mode, int num_sequences,
+                            int max_queries, int num_tokens,
+                            const AttentionEngineShape& shape) {
+  AttentionPlan plan;
+  const int rows = max_queries * shape.group;
+  const bool decode_fits = DecodeKernelFits(rows, shape.head_dim);
+  const bool prefill_fits = PrefillKernelFits(shape.head_dim, shape.group);
+  if (mode == AttentionKernels::kLegacy ||
+      (mode == AttentionKernels::kTensorCore && !prefill_fits) ||
+      (!decode_fits && !prefill_fits)) {
+    return plan;  // kLegacy
+  }
+  if (mode == AttentionKernels::kTensorCore || !decode_fits) {
+    plan.kernel = AttentionKernel::kPrefill;
+    return plan;
+  }
+  plan.kernel = AttentionKernel::kDecode;
+  plan.rows = rows;
+  // About four blocks per multiprocessor over the step's (sequence, KV head)
+  // pairs; each split costs a partial run per token and a merge.
+  const int64_t pairs =
+      std::max<int64_t>(1, int64_t{num_sequences} * shape.local_kv_heads);
+  const int64_t target = 4 * int64_t{std::max(1, shape.multiprocessors)};
+  int64_t splits = (target + pairs - 1) / pairs;
+  splits = std::min<int64_t>(splits, kMaxDecodeSplits);
+  if (num_tokens > 0) {
+    splits = std::min<int64_t>(
+        splits, shape.partial_capacity / std::max(1, num_tokens));
+  }
+  plan.splits = static_cast<int>(std::max<int64_t>(1, splits));
+  return plan;
+}
+
+int DecodePartition(int max_context, int splits) {
+  const int per_split =
+      NumPartitions(std::max(1, max_context), std::max(1, splits));
+  return NumPartitions(per_split, kDecodeKeyTile) * kDecodeKeyTile;
 }
 
 }  // namespace pdserve::engine

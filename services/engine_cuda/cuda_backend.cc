@@ -224,9 +224,25 @@ class CudaBackend final : public EngineBackend {
   absl::Status Init(const model::WeightSource& weights);
   absl::Status LoadWeights(const model::WeightSource& weights);
   absl::Status EnsureStepBuffers(int block_size, kv::KvPool& pool);
-  // Enqueues one whole step on stream_ (what a graph captures).
-  absl::Status RunStep(int num_tokens, int num_logit_rows, int partition,
-                       int partitions);
+  // How a step runs attention: the kernel and grid (PlanAttention), the
+  // prefill tiles, and for the legacy kernel its partitions.
+  struct StepAttention {
+    AttentionPlan plan;
+    int num_items = 0;  // sequences (decode) or tiles (prefill)
+    int legacy_partition = 0;
+    int legacy_partitions = 1;
+  };
+  StepAttention PlanStepAttention(int num_sequences, int max_queries,
+                                  int num_tokens, int num_tiles,
+                                  int longest_context) const;
+  // Enqueues one whole step on stream_ (what a graph captures): every layer,
+  // then the logits of the first min(num_logit_rows, max_logit_rows_) rows.
+  absl::Status RunStep(int num_tokens, int num_logit_rows,
+                       const StepAttention& attention);
+  // Final norm of every logit row (RunStep), then lm_head, all-reduce and
+  // argmax of rows [begin, begin + rows) into logits_ and argmax_ + begin.
+  absl::Status NormalizeLogitRows(int num_logit_rows);
+  absl::Status LogitsSlice(int begin, int rows);
   absl::Status Gemm(const uint16_t* x, int rows, int64_t in,
                     const DeviceBuffer& w, int64_t out, float* y, int64_t ldy);
   absl::Status AllReduce(float* data, int64_t count);
@@ -243,7 +259,8 @@ class CudaBackend final : public EngineBackend {
   int64_t weight_bytes_ = 0;
   int max_context_ = 0;
   int max_logit_rows_ = 0;
-  int split_partition_ = 0;  // keys per partition in split mode
+  int split_partition_ = 0;  // legacy kernel: keys per partition when split
+  AttentionEngineShape attention_shape_;
 
   StreamHandle stream_;
   CublasHandle cublas_;
@@ -355,13 +372,26 @@ absl::Status CudaBackend::Init(const model::WeightSource& weights) {
       partials_.Allocate(partial_rows * plan_.q_heads * (c.head_dim + 2) * 4,
                          "attention partials"));
   if (plan_.holds_last()) {
-    PDS_RETURN_IF_ERROR(gathered_.Allocate(
-        int64_t{max_logit_rows_} * hidden * 4, "logit rows"));
+    // Every token of a step may want logits (a prefill chunk scoring its
+    // prompt): rows beyond max_logit_rows_ go through the lm_head in slices
+    // of that many, so only the [rows, vocab] buffer is bounded.
+    PDS_RETURN_IF_ERROR(gathered_.Allocate(t * hidden * 4, "logit rows"));
     PDS_RETURN_IF_ERROR(logits_.Allocate(
         int64_t{max_logit_rows_} * c.vocab_size * 4, "logits"));
-    PDS_RETURN_IF_ERROR(
-        argmax_.Allocate(int64_t{max_logit_rows_} * 4, "argmax"));
+    PDS_RETURN_IF_ERROR(argmax_.Allocate(t * 4, "argmax"));
   }
+
+  PDS_RETURN_IF_ERROR(cuda::ConfigureAttentionKernels());
+  int multiprocessors = 0;
+  PDS_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount,
+                             options_.device),
+      "cudaDeviceGetAttribute"));
+  attention_shape_.group = c.num_heads / c.num_kv_heads;
+  attention_shape_.head_dim = c.head_dim;
+  attention_shape_.local_kv_heads = plan_.kv_heads;
+  attention_shape_.multiprocessors = multiprocessors;
+  attention_shape_.partial_capacity = partial_rows;
   return absl::OkStatus();
 }
 
@@ -510,7 +540,8 @@ absl::Status CudaBackend::EnsureStepBuffers(int block_size, kv::KvPool& pool) {
     block_size_ = block_size;
     meta_layout_ = StepMetadataLayout::For(
         options_.max_tokens_per_step, options_.max_sequences,
-        (max_context_ + block_size - 1) / block_size);
+        (max_context_ + block_size - 1) / block_size,
+        PrefillTokensPerTile(attention_shape_.group));
     PDS_RETURN_IF_ERROR(meta_host_.Allocate(meta_layout_.total * 4));
     PDS_RETURN_IF_ERROR(
         meta_device_.Allocate(meta_layout_.total * 4, "step metadata"));
@@ -560,8 +591,23 @@ absl::Status CudaBackend::AllReduce(float* data, int64_t count) {
                     "all-reduce staging");
 }
 
-absl::Status CudaBackend::RunStep(int n, int num_logit_rows, int partition,
-                                  int partitions) {
+CudaBackend::StepAttention CudaBackend::PlanStepAttention(
+    int num_sequences, int max_queries, int num_tokens, int num_tiles,
+    int longest_context) const {
+  StepAttention a;
+  a.plan = PlanAttention(options_.attention, num_sequences, max_queries,
+                         num_tokens, attention_shape_);
+  a.num_items =
+      a.plan.kernel == AttentionKernel::kPrefill ? num_tiles : num_sequences;
+  const bool split = num_tokens <= kSplitMaxTokens;
+  a.legacy_partition = split ? split_partition_ : max_context_;
+  a.legacy_partitions =
+      split ? NumPartitions(longest_context, split_partition_) : 1;
+  return a;
+}
+
+absl::Status CudaBackend::RunStep(int n, int num_logit_rows,
+                                  const StepAttention& step_attention) {
   const model::ModelConfig& c = plan_.config;
   const int hidden = c.hidden_size;
   cudaStream_t s = stream_.get();
@@ -589,10 +635,15 @@ absl::Status CudaBackend::RunStep(int n, int num_logit_rows, int partition,
   attention.block_tables = Meta(meta_layout_.block_tables);
   attention.max_blocks_per_sequence = meta_layout_.max_blocks_per_sequence;
   attention.cache = cache_;
-  attention.partition = partition;
-  attention.partitions = partitions;
+  attention.partition = step_attention.legacy_partition;
+  attention.partitions = step_attention.legacy_partitions;
   attention.partials = partials_.as<float>();
   attention.out = attn_out_.as<uint16_t>();
+  attention.header = Meta(meta_layout_.header);
+  const AttentionPlan& plan = step_attention.plan;
+  attention.items = Meta(plan.kernel == AttentionKernel::kPrefill
+                             ? meta_layout_.attention_tiles
+                             : meta_layout_.sequence_items);
 
   const int64_t f = plan_.ffn_rows();
   const int num_layers = plan_.num_layers();
@@ -611,7 +662,19 @@ absl::Status CudaBackend::RunStep(int n, int num_logit_rows, int partition,
         qkv_.as<float>(), n, plan_.q_heads, positions, slots,
         rope_cos_.as<float>(), rope_sin_.as<float>(), cache_, l, s));
     attention.layer = l;
-    PDS_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, s));
+    switch (plan.kernel) {
+      case AttentionKernel::kDecode:
+        PDS_RETURN_IF_ERROR(cuda::LaunchDecodeAttention(
+            attention, step_attention.num_items, plan.rows, plan.splits, s));
+        break;
+      case AttentionKernel::kPrefill:
+        PDS_RETURN_IF_ERROR(cuda::LaunchPrefillAttention(
+            attention, step_attention.num_items, s));
+        break;
+      case AttentionKernel::kLegacy:
+        PDS_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, s));
+        break;
+    }
     PDS_RETURN_IF_ERROR(Gemm(attn_out_.as<uint16_t>(), n, plan_.attn_width(),
                              w.wo, hidden, proj, hidden));
     PDS_RETURN_IF_ERROR(AllReduce(proj, int64_t{n} * hidden));
@@ -649,29 +712,43 @@ absl::Status CudaBackend::RunStep(int n, int num_logit_rows, int partition,
   }
 
   if (!plan_.holds_last() || num_logit_rows == 0) return absl::OkStatus();
+  PDS_RETURN_IF_ERROR(NormalizeLogitRows(num_logit_rows));
+  return LogitsSlice(0, std::min(num_logit_rows, max_logit_rows_));
+}
+
+absl::Status CudaBackend::NormalizeLogitRows(int num_logit_rows) {
+  const model::ModelConfig& c = plan_.config;
+  cudaStream_t s = stream_.get();
   float* gathered = gathered_.as<float>();
-  PDS_RETURN_IF_ERROR(cuda::LaunchGatherRows(
-      x, Meta(meta_layout_.logit_rows), num_logit_rows, hidden, gathered, s));
   PDS_RETURN_IF_ERROR(
-      cuda::LaunchRmsNorm(gathered, nullptr, final_norm_.as<float>(),
-                          c.rms_norm_eps, hidden, num_logit_rows, normed, s));
+      cuda::LaunchGatherRows(x_.as<float>(), Meta(meta_layout_.logit_rows),
+                             num_logit_rows, c.hidden_size, gathered, s));
+  return cuda::LaunchRmsNorm(gathered, nullptr, final_norm_.as<float>(),
+                             c.rms_norm_eps, c.hidden_size, num_logit_rows,
+                             normed_.as<uint16_t>(), s);
+}
+
+absl::Status CudaBackend::LogitsSlice(int begin, int rows) {
+  const model::ModelConfig& c = plan_.config;
+  cudaStream_t s = stream_.get();
   float* logits = logits_.as<float>();
   const int64_t vocab = c.vocab_size;
   if (plan_.shard.tp_size > 1) {
     // Vocab-parallel lm_head: each rank fills its columns of zeroed rows and
     // the all-reduce (a sum) gathers them.
-    PDS_RETURN_IF_ERROR(CudaStatus(
-        cudaMemsetAsync(logits, 0, int64_t{num_logit_rows} * vocab * 4, s),
-        "zero logits"));
+    PDS_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(logits, 0, int64_t{rows} * vocab * 4, s),
+                   "zero logits"));
   }
-  PDS_RETURN_IF_ERROR(Gemm(normed, num_logit_rows, hidden, lm_head_,
-                           plan_.vocab_rows(), logits + plan_.vocab_begin,
-                           vocab));
-  PDS_RETURN_IF_ERROR(AllReduce(logits, int64_t{num_logit_rows} * vocab));
+  PDS_RETURN_IF_ERROR(
+      Gemm(normed_.as<uint16_t>() + int64_t{begin} * c.hidden_size, rows,
+           c.hidden_size, lm_head_, plan_.vocab_rows(),
+           logits + plan_.vocab_begin, vocab));
+  PDS_RETURN_IF_ERROR(AllReduce(logits, int64_t{rows} * vocab));
   // Greedy picks on the device: a caller that needs only them copies
   // rows x 4 bytes instead of rows x vocab x 4.
-  return cuda::LaunchArgmaxRows(logits, num_logit_rows, c.vocab_size,
-                                argmax_.as<int32_t>(), s);
+  return cuda::LaunchArgmaxRows(logits, rows, c.vocab_size,
+                                argmax_.as<int32_t>() + begin, s);
 }
 
 absl::StatusOr<cudaGraphExec_t> CudaBackend::GraphFor(const GraphShape& shape) {
@@ -680,17 +757,19 @@ absl::StatusOr<cudaGraphExec_t> CudaBackend::GraphFor(const GraphShape& shape) {
     return it->second->get();
   }
   const int n = shape.batch * shape.tokens_per_sequence;
-  // Split-K with partitions for the longest context the engine allows, so
-  // one graph serves every context length (empty partitions exit at once).
-  const bool split = n <= kSplitMaxTokens;
-  const int partition = split ? split_partition_ : max_context_;
-  const int partitions =
-      split ? NumPartitions(max_context_, split_partition_) : 1;
+  // The grid comes from the shape alone, so one graph serves every context
+  // length: the legacy kernel splits for the longest context the engine
+  // allows (empty partitions exit at once); the decode kernel reads each
+  // replay's partition length from the metadata.
+  const int tiles = shape.batch * NumPartitions(shape.tokens_per_sequence,
+                                                meta_layout_.tokens_per_tile);
+  const StepAttention attention = PlanStepAttention(
+      shape.batch, shape.tokens_per_sequence, n, tiles, max_context_);
   cudaStream_t s = stream_.get();
   PDS_RETURN_IF_ERROR(
       CudaStatus(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal),
                  "cudaStreamBeginCapture"));
-  absl::Status status = RunStep(n, n, partition, partitions);
+  absl::Status status = RunStep(n, n, attention);
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(s, &graph);
   PDS_RETURN_IF_ERROR(status);
@@ -719,11 +798,17 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       batch, block_size_, meta_layout_, shape,
       std::span<int32_t>(meta_host_.as<int32_t>(), meta_layout_.total),
       &counts));
-  if (plan_.holds_last() && counts.num_logit_rows > max_logit_rows_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "step asks for ", counts.num_logit_rows,
-        " logit rows; the CUDA engine holds at most ", max_logit_rows_));
-  }
+  // The decode kernel's partition length: set per step, read by the kernels
+  // from the metadata, so graph replays follow the context.
+  const StepAttention attention =
+      shape
+          ? PlanStepAttention(shape->batch, shape->tokens_per_sequence,
+                              counts.num_tokens, counts.num_tiles, max_context_)
+          : PlanStepAttention(counts.num_sequences, counts.max_queries,
+                              counts.num_tokens, counts.num_tiles,
+                              counts.max_context);
+  meta_host_.as<int32_t>()[meta_layout_.header + kHeaderDecodePartition] =
+      DecodePartition(counts.max_context, attention.plan.splits);
   cudaStream_t s = stream_.get();
   PDS_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(meta_device_.as<void>(), meta_host_.as<void>(),
@@ -737,18 +822,13 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
         "upload hidden states"));
   }
   if (shape) {
+    // A graph's rows fit max_logit_rows_ (sized for the largest graph).
     PDS_ASSIGN_OR_RETURN(cudaGraphExec_t exec, GraphFor(*shape));
     PDS_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(exec, s), "graph launch"));
   } else {
-    int longest = 0;
-    for (const SequenceStep& seq : batch.sequences) {
-      longest = std::max(longest, seq.start_position + seq.num_tokens);
-    }
-    const bool split = counts.num_tokens <= kSplitMaxTokens;
-    PDS_RETURN_IF_ERROR(RunStep(
-        counts.num_tokens, plan_.holds_last() ? counts.num_logit_rows : 0,
-        split ? split_partition_ : max_context_,
-        split ? NumPartitions(longest, split_partition_) : 1));
+    PDS_RETURN_IF_ERROR(RunStep(counts.num_tokens,
+                                plan_.holds_last() ? counts.num_logit_rows : 0,
+                                attention));
   }
 
   result->hidden_out.clear();
@@ -762,19 +842,32 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
                                    cudaMemcpyDeviceToHost, s),
                    "download hidden states"));
   } else if (counts.real_logit_rows > 0) {
-    result->num_logit_rows = counts.real_logit_rows;
-    result->argmax.resize(counts.real_logit_rows);
+    const int rows = counts.real_logit_rows;
+    result->num_logit_rows = rows;
+    if (!batch.argmax_only) {
+      result->logits.resize(int64_t{rows} * c.vocab_size);
+    }
+    // RunStep computed the first slice of max_logit_rows_ rows; an eager
+    // step wanting more (a prefill chunk scoring every token) runs the
+    // lm_head slice by slice, each copied out before the next overwrites
+    // the buffer (stream order).
+    for (int begin = 0; begin < rows; begin += max_logit_rows_) {
+      const int slice = std::min(max_logit_rows_, rows - begin);
+      if (begin > 0) PDS_RETURN_IF_ERROR(LogitsSlice(begin, slice));
+      if (!batch.argmax_only) {
+        PDS_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpyAsync(
+                result->logits.data() + int64_t{begin} * c.vocab_size,
+                logits_.as<void>(), int64_t{slice} * c.vocab_size * 4,
+                cudaMemcpyDeviceToHost, s),
+            "download logits"));
+      }
+    }
+    result->argmax.resize(rows);
     PDS_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(result->argmax.data(), argmax_.as<void>(),
                         result->argmax.size() * 4, cudaMemcpyDeviceToHost, s),
         "download argmax"));
-    if (!batch.argmax_only) {
-      result->logits.resize(int64_t{counts.real_logit_rows} * c.vocab_size);
-      PDS_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(result->logits.data(), logits_.as<void>(),
-                          result->logits.size() * 4, cudaMemcpyDeviceToHost, s),
-          "download logits"));
-    }
   }
   return CudaStatus(cudaStreamSynchronize(s), "CUDA step");
 }

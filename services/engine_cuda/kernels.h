@@ -83,12 +83,37 @@ struct AttentionArgs {
   int max_blocks_per_sequence = 0;
   KvCacheView cache;
   int layer = 0;
-  int partition = 0;   // keys per partition
-  int partitions = 1;  // partitions per token (grid size; empty ones skip)
+  int partition = 0;   // legacy: keys per partition
+  int partitions = 1;  // legacy: partitions per token (grid size; empty
+                       // ones skip)
   float* partials = nullptr;
   uint16_t* out = nullptr;
+  // The step metadata's header (StepHeader slots) and the work items the
+  // decode and prefill kernels read (AttentionItem, 4 int32 each).
+  const int32_t* header = nullptr;
+  const int32_t* items = nullptr;
 };
+// The legacy kernel (AttentionKernels::kLegacy).
 absl::Status LaunchPagedAttention(const AttentionArgs& args, Stream stream);
+
+// Flash-decoding (attention_kernels.cu): `num_items` sequences (args.items
+// = the step's sequence items), `rows` = most query tokens of one sequence x
+// group (DecodeKernelFits), `splits` context partitions per (sequence, KV
+// head) of header[kHeaderDecodePartition] keys each, merged into args.out
+// by a second kernel when splits > 1 (partials: [token][q_head][split]
+// [head_dim + 2] f32, m and l in log2 units).
+absl::Status LaunchDecodeAttention(const AttentionArgs& args, int num_items,
+                                   int rows, int splits, Stream stream);
+
+// Tensor-core prefill attention (attention_kernels.cu): `num_tiles` tiles
+// (args.items = the step's attention tiles), causal within each sequence
+// over its whole context in the cache (a cached prefix included).
+absl::Status LaunchPrefillAttention(const AttentionArgs& args, int num_tiles,
+                                    Stream stream);
+
+// Once per process and device before the launches above: lets the decode
+// kernel use more than 48 KB of shared memory.
+absl::Status ConfigureAttentionKernels();
 
 // act[t][i] = bf16(silu(gate_up[t][i]) * gate_up[t][ffn + i]).
 absl::Status LaunchSwiGlu(const float* gate_up, int num_tokens, int64_t ffn,

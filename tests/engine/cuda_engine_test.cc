@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <thread>
 
+#include "bf16_agreement.h"
 #include "comm/communicator.h"
+#include "engine/backend_flags.h"
 #include "engine/engine_backend.h"
 #include "engine_test_util.h"
 #include "testing/gpu.h"
@@ -83,42 +85,176 @@ int32_t Argmax(const float* row, int vocab) {
   return static_cast<int32_t>(std::max_element(row, row + vocab) - row);
 }
 
-TEST(CudaEngineTest, GoldenGreedyTokensWithGraphsOnAndOff) {
+// Every golden continuation, through every attention kernel, graphs on and
+// off: token for token where the reference's margins exceed the measured
+// bf16 error, and where one is smaller a flip there is allowed only under
+// the bf16 criterion (bf16_agreement.h); every flip is printed.
+TEST(CudaEngineTest, GoldenGreedyTokensWithinTheBf16Criterion) {
   SKIP_WITHOUT_GPU();
   auto weights = OpenStories(true);
   ASSERT_NE(weights, nullptr);
-  for (bool graphs : {true, false}) {
-    CudaOptions cuda;
-    cuda.use_graphs = graphs;
-    auto engine = MakeCudaEngine(*weights, cuda);
-    ASSERT_NE(engine, nullptr);
-    int cases = 0, exact = 0;
-    for (const char* file : {"golden.jsonl", "golden_long.jsonl"}) {
-      for (const auto& golden : pdserve::testing::LoadGoldenCases(file)) {
-        auto pool = MakeDevicePool(*engine, 16, 64);
-        ASSERT_NE(pool, nullptr);
-        const auto tokens = testing_util::GreedyGenerate(
-            *engine, *pool, golden.prompt_ids, golden.max_new_tokens);
-        ++cases;
-        if (tokens == golden.greedy_ids) {
-          ++exact;
-          continue;
+  for (AttentionKernels kernels :
+       {AttentionKernels::kAuto, AttentionKernels::kTensorCore,
+        AttentionKernels::kLegacy}) {
+    CudaOptions measured;
+    measured.attention = kernels;
+    const double error =
+        testing_util::MeasureCudaAbsLogitError(*weights, measured);
+    const double tolerance = testing_util::Bf16MarginTolerance(error);
+    std::printf(
+        "[ cuda     ] attention %s: measured bf16 logit error %.4f, margin "
+        "tolerance %.4f\n",
+        AttentionKernelsName(kernels), error, tolerance);
+    for (bool graphs : {true, false}) {
+      CudaOptions cuda = measured;
+      cuda.use_graphs = graphs;
+      auto engine = MakeCudaEngine(*weights, cuda);
+      ASSERT_NE(engine, nullptr);
+      int cases = 0, exact = 0;
+      for (const char* file : {"golden.jsonl", "golden_long.jsonl"}) {
+        for (const auto& golden : pdserve::testing::LoadGoldenCases(file)) {
+          auto pool = MakeDevicePool(*engine, 16, 64);
+          ASSERT_NE(pool, nullptr);
+          std::vector<std::vector<float>> logits;
+          const auto tokens =
+              testing_util::GreedyGenerate(*engine, *pool, golden.prompt_ids,
+                                           golden.max_new_tokens, 0, &logits);
+          const auto reference = testing_util::ReferenceLogprobs(
+              *weights, golden.prompt_ids, golden.greedy_ids,
+              testing_util::kAgreementTopK);
+          const auto agreement = testing_util::CompareGreedyWithinBf16(
+              golden.greedy_ids, reference, tokens,
+              testing_util::ScoresOf(tokens, logits), tolerance);
+          ++cases;
+          exact += agreement.exact;
+          if (!agreement.exact) {
+            std::printf(
+                "[ cuda     ] %s %s, \"%s\": %s\n",
+                AttentionKernelsName(kernels), graphs ? "graphs" : "eager",
+                golden.prompt.substr(0, 40).c_str(), agreement.report.c_str());
+          }
+          EXPECT_TRUE(agreement.pass)
+              << AttentionKernelsName(kernels) << ", "
+              << (graphs ? "graphs" : "eager") << ", " << file << ", \""
+              << golden.prompt << "\": " << agreement.report;
         }
-        size_t flip = 0;
-        while (flip < tokens.size() && flip < golden.greedy_ids.size() &&
-               tokens[flip] == golden.greedy_ids[flip]) {
-          ++flip;
-        }
-        ADD_FAILURE() << (graphs ? "graphs" : "eager") << ", " << file
-                      << ": greedy flip at generated token " << flip << " of \""
-                      << golden.prompt
-                      << "\" (golden's smallest top-2 margin over the "
-                         "continuation: "
-                      << golden.min_top2_margin << ")";
       }
+      std::printf(
+          "[ cuda     ] attention %s, %s: %d/%d golden continuations exact\n",
+          AttentionKernelsName(kernels), graphs ? "graphs" : "eager", exact,
+          cases);
     }
-    std::printf("[ cuda     ] %s: %d/%d golden continuations exact\n",
-                graphs ? "graphs" : "eager", exact, cases);
+  }
+}
+
+// The issue's precision target, measured as Hugging Face transformers' bf16
+// run was: every position of golden_logits.json's prompt against the
+// float64 logits, worst |error| / max |logit| of the row.
+TEST(CudaEngineTest, PromptLogitsAgainstFloat64Goldens) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  const auto golden = pdserve::testing::LoadGoldenLogits();
+  const int blocks = static_cast<int>(golden.prompt_ids.size()) / 16 + 1;
+  const auto table = IdentityBlockTable(blocks);
+  auto worst_of = [&](const std::vector<std::vector<float>>& logits) {
+    EXPECT_EQ(logits.size(), golden.logits.size());
+    double worst = 0;
+    for (size_t t = 0; t < std::min(logits.size(), golden.logits.size()); ++t) {
+      double error = 0, scale = 0;
+      for (size_t j = 0; j < golden.logits[t].size(); ++j) {
+        error = std::max(error, std::abs(logits[t][j] - golden.logits[t][j]));
+        scale = std::max(scale, std::abs(golden.logits[t][j]));
+      }
+      worst = std::max(worst, error / scale);
+    }
+    return worst;
+  };
+  // For scale: the fp32 CPU engine, and the same with bf16 KV.
+  for (std::optional<kv::KvDType> kv :
+       {std::optional<kv::KvDType>(), std::optional(kv::KvDType::kBF16)}) {
+    EngineOptions options;
+    options.kv_dtype = kv;
+    auto cpu = LlamaEngine::Create(*weights, options);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto pool = testing_util::MakePool(**cpu, 16, blocks);
+    std::printf("[ cuda     ] CPU engine, %s KV: worst %.2e of max |logit|\n",
+                kv ? "bf16" : "f32",
+                worst_of(testing_util::PrefillAllLogits(
+                    **cpu, *pool, golden.prompt_ids, table)));
+  }
+  for (AttentionKernels kernels :
+       {AttentionKernels::kAuto, AttentionKernels::kTensorCore,
+        AttentionKernels::kLegacy}) {
+    CudaOptions cuda = Eager();
+    cuda.attention = kernels;
+    auto gpu = MakeCudaEngine(*weights, cuda);
+    ASSERT_NE(gpu, nullptr);
+    for (int chunk : {0, 1}) {  // the whole prompt, then token by token
+      auto pool = MakeDevicePool(*gpu, 16, blocks);
+      const double worst = worst_of(testing_util::PrefillAllLogits(
+          *gpu, *pool, golden.prompt_ids, table, chunk));
+      std::printf(
+          "[ cuda     ] attention %s, chunk %d: worst %.2e of max |logit| "
+          "(HF transformers bf16: 1.0e-2)\n",
+          AttentionKernelsName(kernels), chunk, worst);
+      EXPECT_LE(worst, 1.0e-2)
+          << AttentionKernelsName(kernels) << " chunk " << chunk;
+    }
+  }
+}
+
+// Where precision goes, layer by layer: the hidden state after layers
+// [0, l) from the CUDA engine (a pipeline stage shard) against the fp32 CPU
+// engine's, as max |error| / max |h| over the prompt, for l = 1..L; and the
+// same for the CPU engine with bf16 KV, for scale. A jump at one layer
+// points at what that layer's kernels do.
+TEST(CudaEngineTest, PrecisionBisectLayerByLayer) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  const auto prompt = pdserve::testing::LoadGoldenLogits().prompt_ids;
+  const int blocks = static_cast<int>(prompt.size()) / 16 + 1;
+  const auto table = IdentityBlockTable(blocks);
+  const int layers = weights->config().num_layers;
+  auto hidden = [&](LlamaEngine& engine, kv::KvPool& pool) {
+    ForwardBatch batch;
+    SequenceStep step;
+    step.tokens = prompt;
+    step.num_tokens = static_cast<int>(prompt.size());
+    step.block_table = table;
+    batch.sequences.push_back(step);
+    ForwardResult result;
+    const absl::Status status = engine.Forward(batch, pool, &result);
+    EXPECT_TRUE(status.ok()) << status;
+    return result.hidden_out;
+  };
+  for (int l = 1; l < layers; ++l) {
+    EngineOptions cpu_options;
+    cpu_options.shard = ShardSpec{0, l, 0, 1};
+    auto cpu = LlamaEngine::Create(*weights, cpu_options);
+    cpu_options.kv_dtype = kv::KvDType::kBF16;
+    auto cpu_bf16 = LlamaEngine::Create(*weights, cpu_options);
+    ASSERT_TRUE(cpu.ok() && cpu_bf16.ok());
+    auto pool = testing_util::MakePool(**cpu, 16, blocks);
+    auto pool_bf16 = testing_util::MakePool(**cpu_bf16, 16, blocks);
+    const auto want = hidden(**cpu, *pool);
+    const double bf16_kv =
+        MaxRelativeError(hidden(**cpu_bf16, *pool_bf16), want);
+    std::printf("[ cuda     ] after layer %d: CPU bf16 KV %.2e", l, bf16_kv);
+    for (AttentionKernels kernels :
+         {AttentionKernels::kAuto, AttentionKernels::kLegacy}) {
+      CudaOptions cuda = Eager();
+      cuda.attention = kernels;
+      auto gpu = MakeCudaEngine(*weights, cuda, ShardSpec{0, l, 0, 1});
+      ASSERT_NE(gpu, nullptr);
+      auto gpu_pool = MakeDevicePool(*gpu, 16, blocks);
+      const double error = MaxRelativeError(hidden(*gpu, *gpu_pool), want);
+      std::printf(", GPU %s %.2e", AttentionKernelsName(kernels), error);
+      // bf16 GEMM inputs and KV: a few 1e-3 per layer, not 1e-1.
+      EXPECT_LT(error, 5e-2) << "layer " << l;
+    }
+    std::printf("\n");
   }
 }
 
@@ -127,27 +263,34 @@ TEST(CudaEngineTest, PromptLogitsWithinBf16ToleranceOfCpuReference) {
   auto weights = OpenStories(true);
   ASSERT_NE(weights, nullptr);
   auto cpu = testing_util::MakeEngine(*weights);
-  auto gpu = MakeCudaEngine(*weights);
-  ASSERT_NE(gpu, nullptr);
   const auto prompt =
       pdserve::testing::LoadGoldenCases("golden_long.jsonl")[0].prompt_ids;
   const auto table = IdentityBlockTable(64);
   auto cpu_pool = testing_util::MakePool(*cpu, 16, 64);
-  auto gpu_pool = MakeDevicePool(*gpu, 16, 64);
-  for (int chunk : {0, 7}) {  // one chunk, and chunks of 7 tokens
-    const auto expected =
-        testing_util::PrefillAllLogits(*cpu, *cpu_pool, prompt, table, chunk);
-    const auto actual =
-        testing_util::PrefillAllLogits(*gpu, *gpu_pool, prompt, table, chunk);
-    ASSERT_EQ(actual.size(), expected.size());
-    double worst = 0;
-    for (size_t t = 0; t < actual.size(); ++t) {
-      worst = std::max(worst, MaxRelativeError(actual[t], expected[t]));
+  for (AttentionKernels kernels :
+       {AttentionKernels::kAuto, AttentionKernels::kTensorCore,
+        AttentionKernels::kLegacy}) {
+    CudaOptions cuda;
+    cuda.attention = kernels;
+    auto gpu = MakeCudaEngine(*weights, cuda);
+    ASSERT_NE(gpu, nullptr);
+    for (int chunk : {0, 7}) {  // one chunk, and chunks of 7 tokens
+      auto gpu_pool = MakeDevicePool(*gpu, 16, 64);
+      const auto expected =
+          testing_util::PrefillAllLogits(*cpu, *cpu_pool, prompt, table, chunk);
+      const auto actual =
+          testing_util::PrefillAllLogits(*gpu, *gpu_pool, prompt, table, chunk);
+      ASSERT_EQ(actual.size(), expected.size());
+      double worst = 0;
+      for (size_t t = 0; t < actual.size(); ++t) {
+        worst = std::max(worst, MaxRelativeError(actual[t], expected[t]));
+      }
+      std::printf(
+          "[ cuda     ] attention %s, chunk %d: worst logit error %.2e of max "
+          "|logit| (golden_long[0] vs the CPU engine)\n",
+          AttentionKernelsName(kernels), chunk, worst);
+      EXPECT_LT(worst, kBf16LogitTolerance) << "chunk " << chunk;
     }
-    std::printf(
-        "[ cuda     ] chunk %d: worst logit error %.2e of max |logit|\n", chunk,
-        worst);
-    EXPECT_LT(worst, kBf16LogitTolerance) << "chunk " << chunk;
   }
 }
 

@@ -150,10 +150,11 @@ inline std::vector<std::vector<float>> PrefillAllLogits(
 
 // Greedy generation of one sequence: prefill (in chunks), then one token per
 // step. Stops after EOS or max_new tokens.
-inline std::vector<int32_t> GreedyGenerate(LlamaEngine& engine,
-                                           kv::KvPool& pool,
-                                           const std::vector<int32_t>& prompt,
-                                           int max_new, int chunk = 0) {
+// With `step_logits`, the logits each generated token was picked from.
+inline std::vector<int32_t> GreedyGenerate(
+    LlamaEngine& engine, kv::KvPool& pool, const std::vector<int32_t>& prompt,
+    int max_new, int chunk = 0,
+    std::vector<std::vector<float>>* step_logits = nullptr) {
   const int block_size = pool.layout().block_size;
   const int64_t total = static_cast<int64_t>(prompt.size()) + max_new;
   auto table = IdentityBlockTable((total + block_size - 1) / block_size);
@@ -165,6 +166,7 @@ inline std::vector<int32_t> GreedyGenerate(LlamaEngine& engine,
                                 v.begin());
   };
   int32_t next = argmax(logits.back());
+  if (step_logits != nullptr) step_logits->assign(1, logits.back());
   const int eos = engine.config().eos_token_id;
   int position = static_cast<int>(prompt.size());
   while (true) {
@@ -183,6 +185,7 @@ inline std::vector<int32_t> GreedyGenerate(LlamaEngine& engine,
     EXPECT_TRUE(status.ok()) << status;
     if (!status.ok()) break;
     next = argmax(result.logits);
+    if (step_logits != nullptr) step_logits->push_back(result.logits);
   }
   return generated;
 }

@@ -113,9 +113,15 @@ TEST(GraphShapeTest, OtherStepsRunEager) {
 TEST(StepMetadataLayoutTest, ArraysAreAlignedAndDisjoint) {
   const StepMetadataLayout l = StepMetadataLayout::For(13, 5, 7);
   const std::vector<std::pair<int64_t, int64_t>> arrays = {
-      {l.header, 3},     {l.tokens, 13},         {l.positions, 13},
-      {l.slots, 13},     {l.token_sequence, 13}, {l.block_tables, 35},
-      {l.logit_rows, 13}};
+      {l.header, 3},
+      {l.tokens, 13},
+      {l.positions, 13},
+      {l.slots, 13},
+      {l.token_sequence, 13},
+      {l.block_tables, 35},
+      {l.logit_rows, 13},
+      {l.sequence_items, 5 * 4},
+      {l.attention_tiles, l.max_tiles * 4}};
   int64_t end = 0;
   for (const auto& [offset, count] : arrays) {
     EXPECT_EQ(offset % 4, 0);
@@ -314,6 +320,191 @@ TEST(AttentionMathTest, EmptyRunsMergeAsIdentity) {
   MergeRunInto(max, sum, acc, -INFINITY, 0.0f, other_acc, 2);
   EXPECT_EQ(sum, 2.0f);
   EXPECT_EQ(acc[1], 4.0f);
+}
+
+// The attention work lists: one item per sequence, and prefill tiles of
+// tokens_per_tile tokens, longest context first.
+TEST(FillStepMetadataTest, AttentionItemsAndTilesCoverEveryToken) {
+  const int bs = 4;
+  TestBatch b(3, 5, 10, bs);  // sequences at 10, 11, 12; 5 tokens each
+  b.tokens[1].resize(2);
+  b.batch.sequences[1].num_tokens = 2;
+  b.batch.sequences[1].tokens = b.tokens[1];
+  b.batch.sequences[1].logit_indices = {1};
+  const StepMetadataLayout l = StepMetadataLayout::For(16, 4, 8, 2);
+  EXPECT_EQ(l.max_tiles, 16 / 2 + 4);
+  std::vector<int32_t> meta(l.total, -7);
+  StepCounts counts;
+  ASSERT_TRUE(
+      FillStepMetadata(b.batch, bs, l, std::nullopt, meta, &counts).ok());
+  EXPECT_EQ(counts.num_tokens, 12);
+  EXPECT_EQ(counts.max_queries, 5);
+  EXPECT_EQ(counts.max_context, 12 + 5);
+  EXPECT_EQ(meta[l.header + kHeaderMaxQueries], 5);
+  EXPECT_EQ(meta[l.header + kHeaderMaxContext], 17);
+  EXPECT_EQ(meta[l.header + kHeaderDecodePartition], 0);  // the backend's
+  const AttentionItem* items =
+      reinterpret_cast<const AttentionItem*>(meta.data() + l.sequence_items);
+  const std::vector<std::vector<int>> want_items = {
+      {0, 0, 5, 15}, {1, 5, 2, 13}, {2, 7, 5, 17}};
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ((std::vector<int>{items[s].sequence, items[s].first_token,
+                                items[s].num_tokens, items[s].context}),
+              want_items[s])
+        << "sequence " << s;
+  }
+  // Tiles of 2 tokens: 3 + 1 + 3, sorted by context (ties keep order).
+  ASSERT_EQ(counts.num_tiles, 7);
+  EXPECT_EQ(meta[l.header + kHeaderTiles], 7);
+  const AttentionItem* tiles =
+      reinterpret_cast<const AttentionItem*>(meta.data() + l.attention_tiles);
+  const std::vector<std::vector<int>> want_tiles = {
+      {2, 11, 1, 17}, {2, 9, 2, 16}, {0, 4, 1, 15}, {0, 2, 2, 14},
+      {2, 7, 2, 14},  {1, 5, 2, 13}, {0, 0, 2, 12}};
+  std::vector<int> covered(12, 0);
+  for (int i = 0; i < 7; ++i) {
+    EXPECT_EQ((std::vector<int>{tiles[i].sequence, tiles[i].first_token,
+                                tiles[i].num_tokens, tiles[i].context}),
+              want_tiles[i])
+        << "tile " << i;
+    for (int t = 0; t < tiles[i].num_tokens; ++t) {
+      ++covered[tiles[i].first_token + t];
+    }
+  }
+  EXPECT_EQ(covered, std::vector<int>(12, 1));
+}
+
+TEST(FillStepMetadataTest, GraphStepItemsIncludeThePadding) {
+  const int bs = 16;
+  TestBatch b(3, 1, 30, bs);
+  const StepMetadataLayout l = StepMetadataLayout::For(64, 8, 4, 16);
+  std::vector<int32_t> meta(l.total, -7);
+  StepCounts counts;
+  ASSERT_TRUE(
+      FillStepMetadata(b.batch, bs, l, GraphShape{4, 2}, meta, &counts).ok());
+  // The grid a graph captured (4 items, 4 tiles) holds on every replay.
+  EXPECT_EQ(counts.num_tiles, 4);
+  EXPECT_EQ(counts.max_queries, 2);
+  const AttentionItem* items =
+      reinterpret_cast<const AttentionItem*>(meta.data() + l.sequence_items);
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(items[s].first_token, 2 * s);
+    EXPECT_EQ(items[s].num_tokens, 2);
+    // The padded query repeats the real one's position: same context.
+    EXPECT_EQ(items[s].context, 30 + s + 1);
+  }
+  EXPECT_EQ(items[3].sequence, 3);
+  EXPECT_EQ(items[3].context, 2);  // padding sequence: positions 0, 1
+}
+
+AttentionEngineShape Llama8bShape() {
+  AttentionEngineShape shape;
+  shape.group = 4;
+  shape.head_dim = 128;
+  shape.local_kv_heads = 8;
+  shape.multiprocessors = 132;
+  shape.partial_capacity = 256 * kMaxDecodeSplits;
+  return shape;
+}
+
+TEST(AttentionPlanTest, DecodeStepsSplitTheContextUntilTheGpuIsFull) {
+  const AttentionEngineShape shape = Llama8bShape();
+  // Batch 1: 8 (sequence, KV head) pairs; 4 x 132 blocks wanted.
+  AttentionPlan plan = PlanAttention(AttentionKernels::kAuto, 1, 1, 1, shape);
+  EXPECT_EQ(plan.kernel, AttentionKernel::kDecode);
+  EXPECT_EQ(plan.rows, 4);
+  EXPECT_EQ(plan.splits, kMaxDecodeSplits);
+  plan = PlanAttention(AttentionKernels::kAuto, 32, 1, 32, shape);
+  EXPECT_EQ(plan.splits, 3);  // ceil(528 / 256)
+  plan = PlanAttention(AttentionKernels::kAuto, 128, 1, 128, shape);
+  EXPECT_EQ(plan.splits, 1);
+  // A verify step: 5 tokens x group 4 = 20 rows, still the decode kernel.
+  plan = PlanAttention(AttentionKernels::kAuto, 2, 5, 10, shape);
+  EXPECT_EQ(plan.kernel, AttentionKernel::kDecode);
+  EXPECT_EQ(plan.rows, 20);
+  // The partial buffer bounds tokens x splits.
+  AttentionEngineShape small = shape;
+  small.partial_capacity = 100;
+  plan = PlanAttention(AttentionKernels::kAuto, 1, 4, 4, small);
+  EXPECT_EQ(plan.splits, 25);
+}
+
+TEST(AttentionPlanTest, ChunksTakeTheTensorCoreKernelAndOddShapesTheLegacy) {
+  const AttentionEngineShape shape = Llama8bShape();
+  // 9 tokens x 4 = 36 rows: more than the decode kernel holds.
+  EXPECT_EQ(PlanAttention(AttentionKernels::kAuto, 1, 9, 9, shape).kernel,
+            AttentionKernel::kPrefill);
+  EXPECT_EQ(PlanAttention(AttentionKernels::kAuto, 3, 2048, 4000, shape).kernel,
+            AttentionKernel::kPrefill);
+  EXPECT_EQ(PlanAttention(AttentionKernels::kLegacy, 1, 1, 1, shape).kernel,
+            AttentionKernel::kLegacy);
+  EXPECT_EQ(PlanAttention(AttentionKernels::kTensorCore, 1, 1, 1, shape).kernel,
+            AttentionKernel::kPrefill);
+  // head_dim 256: decode holds 16 rows (group 4 x 4 tokens), no tensor-core
+  // tiles; beyond that the legacy kernel.
+  AttentionEngineShape wide = shape;
+  wide.head_dim = 256;
+  EXPECT_EQ(PlanAttention(AttentionKernels::kAuto, 1, 4, 4, wide).kernel,
+            AttentionKernel::kDecode);
+  EXPECT_EQ(PlanAttention(AttentionKernels::kAuto, 1, 5, 5, wide).kernel,
+            AttentionKernel::kLegacy);
+  EXPECT_EQ(PlanAttention(AttentionKernels::kTensorCore, 1, 1, 1, wide).kernel,
+            AttentionKernel::kLegacy);
+  // head_dim 100 (no 16-byte rows): legacy only.
+  AttentionEngineShape odd = shape;
+  odd.head_dim = 100;
+  EXPECT_EQ(PlanAttention(AttentionKernels::kAuto, 1, 1, 1, odd).kernel,
+            AttentionKernel::kLegacy);
+}
+
+TEST(AttentionPlanTest, KernelShapeRules) {
+  EXPECT_EQ(DecodeRowGroups(128), 2);
+  EXPECT_EQ(DecodeRowGroups(8), 32);
+  EXPECT_EQ(DecodeRowGroups(256), 1);
+  EXPECT_EQ(DecodeRowGroups(512), 0);
+  EXPECT_TRUE(DecodeKernelFits(32, 128));
+  EXPECT_FALSE(DecodeKernelFits(33, 128));
+  EXPECT_TRUE(DecodeKernelFits(16, 256));
+  EXPECT_FALSE(DecodeKernelFits(17, 256));
+  EXPECT_TRUE(DecodeKernelFits(32, 8));
+  EXPECT_FALSE(DecodeKernelFits(0, 128));
+  EXPECT_EQ(PrefillPaddedHeadDim(8), 16);
+  EXPECT_EQ(PrefillPaddedHeadDim(64), 64);
+  EXPECT_EQ(PrefillPaddedHeadDim(96), 128);
+  EXPECT_EQ(PrefillTokensPerTile(4), 16);
+  EXPECT_EQ(PrefillTokensPerTile(3), 21);
+  EXPECT_TRUE(PrefillKernelFits(96, 4));
+  EXPECT_FALSE(PrefillKernelFits(136, 4));
+  // Largest decode block: within the 227 KB an H100/H200 block may opt in
+  // to, and the smallest within the default 48 KB.
+  EXPECT_LE(DecodeSharedBytes(kDecodeMaxRows, 256), 227 * 1024);
+  EXPECT_LE(DecodeSharedBytes(4, 128), 48 * 1024);
+}
+
+TEST(AttentionPlanTest, DecodePartitionsCoverTheContextInWholeTiles) {
+  EXPECT_EQ(DecodePartition(1025, 64), 32);
+  EXPECT_EQ(DecodePartition(1025, 1), 1056);
+  EXPECT_EQ(DecodePartition(1, 64), kDecodeKeyTile);
+  EXPECT_EQ(DecodePartition(0, 3), kDecodeKeyTile);
+  for (int context : {1, 31, 32, 33, 500, 1024, 1025, 8191, 131072}) {
+    for (int splits : {1, 2, 3, 7, 64}) {
+      const int partition = DecodePartition(context, splits);
+      EXPECT_EQ(partition % kDecodeKeyTile, 0);
+      EXPECT_LE(NumPartitions(context, partition), splits)
+          << context << " keys in " << splits << " splits";
+    }
+  }
+}
+
+TEST(BackendFlagsTest, ParsesAttentionKernels) {
+  for (AttentionKernels k : {AttentionKernels::kAuto, AttentionKernels::kLegacy,
+                             AttentionKernels::kTensorCore}) {
+    EXPECT_EQ(*ParseAttentionKernels(AttentionKernelsName(k)), k);
+  }
+  auto bad = ParseAttentionKernels("flash");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("auto, legacy or tensor-core"),
+            std::string::npos);
 }
 
 TEST(BackendFlagsTest, ParsesBackendsAndDeviceLists) {

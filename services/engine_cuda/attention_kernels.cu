@@ -1,0 +1,650 @@
+// The CUDA backend's attention kernels for decode/verify steps
+// (flash-decoding on CUDA cores) and prefill chunks (FlashAttention-2 tiles
+// on tensor cores), both over the paged bf16 KV cache through the block
+// table. Shapes and limits live in engine/attention_math.h, where the CPU
+// tests check them; step_plan.cc chooses the kernel and fills the work items.
+//
+// Both stack an item's query tokens x the query heads of one KV head's group
+// as the rows of a tile, so each K/V tile read from the cache serves the
+// whole group (GQA) and every token of a verify step or prefill chunk.
+//
+// Softmax runs in base 2: queries (decode) or scores (prefill) are scaled by
+// log2(e) / sqrt(head_dim), so exp2f replaces expf and the maxima m of the
+// partial runs are in log2 units.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "engine/attention_math.h"
+#include "engine_cuda/kernels.h"
+
+namespace pdserve::engine::cuda {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+constexpr int kWarps = kAttentionThreads / kWarp;
+constexpr float kLog2e = 1.4426950408889634f;
+// Score-pass rows per warp in the decode kernel: rows warp, warp + 4, ...
+constexpr int kDecodeRowsPerWarp = kDecodeMaxRows / kWarps;
+static_assert(kDecodeKeyTile == kWarp, "decode scores: one key per lane");
+static_assert(kPrefillRows == 16 * kWarps, "prefill: 16 rows per warp");
+
+absl::Status LaunchStatus(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, " launch failed: ", cudaGetErrorString(error)));
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(kFullMask, v, offset);
+  }
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  }
+  return v;
+}
+
+// 16-byte asynchronous copy global -> shared; `valid` false writes zeros and
+// reads nothing (src-size 0).
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global,
+                                          bool valid) {
+  const uint32_t target =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(target),
+               "l"(global), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float low, float high) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row
+// l % 8 of matrix l / 8.
+__device__ __forceinline__ void LdMatrixX4(const void* shared, uint32_t& r0,
+                                           uint32_t& r1, uint32_t& r2,
+                                           uint32_t& r3) {
+  const uint32_t address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(address)
+               : "memory");
+}
+
+// The same, each matrix transposed.
+__device__ __forceinline__ void LdMatrixX4Trans(const void* shared,
+                                                uint32_t& r0, uint32_t& r1,
+                                                uint32_t& r2, uint32_t& r3) {
+  const uint32_t address =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+      : "r"(address)
+      : "memory");
+}
+
+// d += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulators.
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4],
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The query head (this rank's index) of group member g of pool KV head kvl,
+// or -1 when this rank does not hold it (KV heads replicated under TP).
+__device__ __forceinline__ int LocalQueryHead(const AttentionArgs& a, int kvl,
+                                              int g) {
+  const int h = (kvl + a.kv_head_offset) * a.group + g - a.q_head_offset;
+  return h >= 0 && h < a.q_heads ? h : -1;
+}
+
+// Keys [0, context) of one pool KV head of one layer, through a sequence's
+// block-table row.
+struct PagedKeys {
+  const __nv_bfloat16* layer_head;  // block 0's rows of this layer and head
+  const int32_t* table;
+  int block_size;
+  int head_dim;
+  int64_t block_stride;
+  int64_t kv_stride;
+
+  __device__ PagedKeys(const AttentionArgs& a, int sequence, int kvl) {
+    const KvCacheView& c = a.cache;
+    layer_head = reinterpret_cast<const __nv_bfloat16*>(c.base) +
+                 int64_t{a.layer} * c.layer_stride() +
+                 int64_t{kvl} * c.head_stride();
+    table = a.block_tables + int64_t{sequence} * a.max_blocks_per_sequence;
+    block_size = c.block_size;
+    head_dim = c.head_dim;
+    block_stride = c.block_stride();
+    kv_stride = c.kv_stride();
+  }
+  // Key k's row (V's is kv_stride further).
+  __device__ const __nv_bfloat16* Key(int k) const {
+    return layer_head + int64_t{table[k / block_size]} * block_stride +
+           int64_t{k % block_size} * head_dim;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Decode: block (split, KV head, sequence item). Rows r = token r / group,
+// member r % group. Score pass: warp w owns rows w, w + 4, ...; lane l scores
+// key tile + l. Value pass: thread t owns head dims 2 (t % pairs) + {0, 1} of
+// rows t / pairs + groups j.
+__global__ void __launch_bounds__(kAttentionThreads)
+    DecodeAttentionKernel(AttentionArgs a, float scale_log2, int rows_cap) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  const int hd = a.cache.head_dim;
+  const int stride = hd + 8;
+  float* q_s = reinterpret_cast<float*>(shared_bytes);
+  __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(q_s + rows_cap * hd);
+  float* p_s = reinterpret_cast<float*>(kv_s + 2 * 2 * kDecodeKeyTile * stride);
+  float* corr_s = p_s + rows_cap * kDecodeKeyTile;
+  float* m_s = corr_s + rows_cap;
+  float* l_s = m_s + rows_cap;
+
+  const int32_t* item = a.items + 4 * blockIdx.z;
+  const int sequence = item[0], first = item[1], num_tokens = item[2];
+  const int context = item[3];
+  const int kvl = blockIdx.y;
+  const int split = blockIdx.x, splits = gridDim.x;
+  int key_begin = 0, key_end = context;
+  if (splits > 1) {
+    const int partition = a.header[kHeaderDecodePartition];
+    key_begin = split * partition;
+    key_end = min(context, key_begin + partition);
+  }
+  if (key_begin >= key_end) return;  // the whole block: no barrier skipped
+
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const int group = a.group;
+  const int rows = num_tokens * group;
+  const int64_t qkv_row = int64_t{a.q_heads + 2 * a.cache.num_kv_heads} * hd;
+  for (int i = tid; i < rows * hd; i += kAttentionThreads) {
+    const int r = i / hd, d = i % hd;
+    const int h = LocalQueryHead(a, kvl, r % group);
+    const int64_t t = first + r / group;
+    q_s[i] =
+        h >= 0 ? a.qkv[t * qkv_row + int64_t{h} * hd + d] * scale_log2 : 0.0f;
+  }
+
+  float m[kDecodeRowsPerWarp], l[kDecodeRowsPerWarp];
+  int position[kDecodeRowsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kDecodeRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
+    position[j] = r < rows ? a.positions[first + r / group] : -1;
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+  }
+  const int pairs = hd / 2;
+  const int row_groups = DecodeRowGroups(hd);
+  const int pair = tid % pairs, row_group = tid / pairs;
+  const bool values_active = row_group < row_groups;
+  float acc[kDecodeMaxRowsPerThread][2];
+#pragma unroll
+  for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+    acc[j][0] = 0.0f;
+    acc[j][1] = 0.0f;
+  }
+
+  const PagedKeys keys(a, sequence, kvl);
+  const int chunks = hd / 8;  // 16-byte pieces of a row
+  auto load_tile = [&](int tile_begin, int stage) {
+    __nv_bfloat16* k_tile = kv_s + stage * 2 * kDecodeKeyTile * stride;
+    __nv_bfloat16* v_tile = k_tile + kDecodeKeyTile * stride;
+    for (int i = tid; i < kDecodeKeyTile * chunks; i += kAttentionThreads) {
+      const int kk = i / chunks, c = i % chunks;
+      const int k = tile_begin + kk;
+      const bool valid = k < key_end;
+      const __nv_bfloat16* key = valid ? keys.Key(k) + 8 * c : keys.layer_head;
+      CpAsync16(k_tile + kk * stride + 8 * c, key, valid);
+      CpAsync16(v_tile + kk * stride + 8 * c,
+                valid ? key + keys.kv_stride : keys.layer_head, valid);
+    }
+    CpAsyncCommit();
+  };
+
+  load_tile(key_begin, 0);
+  int stage = 0;
+  for (int tile = key_begin; tile < key_end;
+       tile += kDecodeKeyTile, stage ^= 1) {
+    if (tile + kDecodeKeyTile < key_end) {
+      load_tile(tile + kDecodeKeyTile, stage ^ 1);
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // this stage's tile (and, at first, q_s) is visible
+    const __nv_bfloat16* k_tile = kv_s + stage * 2 * kDecodeKeyTile * stride;
+    const __nv_bfloat16* v_tile = k_tile + kDecodeKeyTile * stride;
+
+    // Scores: lane = key, for each of this warp's rows.
+    const int key = tile + lane;
+    float dot[kDecodeRowsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kDecodeRowsPerWarp; ++j) dot[j] = 0.0f;
+    for (int c = 0; c < chunks; ++c) {
+      const uint4 raw =
+          *reinterpret_cast<const uint4*>(k_tile + lane * stride + 8 * c);
+      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      float kf[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(k2[e]);
+        kf[2 * e] = f.x;
+        kf[2 * e + 1] = f.y;
+      }
+#pragma unroll
+      for (int j = 0; j < kDecodeRowsPerWarp; ++j) {
+        const int r = warp + kWarps * j;
+        if (r < rows) {
+          const float4 qa =
+              *reinterpret_cast<const float4*>(q_s + r * hd + 8 * c);
+          const float4 qb =
+              *reinterpret_cast<const float4*>(q_s + r * hd + 8 * c + 4);
+          dot[j] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] +
+                    qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kDecodeRowsPerWarp; ++j) {
+      const int r = warp + kWarps * j;
+      if (r < rows) {  // uniform across the warp
+        const float s =
+            key < key_end && key <= position[j] ? dot[j] : -INFINITY;
+        const float new_max = fmaxf(m[j], WarpMax(s));
+        const float base = new_max == -INFINITY ? 0.0f : new_max;
+        const float p = exp2f(s - base);
+        const float correction = exp2f(m[j] - base);
+        l[j] = l[j] * correction + WarpSum(p);
+        m[j] = new_max;
+        p_s[r * kDecodeKeyTile + lane] = p;
+        if (lane == 0) corr_s[r] = correction;
+      }
+    }
+    __syncthreads();  // p_s, corr_s
+
+    if (values_active) {
+      const int valid_keys = min(kDecodeKeyTile, key_end - tile);
+#pragma unroll
+      for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+        const int r = row_group + row_groups * j;
+        if (r < rows) {
+          const float c = corr_s[r];
+          acc[j][0] *= c;
+          acc[j][1] *= c;
+        }
+      }
+      for (int kk = 0; kk < valid_keys; ++kk) {
+        const float2 v =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
+                v_tile + kk * stride + 2 * pair));
+#pragma unroll
+        for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+          const int r = row_group + row_groups * j;
+          if (r < rows) {
+            const float p = p_s[r * kDecodeKeyTile + kk];
+            acc[j][0] += p * v.x;
+            acc[j][1] += p * v.y;
+          }
+        }
+      }
+    }
+    __syncthreads();  // the stage is free for the load after next
+  }
+
+#pragma unroll
+  for (int j = 0; j < kDecodeRowsPerWarp; ++j) {
+    const int r = warp + kWarps * j;
+    if (r < rows && lane == 0) {
+      m_s[r] = m[j];
+      l_s[r] = l[j];
+    }
+  }
+  __syncthreads();
+  if (!values_active) return;
+  const int d = 2 * pair;
+#pragma unroll
+  for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+    const int r = row_group + row_groups * j;
+    if (r >= rows) continue;
+    const int h = LocalQueryHead(a, kvl, r % group);
+    if (h < 0) continue;
+    const int64_t t = first + r / group;
+    if (splits == 1) {
+      const float inverse = 1.0f / l_s[r];
+      *reinterpret_cast<__nv_bfloat162*>(
+          a.out + (t * a.q_heads + h) * int64_t{hd} + d) =
+          __floats2bfloat162_rn(acc[j][0] * inverse, acc[j][1] * inverse);
+    } else {
+      float* partial =
+          a.partials + ((t * a.q_heads + h) * splits + split) * int64_t{hd + 2};
+      if (pair == 0) {
+        partial[0] = m_s[r];
+        partial[1] = l_s[r];
+      }
+      partial[2 + d] = acc[j][0];
+      partial[3 + d] = acc[j][1];
+    }
+  }
+}
+
+// Block (query head, token); thread d owns output dim d. Merges the splits
+// that saw any key of this token (log2-unit maxima).
+__global__ void MergeDecodeSplitsKernel(AttentionArgs a, int splits) {
+  const int h = blockIdx.x;
+  const int64_t t = blockIdx.y;
+  const int d = threadIdx.x;
+  const int hd = a.cache.head_dim;
+  const int partition = a.header[kHeaderDecodePartition];
+  const int used = min(splits, NumPartitions(a.positions[t] + 1, partition));
+  const float* partial = a.partials + (t * a.q_heads + h) * splits * (hd + 2);
+  float max_score = -INFINITY;
+  for (int p = 0; p < used; ++p) {
+    max_score = fmaxf(max_score, partial[p * (hd + 2)]);
+  }
+  float numerator = 0.0f, denominator = 0.0f;
+  for (int p = 0; p < used; ++p) {
+    const float* run = partial + p * (hd + 2);
+    if (run[0] == -INFINITY) continue;
+    const float weight = exp2f(run[0] - max_score);
+    denominator += weight * run[1];
+    if (d < hd) numerator += weight * run[2 + d];
+  }
+  if (d < hd) {
+    a.out[(t * a.q_heads + h) * hd + d] =
+        __bfloat16_as_ushort(__float2bfloat16_rn(numerator / denominator));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Prefill: block (tile, KV head), 4 warps x 16 rows. mma.sync m16n8k16
+// fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane = 4 gid +
+// tig; A holds rows gid and gid + 8, columns 2 tig + {0, 1} and + 8; B
+// columns (n) gid, rows (k) 2 tig + {0, 1} and + 8; C rows gid and gid + 8,
+// columns 2 tig + {0, 1}. S = Q K^T takes B from K rows (ldmatrix), O += P V
+// takes A from S's accumulators as they lie (two 8-key n-tiles = one 16-key
+// k-step) and B from V through ldmatrix.trans.
+template <int kHeadDim>  // padded head dim: 16, 32, 64 or 128
+__global__ void __launch_bounds__(kAttentionThreads)
+    PrefillAttentionKernel(AttentionArgs a, float scale_log2) {
+  constexpr int kStride = kHeadDim + 8;           // bf16; rows 16-byte aligned
+  constexpr int kKeyTiles = kPrefillKeyTile / 8;  // n-tiles of S
+  constexpr int kDimTiles = kHeadDim / 8;         // n-tiles of O
+  constexpr int kSteps = kHeadDim / 16;           // k-steps of Q K^T
+  constexpr int kChunks = kHeadDim / 8;           // 16-byte pieces of a row
+  __shared__ __align__(16) __nv_bfloat16 k_s[kPrefillKeyTile * kStride];
+  __shared__ __align__(16) __nv_bfloat16 v_s[kPrefillKeyTile * kStride];
+
+  const int32_t* item = a.items + 4 * blockIdx.x;
+  const int sequence = item[0], first = item[1], num_tokens = item[2];
+  const int context = item[3];
+  const int kvl = blockIdx.y;
+  const int hd = a.cache.head_dim;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const int gid = lane / 4, tig = lane % 4;
+  const int group = a.group;
+  const int64_t qkv_row = int64_t{a.q_heads + 2 * a.cache.num_kv_heads} * hd;
+
+  // This thread's rows gid and gid + 8 of the warp's 16.
+  int position[2];
+  int64_t out_at[2];
+  uint32_t q[kSteps][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = 16 * warp + gid + 8 * i;
+    const int token = r / group;
+    const int h = LocalQueryHead(a, kvl, r % group);
+    const bool valid = token < num_tokens && h >= 0;
+    const int64_t t = first + token;
+    position[i] = valid ? a.positions[t] : -1;
+    out_at[i] = valid ? (t * a.q_heads + h) * hd : -1;
+    const float* q_row = a.qkv + (valid ? t * qkv_row + int64_t{h} * hd : 0);
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d = 16 * ks + 8 * half + 2 * tig;
+        const float x = valid && d < hd ? q_row[d] : 0.0f;
+        const float y = valid && d + 1 < hd ? q_row[d + 1] : 0.0f;
+        q[ks][2 * half + i] = PackBf16(x, y);
+      }
+    }
+  }
+
+  const PagedKeys keys(a, sequence, kvl);
+  auto load = [&](__nv_bfloat16* target, int tile, int64_t offset) {
+    for (int i = tid; i < kPrefillKeyTile * kChunks; i += kAttentionThreads) {
+      const int kk = i / kChunks, c = i % kChunks;
+      const int k = tile * kPrefillKeyTile + kk;
+      const bool valid = k < context && 8 * c < hd;
+      const __nv_bfloat16* source =
+          valid ? keys.Key(k) + offset + 8 * c : keys.layer_head;
+      CpAsync16(target + kk * kStride + 8 * c, source, valid);
+    }
+    CpAsyncCommit();
+  };
+
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int n = 0; n < kDimTiles; ++n) {
+    o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  }
+  float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
+  const int key_tiles = (context + kPrefillKeyTile - 1) / kPrefillKeyTile;
+  load(k_s, 0, 0);
+  for (int kt = 0; kt < key_tiles; ++kt) {
+    load(v_s, kt, keys.kv_stride);
+    CpAsyncWait<1>();  // K tile kt (V tile kt may still be in flight)
+    __syncthreads();
+    float s[kKeyTiles][4];
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+      for (int np = 0; np < kKeyTiles / 2; ++np) {
+        // Matrices: keys 16np + {0..7, 0..7, 8..15, 8..15} x dims 16ks +
+        // {0..7, 8..15, 0..7, 8..15} = (b0, b1) of n-tiles 2np and 2np + 1.
+        const int row = 16 * np + (lane / 16) * 8 + lane % 8;
+        const int col = 16 * ks + ((lane / 8) % 2) * 8;
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4(k_s + row * kStride + col, b0, b1, b2, b3);
+        Mma16816(s[2 * np], q[ks], b0, b1);
+        Mma16816(s[2 * np + 1], q[ks], b2, b3);
+      }
+    }
+    __syncthreads();  // every warp is done with k_s
+    if (kt + 1 < key_tiles) load(k_s, kt + 1, 0);
+
+    // Causal mask and online softmax (each row's 4 lanes share its max).
+    const int key0 = kt * kPrefillKeyTile + 2 * tig;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * n + (e & 1);
+        const float v =
+            key <= position[e / 2] ? s[n][e] * scale_log2 : -INFINITY;
+        s[n][e] = v;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], v);
+      }
+    }
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] =
+          fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 1));
+      tile_max[i] =
+          fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 2));
+      const float new_max = fmaxf(run_max[i], tile_max[i]);
+      base[i] = new_max == -INFINITY ? 0.0f : new_max;
+      const float correction = exp2f(run_max[i] - base[i]);
+      run_max[i] = new_max;
+      run_sum[i] *= correction;
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        o[n][2 * i] *= correction;
+        o[n][2 * i + 1] *= correction;
+      }
+    }
+    uint32_t p[kKeyTiles / 2][4];
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      float pv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        // The sum takes the bf16 value the P V product multiplies.
+        pv[e] =
+            __bfloat162float(__float2bfloat16_rn(exp2f(s[n][e] - base[e / 2])));
+        run_sum[e / 2] += pv[e];
+      }
+      p[n / 2][2 * (n % 2)] = PackBf16(pv[0], pv[1]);
+      p[n / 2][2 * (n % 2) + 1] = PackBf16(pv[2], pv[3]);
+    }
+
+    if (kt + 1 < key_tiles) {
+      CpAsyncWait<1>();  // V tile kt (K tile kt + 1 may still be in flight)
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+        // Matrices: keys 16kk + {0..7, 8..15, 0..7, 8..15} x dims 16dp +
+        // {0..7, 0..7, 8..15, 8..15}, transposed = (b0, b1) of dim n-tiles
+        // 2dp and 2dp + 1.
+        const int row = 16 * kk + ((lane / 8) % 2) * 8 + lane % 8;
+        const int col = 16 * dp + (lane / 16) * 8;
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4Trans(v_s + row * kStride + col, b0, b1, b2, b3);
+        Mma16816(o[2 * dp], p[kk], b0, b1);
+        Mma16816(o[2 * dp + 1], p[kk], b2, b3);
+      }
+    }
+    __syncthreads();  // every warp is done with v_s
+  }
+
+  float inverse[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = run_sum[i];
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    inverse[i] = 1.0f / sum;
+  }
+  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(a.out);
+#pragma unroll
+  for (int n = 0; n < kDimTiles; ++n) {
+    const int d = 8 * n + 2 * tig;
+    if (d >= hd) continue;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (out_at[i] < 0) continue;
+      *reinterpret_cast<__nv_bfloat162*>(out + out_at[i] + d) =
+          __floats2bfloat162_rn(o[n][2 * i] * inverse[i],
+                                o[n][2 * i + 1] * inverse[i]);
+    }
+  }
+}
+
+template <int kHeadDim>
+absl::Status LaunchPrefill(const AttentionArgs& args, int num_tiles,
+                           float scale_log2, Stream stream) {
+  const dim3 grid(num_tiles, args.cache.num_kv_heads);
+  PrefillAttentionKernel<kHeadDim>
+      <<<grid, kAttentionThreads, 0, stream>>>(args, scale_log2);
+  return LaunchStatus("prefill_attention");
+}
+
+}  // namespace
+
+absl::Status ConfigureAttentionKernels() {
+  const cudaError_t error = cudaFuncSetAttribute(
+      DecodeAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      DecodeSharedBytes(kDecodeMaxRows, 256));
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("decode attention shared memory: ",
+                                          cudaGetErrorString(error)));
+}
+
+absl::Status LaunchDecodeAttention(const AttentionArgs& args, int num_items,
+                                   int rows, int splits, Stream stream) {
+  const int hd = args.cache.head_dim;
+  if (!DecodeKernelFits(rows, hd) || splits < 1 || splits > kMaxDecodeSplits) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode attention does not hold ", rows,
+                     " rows of head_dim ", hd, " in ", splits, " splits"));
+  }
+  if (num_items == 0) return absl::OkStatus();
+  const float scale_log2 = kLog2e / sqrtf(static_cast<float>(hd));
+  const dim3 grid(splits, args.cache.num_kv_heads, num_items);
+  DecodeAttentionKernel<<<grid, kAttentionThreads, DecodeSharedBytes(rows, hd),
+                          stream>>>(args, scale_log2, rows);
+  if (absl::Status status = LaunchStatus("decode_attention"); !status.ok()) {
+    return status;
+  }
+  if (splits == 1) return absl::OkStatus();
+  const int threads = ((hd + kWarp - 1) / kWarp) * kWarp;
+  MergeDecodeSplitsKernel<<<dim3(args.q_heads, args.num_tokens), threads, 0,
+                            stream>>>(args, splits);
+  return LaunchStatus("merge_decode_splits");
+}
+
+absl::Status LaunchPrefillAttention(const AttentionArgs& args, int num_tiles,
+                                    Stream stream) {
+  const int hd = args.cache.head_dim;
+  if (!PrefillKernelFits(hd, args.group)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill attention does not hold head_dim ", hd,
+                     ", group ", args.group));
+  }
+  if (num_tiles == 0) return absl::OkStatus();
+  const float scale_log2 = kLog2e / sqrtf(static_cast<float>(hd));
+  switch (PrefillPaddedHeadDim(hd)) {
+    case 16:
+      return LaunchPrefill<16>(args, num_tiles, scale_log2, stream);
+    case 32:
+      return LaunchPrefill<32>(args, num_tiles, scale_log2, stream);
+    case 64:
+      return LaunchPrefill<64>(args, num_tiles, scale_log2, stream);
+    default:
+      return LaunchPrefill<128>(args, num_tiles, scale_log2, stream);
+  }
+}
+
+}  // namespace pdserve::engine::cuda
