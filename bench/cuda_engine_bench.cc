@@ -17,6 +17,7 @@
 //   build-cuda/bench/cuda_engine_bench [--config PATH] [--context 1024]
 //       [--batches 1,32,128] [--prompt 2048] [--steps 20] [--gamma 4]
 //       [--attention auto|legacy|tensor-core] [--compare-legacy 1]
+//       [--compare-fusion 1]
 //       [--peer-command "python3 torch_decode_peer.py CONFIG ..."]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -55,6 +56,7 @@ struct Options {
   int gamma = 4;
   engine::AttentionKernels attention = engine::AttentionKernels::kAuto;
   bool compare_legacy = true;
+  bool compare_fusion = true;
   std::string peer_command;
 };
 
@@ -332,6 +334,7 @@ int Run(const Options& opt) {
     o.use_graphs = variant != 1;
     o.fuse_residual_norm = variant != 2;
     if (variant == 3) o.attention = engine::AttentionKernels::kLegacy;
+    if (variant == 2 && !opt.compare_fusion) continue;
     double load_seconds = 0;
     auto engine = Load(**weights, o, &load_seconds);
     auto pool = engine->CreateKvPool(Bench::kBlockSize,
@@ -451,6 +454,8 @@ int main(int argc, char** argv) {
       opt.attention = *kernels;
     } else if (flag == "--compare-legacy") {
       opt.compare_legacy = value != "0";
+    } else if (flag == "--compare-fusion") {
+      opt.compare_fusion = value != "0";
     } else if (flag == "--batches") {
       opt.batches.clear();
       for (absl::string_view part : absl::StrSplit(value, ',')) {

@@ -60,32 +60,33 @@ if python3 -c 'import torch' 2>/dev/null; then
 else
   echo "no PyTorch on the device: the bench runs without its peer"
 fi
-timeout 300 "${launch[@]}" bin/cuda_engine_bench \
-  --config models/bench-configs/llama-8b.json ${peer:+--peer-command "$peer"} \
+timeout 270 "${launch[@]}" bin/cuda_engine_bench \
+  --config models/bench-configs/llama-8b.json --compare-fusion 0 \
+  ${peer:+--peer-command "$peer"} \
   2>&1 | tee "$OUT/bench.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # The e2e test starts router/prefill_worker/decode_worker from bin/ (the
 # tokenizer finds its sentencepiece shim next to them).
 export PDSERVE_BIN_DIR="$PWD/bin"
-run_test 150 engine_cuda_test
-run_test 90 decode_cuda_test
-run_test 90 prefill_cuda_test
-run_test 120 e2e_cuda_cluster_test
-run_test 60 comm_nccl_test
+run_test 120 engine_cuda_test
+run_test 75 decode_cuda_test
+run_test 60 prefill_cuda_test
+run_test 90 e2e_cuda_cluster_test
+run_test 30 comm_nccl_test
 
 if [ ${#launch[@]} -eq 0 ] && command -v compute-sanitizer >/dev/null; then
   stamp "compute-sanitizer memcheck: attention kernels, CUDA engine (eager and graphs)"
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 \
     bin/engine_cuda_attention_test >"$OUT/memcheck_attention.log" 2>&1
   echo "memcheck attention exit $? ($(grep -c 'Invalid' "$OUT/memcheck_attention.log") invalid accesses)"
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 \
+  timeout 100 compute-sanitizer --tool memcheck --error-exitcode 3 \
     bin/engine_cuda_test --gtest_filter='*PromptLogitsWithin*:*GraphReplay*:*BadInput*:*DeviceArgmax*:*PipelineStages*' \
     >"$OUT/memcheck_engine.log" 2>&1
   echo "memcheck engine exit $? ($(grep -c 'Invalid' "$OUT/memcheck_engine.log") invalid accesses)"
   grep -m5 -A6 'Invalid' "$OUT"/memcheck_*.log || true
   stamp "compute-sanitizer racecheck: attention kernels"
-  timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 \
+  timeout 90 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 3 \
     bin/engine_cuda_attention_test >"$OUT/racecheck.log" 2>&1
   echo "racecheck exit $? ($(grep -ci 'hazard' "$OUT/racecheck.log") hazard lines)"
   grep -m5 -i -B2 -A6 'hazard' "$OUT/racecheck.log" || true
