@@ -17,13 +17,14 @@
 //   build-cuda/bench/cuda_engine_bench [--config PATH] [--context 1024]
 //       [--batches 1,32,128] [--prompt 2048] [--steps 20] [--gamma 4]
 //       [--attention auto|legacy|tensor-core] [--compare-legacy 1]
-//       [--compare-fusion 1]
+//       [--compare-fusion 1] [--compare-gemv 1]
 //       [--peer-command "python3 torch_decode_peer.py CONFIG ..."]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -57,6 +58,9 @@ struct Options {
   engine::AttentionKernels attention = engine::AttentionKernels::kAuto;
   bool compare_legacy = true;
   bool compare_fusion = true;
+  bool compare_gemv = true;
+  bool skip_reference = false;
+  bool decode = true;  // --decode 0: prefill rows only (for a profiler)
   std::string peer_command;
 };
 
@@ -293,8 +297,10 @@ int Run(const Options& opt) {
   const model::ModelConfig& c = (*weights)->config();
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const double copy_bw = CopyBandwidth();
-  const double gemm = GemmRate();
+  // --skip-reference: the engine's kernels come first (a profiler counting
+  // launches then sees the first decode step from the start).
+  const double copy_bw = opt.skip_reference ? NAN : CopyBandwidth();
+  const double gemm = opt.skip_reference ? NAN : GemmRate();
   std::printf(
       "device: %s; copy %.0f GB/s (read+write), bf16 GEMM %.0f "
       "TFLOP/s (8192^3); attention kernels: %s\n",
@@ -327,14 +333,18 @@ int Run(const Options& opt) {
   own.prompt = opt.prompt;
   const bool legacy_variant =
       opt.compare_legacy && opt.attention != engine::AttentionKernels::kLegacy;
-  for (int variant = 0; variant < (legacy_variant ? 4 : 3); ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
     // 0: graphs + fused (production); 1: eager; 2: graphs, unfused norm;
-    // 3: graphs + fused with the legacy attention kernel.
+    // 3: graphs + fused with the legacy attention kernel; 4: production with
+    // cuBLAS instead of the small-batch GEMV.
+    if (variant == 3 && !legacy_variant) continue;
+    if (variant == 4 && !opt.compare_gemv) continue;
     engine::CudaOptions o = cuda;
     o.use_graphs = variant != 1;
     o.fuse_residual_norm = variant != 2;
     if (variant == 3) o.attention = engine::AttentionKernels::kLegacy;
     if (variant == 2 && !opt.compare_fusion) continue;
+    if (variant == 4) o.small_batch_gemv = false;
     double load_seconds = 0;
     auto engine = Load(**weights, o, &load_seconds);
     auto pool = engine->CreateKvPool(Bench::kBlockSize,
@@ -349,7 +359,7 @@ int Run(const Options& opt) {
                   opt.config.c_str(), engine->weight_bytes() / 1e9,
                   load_seconds);
     }
-    for (size_t i = 0; i < opt.batches.size(); ++i) {
+    for (size_t i = 0; opt.decode && i < opt.batches.size(); ++i) {
       const int b = opt.batches[i];
       const double t = bench.StepSeconds(b, 1, /*argmax_only=*/true);
       if (variant == 0) {
@@ -368,6 +378,11 @@ int Run(const Options& opt) {
             "| same, logits copied to host | %.3f ms | argmax-only "
             "%.3f ms | %.2f |\n",
             with_logits * 1e3, t * 1e3, t / with_logits);
+      } else if (variant == 4) {
+        std::printf(
+            "| decode TPOT batch %d, cuBLAS for every GEMM | %.3f ms | "
+            "small-batch GEMV %.3f ms | GEMV speedup %.2f |\n",
+            b, t * 1e3, graph_tpot[i] * 1e3, t / graph_tpot[i]);
       } else if (variant == 3) {
         std::printf(
             "| decode TPOT batch %d, legacy attention kernel | %.3f ms | "
@@ -386,6 +401,7 @@ int Run(const Options& opt) {
             b, t * 1e3, graph_tpot[i] * 1e3, t / graph_tpot[i]);
       }
     }
+    if (variant == 4) continue;
     if (variant == 3) {
       const double t = bench.PrefillSeconds(1, opt.prompt);
       std::printf(
@@ -454,6 +470,12 @@ int main(int argc, char** argv) {
       opt.attention = *kernels;
     } else if (flag == "--compare-legacy") {
       opt.compare_legacy = value != "0";
+    } else if (flag == "--decode") {
+      opt.decode = value != "0";
+    } else if (flag == "--skip-reference") {
+      opt.skip_reference = value != "0";
+    } else if (flag == "--compare-gemv") {
+      opt.compare_gemv = value != "0";
     } else if (flag == "--compare-fusion") {
       opt.compare_fusion = value != "0";
     } else if (flag == "--batches") {

@@ -48,6 +48,7 @@ done
 cp -L /lib64/ld-linux-x86-64.so.2 .gpu/glibc/
 cp -r "$MODELS/stories260K" "$MODELS/bench-configs" .gpu/models/
 cp scripts/gpu_run.sh .gpu/run.sh
+cp scripts/gpu_profile.sh .gpu/profile.sh
 cp "$PEERS/torch_decode_peer.py" .gpu/
 # What travels to the device is capped (64 MiB); OpenBLAS alone is 36 MB, so
 # binaries and libraries go as one xz archive (~15 MB) that run.sh unpacks.

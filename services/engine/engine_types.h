@@ -70,6 +70,10 @@ struct CudaOptions {
   // Fuse the residual add into the next RMSNorm (one kernel instead of two);
   // false runs them separately, for measuring the fusion.
   bool fuse_residual_norm = true;
+  // Steps of at most 8 rows multiply by the weights with pdserve's own
+  // GEMV (one pass over each weight row, no split-K reduction launch);
+  // false sends them to cuBLAS like bigger steps, for measuring it.
+  bool small_batch_gemv = true;
   // kLegacy only: keys per attention partition (split-K over the context
   // for decode). A floor: the backend raises it so that the longest context
   // needs at most 64 partitions. The other kernels size their splits per

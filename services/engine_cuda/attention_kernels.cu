@@ -28,8 +28,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
 constexpr int kWarps = kAttentionThreads / kWarp;
 constexpr float kLog2e = 1.4426950408889634f;
-// Score-pass rows per warp in the decode kernel: rows warp, warp + 4, ...
-constexpr int kDecodeRowsPerWarp = kDecodeMaxRows / kWarps;
 static_assert(kDecodeKeyTile == kWarp, "decode scores: one key per lane");
 static_assert(kPrefillRows == 16 * kWarps, "prefill: 16 rows per warp");
 
@@ -131,6 +129,7 @@ struct PagedKeys {
   const __nv_bfloat16* layer_head;  // block 0's rows of this layer and head
   const int32_t* table;
   int block_size;
+  int block_shift;  // log2(block_size) when a power of two, else -1
   int head_dim;
   int64_t block_stride;
   int64_t kv_stride;
@@ -142,14 +141,19 @@ struct PagedKeys {
                  int64_t{kvl} * c.head_stride();
     table = a.block_tables + int64_t{sequence} * a.max_blocks_per_sequence;
     block_size = c.block_size;
+    block_shift =
+        (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     head_dim = c.head_dim;
     block_stride = c.block_stride();
     kv_stride = c.kv_stride();
   }
-  // Key k's row (V's is kv_stride further).
+  // Key k's row (V's is kv_stride further). Shifts instead of a division
+  // for the usual power-of-two block sizes: this runs once per 16 bytes.
   __device__ const __nv_bfloat16* Key(int k) const {
-    return layer_head + int64_t{table[k / block_size]} * block_stride +
-           int64_t{k % block_size} * head_dim;
+    const int block = block_shift >= 0 ? k >> block_shift : k / block_size;
+    const int slot = block_shift >= 0 ? k & (block_size - 1) : k % block_size;
+    return layer_head + int64_t{table[block]} * block_stride +
+           int64_t{slot} * head_dim;
   }
 };
 
@@ -158,8 +162,24 @@ struct PagedKeys {
 // member r % group. Score pass: warp w owns rows w, w + 4, ...; lane l scores
 // key tile + l. Value pass: thread t owns head dims 2 (t % pairs) + {0, 1} of
 // rows t / pairs + groups j.
+//
+// Instantiated per row capacity (4, 8, 16, 32) and head-dim class, so the
+// per-key loops run over the rows a step has instead of the largest case
+// (a batch-1 decode of a GQA-4 model has 4 rows: 1 per warp, 2 per value
+// thread).
+template <int kMaxRows, bool kWideHead>
 __global__ void __launch_bounds__(kAttentionThreads)
     DecodeAttentionKernel(AttentionArgs a, float scale_log2, int rows_cap) {
+  // Score-pass rows per warp (rows warp, warp + 4, ...), and value-pass rows
+  // per thread: head_dim <= 128 gives at least 2 row groups.
+  constexpr int kDecodeRowsPerWarp = (kMaxRows + kWarps - 1) / kWarps;
+  // (DecodeKernelFits keeps head_dim > 128 at 16 rows.)
+  constexpr int kRowsPerThreadWanted =
+      kWideHead ? kMaxRows : (kMaxRows + 1) / 2;
+  constexpr int kRowsPerThread = kRowsPerThreadWanted < kDecodeMaxRowsPerThread
+                                     ? kRowsPerThreadWanted
+                                     : kDecodeMaxRowsPerThread;
+  static_assert(kRowsPerThread <= kDecodeMaxRowsPerThread);
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int hd = a.cache.head_dim;
   const int stride = hd + 8;
@@ -208,20 +228,22 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const int row_groups = DecodeRowGroups(hd);
   const int pair = tid % pairs, row_group = tid / pairs;
   const bool values_active = row_group < row_groups;
-  float acc[kDecodeMaxRowsPerThread][2];
+  float acc[kRowsPerThread][2];
 #pragma unroll
-  for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+  for (int j = 0; j < kRowsPerThread; ++j) {
     acc[j][0] = 0.0f;
     acc[j][1] = 0.0f;
   }
 
   const PagedKeys keys(a, sequence, kvl);
   const int chunks = hd / 8;  // 16-byte pieces of a row
+  const int chunk_shift = (chunks & (chunks - 1)) == 0 ? __ffs(chunks) - 1 : -1;
   auto load_tile = [&](int tile_begin, int stage) {
     __nv_bfloat16* k_tile = kv_s + stage * 2 * kDecodeKeyTile * stride;
     __nv_bfloat16* v_tile = k_tile + kDecodeKeyTile * stride;
     for (int i = tid; i < kDecodeKeyTile * chunks; i += kAttentionThreads) {
-      const int kk = i / chunks, c = i % chunks;
+      const int kk = chunk_shift >= 0 ? i >> chunk_shift : i / chunks;
+      const int c = i - kk * chunks;
       const int k = tile_begin + kk;
       const bool valid = k < key_end;
       const __nv_bfloat16* key = valid ? keys.Key(k) + 8 * c : keys.layer_head;
@@ -296,7 +318,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
     if (values_active) {
       const int valid_keys = min(kDecodeKeyTile, key_end - tile);
 #pragma unroll
-      for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+      for (int j = 0; j < kRowsPerThread; ++j) {
         const int r = row_group + row_groups * j;
         if (r < rows) {
           const float c = corr_s[r];
@@ -309,7 +331,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
             __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
                 v_tile + kk * stride + 2 * pair));
 #pragma unroll
-        for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+        for (int j = 0; j < kRowsPerThread; ++j) {
           const int r = row_group + row_groups * j;
           if (r < rows) {
             const float p = p_s[r * kDecodeKeyTile + kk];
@@ -334,7 +356,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   if (!values_active) return;
   const int d = 2 * pair;
 #pragma unroll
-  for (int j = 0; j < kDecodeMaxRowsPerThread; ++j) {
+  for (int j = 0; j < kRowsPerThread; ++j) {
     const int r = row_group + row_groups * j;
     if (r >= rows) continue;
     const int h = LocalQueryHead(a, kvl, r % group);
@@ -358,31 +380,49 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
 }
 
-// Block (query head, token); thread d owns output dim d. Merges the splits
-// that saw any key of this token (log2-unit maxima).
-__global__ void MergeDecodeSplitsKernel(AttentionArgs a, int splits) {
+// Block (query head, token) of kAttentionThreads threads: thread p reads
+// split p's maximum and sum (all splits at once, not one load after another
+// per output dim), then each thread merges its output dims over the splits
+// with the weights in shared memory. Only the splits that saw a key of this
+// token count (log2-unit maxima).
+__global__ void __launch_bounds__(kAttentionThreads)
+    MergeDecodeSplitsKernel(AttentionArgs a, int splits) {
+  static_assert(kMaxDecodeSplits <= kAttentionThreads);
+  __shared__ float weight_s[kMaxDecodeSplits];
+  __shared__ float warp_s[kWarps];
   const int h = blockIdx.x;
   const int64_t t = blockIdx.y;
-  const int d = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int hd = a.cache.head_dim;
   const int partition = a.header[kHeaderDecodePartition];
   const int used = min(splits, NumPartitions(a.positions[t] + 1, partition));
   const float* partial = a.partials + (t * a.q_heads + h) * splits * (hd + 2);
-  float max_score = -INFINITY;
-  for (int p = 0; p < used; ++p) {
-    max_score = fmaxf(max_score, partial[p * (hd + 2)]);
-  }
-  float numerator = 0.0f, denominator = 0.0f;
-  for (int p = 0; p < used; ++p) {
-    const float* run = partial + p * (hd + 2);
-    if (run[0] == -INFINITY) continue;
-    const float weight = exp2f(run[0] - max_score);
-    denominator += weight * run[1];
-    if (d < hd) numerator += weight * run[2 + d];
-  }
-  if (d < hd) {
+  const float m = tid < used ? partial[tid * (hd + 2)] : -INFINITY;
+  const float l = tid < used ? partial[tid * (hd + 2) + 1] : 0.0f;
+  float block_max = WarpMax(m);
+  if (lane == 0) warp_s[warp] = block_max;
+  __syncthreads();
+  block_max = warp_s[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) block_max = fmaxf(block_max, warp_s[w]);
+  const float weight = m == -INFINITY ? 0.0f : exp2f(m - block_max);
+  if (tid < kMaxDecodeSplits) weight_s[tid] = weight;
+  __syncthreads();  // every thread has read warp_s
+  float denominator = WarpSum(weight * l);
+  if (lane == 0) warp_s[warp] = denominator;
+  __syncthreads();
+  denominator = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) denominator += warp_s[w];
+  const float inverse = 1.0f / denominator;
+  for (int d = tid; d < hd; d += kAttentionThreads) {
+    float numerator = 0.0f;
+#pragma unroll 8
+    for (int p = 0; p < used; ++p) {
+      numerator += weight_s[p] * partial[p * (hd + 2) + 2 + d];
+    }
     a.out[(t * a.q_heads + h) * hd + d] =
-        __bfloat16_as_ushort(__float2bfloat16_rn(numerator / denominator));
+        __bfloat16_as_ushort(__float2bfloat16_rn(numerator * inverse));
   }
 }
 
@@ -395,7 +435,7 @@ __global__ void MergeDecodeSplitsKernel(AttentionArgs a, int splits) {
 // takes A from S's accumulators as they lie (two 8-key n-tiles = one 16-key
 // k-step) and B from V through ldmatrix.trans.
 template <int kHeadDim>  // padded head dim: 16, 32, 64 or 128
-__global__ void __launch_bounds__(kAttentionThreads)
+__global__ void __launch_bounds__(kAttentionThreads, 3)
     PrefillAttentionKernel(AttentionArgs a, float scale_log2) {
   constexpr int kStride = kHeadDim + 8;           // bf16; rows 16-byte aligned
   constexpr int kKeyTiles = kPrefillKeyTile / 8;  // n-tiles of S
@@ -489,15 +529,20 @@ __global__ void __launch_bounds__(kAttentionThreads)
     if (kt + 1 < key_tiles) load(k_s, kt + 1, 0);
 
     // Causal mask and online softmax (each row's 4 lanes share its max).
+    // Tiles wholly at or before both of this thread's positions (most of a
+    // long prompt's) need no mask.
     const int key0 = kt * kPrefillKeyTile + 2 * tig;
+    const bool unmasked =
+        (kt + 1) * kPrefillKeyTile - 1 <= min(position[0], position[1]);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * n + (e & 1);
-        const float v =
-            key <= position[e / 2] ? s[n][e] * scale_log2 : -INFINITY;
+        const float v = unmasked || key <= position[e / 2]
+                            ? s[n][e] * scale_log2
+                            : -INFINITY;
         s[n][e] = v;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], v);
       }
@@ -582,6 +627,36 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
 }
 
+template <int kMaxRows, bool kWideHead>
+cudaError_t AllowDecodeSharedMemory() {
+  return cudaFuncSetAttribute(DecodeAttentionKernel<kMaxRows, kWideHead>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              DecodeSharedBytes(kMaxRows, 256));
+}
+
+template <int kMaxRows, bool kWideHead>
+void LaunchDecode(const AttentionArgs& args, dim3 grid, int rows,
+                  float scale_log2, Stream stream) {
+  DecodeAttentionKernel<kMaxRows, kWideHead>
+      <<<grid, kAttentionThreads, DecodeSharedBytes(rows, args.cache.head_dim),
+         stream>>>(args, scale_log2, rows);
+}
+
+// The smallest instantiation that holds `rows`.
+template <bool kWideHead>
+void LaunchDecodeForRows(const AttentionArgs& args, dim3 grid, int rows,
+                         float scale_log2, Stream stream) {
+  if (rows <= 4) {
+    LaunchDecode<4, kWideHead>(args, grid, rows, scale_log2, stream);
+  } else if (rows <= 8) {
+    LaunchDecode<8, kWideHead>(args, grid, rows, scale_log2, stream);
+  } else if (rows <= 16) {
+    LaunchDecode<16, kWideHead>(args, grid, rows, scale_log2, stream);
+  } else {
+    LaunchDecode<32, kWideHead>(args, grid, rows, scale_log2, stream);
+  }
+}
+
 template <int kHeadDim>
 absl::Status LaunchPrefill(const AttentionArgs& args, int num_tiles,
                            float scale_log2, Stream stream) {
@@ -594,12 +669,20 @@ absl::Status LaunchPrefill(const AttentionArgs& args, int num_tiles,
 }  // namespace
 
 absl::Status ConfigureAttentionKernels() {
-  const cudaError_t error = cudaFuncSetAttribute(
-      DecodeAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      DecodeSharedBytes(kDecodeMaxRows, 256));
-  if (error == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("decode attention shared memory: ",
-                                          cudaGetErrorString(error)));
+  for (const cudaError_t error :
+       {AllowDecodeSharedMemory<4, false>(),
+        AllowDecodeSharedMemory<8, false>(),
+        AllowDecodeSharedMemory<16, false>(),
+        AllowDecodeSharedMemory<32, false>(),
+        AllowDecodeSharedMemory<4, true>(), AllowDecodeSharedMemory<8, true>(),
+        AllowDecodeSharedMemory<16, true>(),
+        AllowDecodeSharedMemory<32, true>()}) {
+    if (error != cudaSuccess) {
+      return absl::InternalError(absl::StrCat(
+          "decode attention shared memory: ", cudaGetErrorString(error)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LaunchDecodeAttention(const AttentionArgs& args, int num_items,
@@ -613,15 +696,17 @@ absl::Status LaunchDecodeAttention(const AttentionArgs& args, int num_items,
   if (num_items == 0) return absl::OkStatus();
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(hd));
   const dim3 grid(splits, args.cache.num_kv_heads, num_items);
-  DecodeAttentionKernel<<<grid, kAttentionThreads, DecodeSharedBytes(rows, hd),
-                          stream>>>(args, scale_log2, rows);
+  if (hd > 128) {
+    LaunchDecodeForRows<true>(args, grid, rows, scale_log2, stream);
+  } else {
+    LaunchDecodeForRows<false>(args, grid, rows, scale_log2, stream);
+  }
   if (absl::Status status = LaunchStatus("decode_attention"); !status.ok()) {
     return status;
   }
   if (splits == 1) return absl::OkStatus();
-  const int threads = ((hd + kWarp - 1) / kWarp) * kWarp;
-  MergeDecodeSplitsKernel<<<dim3(args.q_heads, args.num_tokens), threads, 0,
-                            stream>>>(args, splits);
+  MergeDecodeSplitsKernel<<<dim3(args.q_heads, args.num_tokens),
+                            kAttentionThreads, 0, stream>>>(args, splits);
   return LaunchStatus("merge_decode_splits");
 }
 

@@ -560,6 +560,11 @@ absl::Status CudaBackend::EnsureStepBuffers(int block_size, kv::KvPool& pool) {
 absl::Status CudaBackend::Gemm(const uint16_t* x, int rows, int64_t in,
                                const DeviceBuffer& w, int64_t out, float* y,
                                int64_t ldy) {
+  if (options_.small_batch_gemv && rows <= cuda::kSmallBatchRows &&
+      in % 8 == 0) {
+    return cuda::LaunchSmallBatchGemv(x, rows, in, w.as<uint16_t>(), out, y,
+                                      ldy, stream_.get());
+  }
   // Row-major y[rows, out] = x[rows, in] · w[out, in]^T is, in cuBLAS's
   // column-major terms, y^T = w^T(op T of the [in, out] matrix) · x^T.
   const float alpha = 1.0f, beta = 0.0f;

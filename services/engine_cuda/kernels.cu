@@ -116,48 +116,54 @@ __global__ void AddKernel(float* x, const float* delta, int64_t count) {
   }
 }
 
-// Block (t, head) of q_heads + kv_heads heads; thread j < head_dim / 2 owns
-// the rotation pair (j, j + half).
+// Block t (one token); its threads walk the (head, rotation pair) items of
+// the q_heads + kv_heads heads: pair j of a head is (j, j + half). One block
+// per token, not per (token, head): a 2048-token prefill of an 8B model is
+// 2048 blocks of 256 threads instead of 81920 blocks of 64.
 __global__ void RopeWriteKvKernel(float* qkv, int q_heads,
                                   const int32_t* positions,
                                   const int32_t* slots, const float* rope_cos,
                                   const float* rope_sin, KvCacheView cache,
                                   int layer) {
   const int t = blockIdx.x;
-  const int head = blockIdx.y;
-  const int j = threadIdx.x;
   const int hd = cache.head_dim;
   const int half = hd / 2;
-  if (j >= half) return;
   const int kv_heads = cache.num_kv_heads;
   const int64_t row = int64_t{q_heads + 2 * kv_heads} * hd;
   const int position = positions[t];
-  const float c = rope_cos[int64_t{position} * half + j];
-  const float s = rope_sin[int64_t{position} * half + j];
-  float* vec = qkv + t * row + int64_t{head} * hd;
-  const float a = vec[j], b = vec[j + half];
-  const float ra = a * c - b * s;
-  const float rb = b * c + a * s;
-  if (head < q_heads) {
-    vec[j] = ra;
-    vec[j + half] = rb;
-    return;
+  const int slot_index = slots[t];  // -1: padding token of a graph replay
+  const float* cos_row = rope_cos + int64_t{position} * half;
+  const float* sin_row = rope_sin + int64_t{position} * half;
+  const int items = (q_heads + kv_heads) * half;
+  for (int item = threadIdx.x; item < items; item += blockDim.x) {
+    const int head = item / half;
+    const int j = item - head * half;
+    const float c = cos_row[j];
+    const float s = sin_row[j];
+    float* vec = qkv + t * row + int64_t{head} * hd;
+    const float a = vec[j], b = vec[j + half];
+    const float ra = a * c - b * s;
+    const float rb = b * c + a * s;
+    if (head < q_heads) {
+      vec[j] = ra;
+      vec[j + half] = rb;
+      continue;
+    }
+    if (slot_index < 0) continue;
+    const int kv_head = head - q_heads;
+    const int64_t block = slot_index / cache.block_size;
+    const int slot = slot_index % cache.block_size;
+    const int64_t at = block * cache.block_stride() +
+                       layer * cache.layer_stride() +
+                       kv_head * cache.head_stride() + int64_t{slot} * hd;
+    __nv_bfloat16* k = AsBf16(cache.base) + at;
+    __nv_bfloat16* v = k + cache.kv_stride();
+    const float* v_in = vec + int64_t{kv_heads} * hd;
+    k[j] = __float2bfloat16_rn(ra);
+    k[j + half] = __float2bfloat16_rn(rb);
+    v[j] = __float2bfloat16_rn(v_in[j]);
+    v[j + half] = __float2bfloat16_rn(v_in[j + half]);
   }
-  const int slot_index = slots[t];
-  if (slot_index < 0) return;  // padding token of a graph replay
-  const int kv_head = head - q_heads;
-  const int64_t block = slot_index / cache.block_size;
-  const int slot = slot_index % cache.block_size;
-  const int64_t at = block * cache.block_stride() +
-                     layer * cache.layer_stride() +
-                     kv_head * cache.head_stride() + int64_t{slot} * hd;
-  __nv_bfloat16* k = AsBf16(cache.base) + at;
-  __nv_bfloat16* v = k + cache.kv_stride();
-  const float* v_in = vec + int64_t{kv_heads} * hd;
-  k[j] = __float2bfloat16_rn(ra);
-  k[j + half] = __float2bfloat16_rn(rb);
-  v[j] = __float2bfloat16_rn(v_in[j]);
-  v[j + half] = __float2bfloat16_rn(v_in[j + half]);
 }
 
 // One warp per (token, query head, partition). Lane l scores key tile + l
@@ -279,15 +285,79 @@ __global__ void MergePartitionsKernel(AttentionArgs a) {
   }
 }
 
-__global__ void SwiGluKernel(const float* gate_up, int64_t tokens, int64_t ffn,
+// Block (token, x): four elements per thread, 16-byte loads when the row
+// allows (a 2D grid: no 64-bit division per element).
+__global__ void SwiGluKernel(const float* gate_up, int64_t ffn,
                              __nv_bfloat16* act) {
-  const int64_t count = tokens * ffn;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-       idx < count; idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = idx / ffn, i = idx % ffn;
-    const float gate = gate_up[t * 2 * ffn + i];
-    const float up = gate_up[t * 2 * ffn + ffn + i];
-    act[idx] = __float2bfloat16_rn(gate / (1.0f + expf(-gate)) * up);
+  const int64_t t = blockIdx.x;
+  const float* gate = gate_up + t * 2 * ffn;
+  const float* up = gate + ffn;
+  __nv_bfloat16* out = act + t * ffn;
+  const int64_t i = (blockIdx.y * int64_t{blockDim.x} + threadIdx.x) * 4;
+  if (i >= ffn) return;
+  auto silu_times = [](float g, float u) { return g / (1.0f + expf(-g)) * u; };
+  if (ffn % 4 == 0) {
+    const float4 g = *reinterpret_cast<const float4*>(gate + i);
+    const float4 u = *reinterpret_cast<const float4*>(up + i);
+    __nv_bfloat162* pair = reinterpret_cast<__nv_bfloat162*>(out + i);
+    pair[0] = __floats2bfloat162_rn(silu_times(g.x, u.x), silu_times(g.y, u.y));
+    pair[1] = __floats2bfloat162_rn(silu_times(g.z, u.z), silu_times(g.w, u.w));
+    return;
+  }
+  for (int64_t k = i; k < i + 4 && k < ffn; ++k) {
+    out[k] = __float2bfloat16_rn(silu_times(gate[k], up[k]));
+  }
+}
+
+// 8 warps per block, warp = one output row of w. Lane l reads the 16-byte
+// chunks l, l + 32, ... of that row (four in flight per iteration) and the
+// same chunks of every x row (tiny, cached), then the warp sums.
+template <int kRows>
+__global__ void __launch_bounds__(256)
+    SmallBatchGemvKernel(const __nv_bfloat16* x, int64_t in,
+                         const __nv_bfloat16* w, int64_t out, float* y,
+                         int64_t ldy) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t o = blockIdx.x * int64_t{8} + warp;
+  if (o >= out) return;  // whole warps only: no shuffle loses a lane
+  const uint4* row = reinterpret_cast<const uint4*>(w + o * in);
+  const int64_t chunks = in / 8;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
+  auto accumulate = [&](const uint4& wv, int64_t c) {
+    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    float wf[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(w2[e]);
+      wf[2 * e] = f.x;
+      wf[2 * e + 1] = f.y;
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + r * in) + c);
+      const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(x2[e]);
+        acc[r] += wf[2 * e] * f.x + wf[2 * e + 1] * f.y;
+      }
+    }
+  };
+  int64_t c = lane;
+  for (; c + 3 * kWarp < chunks; c += 4 * kWarp) {
+    uint4 wv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) wv[u] = __ldg(row + c + u * kWarp);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) accumulate(wv[u], c + u * kWarp);
+  }
+  for (; c < chunks; c += kWarp) accumulate(__ldg(row + c), c);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float total = WarpSum(acc[r]);
+    if (lane == 0) y[r * ldy + o] = total;
   }
 }
 
@@ -379,9 +449,7 @@ absl::Status LaunchRopeWriteKv(float* qkv, int num_tokens, int q_heads,
                                const float* rope_cos, const float* rope_sin,
                                const KvCacheView& cache, int layer,
                                Stream stream) {
-  const dim3 grid(num_tokens, q_heads + cache.num_kv_heads);
-  const int threads = ((cache.head_dim / 2 + kWarp - 1) / kWarp) * kWarp;
-  RopeWriteKvKernel<<<grid, threads, 0, stream>>>(
+  RopeWriteKvKernel<<<num_tokens, 256, 0, stream>>>(
       qkv, q_heads, positions, slots, rope_cos, rope_sin, cache, layer);
   return LaunchStatus("rope_write_kv");
 }
@@ -404,9 +472,56 @@ absl::Status LaunchPagedAttention(const AttentionArgs& args, Stream stream) {
 
 absl::Status LaunchSwiGlu(const float* gate_up, int num_tokens, int64_t ffn,
                           uint16_t* act, Stream stream) {
-  SwiGluKernel<<<GridFor(num_tokens * ffn, 256), 256, 0, stream>>>(
-      gate_up, num_tokens, ffn, AsBf16(act));
+  const dim3 grid(num_tokens, static_cast<unsigned>((ffn + 1023) / 1024));
+  SwiGluKernel<<<grid, 256, 0, stream>>>(gate_up, ffn, AsBf16(act));
   return LaunchStatus("swiglu");
+}
+
+template <int kRows>
+void LaunchGemvRows(const uint16_t* x, int64_t in, const uint16_t* w,
+                    int64_t out, float* y, int64_t ldy, Stream stream) {
+  SmallBatchGemvKernel<kRows>
+      <<<static_cast<unsigned>((out + 7) / 8), 256, 0, stream>>>(
+          AsBf16(x), in, AsBf16(w), out, y, ldy);
+}
+
+absl::Status LaunchSmallBatchGemv(const uint16_t* x, int rows, int64_t in,
+                                  const uint16_t* w, int64_t out, float* y,
+                                  int64_t ldy, Stream stream) {
+  if (rows < 1 || rows > kSmallBatchRows || in % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("small-batch GEMV takes 1..", kSmallBatchRows,
+                     " rows of a multiple of 8 inputs, not ", rows, " x ", in));
+  }
+  // One instantiation per row count: the kernel reads exactly `rows` rows
+  // of x and keeps their sums in registers.
+  switch (rows) {
+    case 1:
+      LaunchGemvRows<1>(x, in, w, out, y, ldy, stream);
+      break;
+    case 2:
+      LaunchGemvRows<2>(x, in, w, out, y, ldy, stream);
+      break;
+    case 3:
+      LaunchGemvRows<3>(x, in, w, out, y, ldy, stream);
+      break;
+    case 4:
+      LaunchGemvRows<4>(x, in, w, out, y, ldy, stream);
+      break;
+    case 5:
+      LaunchGemvRows<5>(x, in, w, out, y, ldy, stream);
+      break;
+    case 6:
+      LaunchGemvRows<6>(x, in, w, out, y, ldy, stream);
+      break;
+    case 7:
+      LaunchGemvRows<7>(x, in, w, out, y, ldy, stream);
+      break;
+    default:
+      LaunchGemvRows<8>(x, in, w, out, y, ldy, stream);
+      break;
+  }
+  return LaunchStatus("small_batch_gemv");
 }
 
 absl::Status LaunchGatherRows(const float* x, const int32_t* rows, int num_rows,

@@ -29,6 +29,17 @@ absl::Status LaunchRmsNorm(float* x, const float* residual, const float* weight,
                            float eps, int hidden, int num_rows, uint16_t* out,
                            Stream stream);
 
+// y[r][o] = Σ_k x[r][k] w[o][k] for r < rows <= kSmallBatchRows: bf16 x
+// [rows][in] and w [out][in], f32 y rows `ldy` apart. Decode steps are
+// weight-bandwidth bound, and for skinny shapes cuBLAS picks split-K kernels
+// plus a reduction launch that leave bandwidth unused; this reads each
+// weight row once with 16-byte loads, one warp per output. `in` must be a
+// multiple of 8 (16-byte rows); the caller falls back to cuBLAS otherwise.
+inline constexpr int kSmallBatchRows = 8;
+absl::Status LaunchSmallBatchGemv(const uint16_t* x, int rows, int64_t in,
+                                  const uint16_t* w, int64_t out, float* y,
+                                  int64_t ldy, Stream stream);
+
 // x += delta (f32), element-wise over count elements.
 absl::Status LaunchAdd(float* x, const float* delta, int64_t count,
                        Stream stream);

@@ -386,6 +386,44 @@ TEST(CudaEngineTest, DeviceArgmaxEqualsHostArgmax) {
   }
 }
 
+// Decode steps of 1..8 rows go through the small-batch GEMV; with it off,
+// through cuBLAS: the same logits within float rounding, every step.
+TEST(CudaEngineTest, SmallBatchGemvEqualsCublas) {
+  SKIP_WITHOUT_GPU();
+  auto weights = OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  CudaOptions cublas = Eager();
+  cublas.small_batch_gemv = false;
+  auto a = MakeCudaEngine(*weights, Eager());
+  auto b = MakeCudaEngine(*weights, cublas);
+  ASSERT_TRUE(a && b);
+  const auto cases = pdserve::testing::LoadGoldenCases();
+  for (int batch : {1, 3}) {
+    std::vector<std::vector<int32_t>> prompts, tables;
+    std::vector<int> positions;
+    for (int s = 0; s < batch; ++s) {
+      prompts.push_back(cases[s].prompt_ids);
+      tables.push_back(IdentityBlockTable(8, 8 * s));
+      positions.push_back(0);
+    }
+    auto pool_a = MakeDevicePool(*a, 16, 8 * batch);
+    auto pool_b = MakeDevicePool(*b, 16, 8 * batch);
+    Step(*a, *pool_a, prompts, positions, tables);
+    Step(*b, *pool_b, prompts, positions, tables);
+    for (int s = 0; s < batch; ++s) {
+      positions[s] = static_cast<int>(prompts[s].size());
+    }
+    std::vector<std::vector<int32_t>> next(batch, std::vector<int32_t>{7});
+    for (int step = 0; step < 4; ++step) {
+      const auto la = Step(*a, *pool_a, next, positions, tables);
+      const auto lb = Step(*b, *pool_b, next, positions, tables);
+      EXPECT_LT(MaxRelativeError(la, lb), 1e-3)
+          << "batch " << batch << " step " << step;
+      for (int s = 0; s < batch; ++s) ++positions[s];
+    }
+  }
+}
+
 TEST(CudaEngineTest, FusedResidualNormEqualsUnfused) {
   SKIP_WITHOUT_GPU();
   auto weights = OpenStories(true);
