@@ -70,7 +70,7 @@ struct CudaOptions {
   // Fuse the residual add into the next RMSNorm (one kernel instead of two);
   // false runs them separately, for measuring the fusion.
   bool fuse_residual_norm = true;
-  // Steps of at most 8 rows multiply by the weights with pdserve's own
+  // Steps of 1-2 rows multiply by the weights with pdserve's own
   // GEMV (one pass over each weight row, no split-K reduction launch);
   // false sends them to cuBLAS like bigger steps, for measuring it.
   bool small_batch_gemv = true;

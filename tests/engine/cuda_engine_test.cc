@@ -294,6 +294,14 @@ TEST(CudaEngineTest, PromptLogitsWithinBf16ToleranceOfCpuReference) {
   }
 }
 
+// Between kernels that sum in different orders (a batch of 3 rows and a row
+// alone may take different GEMM kernels; cuBLAS and the small-batch GEMV
+// certainly do), f32-level differences flip the bf16 rounding of a few
+// activations per layer, and stories260K's logits move by up to ~5e-3 of
+// their maximum (measured on the H200: 1.6e-3 to 4.8e-3). The same kernels
+// (graph replay and eager launches) stay within 1e-3.
+constexpr double kOtherKernelsTolerance = 1e-2;
+
 // Decode and verify steps of a ragged batch (3 sequences, padded to the
 // graph bucket of 4) through graphs equal the eager launches, and every
 // sequence's rows equal running it alone.
@@ -339,7 +347,7 @@ TEST(CudaEngineTest, GraphReplayEqualsEagerAndBatchingEqualsAlone) {
           Step(*alone, *pool_a, {next[s]}, {positions[s]}, {tables[s]});
       const std::vector<float> batched(
           e.begin() + row * vocab, e.begin() + (row + next[s].size()) * vocab);
-      EXPECT_LT(MaxRelativeError(batched, a), 1e-3)
+      EXPECT_LT(MaxRelativeError(batched, a), kOtherKernelsTolerance)
           << "step " << step << " sequence " << s;
       for (size_t i = 0; i < next[s].size(); ++i) {
         EXPECT_EQ(Argmax(g.data() + (row + i) * vocab, vocab),
@@ -386,8 +394,9 @@ TEST(CudaEngineTest, DeviceArgmaxEqualsHostArgmax) {
   }
 }
 
-// Decode steps of 1..8 rows go through the small-batch GEMV; with it off,
-// through cuBLAS: the same logits within float rounding, every step.
+// Decode steps of 1 or 2 rows go through the small-batch GEMV; with it off,
+// through cuBLAS: the same logits within the other-kernels tolerance, every
+// step.
 TEST(CudaEngineTest, SmallBatchGemvEqualsCublas) {
   SKIP_WITHOUT_GPU();
   auto weights = OpenStories(true);
@@ -417,7 +426,7 @@ TEST(CudaEngineTest, SmallBatchGemvEqualsCublas) {
     for (int step = 0; step < 4; ++step) {
       const auto la = Step(*a, *pool_a, next, positions, tables);
       const auto lb = Step(*b, *pool_b, next, positions, tables);
-      EXPECT_LT(MaxRelativeError(la, lb), 1e-3)
+      EXPECT_LT(MaxRelativeError(la, lb), kOtherKernelsTolerance)
           << "batch " << batch << " step " << step;
       for (int s = 0; s < batch; ++s) ++positions[s];
     }
