@@ -15,6 +15,8 @@
 //                 [--metrics-port-file PATH]
 //                 [--backend cpu|cuda] [--cuda-devices 0[,1..]]
 //                 [--cuda-graphs 1] [--cuda-max-graph-batch 128]
+//                 [--cuda-attention auto|legacy|tensor-core] (the legacy
+//                 kernel: to bisect a wrong GPU result to the new ones)
 //                 [--kv-dtype auto|f32|bf16]
 //
 // Every rank's KV pool is allocated and registered by its UCX worker, so a
@@ -86,6 +88,10 @@ int Main(int argc, char** argv) {
   auto kv_dtype = engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto"));
   if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   wo.kv_dtype = *kv_dtype;
+  auto attention =
+      engine::ParseAttentionKernels(flags.Str("cuda-attention", "auto"));
+  if (!attention.ok()) return Fail(attention.status());
+  wo.cuda.attention = *attention;
   wo.cuda.use_graphs = flags.Num<int>("cuda-graphs", 1) != 0;
   wo.cuda.max_graph_batch =
       flags.Num<int>("cuda-max-graph-batch", wo.cuda.max_graph_batch);

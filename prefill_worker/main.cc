@@ -15,6 +15,7 @@
 //                  [--backend cpu|cuda] [--cuda-device 0] (a
 //                  -DPDSERVE_CUDA=ON build; KV is then bf16 and is mirrored
 //                  to host memory for the UCX puts)
+//                  [--cuda-attention auto|legacy|tensor-core]
 //                  [--kv-dtype auto|f32|bf16] (the KV it computes and
 //                  sends; auto = f32 on CPUs, bf16 on GPUs; decode workers
 //                  must keep the same)
@@ -178,6 +179,9 @@ int Main(int argc, char** argv) {
       static_cast<int>(flags.Num<int64_t>("cuda-device", 0));
   auto kv_dtype = engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto"));
   if (!kv_dtype.ok()) return Fail(kv_dtype.status());
+  auto attention =
+      engine::ParseAttentionKernels(flags.Str("cuda-attention", "auto"));
+  if (!attention.ok()) return Fail(attention.status());
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
@@ -230,6 +234,7 @@ int Main(int argc, char** argv) {
   stage_options.backend = *backend;
   stage_options.kv_dtype = *kv_dtype;
   stage_options.cuda.device = cuda_device;
+  stage_options.cuda.attention = *attention;
   // A microbatch is at most the token budget (or one chunk, if larger).
   stage_options.cuda.max_tokens_per_step =
       std::max({stage_options.cuda.max_tokens_per_step, microbatch_tokens,
