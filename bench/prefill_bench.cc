@@ -35,9 +35,9 @@
 #include "common/status_macros.h"
 #include "engine/matmul.h"
 #include "model/weight_source.h"
-#include "prefill_worker/chunk_policy.h"
-#include "prefill_worker/in_process_group.h"
-#include "prefill_worker/layer_split.h"
+#include "prefill/chunk_policy.h"
+#include "prefill/in_process_group.h"
+#include "prefill/layer_split.h"
 
 namespace pdserve::bench {
 namespace {

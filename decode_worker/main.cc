@@ -51,7 +51,7 @@
 #include "model/weight_source.h"
 #include "process/port_file.h"
 #include "rpc/server.h"
-#include "spec/truncated_weights.h"
+#include "speculative/truncated_weights.h"
 #include "tokenizer/tokenizer.h"
 #include "transport/kv_transfer.h"
 #include "transport/ucx_worker.h"
@@ -161,7 +161,7 @@ int Main(int argc, char** argv) {
       return Fail(absl::InvalidArgumentError(
           "--speculation draft needs --draft-layers L (the target's first L "
           "layers are the draft)"));
-    auto d = spec::MakeLayerTruncatedWeights(**weights, draft_layers);
+    auto d = speculative::MakeLayerTruncatedWeights(**weights, draft_layers);
     if (!d.ok()) return Fail(d.status());
     draft = std::move(*d);
     wo.speculation.mode = decode::SpeculationMode::kDraft;

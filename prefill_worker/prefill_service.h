@@ -46,7 +46,7 @@
 #include "common/closable_queue.h"
 #include "model/weight_source.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
-#include "prefill_worker/prefill_coordinator.h"
+#include "prefill/prefill_coordinator.h"
 #include "prefill_worker/stage_process.h"
 #include "rpc/server.h"
 

@@ -11,7 +11,7 @@
 #pragma once
 
 #include "metrics/metrics.h"
-#include "prefill_worker/pipeline_stage.h"
+#include "prefill/pipeline_stage.h"
 #include "prefill_worker/prefill_service.h"
 #include "prefill_worker/stage_process.h"
 

@@ -20,7 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/closable_queue.h"
-#include "prefill_worker/kv_output.h"
+#include "prefill/kv_output.h"
 #include "transport/kv_transfer.h"
 
 namespace pdserve::prefill {

@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/closable_queue.h"
-#include "prefill_worker/stage_link.h"
+#include "prefill/stage_link.h"
 #include "transport/ucx_worker.h"
 
 namespace pdserve::prefill {

@@ -36,9 +36,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
-#include "metrics/router_metrics.h"
 #include "router/assignment_policy.h"
 #include "router/generation_backend.h"
+#include "router/router_metrics.h"
 #include "router/worker_registry.h"
 #include "tokenizer/tokenizer.h"
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "metrics/router_metrics.h"
 #include "router/generation_backend.h"
+#include "router/router_metrics.h"
 
 namespace pdserve::router {
 

@@ -16,9 +16,9 @@
 #include "engine/engine_backend.h"
 #include "engine/llama_engine.h"
 #include "kv/sequence_blocks.h"
-#include "spec/adaptive_gamma.h"
-#include "spec/draft_proposer.h"
-#include "spec/verifier.h"
+#include "speculative/adaptive_gamma.h"
+#include "speculative/draft_proposer.h"
+#include "speculative/verifier.h"
 #include "tokenizer/detokenizer.h"
 
 namespace pdserve::decode {
@@ -64,7 +64,7 @@ struct Request {
   std::unique_ptr<tokenizer::IncrementalDetokenizer> detokenizer;
   std::string text;  // generated text (cut at a stop string)
   size_t sent = 0;   // bytes of `text` streamed
-  spec::AdaptiveGamma gamma;
+  speculative::AdaptiveGamma gamma;
   // RequestParams::prompt_logprobs: entry k scores prompt token k + 1;
   // complete at prompt_len - 1 entries, handed to the first delta.
   std::vector<engine::TokenLogprobs> prompt_scores;
@@ -223,7 +223,7 @@ struct DecodeWorker::Impl {
   std::string tp_communicator = "none";
   std::vector<Rank> ranks;
   std::unique_ptr<kv::KvBlockManager> manager;
-  std::unique_ptr<spec::Proposer> proposer;
+  std::unique_ptr<speculative::Proposer> proposer;
   ClosableQueue<RankDone> done;
   std::thread scheduler;
 
@@ -352,10 +352,10 @@ absl::Status DecodeWorker::Impl::Start() {
     case SpeculationMode::kOff:
       break;
     case SpeculationMode::kNgram:
-      proposer = spec::MakeNgramProposer(so.ngram);
+      proposer = speculative::MakeNgramProposer(so.ngram);
       break;
     case SpeculationMode::kScripted:
-      proposer = spec::MakeScriptedProposer(so.scripted);
+      proposer = speculative::MakeScriptedProposer(so.scripted);
       break;
     case SpeculationMode::kDraft: {
       if (so.draft_weights == nullptr)
@@ -366,7 +366,7 @@ absl::Status DecodeWorker::Impl::Start() {
         return absl::InvalidArgumentError(
             absl::StrCat("draft vocabulary ", dc.vocab_size,
                          " != target vocabulary ", config.vocab_size));
-      spec::DraftModelOptions dopt;
+      speculative::DraftModelOptions dopt;
       dopt.num_threads = options.threads_per_rank;
       dopt.block_size = options.block_size;
       dopt.num_blocks = so.draft_kv_blocks;
@@ -376,8 +376,8 @@ absl::Status DecodeWorker::Impl::Start() {
       dopt.cuda = options.cuda;
       dopt.cuda.device = device_of(0);
       dopt.cuda.max_sequences = std::max(options.max_running, 1);
-      PDS_ASSIGN_OR_RETURN(
-          proposer, spec::MakeDraftModelProposer(*so.draft_weights, dopt));
+      PDS_ASSIGN_OR_RETURN(proposer, speculative::MakeDraftModelProposer(
+                                         *so.draft_weights, dopt));
       break;
     }
   }
@@ -430,11 +430,11 @@ std::unique_ptr<Request> DecodeWorker::Impl::NewRequest(
   r->history = std::move(prompt);
   if (tok != nullptr)
     r->detokenizer = std::make_unique<tokenizer::IncrementalDetokenizer>(*tok);
-  spec::AdaptiveGammaOptions go;
+  speculative::AdaptiveGammaOptions go;
   go.max_gamma = options.speculation.max_gamma;
   go.cost_per_draft_token = options.speculation.verify_cost_per_token +
                             (proposer ? proposer->cost_per_token() : 0.0);
-  r->gamma = spec::AdaptiveGamma(go);
+  r->gamma = speculative::AdaptiveGamma(go);
   return r;
 }
 
@@ -610,9 +610,9 @@ void DecodeWorker::Impl::RunStep() {
   int decoding = 0;
   for (Request* r : running)
     decoding += r->kv_tokens + 1 == static_cast<int64_t>(r->history.size());
-  absl::flat_hash_map<Request*, spec::Proposal> proposals;
+  absl::flat_hash_map<Request*, speculative::Proposal> proposals;
   if (proposer && decoding <= options.speculation.max_batch) {
-    std::vector<spec::ProposalRequest> asks;
+    std::vector<speculative::ProposalRequest> asks;
     std::vector<Request*> askers;
     for (Request* r : running) {
       const int64_t len = static_cast<int64_t>(r->history.size());
@@ -624,7 +624,7 @@ void DecodeWorker::Impl::RunStep() {
           std::min<int64_t>(gamma, r->params.max_new_tokens - r->generated - 1);
       gamma = std::min<int64_t>(gamma, max_pos - len);
       if (gamma <= 0) continue;
-      spec::ProposalRequest a;
+      speculative::ProposalRequest a;
       a.request_id = r->id;
       a.history = r->history;
       a.max_tokens = static_cast<int>(gamma);
@@ -634,7 +634,7 @@ void DecodeWorker::Impl::RunStep() {
       askers.push_back(r);
     }
     if (!asks.empty()) {
-      std::vector<spec::Proposal> out;
+      std::vector<speculative::Proposal> out;
       absl::Status s = proposer->Propose(asks, &out);
       if (s.ok()) {
         for (size_t i = 0; i < askers.size(); ++i)
@@ -721,7 +721,7 @@ void DecodeWorker::Impl::RunStep() {
   // watches the logits, the argmax of each row is all the step needs: a GPU
   // engine then copies rows x 4 bytes instead of rows x vocab x 4.
   LogitsObserver obs;
-  spec::VerifyOptions verify_options;
+  speculative::VerifyOptions verify_options;
   {
     absl::MutexLock lock(&mu);
     obs = observer;
@@ -795,19 +795,19 @@ void DecodeWorker::Impl::RunStep() {
     }
     const size_t rows = p.drafts.size() + 1;
     std::span<const float> rows_logits;
-    absl::StatusOr<spec::VerifyOutcome> outcome;
+    absl::StatusOr<speculative::VerifyOutcome> outcome;
     if (argmax_only) {
       outcome = row + rows <= argmax.size()
-                    ? spec::VerifyGreedyFromArgmax(
+                    ? speculative::VerifyGreedyFromArgmax(
                           std::span<const int32_t>(argmax).subspan(row, rows),
                           p.drafts)
                     : absl::InternalError("engine returned too few argmaxes");
     } else {
       rows_logits =
           std::span<const float>(logits.data() + row * vocab, rows * vocab);
-      outcome =
-          spec::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
-                            r->params.sampling, r->generated, verify_options);
+      outcome = speculative::VerifyDraft(rows_logits, vocab, p.drafts,
+                                         p.draft_probs, r->params.sampling,
+                                         r->generated, verify_options);
     }
     row += rows;
     if (!outcome.ok()) {

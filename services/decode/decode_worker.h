@@ -45,7 +45,7 @@
 #include "kv/block_manager.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
-#include "spec/proposer.h"
+#include "speculative/proposer.h"
 #include "tokenizer/tokenizer.h"
 
 namespace pdserve::decode {
@@ -75,8 +75,8 @@ struct SpeculationOptions {
   const model::WeightSource* draft_weights = nullptr;
   int64_t draft_kv_blocks = 512;
   // kNgram.
-  spec::NgramOptions ngram;
-  // kScripted: the sequences of spec::MakeScriptedProposer.
+  speculative::NgramOptions ngram;
+  // kScripted: the sequences of speculative::MakeScriptedProposer.
   std::vector<std::vector<int32_t>> scripted;
 };
 

@@ -17,7 +17,7 @@
 #include "engine/llama_engine.h"
 #include "engine/sampler.h"
 #include "model/weight_source.h"
-#include "spec/truncated_weights.h"
+#include "speculative/truncated_weights.h"
 #include "testing/golden.h"
 #include "tokenizer/tokenizer.h"
 
@@ -35,7 +35,7 @@ inline const Model& Stories() {
     auto w = model::OpenModel(pdserve::testing::Stories260KGguf());
     PDS_CHECK(w.ok());
     model->weights = std::move(*w);
-    auto d = spec::MakeLayerTruncatedWeights(*model->weights, 3);
+    auto d = speculative::MakeLayerTruncatedWeights(*model->weights, 3);
     PDS_CHECK(d.ok());
     model->draft = std::move(*d);
     auto t = tokenizer::LoadTokenizerForModel(*model->weights);

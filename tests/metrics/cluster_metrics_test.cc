@@ -33,10 +33,10 @@
 #include "httplib.h"
 #include "metrics/cluster_util.h"
 #include "metrics/metrics.h"
-#include "metrics/router_metrics.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "prefill_worker/worker_test_util.h"
+#include "router/router_metrics.h"
 #include "testing/golden.h"
 
 namespace pdserve::metrics {

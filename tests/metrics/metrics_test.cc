@@ -17,7 +17,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "metrics/exposition.h"
-#include "metrics/router_metrics.h"
+#include "router/router_metrics.h"
 
 namespace pdserve::metrics {
 namespace {

@@ -10,12 +10,12 @@
 
 #include "absl/synchronization/mutex.h"
 #include "engine/engine_test_util.h"
-#include "prefill_worker/chunk_policy.h"
-#include "prefill_worker/in_process_group.h"
-#include "prefill_worker/kv_output.h"
-#include "prefill_worker/layer_split.h"
-#include "prefill_worker/prefill_coordinator.h"
-#include "prefill_worker/stage_link.h"
+#include "prefill/chunk_policy.h"
+#include "prefill/in_process_group.h"
+#include "prefill/kv_output.h"
+#include "prefill/layer_split.h"
+#include "prefill/prefill_coordinator.h"
+#include "prefill/stage_link.h"
 
 namespace pdserve::prefill {
 namespace {

@@ -9,8 +9,8 @@
 #include "engine/engine_test_util.h"
 #include "engine/llama_engine.h"
 #include "engine/sampler.h"
-#include "prefill_worker/in_process_group.h"
-#include "prefill_worker/layer_split.h"
+#include "prefill/in_process_group.h"
+#include "prefill/layer_split.h"
 #include "testing/golden.h"
 
 namespace pdserve::prefill {

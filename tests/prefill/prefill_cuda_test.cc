@@ -11,7 +11,7 @@
 
 #include "engine/bf16_agreement.h"
 #include "engine/engine_test_util.h"
-#include "prefill_worker/in_process_group.h"
+#include "prefill/in_process_group.h"
 #include "testing/golden.h"
 #include "testing/gpu.h"
 

@@ -8,9 +8,9 @@
 
 #include "model/model_config.h"
 #include "model/weight_source.h"
-#include "prefill_worker/chunk_policy.h"
-#include "prefill_worker/layer_split.h"
-#include "prefill_worker/microbatch_former.h"
+#include "prefill/chunk_policy.h"
+#include "prefill/layer_split.h"
+#include "prefill/microbatch_former.h"
 #include "testing/golden.h"
 
 namespace pdserve::prefill {

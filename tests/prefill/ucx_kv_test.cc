@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "engine/engine_test_util.h"
-#include "prefill_worker/in_process_group.h"
+#include "prefill/in_process_group.h"
 #include "prefill_worker/ucx_kv_output.h"
 #include "testing/golden.h"
 #include "transport/kv_transfer.h"

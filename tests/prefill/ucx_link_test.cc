@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine_test_util.h"
-#include "prefill_worker/pipeline_stage.h"
-#include "prefill_worker/prefill_coordinator.h"
+#include "prefill/pipeline_stage.h"
+#include "prefill/prefill_coordinator.h"
 #include "prefill_worker/ucx_stage_link.h"
 #include "testing/golden.h"
 

@@ -14,9 +14,9 @@
 #include "absl/status/statusor.h"
 #include "engine/engine_types.h"
 #include "model/weight_source.h"
-#include "spec/proposer.h"
+#include "speculative/proposer.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 struct DraftModelOptions {
   int num_threads = 1;
@@ -36,4 +36,4 @@ struct DraftModelOptions {
 [[nodiscard]] absl::StatusOr<std::unique_ptr<Proposer>> MakeDraftModelProposer(
     const model::WeightSource& weights, const DraftModelOptions& options);
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

@@ -30,9 +30,9 @@
 #include "engine/sampler.h"
 #include "kv/block_manager.h"
 #include "model/model_config.h"
-#include "prefill_worker/chunk_policy.h"
-#include "prefill_worker/microbatch_former.h"
-#include "prefill_worker/stage_link.h"
+#include "prefill/chunk_policy.h"
+#include "prefill/microbatch_former.h"
+#include "prefill/stage_link.h"
 
 namespace pdserve::prefill {
 

@@ -1,4 +1,4 @@
-#include "prefill_worker/chunk_policy.h"
+#include "prefill/chunk_policy.h"
 
 #include <algorithm>
 #include <cmath>

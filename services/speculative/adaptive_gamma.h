@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 struct AdaptiveGammaOptions {
   int max_gamma = 4;
@@ -48,4 +48,4 @@ class AdaptiveGamma {
   int steps_since_probe_ = 0;
 };
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "engine/sampler.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 struct VerifyOutcome {
   std::vector<int32_t> tokens;  // accepted drafts + one target token
@@ -55,4 +55,4 @@ struct VerifyOptions {
 [[nodiscard]] absl::StatusOr<VerifyOutcome> VerifyGreedyFromArgmax(
     std::span<const int32_t> argmax, std::span<const int32_t> draft);
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

@@ -1,4 +1,4 @@
-#include "prefill_worker/microbatch_former.h"
+#include "prefill/microbatch_former.h"
 
 #include <algorithm>
 

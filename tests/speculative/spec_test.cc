@@ -9,14 +9,14 @@
 
 #include "engine/sampler.h"
 #include "model/weight_source.h"
-#include "spec/adaptive_gamma.h"
-#include "spec/draft_proposer.h"
-#include "spec/proposer.h"
-#include "spec/truncated_weights.h"
-#include "spec/verifier.h"
+#include "speculative/adaptive_gamma.h"
+#include "speculative/draft_proposer.h"
+#include "speculative/proposer.h"
+#include "speculative/truncated_weights.h"
+#include "speculative/verifier.h"
 #include "testing/golden.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 namespace {
 
 // Pearson chi-square of observed counts against expected probabilities,
@@ -266,4 +266,4 @@ TEST(DraftProposerTest, RollbackMatchesFreshAndTargetDraftsGolden) {
 }
 
 }  // namespace
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

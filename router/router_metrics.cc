@@ -1,4 +1,4 @@
-#include "metrics/router_metrics.h"
+#include "router/router_metrics.h"
 
 #include "absl/strings/str_cat.h"
 

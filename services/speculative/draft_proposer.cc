@@ -1,4 +1,4 @@
-#include "spec/draft_proposer.h"
+#include "speculative/draft_proposer.h"
 
 #include <algorithm>
 #include <optional>
@@ -12,7 +12,7 @@
 #include "kv/kv_pool.h"
 #include "kv/sequence_blocks.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 namespace {
 
 class DraftModelProposer final : public Proposer {
@@ -166,4 +166,4 @@ absl::StatusOr<std::unique_ptr<Proposer>> MakeDraftModelProposer(
       options.cost_per_token);
 }
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

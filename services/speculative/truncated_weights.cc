@@ -1,10 +1,10 @@
-#include "spec/truncated_weights.h"
+#include "speculative/truncated_weights.h"
 
 #include <string>
 
 #include "absl/strings/str_cat.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 namespace {
 
 class LayerTruncatedWeights final : public model::WeightSource {
@@ -50,4 +50,4 @@ absl::StatusOr<std::unique_ptr<model::WeightSource>> MakeLayerTruncatedWeights(
   return std::make_unique<LayerTruncatedWeights>(base, num_layers);
 }
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

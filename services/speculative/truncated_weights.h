@@ -8,11 +8,11 @@
 #include "absl/status/statusor.h"
 #include "model/weight_source.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 // `base` must outlive the result. INVALID_ARGUMENT unless
 // 1 <= num_layers <= base.config().num_layers.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<model::WeightSource>>
 MakeLayerTruncatedWeights(const model::WeightSource& base, int num_layers);
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

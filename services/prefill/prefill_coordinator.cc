@@ -1,4 +1,4 @@
-#include "prefill_worker/prefill_coordinator.h"
+#include "prefill/prefill_coordinator.h"
 
 #include <algorithm>
 

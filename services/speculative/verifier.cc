@@ -1,9 +1,9 @@
-#include "spec/verifier.h"
+#include "speculative/verifier.h"
 
 #include "absl/strings/str_cat.h"
-#include "spec/proposer.h"
+#include "speculative/proposer.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 absl::StatusOr<VerifyOutcome> VerifyDraft(
     std::span<const float> logits, int vocab, std::span<const int32_t> draft,
@@ -100,4 +100,4 @@ absl::StatusOr<VerifyOutcome> VerifyGreedyFromArgmax(
   return out;
 }
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

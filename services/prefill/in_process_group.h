@@ -10,10 +10,10 @@
 
 #include "absl/status/statusor.h"
 #include "model/weight_source.h"
-#include "prefill_worker/kv_output.h"
-#include "prefill_worker/pipeline_stage.h"
-#include "prefill_worker/prefill_coordinator.h"
-#include "prefill_worker/stage_link.h"
+#include "prefill/kv_output.h"
+#include "prefill/pipeline_stage.h"
+#include "prefill/prefill_coordinator.h"
+#include "prefill/stage_link.h"
 
 namespace pdserve::prefill {
 

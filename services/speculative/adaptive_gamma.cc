@@ -1,9 +1,9 @@
-#include "spec/adaptive_gamma.h"
+#include "speculative/adaptive_gamma.h"
 
 #include <algorithm>
 #include <cmath>
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 AdaptiveGamma::AdaptiveGamma(const AdaptiveGammaOptions& options)
     : options_(options),
@@ -50,4 +50,4 @@ void AdaptiveGamma::Record(int proposed, int accepted) {
   Recompute();
 }
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

@@ -1,8 +1,8 @@
 #include <algorithm>
 
-#include "spec/proposer.h"
+#include "speculative/proposer.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 namespace {
 
 class NgramProposer final : public Proposer {
@@ -82,4 +82,4 @@ std::unique_ptr<Proposer> MakeScriptedProposer(
   return std::make_unique<ScriptedProposer>(std::move(sequences));
 }
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

@@ -37,8 +37,8 @@
 #include "engine/llama_engine.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
-#include "prefill_worker/kv_output.h"
-#include "prefill_worker/stage_link.h"
+#include "prefill/kv_output.h"
+#include "prefill/stage_link.h"
 
 namespace pdserve::prefill {
 

@@ -1,4 +1,4 @@
-#include "prefill_worker/kv_output.h"
+#include "prefill/kv_output.h"
 
 #include <cstring>
 #include <limits>

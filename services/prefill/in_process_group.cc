@@ -1,10 +1,10 @@
-#include "prefill_worker/in_process_group.h"
+#include "prefill/in_process_group.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "prefill_worker/layer_split.h"
+#include "prefill/layer_split.h"
 
 namespace pdserve::prefill {
 

@@ -1,8 +1,8 @@
-// The face of services/spec: a Proposer guesses up to γ tokens that continue a
-// request's accepted history; the target model then checks them all in one
-// forward (verifier.h). Proposers never see rejected tokens as history: each
-// call passes the full accepted history, so a stateful proposer (draft model)
-// rolls its own state back to the common prefix itself.
+// The face of services/speculative: a Proposer guesses up to γ tokens that
+// continue a request's accepted history; the target model then checks them all
+// in one forward (verifier.h). Proposers never see rejected tokens as history:
+// each call passes the full accepted history, so a stateful proposer (draft
+// model) rolls its own state back to the common prefix itself.
 //
 // Thread-safety: a Proposer is driven by one scheduler thread; not
 // thread-safe.
@@ -17,7 +17,7 @@
 #include "absl/status/status.h"
 #include "engine/sampler.h"
 
-namespace pdserve::spec {
+namespace pdserve::speculative {
 
 // Streams of engine::UniformForRequest(seed, output_index, stream) the
 // speculative path draws from. Stream 0 is the plain sampler's, so a step
@@ -77,4 +77,4 @@ std::unique_ptr<Proposer> MakeNgramProposer(const NgramOptions& options = {});
 std::unique_ptr<Proposer> MakeScriptedProposer(
     std::vector<std::vector<int32_t>> sequences);
 
-}  // namespace pdserve::spec
+}  // namespace pdserve::speculative

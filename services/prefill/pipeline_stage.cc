@@ -1,4 +1,4 @@
-#include "prefill_worker/pipeline_stage.h"
+#include "prefill/pipeline_stage.h"
 
 #include <algorithm>
 #include <numeric>

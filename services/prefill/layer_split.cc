@@ -1,4 +1,4 @@
-#include "prefill_worker/layer_split.h"
+#include "prefill/layer_split.h"
 
 #include <algorithm>
 #include <chrono>
