@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "kv/kv_layout.h"
+#include "rpc/request_contract.h"
 #include "rpc/status_conversion.h"
 
 namespace pdserve::decode_worker {
@@ -181,18 +183,11 @@ void Push(Channel& ch, const decode::TokenDelta& d) {
   v1::DecodeDelta delta;
   delta.mutable_token_ids()->Add(d.tokens.begin(), d.tokens.end());
   delta.set_text(d.text);
-  auto add = [](const engine::TokenLogprobs& l, v1::TokenLogprob* out) {
-    out->set_logprob(l.logprob);
-    for (const engine::TopLogprob& t : l.top) {
-      v1::TopLogprob* alternative = out->add_top();
-      alternative->set_token_id(t.token);
-      alternative->set_logprob(t.logprob);
-    }
-  };
-  for (const engine::TokenLogprobs& l : d.logprobs)
-    add(l, delta.add_logprobs());
+  for (const engine::TokenLogprobs& l : d.logprobs) {
+    rpc::LogprobsToWire(l, delta.add_logprobs());
+  }
   for (const engine::TokenLogprobs& l : d.prompt_logprobs) {
-    add(l, delta.add_prompt_logprobs());
+    rpc::LogprobsToWire(l, delta.add_prompt_logprobs());
   }
   if (d.finished) {
     delta.set_finished(true);
@@ -319,17 +314,19 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   const uint64_t id = request.request_id();
   if (request.prompt_ids().empty())
     return absl::InvalidArgumentError("prompt is empty");
-  if (request.max_tokens() < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_tokens must be >= 0, got ", request.max_tokens()));
+  // 0 on this wire is unset: the default (the router always sets it).
+  const int32_t max_tokens = rpc::MaxTokensFromWorkerWire(request.max_tokens());
+  PDS_RETURN_IF_ERROR(rpc::CheckMaxTokens(max_tokens, /*echo=*/false));
+  const rpc::Sampling sampling =
+      rpc::SamplingFromWire(request.sampling(), /*seed_if_unset=*/0);
+  PDS_RETURN_IF_ERROR(rpc::CheckSampling(sampling));
+  PDS_RETURN_IF_ERROR(
+      rpc::CheckLogprobs(request.include_logprobs(), request.top_logprobs()));
   decode::RequestParams params;
-  params.max_new_tokens = request.max_tokens() == 0 ? 16 : request.max_tokens();
-  params.sampling.temperature = request.sampling().temperature();
-  params.sampling.top_p =
-      request.sampling().top_p() == 0 ? 1.0f : request.sampling().top_p();
-  params.sampling.top_k = request.sampling().top_k();
-  params.sampling.seed = request.sampling().seed();
+  params.max_new_tokens = max_tokens;
+  params.sampling = rpc::ToEngine(sampling);
   params.stop.assign(request.stop().begin(), request.stop().end());
+  PDS_RETURN_IF_ERROR(rpc::CheckStops(params.stop));
   params.ignore_eos = request.ignore_eos();
   params.logprobs = request.include_logprobs();
   params.top_logprobs = request.top_logprobs();
@@ -413,8 +410,6 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
     absl::MutexLock lock(&ch->mu);
     ch->granted_tokens = tokens;
   }
-  response->mutable_block_ids()->Add(admitted->block_ids.begin(),
-                                     admitted->block_ids.end());
   response->set_cached_tokens(cached);
   FillIdentity(response->mutable_model());
   response->set_lease_seconds(absl::ToDoubleSeconds(options_.kv_lease));
@@ -456,10 +451,8 @@ grpc::ServerUnaryReactor* DecodeService::KvComplete(
   }
   // The sink waits may block (bounded): off the callback threads.
   absl::MutexLock lock(&mu_);
-  engine::TokenLogprobs first_logprobs;
-  first_logprobs.logprob = request->first_token_logprob().logprob();
-  for (const v1::TopLogprob& t : request->first_token_logprob().top())
-    first_logprobs.top.push_back({t.token_id(), t.logprob()});
+  engine::TokenLogprobs first_logprobs =
+      rpc::LogprobsFromWire(request->first_token_logprob());
   jobs_.push_back({id, request->first_token(), std::move(first_logprobs),
                    std::move(ch), reactor});
   return reactor;

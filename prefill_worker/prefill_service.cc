@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "kv/kv_layout.h"
 #include "prefill_worker/stage_control_service.h"
+#include "rpc/request_contract.h"
 #include "rpc/status_conversion.h"
 
 namespace pdserve::prefill {
@@ -206,12 +207,9 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
   PrefillRequest& r = call->request;
   r.request_id = request->request_id();
   r.prompt.assign(request->prompt_ids().begin(), request->prompt_ids().end());
-  r.sampling.temperature = request->sampling().temperature();
-  // proto3 cannot tell an unset top_p from 0: 0 means "off" (see common.proto).
-  r.sampling.top_p =
-      request->sampling().top_p() == 0 ? 1.0f : request->sampling().top_p();
-  r.sampling.top_k = request->sampling().top_k();
-  r.sampling.seed = request->sampling().seed();
+  const rpc::Sampling sampling =
+      rpc::SamplingFromWire(request->sampling(), /*seed_if_unset=*/0);
+  r.sampling = rpc::ToEngine(sampling);
   r.top_logprobs = request->top_logprobs();
   r.prompt_logprobs = request->prompt_logprobs();
   r.write_kv = request->has_destination();
@@ -223,13 +221,19 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
   } else {
     r.kv_dst_offset = static_cast<int>(destination.cached_tokens());
   }
-  absl::Status status = ValidatePrefillRequest(weights_.config(), r);
+  absl::Status status = rpc::CheckSampling(sampling);
+  if (status.ok()) {
+    // Alternatives ride on token 0 (and on the prompt's scores): the same
+    // bound as a decode worker's, without a logprobs flag on this wire.
+    status = rpc::CheckLogprobs(/*logprobs=*/true, request->top_logprobs());
+  }
+  if (status.ok()) status = ValidatePrefillRequest(weights_.config(), r);
   if (status.ok() && r.write_kv && destination.ranks().empty()) {
     status = absl::InvalidArgumentError(absl::StrCat(
         "request ", r.request_id, ": the destination names no decode rank"));
   }
   for (int i = 0; status.ok() && i < destination.ranks_size(); ++i) {
-    const v1::PrefillKvRank& rank = destination.ranks(i);
+    const v1::KvRankDestination& rank = destination.ranks(i);
     if (rank.sink_descriptor().empty() || rank.grant().empty()) {
       status = absl::InvalidArgumentError(
           absl::StrCat("request ", r.request_id, ": decode rank ", i,
@@ -352,19 +356,10 @@ void PrefillService::OnPrefilled(const std::shared_ptr<Call>& call,
   v1::PrefillSubmitResponse* r = call->response;
   r->set_first_token(result->first_token.token);
   r->set_first_token_logprob(result->first_token.logprob);
-  for (const engine::TopLogprob& t : result->first_token.top) {
-    v1::TopLogprob* out = r->add_first_token_top_logprobs();
-    out->set_token_id(t.token);
-    out->set_logprob(t.logprob);
-  }
+  rpc::AlternativesToWire(result->first_token.top,
+                          r->mutable_first_token_top_logprobs());
   for (const engine::TokenLogprobs& scored : result->prompt_logprobs) {
-    v1::TokenLogprob* out = r->add_prompt_logprobs();
-    out->set_logprob(scored.logprob);
-    for (const engine::TopLogprob& t : scored.top) {
-      v1::TopLogprob* alternative = out->add_top();
-      alternative->set_token_id(t.token);
-      alternative->set_logprob(t.logprob);
-    }
+    rpc::LogprobsToWire(scored, r->add_prompt_logprobs());
   }
   r->set_cached_tokens(result->cached_tokens);
   r->set_num_chunks(result->num_chunks);
@@ -389,10 +384,9 @@ grpc::GenericStub* PrefillService::DecodeStub(const std::string& address) {
 }
 
 void PrefillService::Notify(const std::shared_ptr<Call>& call) {
-  // The decode worker's KvComplete, without a compile-time dependency on
-  // decode.proto: PrefillKvCompleteNotice has the same fields and numbers as
-  // its KvCompleteRequest.
-  v1::PrefillKvCompleteNotice notice;
+  // The decode worker's KvComplete, through a generic stub (no decode stubs
+  // here); its request message is common.proto's.
+  v1::KvCompleteRequest notice;
   notice.set_request_id(call->id);
   notice.set_first_token(call->response->first_token());
   v1::TokenLogprob* logprob = notice.mutable_first_token_logprob();

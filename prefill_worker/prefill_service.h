@@ -13,7 +13,7 @@
 //   coordinator thread  ticket done -> failure: answer (+ revoke the KV at
 //                       every stage, on the control thread); success with a
 //                       decode address: async DecodeWorker.KvComplete
-//                       (generic stub, PrefillKvCompleteNotice), answer when
+//                       (generic stub, v1::KvCompleteRequest), answer when
 //                       it returns; without one: answer at once.
 // Faults: a heartbeat thread pings every stage; the first failed ping marks
 // the group down: health NOT_SERVING, the coordinator fails every unfinished

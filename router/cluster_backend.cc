@@ -267,10 +267,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
       kv::FullBlockHashes(prompt_ids, options_.block_size);
   AssignmentContext assignment{hashes};
   v1::SamplingParams sampling;
-  sampling.set_temperature(request.sampling.temperature);
-  sampling.set_top_p(request.sampling.top_p);
-  sampling.set_top_k(request.sampling.top_k);
-  sampling.set_seed(request.sampling.seed);
+  rpc::SamplingToWire(request.sampling, &sampling);
 
   GenerationUsage usage;
   usage.prompt_tokens = static_cast<int32_t>(prompt_ids.size());
@@ -512,11 +509,7 @@ void ClusterBackend::Run(std::shared_ptr<CallState> call,
           v1::PrefillDestination* destination = submit.mutable_destination();
           destination->set_decode_address(decode_address);
           destination->set_cached_tokens(admit.cached_tokens());
-          for (const v1::KvRankDestination& rank : admit.ranks()) {
-            v1::PrefillKvRank* out = destination->add_ranks();
-            out->set_sink_descriptor(rank.sink_descriptor());
-            out->set_grant(rank.grant());
-          }
+          *destination->mutable_ranks() = admit.ranks();
         }
         grpc::ClientContext context;
         context.set_deadline(

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "tokenizer/detokenizer.h"
 
 namespace pdserve::router {
@@ -51,43 +52,12 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request) {
       }
     }
   }
-  if (request.max_tokens < (request.echo ? 0 : 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_tokens must be at least ", request.echo ? 0 : 1,
-                     request.echo ? "" : " (0 only with echo)", " (got ",
-                     request.max_tokens, ")"));
-  }
-  const SamplingOptions& s = request.sampling;
-  if (!std::isfinite(s.temperature) || s.temperature < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be >= 0 (got ", s.temperature, ")"));
-  }
-  if (!std::isfinite(s.top_p) || s.top_p <= 0 || s.top_p > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1] (got ", s.top_p, ")"));
-  }
-  if (s.top_k < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k must be >= 0 (got ", s.top_k, ")"));
-  }
-  if (request.top_logprobs < 0 || request.top_logprobs > kMaxTopLogprobs) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs, "] (got ",
-                     request.top_logprobs, ")"));
-  }
-  if (request.top_logprobs > 0 && !request.logprobs) {
-    return absl::InvalidArgumentError(
-        "top_logprobs needs logprobs to be requested");
-  }
-  if (request.stop.size() > kMaxStopStrings) {
-    return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStopStrings,
-                                                   " stop strings (got ",
-                                                   request.stop.size(), ")"));
-  }
+  PDS_RETURN_IF_ERROR(rpc::CheckMaxTokens(request.max_tokens, request.echo));
+  PDS_RETURN_IF_ERROR(rpc::CheckSampling(request.sampling));
+  PDS_RETURN_IF_ERROR(
+      rpc::CheckLogprobs(request.logprobs, request.top_logprobs));
+  PDS_RETURN_IF_ERROR(rpc::CheckStops(request.stop));
   for (const std::string& stop : request.stop) {
-    if (stop.empty()) {
-      return absl::InvalidArgumentError("stop strings must not be empty");
-    }
     if (!tokenizer::IsValidUtf8(stop)) {
       return absl::InvalidArgumentError("stop string is not valid UTF-8");
     }

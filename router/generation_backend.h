@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "rpc/request_contract.h"
 
 namespace pdserve::router {
 
@@ -35,13 +36,9 @@ enum class FinishReason { kNone, kStop, kLength, kCancelled, kError };
 // "stop", "length", "cancelled", "error" ("" for kNone).
 const char* FinishReasonName(FinishReason reason);
 
-struct SamplingOptions {
-  float temperature = 0.0f;  // 0 = greedy
-  float top_p = 1.0f;        // 1 = off
-  int32_t top_k = 0;         // 0 = off
-  // Always resolved by the front-end: the client's, or NewRandomSeed().
-  uint64_t seed = 0;
-};
+// The contract's (services/rpc/request_contract.h). The seed is always
+// resolved by the front-end: the client's, or NewRandomSeed().
+using SamplingOptions = rpc::Sampling;
 
 struct GenerationRequest {
   std::string request_id;
@@ -52,7 +49,7 @@ struct GenerationRequest {
   // Exactly one of the two is the prompt.
   std::optional<std::string> prompt_text;
   std::optional<std::vector<int32_t>> prompt_ids;
-  int32_t max_tokens = 16;
+  int32_t max_tokens = rpc::kDefaultMaxTokens;
   SamplingOptions sampling;
   std::vector<std::string> stop;
   // Keep generating past the end-of-sequence token until max_tokens (what
@@ -70,7 +67,7 @@ struct GenerationRequest {
   absl::Time deadline = absl::InfiniteFuture();
 };
 
-inline constexpr int kMaxTopLogprobs = 20;
+inline constexpr int kMaxTopLogprobs = rpc::kMaxTopLogprobs;
 
 // A token at an output position with its log-probability under the model's
 // raw distribution (temperature 1, before top-k/top-p).
@@ -167,11 +164,10 @@ class GenerationBackend {
 };
 
 // Front-end checks shared by HTTP and gRPC: one prompt, non-empty, valid
-// UTF-8; max_tokens >= 1 (>= 0 with echo); temperature >= 0; top_p in (0, 1];
-// top_k >= 0; stop strings non-empty and at most kMaxStopStrings; top_logprobs
-// in [0, kMaxTopLogprobs] and only with logprobs. INVALID_ARGUMENT naming the
-// field.
-inline constexpr int kMaxStopStrings = 16;
+// UTF-8, and the request contract's (max_tokens, sampling, logprobs, stop
+// strings: services/rpc/request_contract.h) plus valid UTF-8 stop strings.
+// INVALID_ARGUMENT naming the field.
+inline constexpr int kMaxStopStrings = rpc::kMaxStopStrings;
 [[nodiscard]] absl::Status ValidateGenerationRequest(
     const GenerationRequest& request);
 

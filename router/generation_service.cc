@@ -356,15 +356,11 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
           "a prompt (text or token_ids) is required");
   }
   out.echo = request.echo();
-  // Unset: 16 (validation below refuses 0 without echo, and negatives).
-  out.max_tokens = request.has_max_tokens() ? request.max_tokens() : 16;
-  out.sampling.temperature = request.sampling().temperature();
-  // proto3 cannot tell an unset top_p from 0: 0 is read as "off".
-  out.sampling.top_p =
-      request.sampling().top_p() == 0 ? 1.0f : request.sampling().top_p();
-  out.sampling.top_k = request.sampling().top_k();
-  out.sampling.seed = request.sampling().has_seed() ? request.sampling().seed()
-                                                    : NewRandomSeed();
+  // Unset: the contract's default (validation below refuses 0 without echo,
+  // and negatives).
+  out.max_tokens =
+      request.has_max_tokens() ? request.max_tokens() : rpc::kDefaultMaxTokens;
+  out.sampling = rpc::SamplingFromWire(request.sampling(), NewRandomSeed());
   out.stop.assign(request.stop().begin(), request.stop().end());
   out.ignore_eos = request.ignore_eos();
   out.logprobs = request.include_logprobs();

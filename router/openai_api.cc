@@ -421,10 +421,10 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
   if (absl::Status s = ReadLogprobs(endpoint, body, &gen); !s.ok()) return s;
 
-  // 16 when absent, for both endpoints: OpenAI's completions default and the
-  // gRPC API's (max_tokens 0 = 16). OpenAI's chat would run to the context;
-  // a fixed default keeps a forgotten field from holding KV for minutes.
-  int64_t max_tokens = 16;
+  // The contract's default when absent, for both endpoints (OpenAI's chat
+  // would run to the context; a fixed default keeps a forgotten field from
+  // holding KV for minutes).
+  int64_t max_tokens = rpc::kDefaultMaxTokens;
   if (absl::Status s = ReadInteger(body, "max_tokens", &max_tokens); !s.ok()) {
     return s;
   }
@@ -441,13 +441,8 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   }
   // max_tokens 0 with echo scores the prompt (lm-eval-harness's
   // loglikelihood requests) or just returns it.
-  const int64_t min_tokens = gen.echo ? 0 : 1;
-  if (max_tokens < min_tokens ||
-      max_tokens > std::numeric_limits<int32_t>::max()) {
-    return FieldError("max_tokens",
-                      absl::StrCat("must be at least ", min_tokens,
-                                   gen.echo ? "" : " (0 only with echo)",
-                                   " (got ", max_tokens, ")"));
+  if (absl::Status s = rpc::CheckMaxTokens(max_tokens, gen.echo); !s.ok()) {
+    return s;
   }
   gen.max_tokens = static_cast<int32_t>(max_tokens);
 
@@ -455,8 +450,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
   if (absl::Status s = ReadNumber(body, "temperature", &temperature); !s.ok()) {
     return s;
   }
-  if (temperature < 0 || temperature > 2) {
-    return FieldError("temperature", "must be in [0, 2]");
+  if (temperature < 0 || temperature > rpc::kMaxTemperature) {
+    return FieldError("temperature", absl::StrCat("must be in [0, ",
+                                                  rpc::kMaxTemperature, "]"));
   }
   double top_p = 1.0;
   if (absl::Status s = ReadNumber(body, "top_p", &top_p); !s.ok()) return s;

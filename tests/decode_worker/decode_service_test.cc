@@ -34,8 +34,6 @@ TEST(DecodeServiceTest, GoldenPromptsStreamGoldenTokensThroughTheTransport) {
                    &admit);
     ASSERT_TRUE(s.ok()) << s.error_message();
     ASSERT_EQ(admit.ranks_size(), 2);
-    EXPECT_EQ(admit.block_ids_size(),
-              (static_cast<int>(c.prompt_ids.size()) + 15) / 16);
     EXPECT_EQ(admit.cached_tokens() % 16, 0);
     ASSERT_TRUE(prefill.Run(server.stub(), id, c.prompt_ids, admit).ok());
     Streamed out = ReadStream(server.stub(), id);

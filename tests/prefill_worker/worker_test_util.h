@@ -88,7 +88,7 @@ class FakeDecode : public grpc::CallbackGenericService {
         for (const auto& s : slices) {
           bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
         }
-        pdserve::v1::PrefillKvCompleteNotice notice;
+        pdserve::v1::KvCompleteRequest notice;
         if (!notice.ParseFromString(bytes)) {
           Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "parse"));
           return;

@@ -1,0 +1,107 @@
+#include "rpc/request_contract.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::rpc {
+
+absl::Status CheckSampling(const Sampling& s) {
+  if (!std::isfinite(s.temperature) || s.temperature < 0 ||
+      s.temperature > kMaxTemperature) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: temperature must be in [0, ", kMaxTemperature,
+                     "] (got ", s.temperature, ")"));
+  }
+  if (!std::isfinite(s.top_p) || s.top_p <= 0 || s.top_p > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: top_p must be in (0, 1] (got ", s.top_p, ")"));
+  }
+  if (s.top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: top_k must be >= 0 (got ", s.top_k, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckMaxTokens(int64_t max_tokens, bool echo) {
+  const int64_t least = echo ? 0 : 1;
+  if (max_tokens < least || max_tokens > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens must be at least ", least,
+        echo ? "" : " (0 only with echo)", " (got ", max_tokens, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckLogprobs(bool logprobs, int64_t top_logprobs) {
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs, "] (got ",
+                     top_logprobs, ")"));
+  }
+  if (top_logprobs > 0 && !logprobs) {
+    return absl::InvalidArgumentError(
+        "top_logprobs needs logprobs to be requested");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStops(std::span<const std::string> stop) {
+  if (stop.size() > kMaxStopStrings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "at most ", kMaxStopStrings, " stop strings (got ", stop.size(), ")"));
+  }
+  for (const std::string& s : stop) {
+    if (s.empty()) {
+      return absl::InvalidArgumentError("stop strings must not be empty");
+    }
+  }
+  return absl::OkStatus();
+}
+
+Sampling SamplingFromWire(const v1::SamplingParams& wire,
+                          uint64_t seed_if_unset) {
+  Sampling s;
+  s.temperature = wire.temperature();
+  s.top_p = wire.top_p() == 0 ? 1.0f : wire.top_p();
+  s.top_k = wire.top_k();
+  s.seed = wire.has_seed() ? wire.seed() : seed_if_unset;
+  return s;
+}
+
+void SamplingToWire(const Sampling& s, v1::SamplingParams* wire) {
+  wire->set_temperature(s.temperature);
+  wire->set_top_p(s.top_p);
+  wire->set_top_k(s.top_k);
+  wire->set_seed(s.seed);
+}
+
+void AlternativesToWire(
+    std::span<const engine::TopLogprob> alternatives,
+    google::protobuf::RepeatedPtrField<v1::TopLogprob>* out) {
+  for (const engine::TopLogprob& t : alternatives) {
+    v1::TopLogprob* alternative = out->Add();
+    alternative->set_token_id(t.token);
+    alternative->set_logprob(t.logprob);
+  }
+}
+
+void LogprobsToWire(const engine::TokenLogprobs& logprobs,
+                    v1::TokenLogprob* wire) {
+  wire->set_logprob(logprobs.logprob);
+  AlternativesToWire(logprobs.top, wire->mutable_top());
+}
+
+engine::TokenLogprobs LogprobsFromWire(const v1::TokenLogprob& wire) {
+  engine::TokenLogprobs out;
+  out.logprob = wire.logprob();
+  out.top.reserve(wire.top_size());
+  for (const v1::TopLogprob& t : wire.top()) {
+    out.top.push_back({t.token_id(), t.logprob()});
+  }
+  return out;
+}
+
+}  // namespace pdserve::rpc
