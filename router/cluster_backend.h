@@ -22,7 +22,9 @@
 // so a request costs one thread for its lifetime; the router's admission
 // limit bounds them. (The callback API would save the threads; at the
 // concurrency one router sees — hundreds of streams — the simpler control
-// flow of a thread per call wins.)
+// flow of a thread per call wins.) The request's life on that thread is a
+// ClusterRequest (router/cluster_request.h); this class checks and tokenizes
+// the request, starts the thread and keeps the book of live requests.
 #pragma once
 
 #include <atomic>
@@ -43,6 +45,8 @@
 #include "tokenizer/tokenizer.h"
 
 namespace pdserve::router {
+
+struct RequestBook;  // router/cluster_request.h
 
 struct ClusterBackendOptions {
   ModelDescription model;  // the served model (name, context, vocabulary)
@@ -95,9 +99,6 @@ class ClusterBackend final : public GenerationBackend {
 
   ClusterBackendStats stats() const;
 
-  struct CallState;  // internal, shared by a call's handle and its thread
-  struct Shared;     // internal, outlives the backend until the last thread
-
  private:
   ClusterBackend(ClusterBackendOptions options,
                  const tokenizer::Tokenizer* tokenizer,
@@ -105,8 +106,6 @@ class ClusterBackend final : public GenerationBackend {
                  std::unique_ptr<AssignmentPolicy> prefill_policy,
                  std::unique_ptr<AssignmentPolicy> decode_policy);
 
-  void Run(std::shared_ptr<CallState> call, GenerationRequest request,
-           std::vector<int32_t> prompt_ids, GenerationObserver* observer);
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
 
   const ClusterBackendOptions options_;
@@ -114,7 +113,8 @@ class ClusterBackend final : public GenerationBackend {
   WorkerRegistry* const registry_;
   const std::unique_ptr<AssignmentPolicy> prefill_policy_;
   const std::unique_ptr<AssignmentPolicy> decode_policy_;
-  const std::shared_ptr<Shared> shared_;
+  // Live requests and counters; the request threads hold it too.
+  const std::shared_ptr<RequestBook> book_;
 
   absl::Mutex channels_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_

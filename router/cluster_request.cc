@@ -1,0 +1,562 @@
+#include "router/cluster_request.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kv/block_manager.h"
+#include "rpc/request_contract.h"
+#include "rpc/status_conversion.h"
+
+namespace pdserve::router {
+namespace {
+
+// The errors after which another worker may well succeed.
+bool Retryable(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsResourceExhausted(status) ||
+         absl::IsAborted(status);
+}
+
+absl::Status Annotate(const absl::Status& status, absl::string_view what,
+                      const std::string& address) {
+  return absl::Status(status.code(),
+                      absl::StrCat(what, " ", address, ": ", status.message()));
+}
+
+FinishReason MapFinish(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_STOP:
+      return FinishReason::kStop;
+    case v1::FINISH_REASON_LENGTH:
+      return FinishReason::kLength;
+    case v1::FINISH_REASON_CANCELLED:
+      return FinishReason::kCancelled;
+    case v1::FINISH_REASON_ERROR:
+      return FinishReason::kError;
+    default:
+      return FinishReason::kNone;
+  }
+}
+
+uint64_t NewWireId() {
+  // Random, not a counter: several routers share the workers, and a collision
+  // (ALREADY_EXISTS) would only cost a retry.
+  thread_local absl::BitGen gen;
+  return absl::Uniform<uint64_t>(gen, 1, UINT64_MAX);
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Time request_deadline,
+                                               absl::Duration bound) {
+  return absl::ToChronoTime(std::min(request_deadline, absl::Now() + bound));
+}
+
+}  // namespace
+
+void RequestCancellation::Cancel() {
+  cancelled_.store(true);
+  absl::MutexLock lock(&mu_);
+  if (active_ != nullptr) active_->TryCancel();
+}
+
+bool RequestCancellation::Enter(grpc::ClientContext* context) {
+  absl::MutexLock lock(&mu_);
+  if (cancelled_.load()) return false;
+  active_ = context;
+  return true;
+}
+
+void RequestCancellation::Leave() {
+  absl::MutexLock lock(&mu_);
+  active_ = nullptr;
+}
+
+RequestMode ModeFor(const GenerationRequest& request, bool colocated) {
+  const bool score_only = request.max_tokens == 0;
+  const bool scored = request.echo && request.logprobs;
+  if (score_only && !scored) return RequestMode::kEchoOnly;
+  if (colocated) return RequestMode::kColocated;
+  return score_only ? RequestMode::kScoreOnPrefill
+                    : RequestMode::kDisaggregated;
+}
+
+ClusterRequest::ClusterRequest(
+    const ClusterServices& services,
+    std::shared_ptr<RequestCancellation> cancellation,
+    GenerationRequest request, std::vector<int32_t> prompt_ids,
+    GenerationObserver* observer)
+    : services_(services),
+      options_(services.options),
+      metrics_(services.options.metrics),
+      cancellation_(std::move(cancellation)),
+      request_(std::move(request)),
+      prompt_ids_(std::move(prompt_ids)),
+      observer_(observer),
+      mode_(ModeFor(request_, options_.colocated)),
+      submit_scored_(request_.echo && request_.logprobs),
+      block_hashes_(kv::FullBlockHashes(prompt_ids_, options_.block_size)),
+      started_(absl::Now()) {
+  rpc::SamplingToWire(request_.sampling, &sampling_);
+  usage_.prompt_tokens = static_cast<int32_t>(prompt_ids_.size());
+}
+
+bool ClusterRequest::UsesDecode() const {
+  // A request that only scores its prompt on a prefill group needs no decode
+  // worker and its KV goes nowhere. (Colocated, the decode worker is what
+  // scores it.)
+  return mode_ == RequestMode::kDisaggregated ||
+         mode_ == RequestMode::kColocated;
+}
+
+void ClusterRequest::Run() {
+  if (metrics_ != nullptr) {
+    metrics_->SetQueued(services_.book.awaiting_first_token.fetch_add(1) + 1);
+  }
+  if (mode_ == RequestMode::kEchoOnly) {
+    // Echo of the prompt with nothing to generate or score: no worker needed.
+    ResetEcho();
+    FinishWithEcho();
+    return;
+  }
+  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
+    ResetEcho();  // a retry scores the prompt again
+    if (attempt > 0) {
+      if (metrics_ != nullptr) metrics_->OnRetry(retry_side_);
+      absl::MutexLock lock(&services_.book.mu);
+      ++services_.book.stats.retries;
+    }
+    if (cancellation_->cancelled()) {
+      Finish(absl::CancelledError("cancelled"));
+      return;
+    }
+    if (absl::Now() >= request_.deadline) {
+      Finish(absl::DeadlineExceededError(
+          absl::StrCat("deadline exceeded before the first token (last error: ",
+                       last_error_.message(), ")")));
+      return;
+    }
+    attempt_ = attempt;
+    Attempt a;
+    a.wire_id = NewWireId();
+    const Next next = RunAttempt(a);
+    if (next == Next::kDone) return;
+  }
+  Finish(absl::UnavailableError(
+      absl::StrCat("gave up after ", options_.max_attempts,
+                   " attempts; last error: ", last_error_.message())));
+}
+
+ClusterRequest::Next ClusterRequest::RunAttempt(Attempt& a) {
+  if (UsesDecode()) {
+    if (Next next = AdmitOnDecode(a); next != Next::kContinue) return next;
+  }
+  // From here on the decode worker (if any) holds KV blocks for the wire id:
+  // every exit path below frees them (Abort), unless the stream finished.
+  a.prefill_returned_at = absl::Now();
+  if (mode_ != RequestMode::kColocated) {
+    if (Next next = PrefillOnGroup(a); next != Next::kContinue) return next;
+  }
+  return StreamFromDecode(a);
+}
+
+ClusterRequest::Next ClusterRequest::Failed(const absl::Status& status,
+                                            const char* who,
+                                            const std::string& address,
+                                            bool retry) {
+  last_error_ = Annotate(status, who, address);
+  if (absl::IsUnavailable(status)) {
+    services_.registry.MarkUnhealthy(address, std::string(status.message()));
+  }
+  if (absl::IsDeadlineExceeded(status) && absl::Now() >= request_.deadline) {
+    return Finish(last_error_);
+  }
+  if (retry && Retryable(status)) return Next::kRetry;
+  return Finish(last_error_);
+}
+
+ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
+  const AssignmentContext assignment{block_hashes_};
+  absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
+      WorkerRole::kDecode, services_.decode_policy, assignment);
+  if (!lease.ok()) {
+    // No decode worker at all: retrying cannot help. After a failed attempt
+    // the earlier error says more than "none left".
+    return Finish(attempt_ == 0
+                      ? lease.status()
+                      : absl::UnavailableError(absl::StrCat(
+                            lease.status().message(),
+                            "; last error: ", last_error_.message())));
+  }
+  a.decode_address = lease->address();
+  if (metrics_ != nullptr) {
+    metrics_->OnRouting(std::string(services_.decode_policy.name()), "decode",
+                        a.decode_address);
+  }
+  retry_side_ = "decode";
+  a.decode = v1::DecodeWorker::NewStub(services_.channel_for(a.decode_address));
+
+  const bool score_only = request_.max_tokens == 0;
+  v1::AdmitRequest admit_request;
+  admit_request.set_request_id(a.wire_id);
+  admit_request.mutable_prompt_ids()->Add(prompt_ids_.begin(),
+                                          prompt_ids_.end());
+  // Colocated scoring only: the worker prefills (and scores) the prompt and
+  // samples one token, which is not returned.
+  admit_request.set_max_tokens(score_only ? 1 : request_.max_tokens);
+  admit_request.set_include_prompt_logprobs(mode_ == RequestMode::kColocated &&
+                                            submit_scored_);
+  *admit_request.mutable_sampling() = sampling_;
+  for (const std::string& s : request_.stop) admit_request.add_stop(s);
+  admit_request.set_ignore_eos(request_.ignore_eos);
+  admit_request.set_local_prefill(mode_ == RequestMode::kColocated);
+  admit_request.set_include_logprobs(request_.logprobs);
+  admit_request.set_top_logprobs(request_.top_logprobs);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(request_.deadline, options_.rpc_timeout));
+  if (!cancellation_->Enter(&context)) {
+    return Finish(absl::CancelledError("cancelled"));
+  }
+  const absl::Status s =
+      rpc::FromGrpcStatus(a.decode->Admit(&context, admit_request, &a.admit));
+  cancellation_->Leave();
+  if (!s.ok()) {
+    if (cancellation_->cancelled()) {
+      AbortDecode(a);  // the Admit may have landed: free it
+      return Finish(absl::CancelledError("cancelled"));
+    }
+    // (Never past the deadline here: an Admit deadline is the rpc bound.)
+    last_error_ = Annotate(s, "decode worker", a.decode_address);
+    if (absl::IsUnavailable(s)) {
+      services_.registry.MarkUnhealthy(a.decode_address,
+                                       std::string(s.message()));
+    }
+    return Retryable(s) ? Next::kRetry : Finish(last_error_);
+  }
+  usage_.cached_prompt_tokens = static_cast<int32_t>(a.admit.cached_tokens());
+  return Next::kContinue;
+}
+
+ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
+  // TTFT phases (metrics): colocated requests have no prefill call, their
+  // whole TTFT counts as the first step.
+  const AssignmentContext assignment{block_hashes_};
+  absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
+      WorkerRole::kPrefill, services_.prefill_policy, assignment);
+  if (!lease.ok()) {
+    AbortDecode(a);
+    return Finish(lease.status());
+  }
+  const std::string address = lease->address();
+  if (metrics_ != nullptr) {
+    metrics_->OnRouting(std::string(services_.prefill_policy.name()), "prefill",
+                        address);
+  }
+  retry_side_ = "prefill";
+  auto prefill = v1::PrefillGroup::NewStub(services_.channel_for(address));
+  v1::PrefillSubmitRequest submit;
+  submit.set_request_id(a.wire_id);
+  submit.mutable_prompt_ids()->Add(prompt_ids_.begin(), prompt_ids_.end());
+  *submit.mutable_sampling() = sampling_;
+  submit.set_top_logprobs(request_.top_logprobs);
+  submit.set_prompt_logprobs(submit_scored_);
+  if (mode_ == RequestMode::kDisaggregated) {
+    v1::PrefillDestination* destination = submit.mutable_destination();
+    destination->set_decode_address(a.decode_address);
+    destination->set_cached_tokens(a.admit.cached_tokens());
+    *destination->mutable_ranks() = a.admit.ranks();
+  }
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(request_.deadline, options_.prefill_timeout));
+  if (!cancellation_->Enter(&context)) {
+    AbortDecode(a);
+    return Finish(absl::CancelledError("cancelled"));
+  }
+  const absl::Time submitted_at = absl::Now();
+  v1::PrefillSubmitResponse prefilled;
+  const absl::Status s =
+      rpc::FromGrpcStatus(prefill->Prefill(&context, submit, &prefilled));
+  a.prefill_returned_at = absl::Now();
+  cancellation_->Leave();
+  if (!s.ok()) {
+    // Stop the group's work for this request (it may still be running when
+    // our side gave up) and free the decode side's blocks.
+    grpc::ClientContext cancel_context;
+    cancel_context.set_deadline(
+        Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+    v1::PrefillCancelRequest cancel;
+    cancel.set_request_id(a.wire_id);
+    v1::PrefillCancelResponse ignored;
+    (void)prefill->Cancel(&cancel_context, cancel, &ignored);
+    AbortDecode(a);
+    if (cancellation_->cancelled()) {
+      return Finish(absl::CancelledError("cancelled"));
+    }
+    return Failed(s, "prefill group", address, /*retry=*/true);
+  }
+  usage_.cached_prompt_tokens = static_cast<int32_t>(
+      std::max<int64_t>(a.admit.cached_tokens(), prefilled.cached_tokens()));
+  timing_.queue_seconds = prefilled.queue_seconds();
+  timing_.prefill_seconds =
+      prefilled.prefill_seconds() + prefilled.notify_seconds();
+  a.breakdown.queue = absl::ToDoubleSeconds(submitted_at - started_) +
+                      prefilled.queue_seconds();
+  a.breakdown.prefill = prefilled.prefill_seconds();
+  a.breakdown.kv_transfer = prefilled.notify_seconds();
+  if (submit_scored_) {
+    const absl::Status scored = TakeScores(
+        prefilled.prompt_logprobs(), absl::StrCat("prefill group ", address));
+    if (!scored.ok()) {
+      AbortDecode(a);
+      return Finish(scored);
+    }
+  }
+  // Nothing to generate: the prompt's numbers are the whole answer.
+  if (mode_ == RequestMode::kScoreOnPrefill) return FinishWithEcho();
+  return Next::kContinue;
+}
+
+ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
+  grpc::ClientContext context;
+  if (request_.deadline != absl::InfiniteFuture()) {
+    context.set_deadline(absl::ToChronoTime(request_.deadline));
+  }
+  if (!cancellation_->Enter(&context)) {
+    AbortDecode(a);
+    return Finish(absl::CancelledError("cancelled"));
+  }
+  v1::StreamTokensRequest stream_request;
+  stream_request.set_request_id(a.wire_id);
+  std::unique_ptr<grpc::ClientReader<v1::DecodeDelta>> reader =
+      a.decode->StreamTokens(&context, stream_request);
+  // Ends the stream early (this side found the worker's answer wrong) and
+  // frees the request at the worker.
+  auto abandon = [&](absl::Status why) {
+    context.TryCancel();
+    (void)reader->Finish();
+    cancellation_->Leave();
+    AbortDecode(a);
+    return Finish(std::move(why));
+  };
+  const bool score_only = request_.max_tokens == 0;
+  v1::DecodeDelta in;
+  bool finished = false;
+  bool restore_space = false;  // echo: see below
+  // Colocated: the decode worker scored the prompt; its numbers ride on the
+  // first delta.
+  bool awaiting_scores = mode_ == RequestMode::kColocated && submit_scored_;
+  while (reader->Read(&in)) {
+    if (awaiting_scores) {
+      awaiting_scores = false;
+      const absl::Status s =
+          TakeScores(in.prompt_logprobs(),
+                     absl::StrCat("decode worker ", a.decode_address));
+      if (!s.ok()) return abandon(s);
+    }
+    if (score_only) {
+      // The token sampled after the scored prompt is not part of the answer;
+      // the stream ends after it (max_tokens 1).
+      if (!in.finished()) continue;
+      (void)reader->Finish();
+      cancellation_->Leave();
+      return FinishWithEcho();
+    }
+    GenerationDelta out;
+    out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
+    out.text = in.text();
+    if (request_.logprobs) {
+      if (in.logprobs_size() != in.token_ids_size()) {
+        last_error_ = absl::InternalError(absl::StrCat(
+            "decode worker ", a.decode_address, " sent ", in.logprobs_size(),
+            " logprobs for ", in.token_ids_size(), " tokens"));
+        return abandon(last_error_);
+      }
+      out.logprobs.reserve(in.logprobs_size());
+      for (int k = 0; k < in.logprobs_size(); ++k) {
+        out.logprobs.push_back(ToTokenLogprob(in.token_ids(k), in.logprobs(k)));
+      }
+    }
+    usage_.completion_tokens += static_cast<int32_t>(out.token_ids.size());
+    const absl::Duration since_start = absl::Now() - started_;
+    if (!out.token_ids.empty()) {
+      const absl::Time now = absl::Now();
+      if (first_token_at_ == absl::InfinitePast()) {
+        first_token_at_ = now;
+        timing_.time_to_first_token_seconds =
+            absl::ToDoubleSeconds(since_start);
+        FirstTokenReached();
+        if (metrics_ != nullptr) {
+          metrics_->ObserveTtft(timing_.time_to_first_token_seconds);
+          a.breakdown.first_step =
+              absl::ToDoubleSeconds(now - a.prefill_returned_at);
+          metrics_->ObserveTtftBreakdown(a.breakdown);
+        }
+      } else if (metrics_ != nullptr) {
+        // A speculative step delivers several tokens at once: spread the gap
+        // over them, as a client reading tokens sees it.
+        const double per_token = absl::ToDoubleSeconds(now - last_token_at_) /
+                                 static_cast<double>(out.token_ids.size());
+        for (size_t k = 0; k < out.token_ids.size(); ++k) {
+          metrics_->ObserveItl(per_token);
+        }
+      }
+      last_token_at_ = now;
+    }
+    if (in.finished()) {
+      finished = true;
+      out.finished = true;
+      out.finish_reason = MapFinish(in.finish_reason());
+      out.usage = usage_;
+      timing_.total_seconds = absl::ToDoubleSeconds(since_start);
+      out.timing = timing_;
+    }
+    const bool first_tokens =
+        !out.token_ids.empty() &&
+        usage_.completion_tokens == static_cast<int32_t>(out.token_ids.size());
+    if (request_.echo && services_.tokenizer != nullptr && first_tokens) {
+      absl::StatusOr<std::string> bytes =
+          services_.tokenizer->TokenBytes(out.token_ids[0]);
+      restore_space = bytes.ok() && absl::StartsWith(*bytes, " ");
+    }
+    if (restore_space && !out.text.empty()) {
+      // The worker decodes the continuation on its own, dropping its first
+      // word's space (SentencePiece's dummy prefix); after the echoed prompt
+      // that space separates the two.
+      if (!absl::StartsWith(out.text, " ")) out.text.insert(0, " ");
+      restore_space = false;
+    }
+    if (echo_.has_value()) out.echo = std::move(echo_);  // first delta only
+    echo_.reset();
+    if (out.finished || !out.token_ids.empty() || !out.text.empty() ||
+        out.echo.has_value()) {
+      delivered_ = true;
+      observer_->OnDelta(std::move(out));
+    }
+    if (finished) break;
+  }
+  absl::Status s = rpc::FromGrpcStatus(reader->Finish());
+  cancellation_->Leave();
+  if (finished) return Finish(absl::OkStatus());
+  if (cancellation_->cancelled()) {
+    AbortDecode(a);  // the cancelled stream aborted it already; be sure
+    return Finish(absl::CancelledError("cancelled"));
+  }
+  if (s.ok()) {
+    s = absl::InternalError("token stream ended without a finished item");
+  }
+  AbortDecode(a);
+  retry_side_ = "decode";
+  return Failed(s, "decode worker", a.decode_address,
+                /*retry=*/!delivered_);
+}
+
+void ClusterRequest::AbortDecode(const Attempt& a) {
+  if (a.decode == nullptr) return;
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
+  v1::AbortRequest abort;
+  abort.set_request_id(a.wire_id);
+  v1::AbortResponse ignored;
+  (void)a.decode->Abort(&context, abort, &ignored);
+}
+
+void ClusterRequest::ResetEcho() {
+  echo_.reset();
+  if (!request_.echo) return;
+  echo_.emplace();
+  if (request_.prompt_text.has_value()) {
+    echo_->text = *request_.prompt_text;
+  } else if (services_.tokenizer != nullptr) {
+    absl::StatusOr<std::string> text = services_.tokenizer->Decode(prompt_ids_);
+    if (text.ok()) echo_->text = *std::move(text);
+  }
+}
+
+TokenAlternative ClusterRequest::Alternative(int32_t id, float logprob) const {
+  // Token text for logprob listings; a worker's id outside the vocabulary
+  // keeps its id and no text rather than failing the stream.
+  TokenAlternative out{id, logprob, {}};
+  if (services_.tokenizer != nullptr) {
+    absl::StatusOr<std::string> bytes = services_.tokenizer->TokenBytes(id);
+    if (bytes.ok()) out.bytes = *std::move(bytes);
+    out.control = services_.tokenizer->IsControl(id);
+  }
+  return out;
+}
+
+TokenLogprob ClusterRequest::ToTokenLogprob(int32_t id,
+                                            const v1::TokenLogprob& l) const {
+  const engine::TokenLogprobs wire = rpc::LogprobsFromWire(l);
+  TokenLogprob entry;
+  entry.chosen = Alternative(id, wire.logprob);
+  for (const engine::TopLogprob& t : wire.top) {
+    entry.top.push_back(Alternative(t.token, t.logprob));
+  }
+  return entry;
+}
+
+absl::Status ClusterRequest::TakeScores(
+    const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& scores,
+    const std::string& who) {
+  if (scores.size() + 1 != static_cast<int>(prompt_ids_.size())) {
+    return absl::InternalError(absl::StrCat(who, " scored ", scores.size(),
+                                            " prompt tokens of ",
+                                            prompt_ids_.size() - 1));
+  }
+  echo_->first_token = Alternative(prompt_ids_[0], 0.0f);
+  for (int k = 0; k < scores.size(); ++k) {
+    echo_->scored_tokens.push_back(
+        ToTokenLogprob(prompt_ids_[k + 1], scores[k]));
+  }
+  return absl::OkStatus();
+}
+
+void ClusterRequest::FirstTokenReached() {
+  if (!awaiting_first_) return;
+  awaiting_first_ = false;
+  if (metrics_ != nullptr) {
+    metrics_->SetQueued(services_.book.awaiting_first_token.fetch_sub(1) - 1);
+  }
+}
+
+ClusterRequest::Next ClusterRequest::Finish(absl::Status status) {
+  FirstTokenReached();
+  if (metrics_ != nullptr && status.ok()) {
+    metrics_->ObserveE2e(absl::ToDoubleSeconds(absl::Now() - started_));
+    if (usage_.completion_tokens >= 2) {
+      metrics_->ObserveTpot(
+          absl::ToDoubleSeconds(last_token_at_ - first_token_at_) /
+          (usage_.completion_tokens - 1));
+    }
+    metrics_->OnTokens(usage_.prompt_tokens, usage_.completion_tokens);
+  }
+  {
+    absl::MutexLock lock(&services_.book.mu);
+    ClusterBackendStats& stats = services_.book.stats;
+    if (status.ok()) {
+      ++stats.succeeded;
+    } else if (absl::IsCancelled(status)) {
+      ++stats.cancelled;
+    } else {
+      ++stats.failed;
+    }
+  }
+  observer_->OnDone(std::move(status));
+  return Next::kDone;
+}
+
+ClusterRequest::Next ClusterRequest::FinishWithEcho() {
+  GenerationDelta out;
+  out.echo = std::move(echo_);
+  out.finished = true;
+  out.finish_reason = FinishReason::kLength;
+  out.usage = usage_;
+  timing_.total_seconds = absl::ToDoubleSeconds(absl::Now() - started_);
+  out.timing = timing_;
+  observer_->OnDelta(std::move(out));
+  return Finish(absl::OkStatus());
+}
+
+}  // namespace pdserve::router
