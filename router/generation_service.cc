@@ -93,6 +93,60 @@ absl::StatusOr<GenerationRequest> PrepareRequest(
   return generation;
 }
 
+// What a reactor keeps of its request (set before the backend starts it, so
+// before any backend callback).
+struct StartedRequest {
+  std::string request_id;
+  int32_t top_logprobs = 0;
+  bool logprobs = false;
+  static StartedRequest Of(const GenerationRequest& r) {
+    return {r.request_id, r.top_logprobs, r.logprobs};
+  }
+};
+
+// A reactor's backend call, and the race between starting it and the client
+// cancelling: gRPC may call OnCancel before Start() returned, so whichever
+// of Set and Cancel comes second cancels the call.
+class CallSlot {
+ public:
+  void Set(std::shared_ptr<GenerationCall> call) {
+    bool cancel = false;
+    {
+      absl::MutexLock lock(&mu_);
+      call_ = call;
+      cancel = cancelled_;
+    }
+    if (cancel) call->Cancel();
+  }
+  // Cancels the call now, or as soon as it is set. Never blocks.
+  void Cancel() {
+    std::shared_ptr<GenerationCall> call;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      call = call_;
+    }
+    if (call != nullptr) call->Cancel();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::shared_ptr<GenerationCall> call_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Starts `request` with `observer` and puts the call in `slot`: what both
+// reactors do once the request is prepared. On error no backend callback
+// will come.
+absl::Status StartInto(GenerationBackend* backend, GenerationRequest request,
+                       GenerationObserver* observer, CallSlot* slot) {
+  absl::StatusOr<std::unique_ptr<GenerationCall>> call =
+      backend->Start(std::move(request), observer);
+  if (!call.ok()) return call.status();
+  slot->Set(std::move(call).value());
+  return absl::OkStatus();
+}
+
 // Reference count shared by gRPC (released in OnDone) and the backend
 // (released in its OnDone): whoever is last deletes the reactor.
 class TwoOwners {
@@ -122,24 +176,12 @@ class GenerateReactor final
       FailBeforeStart(generation.status());
       return;
     }
-    request_id_ = generation->request_id;
-    top_logprobs_ = generation->top_logprobs;
-    logprobs_ = generation->logprobs;
-    absl::StatusOr<std::unique_ptr<GenerationCall>> call =
-        backend->Start(std::move(generation).value(), this);
-    if (!call.ok()) {
-      FailBeforeStart(call.status());
-      return;
+    request_ = StartedRequest::Of(*generation);
+    if (absl::Status s =
+            StartInto(backend, *std::move(generation), this, &call_);
+        !s.ok()) {
+      FailBeforeStart(s);
     }
-    std::shared_ptr<GenerationCall> started = std::move(call).value();
-    bool cancel = false;
-    {
-      absl::MutexLock lock(&mu_);
-      call_ = started;
-      cancel = cancelled_;
-    }
-    // OnCancel may have run before call_ was set.
-    if (cancel) started->Cancel();
   }
 
   // --- backend side (any thread) ---
@@ -147,8 +189,8 @@ class GenerateReactor final
     absl::MutexLock lock(&mu_);
     if (finished_) return;
     v1::GenerateResponse& item = queue_.emplace_back();
-    item.set_request_id(request_id_);
-    AppendDelta(delta, top_logprobs_, logprobs_, &item);
+    item.set_request_id(request_.request_id);
+    AppendDelta(delta, request_.top_logprobs, request_.logprobs, &item);
     if (!write_in_flight_) {
       write_in_flight_ = true;
       StartWrite(&queue_.front());
@@ -167,7 +209,7 @@ class GenerateReactor final
 
   // --- gRPC side ---
   void OnWriteDone(bool ok) override {
-    std::shared_ptr<GenerationCall> cancel;
+    bool cancel = false;
     {
       absl::MutexLock lock(&mu_);
       write_in_flight_ = false;
@@ -175,7 +217,7 @@ class GenerateReactor final
       if (!ok) {
         // The stream is broken (client gone): stop the generation.
         FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "stream broken"));
-        cancel = call_;
+        cancel = true;
       } else if (finished_) {
         // OnCancel finished the call meanwhile; drop the rest.
       } else if (!queue_.empty()) {
@@ -185,18 +227,17 @@ class GenerateReactor final
         FinishOnce(rpc::ToGrpcStatus(backend_status_));
       }
     }
-    if (cancel != nullptr) cancel->Cancel();
+    if (cancel) call_.Cancel();
   }
 
   void OnCancel() override {
-    std::shared_ptr<GenerationCall> cancel;
+    bool cancel = false;
     {
       absl::MutexLock lock(&mu_);
-      cancelled_ = true;
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      if (!backend_done_) cancel = call_;
+      cancel = !backend_done_;
     }
-    if (cancel != nullptr) cancel->Cancel();
+    if (cancel) call_.Cancel();
   }
 
   void OnDone() override {
@@ -223,19 +264,16 @@ class GenerateReactor final
   }
 
   TwoOwners owners_;
-  std::string request_id_;
-  int32_t top_logprobs_ = 0;
-  bool logprobs_ = false;
+  CallSlot call_;
+  StartedRequest request_;  // set before any callback can come
   absl::Mutex mu_;
   // Items not yet written; the front one is being written when
   // write_in_flight_ (deque: push_back keeps the front's address stable).
   std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool backend_done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status backend_status_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<GenerationCall> call_ ABSL_GUARDED_BY(mu_);
 };
 
 // ---------------------------------------------------------------------------
@@ -257,28 +295,23 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
       FailBeforeStart(generation.status());
       return;
     }
-    response_->set_request_id(generation->request_id);
-    top_logprobs_ = generation->top_logprobs;
-    logprobs_ = generation->logprobs;
-    absl::StatusOr<std::unique_ptr<GenerationCall>> call =
-        backend->Start(std::move(generation).value(), this);
-    if (!call.ok()) {
-      FailBeforeStart(call.status());
-      return;
-    }
-    std::shared_ptr<GenerationCall> started = std::move(call).value();
-    bool cancel = false;
+    request_ = StartedRequest::Of(*generation);
     {
       absl::MutexLock lock(&mu_);
-      call_ = started;
-      cancel = cancelled_;
+      response_->set_request_id(request_.request_id);
     }
-    if (cancel) started->Cancel();
+    if (absl::Status s =
+            StartInto(backend, *std::move(generation), this, &call_);
+        !s.ok()) {
+      FailBeforeStart(s);
+    }
   }
 
   void OnDelta(GenerationDelta delta) override {
     absl::MutexLock lock(&mu_);
-    if (!finished_) AppendDelta(delta, top_logprobs_, logprobs_, response_);
+    if (!finished_) {
+      AppendDelta(delta, request_.top_logprobs, request_.logprobs, response_);
+    }
   }
 
   void OnDone(absl::Status status) override {
@@ -290,14 +323,11 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
   }
 
   void OnCancel() override {
-    std::shared_ptr<GenerationCall> cancel;
     {
       absl::MutexLock lock(&mu_);
-      cancelled_ = true;
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      cancel = call_;
     }
-    if (cancel != nullptr) cancel->Cancel();
+    call_.Cancel();
   }
 
   void OnDone() override {
@@ -321,14 +351,12 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
   }
 
   TwoOwners owners_;
-  int32_t top_logprobs_ = 0;
-  bool logprobs_ = false;
+  CallSlot call_;
+  StartedRequest request_;  // set before any callback can come
   absl::Mutex mu_;
   // Owned by gRPC; written only before Finish().
   v1::GenerateResponse* const response_ ABSL_PT_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  std::shared_ptr<GenerationCall> call_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
