@@ -13,6 +13,8 @@
 #include "common/closable_queue.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "decode/scheduled_request.h"
+#include "decode/step_planner.h"
 #include "engine/engine_backend.h"
 #include "engine/llama_engine.h"
 #include "kv/sequence_blocks.h"
@@ -43,37 +45,8 @@ const char* FinishReasonName(FinishReason reason) {
 
 namespace {
 
-enum class Phase { kAwaitingKv, kWaiting, kRunning };
-
-// Owned by the scheduler thread once it leaves the inbox.
-struct Request {
-  uint64_t id = 0;
-  RequestParams params;
-  std::shared_ptr<StreamCallback> callback;
-  size_t prompt_len = 0;
-  std::vector<int32_t> history;  // prompt + generated
-  int64_t generated = 0;
-  std::optional<kv::KvSequence> sequence;
-  // Positions whose KV is complete; a running request feeds
-  // history[kv_tokens, history.size()) next.
-  int64_t kv_tokens = 0;
-  // Prompt positions a remote prefill writes (the rest were a cached prefix).
-  int64_t prefilled_from = 0;
-  Phase phase = Phase::kWaiting;
-  absl::Time lease_deadline = absl::InfiniteFuture();
-  std::unique_ptr<tokenizer::IncrementalDetokenizer> detokenizer;
-  std::string text;  // generated text (cut at a stop string)
-  size_t sent = 0;   // bytes of `text` streamed
-  speculative::AdaptiveGamma gamma;
-  // RequestParams::prompt_logprobs: entry k scores prompt token k + 1;
-  // complete at prompt_len - 1 entries, handed to the first delta.
-  std::vector<engine::TokenLogprobs> prompt_scores;
-  bool prompt_scores_sent = false;
-  bool scoring() const {
-    return params.prompt_logprobs && !prompt_scores_sent &&
-           prompt_scores.size() + 1 < prompt_len;
-  }
-};
+// The scheduler's view of a request (scheduled_request.h).
+using Request = ScheduledRequest;
 
 struct Command {
   enum Kind { kAbort, kKvComplete, kFail } kind;
@@ -86,14 +59,6 @@ struct Command {
 struct Delivery {
   std::shared_ptr<StreamCallback> callback;
   TokenDelta delta;
-};
-
-// One forward step as every rank sees it. Owns the storage the batch's spans
-// point into; lives until every rank reported back.
-struct StepWork {
-  std::vector<std::vector<int32_t>> tokens;
-  std::vector<std::vector<int32_t>> tables;
-  engine::ForwardBatch batch;
 };
 
 struct RankDone {
@@ -114,18 +79,6 @@ struct Rank {
   std::unique_ptr<kv::KvPool> landing;
   std::unique_ptr<ClosableQueue<std::shared_ptr<const StepWork>>> work;
   std::thread thread;
-};
-
-// What one request contributes to the current step.
-struct Planned {
-  Request* request = nullptr;
-  int history_feed = 0;  // tokens of history fed
-  std::vector<int32_t> drafts;
-  std::vector<std::vector<float>> draft_probs;
-  bool wants_logits = false;
-  // Leading rows (positions kv_tokens ..) whose logits only score the
-  // prompt (Request::scoring): they precede the wants_logits rows.
-  int score_rows = 0;
 };
 
 absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
@@ -256,7 +209,23 @@ struct DecodeWorker::Impl {
   void CheckLeases();
   void AdmitWaiting();
   void Preempt(Request* r);
+  // One step: propose, plan, build (step_planner.h), run on every rank,
+  // apply each planned request's rows.
   void RunStep();
+  // What a step carries from running it to applying its results.
+  struct StepContext {
+    LogitsObserver observer;
+    speculative::VerifyOptions verify;
+    bool argmax_only = false;
+    std::vector<float> logits;    // rank 0's rows, plan order
+    std::vector<int32_t> argmax;  // one per row
+    StepStats stats;
+  };
+  absl::Status RunOnRanks(const std::shared_ptr<StepWork>& work,
+                          StepContext* step);
+  // Scores the request's prompt rows, samples or verifies its token rows,
+  // rolls back rejected drafts, streams; advances `row` past its rows.
+  void ApplyPlanned(Planned& p, StepContext& step, size_t* row);
   // Appends output tokens (with their logprobs when the request asked: one
   // per token), streams the delta; true if the request finished.
   bool AppendTokens(Request* r, std::span<const int32_t> tokens,
@@ -507,11 +476,10 @@ void DecodeWorker::Impl::ApplyCommand(const Command& c) {
         Finish(r, FinishReason::kError, staged);
         return;
       }
-      r->kv_tokens = static_cast<int64_t>(r->history.size());
       r->phase = Phase::kRunning;
       r->lease_deadline = absl::InfiniteFuture();
       // The prompt's KV is now complete: its full blocks may be shared.
-      (void)r->sequence->PublishFullBlocks(r->history);
+      r->PromptKvLanded();
       running.push_back(r);
       const int32_t token = c.token;
       // The prefill may report more alternatives than this request wants.
@@ -579,15 +547,9 @@ void DecodeWorker::Impl::AdmitWaiting() {
     // FIFO: the head waits until enough KV frees up (a later, smaller request
     // does not overtake it, so it cannot starve).
     if (manager->available_blocks() < need_blocks) break;
-    if (r->scoring()) {
-      // Every prompt position's logits are needed: a cached prefix has none.
-      r->sequence.emplace(manager.get());
-      r->kv_tokens = 0;
-    } else {
-      auto start = kv::KvSequence::StartWithPrefix(manager.get(), r->history);
-      r->sequence.emplace(std::move(start.sequence));
-      r->kv_tokens = start.cached_tokens;
-    }
+    // Every prompt position's logits are needed to score it: a cached prefix
+    // has none.
+    r->StartKv(manager.get(), /*reuse_prefix=*/!r->scoring());
     r->phase = Phase::kRunning;
     waiting.pop_front();
     running.push_back(r);
@@ -595,8 +557,7 @@ void DecodeWorker::Impl::AdmitWaiting() {
 }
 
 void DecodeWorker::Impl::Preempt(Request* r) {
-  r->sequence.reset();  // published blocks stay in the prefix cache
-  r->kv_tokens = 0;
+  r->DropKv();  // published blocks stay in the prefix cache
   r->phase = Phase::kWaiting;
   if (proposer) proposer->Forget(r->id);
   running.erase(std::find(running.begin(), running.end(), r));
@@ -605,252 +566,141 @@ void DecodeWorker::Impl::Preempt(Request* r) {
 }
 
 void DecodeWorker::Impl::RunStep() {
-  const int max_pos = config.max_position_embeddings;
-  // ---- Speculation: who proposes how much ---------------------------------
-  int decoding = 0;
-  for (Request* r : running)
-    decoding += r->kv_tokens + 1 == static_cast<int64_t>(r->history.size());
-  absl::flat_hash_map<Request*, speculative::Proposal> proposals;
-  if (proposer && decoding <= options.speculation.max_batch) {
-    std::vector<speculative::ProposalRequest> asks;
-    std::vector<Request*> askers;
-    for (Request* r : running) {
-      const int64_t len = static_cast<int64_t>(r->history.size());
-      if (r->kv_tokens + 1 != len) continue;
-      int64_t gamma = r->gamma.NextGamma();
-      // Never draft past max_new_tokens (the bonus token counts) or the
-      // context.
-      gamma =
-          std::min<int64_t>(gamma, r->params.max_new_tokens - r->generated - 1);
-      gamma = std::min<int64_t>(gamma, max_pos - len);
-      if (gamma <= 0) continue;
-      speculative::ProposalRequest a;
-      a.request_id = r->id;
-      a.history = r->history;
-      a.max_tokens = static_cast<int>(gamma);
-      a.sampling = r->params.sampling;
-      a.first_output_index = static_cast<uint64_t>(r->generated);
-      asks.push_back(a);
-      askers.push_back(r);
-    }
-    if (!asks.empty()) {
-      std::vector<speculative::Proposal> out;
-      absl::Status s = proposer->Propose(asks, &out);
-      if (s.ok()) {
-        for (size_t i = 0; i < askers.size(); ++i)
-          proposals[askers[i]] = std::move(out[i]);
-      } else {
-        PDS_LOG(WARNING) << "proposer " << proposer->name()
-                         << " failed, decoding without drafts: " << s;
-      }
-    }
-  }
-
-  // ---- Plan: oldest first, within the token budget and the KV ------------
-  std::vector<Planned> plan;
-  int budget = options.max_step_tokens;
-  for (size_t i = 0; i < running.size() && budget > 0; ++i) {
-    Request* r = running[i];
-    const int64_t len = static_cast<int64_t>(r->history.size());
-    Planned p;
-    p.request = r;
-    p.history_feed =
-        static_cast<int>(std::min<int64_t>(len - r->kv_tokens, budget));
-    p.wants_logits = r->kv_tokens + p.history_feed == len;
-    if (r->scoring()) {
-      // Positions before the last prompt token predict prompt tokens; the
-      // last one (wants_logits) predicts output token 0.
-      p.score_rows = p.history_feed - (p.wants_logits ? 1 : 0);
-    }
-    if (p.wants_logits && p.history_feed == 1) {
-      auto it = proposals.find(r);
-      if (it != proposals.end()) {
-        auto& prop = it->second;
-        const size_t keep = std::min<size_t>(prop.tokens.size(), budget - 1);
-        p.drafts.assign(prop.tokens.begin(), prop.tokens.begin() + keep);
-        if (!prop.probs.empty())
-          p.draft_probs.assign(prop.probs.begin(), prop.probs.begin() + keep);
-      }
-    }
-    const int feed = p.history_feed + static_cast<int>(p.drafts.size());
-    // KV for this step; preempt the youngest running requests until it fits.
-    bool preempted_self = false;
-    while (!r->sequence->Reserve(r->kv_tokens + feed).ok()) {
-      Request* victim = running.back();
-      if (victim == r) {
-        preempted_self = true;
-        break;
-      }
-      Preempt(victim);
-    }
-    if (preempted_self) {
-      Preempt(r);
-      break;  // r was the youngest: nobody after it
-    }
-    budget -= feed;
-    plan.push_back(std::move(p));
-  }
+  const StepLimits limits{options.max_step_tokens,
+                          options.speculation.max_batch,
+                          config.max_position_embeddings};
+  const Proposals proposals = ProposeDrafts(running, proposer.get(), limits);
+  std::vector<Planned> plan =
+      PlanStep(running, proposals, limits, [this](Request* r) { Preempt(r); });
   if (plan.empty()) return;
-
-  // ---- Build the batch every rank runs -------------------------------------
-  auto work = std::make_shared<StepWork>();
-  work->tokens.resize(plan.size());
-  work->tables.resize(plan.size());
-  for (size_t k = 0; k < plan.size(); ++k) {
-    const Planned& p = plan[k];
-    Request* r = p.request;
-    auto& tokens = work->tokens[k];
-    tokens.assign(r->history.begin() + r->kv_tokens,
-                  r->history.begin() + r->kv_tokens + p.history_feed);
-    tokens.insert(tokens.end(), p.drafts.begin(), p.drafts.end());
-    auto blocks = r->sequence->block_table();
-    work->tables[k].assign(blocks.begin(), blocks.end());
-    engine::SequenceStep step;
-    step.tokens = tokens;
-    step.num_tokens = static_cast<int>(tokens.size());
-    step.start_position = static_cast<int>(r->kv_tokens);
-    step.block_table = work->tables[k];
-    for (int q = 0; q < p.score_rows; ++q) step.logit_indices.push_back(q);
-    if (p.wants_logits) {
-      for (int q = p.history_feed - 1; q < step.num_tokens; ++q)
-        step.logit_indices.push_back(q);
-    }
-    work->batch.sequences.push_back(std::move(step));
-  }
-  // When every sampled row is greedy, nobody asked for logprobs and nobody
-  // watches the logits, the argmax of each row is all the step needs: a GPU
-  // engine then copies rows x 4 bytes instead of rows x vocab x 4.
-  LogitsObserver obs;
-  speculative::VerifyOptions verify_options;
+  StepContext step;
   {
     absl::MutexLock lock(&mu);
-    obs = observer;
-    verify_options.accept_all_for_test = accept_all;
+    step.observer = observer;
+    step.verify.accept_all_for_test = accept_all;
   }
-  bool argmax_only = !obs && !verify_options.accept_all_for_test;
-  for (const Planned& p : plan) {
-    if (p.score_rows > 0 ||
-        (p.wants_logits && (!p.request->params.sampling.greedy() ||
-                            p.request->params.wants_logprobs()))) {
-      argmax_only = false;
-    }
-  }
-  work->batch.argmax_only = argmax_only;
+  std::shared_ptr<StepWork> work =
+      BuildStepWork(plan, step.observer || step.verify.accept_all_for_test);
+  step.argmax_only = work->batch.argmax_only;
+
   const absl::Time step_start = absl::Now();
+  const absl::Status status = RunOnRanks(work, &step);
+  step.stats.seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+  step.stats.sequences = static_cast<int>(plan.size());
+  for (const Planned& p : plan) step.stats.tokens_fed += p.fed();
+  if (!status.ok()) {
+    // Requests were validated on entry, so this is a bug or a shutdown: fail
+    // the step's requests rather than the worker.
+    for (const Planned& p : plan) {
+      Finish(p.request, FinishReason::kError,
+             absl::InternalError(
+                 absl::StrCat("decode step failed: ", status.message())));
+    }
+    return;
+  }
+  size_t row = 0;  // logits/argmax rows are in plan order
+  for (Planned& p : plan) ApplyPlanned(p, step, &row);
+  if (options.step_observer) options.step_observer(step.stats);
+}
+
+absl::Status DecodeWorker::Impl::RunOnRanks(
+    const std::shared_ptr<StepWork>& work, StepContext* step) {
   for (auto& rank : ranks) rank.work->Push(work);
-  absl::Status step_status;
-  std::vector<float> logits;
-  std::vector<int32_t> argmax;
+  absl::Status status;
   double collective_seconds = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
     std::optional<RankDone> d = done.Pop();
     if (!d) {
-      step_status = absl::CancelledError("rank threads stopped");
+      status = absl::CancelledError("rank threads stopped");
       break;
     }
-    if (!d->status.ok() && step_status.ok()) step_status = d->status;
+    if (!d->status.ok() && status.ok()) status = d->status;
     if (d->rank == 0) {
-      logits = std::move(d->logits);
-      argmax = std::move(d->argmax);
+      step->logits = std::move(d->logits);
+      step->argmax = std::move(d->argmax);
     }
     collective_seconds += d->collective_seconds;
   }
   ++counters.steps;
   counters.allreduce_seconds = collective_seconds / ranks.size();
-  StepStats step_stats;
-  step_stats.seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-  step_stats.sequences = static_cast<int>(plan.size());
-  for (const Planned& p : plan)
-    step_stats.tokens_fed += p.history_feed + static_cast<int>(p.drafts.size());
-  if (!step_status.ok()) {
-    // Requests were validated on entry, so this is a bug or a shutdown: fail
-    // the step's requests rather than the worker.
-    for (const Planned& p : plan)
-      Finish(p.request, FinishReason::kError,
-             absl::InternalError(
-                 absl::StrCat("decode step failed: ", step_status.message())));
+  return status;
+}
+
+void DecodeWorker::Impl::ApplyPlanned(Planned& p, StepContext& step,
+                                      size_t* row) {
+  const int vocab = config.vocab_size;
+  Request* r = p.request;
+  for (int k = 0; k < p.score_rows; ++k, ++*row) {
+    // Position q predicts prompt token q + 1; positions scored before a
+    // preemption are computed again but not scored twice.
+    const int64_t q = r->kv_tokens + k;
+    if (q != static_cast<int64_t>(r->prompt_scores.size())) continue;
+    r->prompt_scores.push_back(engine::ComputeTokenLogprobs(
+        std::span<const float>(step.logits.data() + *row * vocab, vocab),
+        r->history[q + 1], r->params.top_logprobs));
+  }
+  if (!p.wants_logits) {
+    // A prefill chunk: its KV is final, nothing sampled.
+    r->KeepKv(r->kv_tokens + p.history_feed);
+    r->PublishKv();
     return;
   }
-
-  // ---- Sample / verify, roll back, stream ---------------------------------
-  const int vocab = config.vocab_size;
-  size_t row = 0;
-  for (Planned& p : plan) {
-    Request* r = p.request;
-    for (int k = 0; k < p.score_rows; ++k, ++row) {
-      // Position q predicts prompt token q + 1; positions scored before a
-      // preemption are computed again but not scored twice.
-      const int64_t q = r->kv_tokens + k;
-      if (q != static_cast<int64_t>(r->prompt_scores.size())) continue;
-      r->prompt_scores.push_back(engine::ComputeTokenLogprobs(
-          std::span<const float>(logits.data() + row * vocab, vocab),
-          r->history[q + 1], r->params.top_logprobs));
-    }
-    if (!p.wants_logits) {
-      r->kv_tokens += p.history_feed;
-      (void)r->sequence->Truncate(r->kv_tokens);
-      (void)r->sequence->PublishFullBlocks(
-          std::span<const int32_t>(r->history).first(r->kv_tokens));
-      continue;
-    }
-    const size_t rows = p.drafts.size() + 1;
-    std::span<const float> rows_logits;
-    absl::StatusOr<speculative::VerifyOutcome> outcome;
-    if (argmax_only) {
-      outcome = row + rows <= argmax.size()
-                    ? speculative::VerifyGreedyFromArgmax(
-                          std::span<const int32_t>(argmax).subspan(row, rows),
-                          p.drafts)
-                    : absl::InternalError("engine returned too few argmaxes");
-    } else {
-      rows_logits =
-          std::span<const float>(logits.data() + row * vocab, rows * vocab);
-      outcome = speculative::VerifyDraft(rows_logits, vocab, p.drafts,
-                                         p.draft_probs, r->params.sampling,
-                                         r->generated, verify_options);
-    }
-    row += rows;
-    if (!outcome.ok()) {
-      Finish(r, FinishReason::kError, outcome.status());
-      continue;
-    }
-    if (obs) {
-      for (size_t i = 0; i < outcome->tokens.size(); ++i)
-        obs(r->id, r->generated + static_cast<int64_t>(i),
-            rows_logits.subspan(i * vocab, vocab));
-    }
-    if (!p.drafts.empty()) {
-      r->gamma.Record(static_cast<int>(p.drafts.size()),
-                      outcome->accepted_drafts);
-      ++counters.spec_steps;
-      counters.drafted_tokens += static_cast<int64_t>(p.drafts.size());
-      counters.accepted_tokens += outcome->accepted_drafts;
-      counters.spec_emitted_tokens +=
-          static_cast<int64_t>(outcome->tokens.size());
-      step_stats.acceptance_lengths.push_back(
-          static_cast<int>(outcome->tokens.size()));
-    }
-    step_stats.output_tokens += static_cast<int>(outcome->tokens.size());
-    // KV is valid for the fed history and the accepted drafts; the rejected
-    // drafts' slots are rolled back.
-    r->kv_tokens += p.history_feed + outcome->accepted_drafts;
-    (void)r->sequence->Truncate(r->kv_tokens);
-    // Output i of a verify (accepted draft or the final token) was drawn
-    // from row i: its logprobs are that row's, as without speculation.
-    std::vector<engine::TokenLogprobs> token_logprobs;
-    if (r->params.wants_logprobs()) {
-      for (size_t i = 0; i < outcome->tokens.size(); ++i) {
-        token_logprobs.push_back(engine::ComputeTokenLogprobs(
-            rows_logits.subspan(i * vocab, vocab), outcome->tokens[i],
-            r->params.top_logprobs));
-      }
-    }
-    if (AppendTokens(r, outcome->tokens, token_logprobs)) continue;
-    // Only accepted tokens (whose KV is final) reach the prefix cache.
-    (void)r->sequence->PublishFullBlocks(
-        std::span<const int32_t>(r->history).first(r->kv_tokens));
+  const size_t rows = p.drafts.size() + 1;
+  std::span<const float> rows_logits;
+  absl::StatusOr<speculative::VerifyOutcome> outcome;
+  if (step.argmax_only) {
+    outcome =
+        *row + rows <= step.argmax.size()
+            ? speculative::VerifyGreedyFromArgmax(
+                  std::span<const int32_t>(step.argmax).subspan(*row, rows),
+                  p.drafts)
+            : absl::InternalError("engine returned too few argmaxes");
+  } else {
+    rows_logits =
+        std::span<const float>(step.logits.data() + *row * vocab, rows * vocab);
+    outcome =
+        speculative::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
+                                 r->params.sampling, r->generated, step.verify);
   }
-  if (options.step_observer) options.step_observer(step_stats);
+  *row += rows;
+  if (!outcome.ok()) {
+    Finish(r, FinishReason::kError, outcome.status());
+    return;
+  }
+  if (step.observer) {
+    for (size_t i = 0; i < outcome->tokens.size(); ++i) {
+      step.observer(r->id, r->generated + static_cast<int64_t>(i),
+                    rows_logits.subspan(i * vocab, vocab));
+    }
+  }
+  if (!p.drafts.empty()) {
+    r->gamma.Record(static_cast<int>(p.drafts.size()),
+                    outcome->accepted_drafts);
+    ++counters.spec_steps;
+    counters.drafted_tokens += static_cast<int64_t>(p.drafts.size());
+    counters.accepted_tokens += outcome->accepted_drafts;
+    counters.spec_emitted_tokens +=
+        static_cast<int64_t>(outcome->tokens.size());
+    step.stats.acceptance_lengths.push_back(
+        static_cast<int>(outcome->tokens.size()));
+  }
+  step.stats.output_tokens += static_cast<int>(outcome->tokens.size());
+  // KV is valid for the fed history and the accepted drafts; the rejected
+  // drafts' slots are rolled back.
+  r->KeepKv(r->kv_tokens + p.history_feed + outcome->accepted_drafts);
+  // Output i of a verify (accepted draft or the final token) was drawn from
+  // row i: its logprobs are that row's, as without speculation.
+  std::vector<engine::TokenLogprobs> token_logprobs;
+  if (r->params.wants_logprobs()) {
+    for (size_t i = 0; i < outcome->tokens.size(); ++i) {
+      token_logprobs.push_back(engine::ComputeTokenLogprobs(
+          rows_logits.subspan(i * vocab, vocab), outcome->tokens[i],
+          r->params.top_logprobs));
+    }
+  }
+  if (AppendTokens(r, outcome->tokens, token_logprobs)) return;
+  // Only accepted tokens (whose KV is final) reach the prefix cache.
+  r->PublishKv();
 }
 
 bool DecodeWorker::Impl::AppendTokens(
@@ -936,7 +786,7 @@ void DecodeWorker::Impl::Finish(
   delta.status = std::move(status);
   deliveries.push_back({r->callback, std::move(delta)});
   if (proposer) proposer->Forget(r->id);
-  r->sequence.reset();
+  r->DropKv();
   if (r->phase == Phase::kRunning) {
     running.erase(std::find(running.begin(), running.end(), r));
   } else if (r->phase == Phase::kWaiting) {
@@ -1042,8 +892,7 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
   result.cached_tokens = start.cached_tokens;
   auto r =
       m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
-  r->sequence.emplace(std::move(start.sequence));
-  r->prefilled_from = start.cached_tokens;
+  r->AwaitRemoteKv(std::move(start.sequence), start.cached_tokens);
   r->phase = Phase::kAwaitingKv;
   r->lease_deadline = absl::Now() + m.options.kv_lease;
   absl::MutexLock lock(&m.mu);
