@@ -158,30 +158,83 @@ class TwoOwners {
   std::atomic<int> refs_{2};
 };
 
-// ---------------------------------------------------------------------------
-// Generate (server streaming)
-// ---------------------------------------------------------------------------
-
-class GenerateReactor final
-    : public grpc::ServerWriteReactor<v1::GenerateResponse>,
-      public GenerationObserver {
+// What both reactors share: the request prepared and started against the
+// backend (the start/cancel race lives in CallSlot), two owners (gRPC and the
+// backend) of which the last deletes the reactor, and Finish at most once.
+template <typename GrpcReactor>
+class GenerationReactor : public GrpcReactor, public GenerationObserver {
  public:
-  GenerateReactor(GenerationBackend* backend,
-                  grpc::CallbackServerContext* context,
-                  const v1::GenerateRequest& request,
-                  const RejectionHook& on_rejected) {
-    absl::StatusOr<GenerationRequest> generation = PrepareRequest(
-        request, *backend, *context, "grpc_generate", on_rejected);
+  // gRPC is done with the call.
+  void OnDone() override { ReleaseOwner(); }
+
+ protected:
+  // From the derived constructor: prepares the request, lets the reactor
+  // see it (OnPrepared, before any backend callback can come), starts it.
+  void Begin(GenerationBackend* backend,
+             const grpc::CallbackServerContext& context,
+             const v1::GenerateRequest& request, const char* api,
+             const RejectionHook& on_rejected) {
+    absl::StatusOr<GenerationRequest> generation =
+        PrepareRequest(request, *backend, context, api, on_rejected);
     if (!generation.ok()) {
       FailBeforeStart(generation.status());
       return;
     }
     request_ = StartedRequest::Of(*generation);
+    OnPrepared();
     if (absl::Status s =
             StartInto(backend, *std::move(generation), this, &call_);
         !s.ok()) {
       FailBeforeStart(s);
     }
+  }
+  virtual void OnPrepared() {}
+
+  // Before the backend took the request: no backend callback will come.
+  void FailBeforeStart(const absl::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      backend_done_ = true;
+      FinishOnce(rpc::ToGrpcStatus(status));
+    }
+    // gRPC still owns us until OnDone, so this is never the last release.
+    owners_.Release();
+  }
+
+  void FinishOnce(const grpc::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    this->Finish(status);
+  }
+
+  // gRPC's OnDone and the backend's OnDone each release one owner.
+  void ReleaseOwner() {
+    if (owners_.Release()) delete this;
+  }
+
+  CallSlot call_;
+  StartedRequest request_;  // set before any callback can come
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called
+  bool backend_done_ ABSL_GUARDED_BY(mu_) = false;
+
+ private:
+  TwoOwners owners_;
+};
+
+// ---------------------------------------------------------------------------
+// Generate (server streaming)
+// ---------------------------------------------------------------------------
+
+class GenerateReactor final
+    : public GenerationReactor<grpc::ServerWriteReactor<v1::GenerateResponse>> {
+ public:
+  GenerateReactor(GenerationBackend* backend,
+                  grpc::CallbackServerContext* context,
+                  const v1::GenerateRequest& request,
+                  const RejectionHook& on_rejected) {
+    Begin(backend, *context, request, "grpc_generate", on_rejected);
   }
 
   // --- backend side (any thread) ---
@@ -204,7 +257,7 @@ class GenerateReactor final
       backend_status_ = std::move(status);
       if (!write_in_flight_) FinishOnce(rpc::ToGrpcStatus(backend_status_));
     }
-    if (owners_.Release()) delete this;
+    ReleaseOwner();
   }
 
   // --- gRPC side ---
@@ -240,39 +293,13 @@ class GenerateReactor final
     if (cancel) call_.Cancel();
   }
 
-  void OnDone() override {
-    if (owners_.Release()) delete this;
-  }
+  using GenerationReactor::OnDone;  // gRPC's, beside the backend's above
 
  private:
-  // Before the backend took the request: no backend callback will come.
-  void FailBeforeStart(const absl::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      backend_done_ = true;
-      FinishOnce(rpc::ToGrpcStatus(status));
-    }
-    // gRPC still owns us until OnDone, so this is never the last release.
-    owners_.Release();
-  }
-
-  void FinishOnce(const grpc::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_) return;
-    finished_ = true;
-    Finish(status);
-  }
-
-  TwoOwners owners_;
-  CallSlot call_;
-  StartedRequest request_;  // set before any callback can come
-  absl::Mutex mu_;
   // Items not yet written; the front one is being written when
   // write_in_flight_ (deque: push_back keeps the front's address stable).
   std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish() was called
-  bool backend_done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status backend_status_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -280,8 +307,8 @@ class GenerateReactor final
 // GenerateUnary
 // ---------------------------------------------------------------------------
 
-class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
-                                   public GenerationObserver {
+class GenerateUnaryReactor final
+    : public GenerationReactor<grpc::ServerUnaryReactor> {
  public:
   GenerateUnaryReactor(GenerationBackend* backend,
                        grpc::CallbackServerContext* context,
@@ -289,22 +316,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
                        v1::GenerateResponse* response,
                        const RejectionHook& on_rejected)
       : response_(response) {
-    absl::StatusOr<GenerationRequest> generation = PrepareRequest(
-        request, *backend, *context, "grpc_generate_unary", on_rejected);
-    if (!generation.ok()) {
-      FailBeforeStart(generation.status());
-      return;
-    }
-    request_ = StartedRequest::Of(*generation);
-    {
-      absl::MutexLock lock(&mu_);
-      response_->set_request_id(request_.request_id);
-    }
-    if (absl::Status s =
-            StartInto(backend, *std::move(generation), this, &call_);
-        !s.ok()) {
-      FailBeforeStart(s);
-    }
+    Begin(backend, *context, request, "grpc_generate_unary", on_rejected);
   }
 
   void OnDelta(GenerationDelta delta) override {
@@ -319,7 +331,7 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
       absl::MutexLock lock(&mu_);
       FinishOnce(rpc::ToGrpcStatus(status));
     }
-    if (owners_.Release()) delete this;
+    ReleaseOwner();
   }
 
   void OnCancel() override {
@@ -330,33 +342,17 @@ class GenerateUnaryReactor final : public grpc::ServerUnaryReactor,
     call_.Cancel();
   }
 
-  void OnDone() override {
-    if (owners_.Release()) delete this;
-  }
+  using GenerationReactor::OnDone;  // gRPC's, beside the backend's above
 
  private:
-  void FailBeforeStart(const absl::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      FinishOnce(rpc::ToGrpcStatus(status));
-    }
-    owners_.Release();
+  // The id leads the answer (the backend has not started yet).
+  void OnPrepared() override {
+    absl::MutexLock lock(&mu_);
+    response_->set_request_id(request_.request_id);
   }
 
-  void FinishOnce(const grpc::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_) return;
-    finished_ = true;
-    Finish(status);
-  }
-
-  TwoOwners owners_;
-  CallSlot call_;
-  StartedRequest request_;  // set before any callback can come
-  absl::Mutex mu_;
   // Owned by gRPC; written only before Finish().
   v1::GenerateResponse* const response_ ABSL_PT_GUARDED_BY(mu_);
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

@@ -3,7 +3,8 @@
 // NCCL when CUDA is configured (decode issue / CUDA issue).
 //
 // Every rank of a group must call the same collectives in the same order with
-// the same sizes; a size mismatch is reported as an error on every rank.
+// the same sizes. The in-process group checks the sizes (a mismatch is an
+// error on every rank); NCCL cannot, so there a mismatch is the caller's bug.
 #pragma once
 
 #include <cstdint>

@@ -19,38 +19,22 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_math.h"
+#include "engine_cuda/device_common.cuh"
 #include "engine_cuda/kernels.h"
 
 namespace pdserve::engine::cuda {
 namespace {
 
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarp = 32;
+using device::kFullMask;
+using device::kWarp;
+using device::LaunchStatus;
+using device::WarpMax;
+using device::WarpSum;
+
 constexpr int kWarps = kAttentionThreads / kWarp;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kDecodeKeyTile == kWarp, "decode scores: one key per lane");
 static_assert(kPrefillRows == 16 * kWarps, "prefill: 16 rows per warp");
-
-absl::Status LaunchStatus(const char* what) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, " launch failed: ", cudaGetErrorString(error)));
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v += __shfl_xor_sync(kFullMask, v, offset);
-  }
-  return v;
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  }
-  return v;
-}
 
 // 16-byte asynchronous copy global -> shared; `valid` false writes zeros and
 // reads nothing (src-size 0).

@@ -8,46 +8,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/attention_math.h"
+#include "engine_cuda/device_common.cuh"
 #include "engine_cuda/kernels.h"
 
 namespace pdserve::engine::cuda {
 namespace {
 
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarp = 32;
+using device::AsBf16;
+using device::kFullMask;
+using device::kWarp;
+using device::LaunchStatus;
+using device::WarpMax;
+using device::WarpSum;
+
 // Largest head_dim the attention kernels hold in registers (the backend
 // refuses bigger ones at creation).
 constexpr int kMaxHeadDim = 256;
 constexpr int kAttentionWarpsPerBlock = 4;
-
-absl::Status LaunchStatus(const char* what) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat(what, " launch failed: ", cudaGetErrorString(error)));
-}
-
-__host__ __device__ __forceinline__ __nv_bfloat16* AsBf16(uint16_t* p) {
-  return reinterpret_cast<__nv_bfloat16*>(p);
-}
-__host__ __device__ __forceinline__ const __nv_bfloat16* AsBf16(
-    const uint16_t* p) {
-  return reinterpret_cast<const __nv_bfloat16*>(p);
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v += __shfl_xor_sync(kFullMask, v, offset);
-  }
-  return v;
-}
-
-__device__ __forceinline__ float WarpMax(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  }
-  return v;
-}
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024).
 __device__ float BlockSum(float v) {
