@@ -1,5 +1,6 @@
 #include "decode_worker/decode_service.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -253,9 +254,9 @@ absl::StatusOr<std::unique_ptr<DecodeService>> DecodeService::Create(
     }
     transport::KvSinkOptions so;
     so.default_lease = options.kv_lease;
-    so.release_blocks = [self](uint64_t id, const std::vector<int64_t>&,
-                               const absl::Status& why) {
-      self->OnSinkRelease(id, why);
+    so.release_blocks = [self, r](uint64_t id, const std::vector<int64_t>&,
+                                  const absl::Status& why) {
+      self->OnSinkRelease(id, r, why);
     };
     auto sink = transport::KvSink::Create(rank.ucx, &worker->kv_pool(r), spec,
                                           std::move(so));
@@ -295,7 +296,8 @@ int64_t DecodeService::channels() const {
   return static_cast<int64_t>(channels_.size());
 }
 
-void DecodeService::OnSinkRelease(uint64_t id, const absl::Status& why) {
+void DecodeService::OnSinkRelease(uint64_t id, int rank,
+                                  const absl::Status& why) {
   if (auto ch = FindChannel(id)) {
     absl::MutexLock lock(&ch->mu);
     if (ch->sink_failure.ok()) {
@@ -305,8 +307,75 @@ void DecodeService::OnSinkRelease(uint64_t id, const absl::Status& why) {
         lease_expiries_.fetch_add(1, std::memory_order_relaxed);
     }
   }
-  // The blocks are safe to reuse now (the sink's quarantine is over).
+  // No put of the request can land any more (the sink's quarantine is
+  // over): the request fails, and this rank's hold on its blocks ends.
   (void)worker_->Abort(id);
+  RankDone(id, rank);
+}
+
+absl::Status DecodeService::HoldForTransport(uint64_t id,
+                                             std::vector<int64_t> blocks,
+                                             std::shared_ptr<Channel> channel) {
+  PDS_RETURN_IF_ERROR(worker_->PinBlocks(blocks));
+  absl::MutexLock lock(&holds_mu_);
+  TransportHold& hold = holds_[id];
+  hold.blocks = std::move(blocks);
+  hold.ranks.assign(ranks_.size(), RankHold::kGranted);
+  hold.channel = std::move(channel);
+  return absl::OkStatus();
+}
+
+void DecodeService::RankDone(uint64_t id, int rank) {
+  std::vector<int64_t> unpin;
+  {
+    absl::MutexLock lock(&holds_mu_);
+    auto it = holds_.find(id);
+    if (it == holds_.end()) return;
+    it->second.ranks[rank] = RankHold::kDone;
+    for (RankHold h : it->second.ranks) {
+      if (h != RankHold::kDone) return;
+    }
+    unpin = std::move(it->second.blocks);
+    holds_.erase(it);
+  }
+  worker_->UnpinBlocks(unpin);
+}
+
+void DecodeService::DropGrants(uint64_t id) {
+  std::vector<int> cancel;
+  {
+    absl::MutexLock lock(&holds_mu_);
+    auto it = holds_.find(id);
+    if (it == holds_.end()) return;
+    for (size_t r = 0; r < it->second.ranks.size(); ++r) {
+      if (it->second.ranks[r] == RankHold::kGranted) {
+        it->second.ranks[r] = RankHold::kCancelling;
+        cancel.push_back(static_cast<int>(r));
+      }
+    }
+  }
+  for (int r : cancel) {
+    bool settled = false;
+    // NOT_FOUND: a Wait took the grant; its caller (or the release callback
+    // before it) ends the rank's hold.
+    (void)ranks_[r].sink->Cancel(id, &settled);
+    if (settled) RankDone(id, r);  // no release callback follows
+  }
+}
+
+void DecodeService::DropGrantsOfFinished() {
+  std::vector<uint64_t> finished;
+  {
+    absl::MutexLock lock(&holds_mu_);
+    for (auto& [id, hold] : holds_) {
+      bool granted = false;
+      for (RankHold h : hold.ranks) granted |= h == RankHold::kGranted;
+      if (!granted || hold.channel == nullptr) continue;
+      absl::MutexLock channel_lock(&hold.channel->mu);
+      if (hold.channel->final_queued) finished.push_back(id);
+    }
+  }
+  for (uint64_t id : finished) DropGrants(id);
 }
 
 absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
@@ -391,13 +460,26 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   }
   std::vector<int64_t> suffix(admitted->block_ids.begin() + cached / block_size,
                               admitted->block_ids.end());
+  if (tokens > 0) {
+    if (absl::Status held = HoldForTransport(id, suffix, ch); !held.ok()) {
+      (void)worker_->Abort(id);
+      ForgetChannel(id, ch.get());
+      return absl::InternalError(absl::StrCat(
+          "pinning the KV blocks of request ", id, ": ", held.message()));
+    }
+  }
   for (size_t r = 0; r < ranks_.size(); ++r) {
     auto* dest = response->add_ranks();
     dest->set_sink_descriptor(ranks_[r].sink->descriptor());
     if (tokens == 0) continue;
     auto grant = ranks_[r].sink->Expect(id, tokens, suffix, options_.kv_lease);
     if (!grant.ok()) {
-      for (size_t q = 0; q < r; ++q) (void)ranks_[q].sink->Cancel(id);
+      // Ranks from r on hold no grant; the earlier ones are revoked and
+      // release their blocks after their quarantine.
+      for (size_t q = r; q < ranks_.size(); ++q) {
+        RankDone(id, static_cast<int>(q));
+      }
+      DropGrants(id);
       (void)worker_->Abort(id);
       ForgetChannel(id, ch.get());
       return absl::Status(
@@ -460,18 +542,26 @@ grpc::ServerUnaryReactor* DecodeService::KvComplete(
 
 void DecodeService::CompleterLoop() {
   while (true) {
-    CompleteJob job;
+    std::optional<CompleteJob> job;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || !jobs_.empty();
       };
-      mu_.Await(absl::Condition(&ready));
-      if (jobs_.empty()) return;  // stopping, nothing left
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      // Wakes at least every 250 ms to drop the grants of requests the
+      // worker finished before their KV arrived.
+      mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(250));
+      if (stop_ && jobs_.empty()) return;  // stopping, nothing left
+      if (!jobs_.empty()) {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
     }
-    job.reactor->Finish(rpc::ToGrpcStatus(Complete(job)));
+    if (job.has_value()) {
+      job->reactor->Finish(rpc::ToGrpcStatus(Complete(*job)));
+    } else {
+      DropGrantsOfFinished();
+    }
   }
 }
 
@@ -487,6 +577,11 @@ absl::Status DecodeService::Complete(const CompleteJob& job) {
       absl::Status s = ranks_[r].sink->Wait(
           job.request_id,
           std::max(absl::ZeroDuration(), deadline - absl::Now()));
+      // The grant left the sink unless still pending (DEADLINE_EXCEEDED): a
+      // failure is reported only after its blocks were released.
+      if (!absl::IsDeadlineExceeded(s)) {
+        RankDone(job.request_id, static_cast<int>(r));
+      }
       if (s.ok()) continue;
       s = absl::Status(
           s.code(), absl::StrCat("KV of request ", job.request_id, " on rank ",
@@ -495,9 +590,10 @@ absl::Status DecodeService::Complete(const CompleteJob& job) {
         absl::MutexLock lock(&job.channel->mu);
         if (job.channel->sink_failure.ok()) job.channel->sink_failure = s;
       }
-      // The prefill said it was done writing, so nothing is in flight: free
-      // the blocks now rather than after the sinks' quarantine.
-      for (auto& rank : ranks_) (void)rank.sink->Cancel(job.request_id);
+      // The request fails; its blocks stay pinned until every sink is done
+      // with its grant (a prefill that claimed to be done may still have a
+      // put in flight).
+      DropGrants(job.request_id);
       (void)worker_->Abort(job.request_id);
       return s;
     }
@@ -539,11 +635,9 @@ grpc::ServerUnaryReactor* DecodeService::Abort(
   absl::Status s;
   if (in_transfer) {
     // Revoke the grants; the sinks release the blocks (→ OnSinkRelease →
-    // DecodeWorker::Abort) once no put of the request can still land.
-    for (auto& rank : ranks_) {
-      absl::Status c = rank.sink->Cancel(id);
-      if (!c.ok() && !absl::IsNotFound(c)) s.Update(c);
-    }
+    // DecodeWorker::Abort, and the pins end) once no put of the request can
+    // still land.
+    DropGrants(id);
   } else {
     s = worker_->Abort(id);
   }

@@ -127,8 +127,38 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
                 const DecodeServiceOptions& options);
   absl::Status AdmitImpl(const pdserve::v1::AdmitRequest& request,
                          pdserve::v1::AdmitResponse* response);
-  // A sink released a failed request's blocks (UCX progress thread).
-  void OnSinkRelease(uint64_t request_id, const absl::Status& why);
+  // Rank `rank`'s sink released a failed request's blocks (UCX progress
+  // thread).
+  void OnSinkRelease(uint64_t request_id, int rank, const absl::Status& why);
+
+  // ---- The transport's hold on a request's granted blocks -----------------
+  // The blocks a request's grants cover stay pinned in the worker's block
+  // manager (DecodeWorker::PinBlocks) from Admit until every rank's sink is
+  // done with its grant: its KV landed and was waited for, or its failure's
+  // revoke quarantine ended (release_blocks). Only then can they go to
+  // another request — whatever became of this one in the worker — so no
+  // block is ever granted twice (a one-sided put of a revoked request could
+  // otherwise land in another request's KV).
+  enum class RankHold : uint8_t { kGranted, kCancelling, kDone };
+  struct TransportHold {
+    std::vector<int64_t> blocks;
+    std::vector<RankHold> ranks;
+    std::shared_ptr<Channel> channel;
+  };
+  // Pins `blocks` for the request's grants on every rank.
+  absl::Status HoldForTransport(uint64_t request_id,
+                                std::vector<int64_t> blocks,
+                                std::shared_ptr<Channel> channel);
+  // The sink of `rank` is done with the request's grant (idempotent); the
+  // last rank unpins the blocks.
+  void RankDone(uint64_t request_id, int rank);
+  // Stops every grant of the request still running (their sinks revoke and
+  // release them after the quarantine); grants whose KV already landed are
+  // done at once. Idempotent; any thread.
+  void DropGrants(uint64_t request_id);
+  // Grants of requests the worker finished without their KV completing (a
+  // lease expiry, an error): dropped from the completer thread.
+  void DropGrantsOfFinished();
   void CompleterLoop();
   absl::Status Complete(const CompleteJob& job);
   std::shared_ptr<Channel> FindChannel(uint64_t request_id) const;
@@ -137,6 +167,9 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   const model::ModelConfig config_;
   const DecodeServiceOptions options_;
   std::vector<Rank> ranks_;  // fixed after Create
+  absl::Mutex holds_mu_;
+  absl::flat_hash_map<uint64_t, TransportHold> holds_
+      ABSL_GUARDED_BY(holds_mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_

@@ -150,6 +150,16 @@ void ClusterRequest::Run() {
 }
 
 ClusterRequest::Next ClusterRequest::RunAttempt(Attempt& a) {
+  if (mode_ != RequestMode::kColocated) {
+    // A prefill group first: without one that can take the request, admitting
+    // it on a decode worker would only hold KV there for nothing.
+    const AssignmentContext assignment{block_hashes_};
+    absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
+        WorkerRole::kPrefill, services_.prefill_policy, assignment);
+    if (!lease.ok()) return Finish(lease.status());
+    a.prefill_address = lease->address();
+    a.prefill_lease.emplace(*std::move(lease));
+  }
   if (UsesDecode()) {
     if (Next next = AdmitOnDecode(a); next != Next::kContinue) return next;
   }
@@ -191,6 +201,7 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
                             "; last error: ", last_error_.message())));
   }
   a.decode_address = lease->address();
+  a.decode_lease.emplace(*std::move(lease));
   if (metrics_ != nullptr) {
     metrics_->OnRouting(std::string(services_.decode_policy.name()), "decode",
                         a.decode_address);
@@ -241,15 +252,9 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
 
 ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
   // TTFT phases (metrics): colocated requests have no prefill call, their
-  // whole TTFT counts as the first step.
-  const AssignmentContext assignment{block_hashes_};
-  absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
-      WorkerRole::kPrefill, services_.prefill_policy, assignment);
-  if (!lease.ok()) {
-    AbortDecode(a);
-    return Finish(lease.status());
-  }
-  const std::string address = lease->address();
+  // whole TTFT counts as the first step. (The group was picked before the
+  // decode worker admitted the request: RunAttempt.)
+  const std::string address = a.prefill_address;
   if (metrics_ != nullptr) {
     metrics_->OnRouting(std::string(services_.prefill_policy.name()), "prefill",
                         address);
@@ -280,6 +285,7 @@ ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
       rpc::FromGrpcStatus(prefill->Prefill(&context, submit, &prefilled));
   a.prefill_returned_at = absl::Now();
   cancellation_->Leave();
+  a.prefill_lease.reset();  // the group is done with the request
   if (!s.ok()) {
     // Stop the group's work for this request (it may still be running when
     // our side gave up) and free the decode side's blocks.

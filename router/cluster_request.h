@@ -119,8 +119,15 @@ class ClusterRequest {
   struct Attempt {
     uint64_t wire_id = 0;
     std::string decode_address;
+    // Counts the request against its decode worker until the attempt ends
+    // (what least-loaded assignment reads).
+    std::optional<WorkerLease> decode_lease;
     std::unique_ptr<v1::DecodeWorker::Stub> decode;  // null: no decode side
     v1::AdmitResponse admit;
+    // The prefill group, picked before the decode admit (its lease counts the
+    // request against the group until the attempt ends).
+    std::string prefill_address;
+    std::optional<WorkerLease> prefill_lease;
     absl::Time prefill_returned_at;
     metrics::TtftBreakdown breakdown;
   };

@@ -987,6 +987,15 @@ const kv::KvBlockManager& DecodeWorker::block_manager() const {
   return *impl_->manager;
 }
 
+absl::Status DecodeWorker::PinBlocks(std::span<const int64_t> blocks) {
+  return impl_->manager->AddRef(blocks);
+}
+
+void DecodeWorker::UnpinBlocks(std::span<const int64_t> blocks) {
+  const absl::Status s = impl_->manager->Free(blocks);
+  if (!s.ok()) PDS_LOG(ERROR) << "unpinning KV blocks: " << s;
+}
+
 const std::string& DecodeWorker::tp_communicator() const {
   return impl_->tp_communicator;
 }

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -238,6 +239,13 @@ class DecodeWorker {
   // the engine's own pool on CPU, its host mirror on a GPU.
   kv::KvPool& kv_pool(int rank);
   const kv::KvBlockManager& block_manager() const;
+  // The transport's hold on blocks a KV grant covers (decode_worker/): one
+  // more reference each, so no other request can be given them — whatever
+  // happens to the admitted request (aborted, its lease expired, failed) —
+  // until UnpinBlocks, once no put of the grant can still land.
+  // Thread-safe.
+  [[nodiscard]] absl::Status PinBlocks(std::span<const int64_t> blocks);
+  void UnpinBlocks(std::span<const int64_t> blocks);
   int tp_size() const;
   // How the TP ranks all-reduce: "none" (tp 1), "host" (CPU ranks, or GPU
   // ranks sharing a GPU) or "nccl" (GPU ranks on distinct GPUs).

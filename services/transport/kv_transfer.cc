@@ -723,7 +723,8 @@ absl::Status KvSink::Wait(uint64_t request_id, absl::Duration timeout) {
   return s;
 }
 
-absl::Status KvSink::Cancel(uint64_t request_id) {
+absl::Status KvSink::Cancel(uint64_t request_id, bool* settled) {
+  if (settled != nullptr) *settled = false;
   std::optional<Impl::Release> rel;
   {
     absl::MutexLock l(&impl_->mu);
@@ -733,6 +734,7 @@ absl::Status KvSink::Cancel(uint64_t request_id) {
     }
     if (it->second.settled) {
       impl_->requests.erase(it);
+      if (settled != nullptr) *settled = true;
       return absl::OkStatus();
     }
     if (!it->second.done) {

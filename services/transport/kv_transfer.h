@@ -122,8 +122,12 @@ class KvSink {
   [[nodiscard]] absl::Status Wait(uint64_t request_id, absl::Duration timeout);
 
   // Fails the request with CANCELLED, revokes it at its sources, releases its
-  // blocks.
-  [[nodiscard]] absl::Status Cancel(uint64_t request_id);
+  // blocks. `settled` (optional) tells whether the request had already
+  // settled — its KV landed, or its failure's blocks were released: then no
+  // release_blocks callback follows this Cancel; otherwise one does, once
+  // the sources confirmed (or the quarantine ran out).
+  [[nodiscard]] absl::Status Cancel(uint64_t request_id,
+                                    bool* settled = nullptr);
 
   // Requests granted and not yet completed or failed.
   int64_t active_requests() const;

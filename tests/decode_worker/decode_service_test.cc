@@ -189,6 +189,62 @@ TEST(DecodeServiceTest, AbortBeforeTheKvArrivedRevokesTheGrant) {
   EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(15)));
 }
 
+// A request's grant lives on every TP rank's sink, over the same block ids.
+// When one rank's sink is done with a revoked grant (its source confirmed)
+// while another's still waits out its quarantine (a stuck source), the
+// blocks must not go to another request: a put of the revoked one could still
+// land in them, and the other rank's sink would refuse the new grant ("block
+// N is already granted to another request": the HTTP 500s of a stage death
+// under load). They stay pinned until every rank is done; meanwhile a new
+// request that needs them gets RESOURCE_EXHAUSTED, after it they are free.
+TEST(DecodeServiceTest, RevokedGrantKeepsItsBlocksUntilEveryRankReleasedThem) {
+  // 20 blocks of 16: each long golden prompt takes 17 of them.
+  Server server(/*tp=*/2, absl::Seconds(30), /*num_blocks=*/20);
+  const int64_t baseline = server.Load().kv_blocks_used();
+  const auto longs = pdserve::testing::LoadGoldenCases("golden_long.jsonl");
+  ASSERT_GE(longs.size(), 2u);
+  v1::AdmitResponse first;
+  ASSERT_TRUE(
+      Admit(server.stub(), MakeAdmit(21, longs[0].prompt_ids, 8), &first).ok());
+  ASSERT_EQ(first.ranks_size(), 2);
+  // Rank 0's source confirms revokes at once; rank 1's never does.
+  GrantHolder confirms(first, 0, /*stuck=*/false);
+  GrantHolder stuck(first, 1, /*stuck=*/true);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(30));
+    v1::AbortRequest abort;
+    abort.set_request_id(21);
+    v1::AbortResponse ignored;
+    ASSERT_TRUE(server.stub().Abort(&ctx, abort, &ignored).ok());
+  }
+  // Rank 0 released its grant; rank 1 waits out its quarantine (5 s).
+  absl::SleepFor(absl::Milliseconds(500));
+  v1::AdmitResponse second;
+  const grpc::Status early =
+      Admit(server.stub(), MakeAdmit(22, longs[1].prompt_ids, 8), &second);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << early.error_message();
+  // Once rank 1's quarantine is over the blocks are free again.
+  grpc::Status later = early;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (!later.ok() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(200));
+    later =
+        Admit(server.stub(), MakeAdmit(23, longs[1].prompt_ids, 8), &second);
+    EXPECT_NE(later.error_code(), grpc::StatusCode::ALREADY_EXISTS)
+        << later.error_message();
+  }
+  ASSERT_TRUE(later.ok()) << later.error_message();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(30));
+  v1::AbortRequest abort;
+  abort.set_request_id(23);
+  v1::AbortResponse ignored;
+  ASSERT_TRUE(server.stub().Abort(&ctx, abort, &ignored).ok());
+  EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(15)));
+}
+
 // ---- The real binary --------------------------------------------------------
 
 TEST(DecodeWorkerBinaryTest, ServesHealthAndLoadThenStopsOnSigterm) {

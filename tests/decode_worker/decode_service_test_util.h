@@ -231,6 +231,47 @@ class TestPrefill {
   std::set<std::string> connected_;
 };
 
+// A prefill-side source that holds a request's grant on ONE decode rank
+// without writing: connected (so the sink waits for its revoke confirmation)
+// and, with `stuck`, never answering revokes (the sink then waits out its
+// quarantine), as a source of a frozen or restarting stage would.
+class GrantHolder {
+ public:
+  GrantHolder(const v1::AdmitResponse& admit, int rank, bool stuck) {
+    engine::EngineOptions eo;
+    eo.num_threads = 1;
+    auto e = engine::LlamaEngine::Create(*Stories().weights, eo);
+    PDS_CHECK(e.ok()) << e.status();
+    auto p = kv::KvPool::Create((*e)->KvLayout(16), 4);
+    PDS_CHECK(p.ok());
+    pool_ = std::move(*p);
+    auto u = transport::UcxWorker::Create();
+    PDS_CHECK(u.ok()) << u.status();
+    ucx_ = std::move(*u);
+    transport::KvModelSpec spec;
+    spec.model_id = admit.model().config_identity();
+    spec.dtype = kv::KvDType::kF32;
+    spec.block_size = admit.model().block_size();
+    spec.head_dim = admit.model().head_dim();
+    spec.num_layers = admit.model().num_layers();
+    spec.num_kv_heads = admit.model().num_kv_heads();
+    auto s = transport::KvSource::Create(ucx_.get(), pool_.get(), spec);
+    PDS_CHECK(s.ok()) << s.status();
+    source_ = std::move(*s);
+    const auto& destination = admit.ranks(rank);
+    const auto connected = source_->Connect(destination.sink_descriptor());
+    EXPECT_TRUE(connected.ok()) << connected.status();
+    const absl::Status added = source_->AddGrant(destination.grant());
+    EXPECT_TRUE(added.ok()) << added;
+    if (stuck) source_->IgnoreRevokesForTest();
+  }
+
+ private:
+  std::unique_ptr<kv::KvPool> pool_;
+  std::unique_ptr<transport::UcxWorker> ucx_;
+  std::unique_ptr<transport::KvSource> source_;
+};
+
 inline grpc::Status Admit(v1::DecodeWorker::Stub& stub,
                           const v1::AdmitRequest& req,
                           v1::AdmitResponse* resp) {
