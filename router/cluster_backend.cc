@@ -59,7 +59,10 @@ ClusterBackend::ClusterBackend(ClusterBackendOptions options,
       registry_(registry),
       prefill_policy_(std::move(prefill_policy)),
       decode_policy_(std::move(decode_policy)),
-      book_(std::make_shared<RequestBook>()) {}
+      book_(std::make_shared<RequestBook>()),
+      queue_(options_.queue, [metrics = options_.metrics](int depth) {
+        if (metrics != nullptr) metrics->SetAdmissionQueueDepth(depth);
+      }) {}
 
 ClusterBackend::~ClusterBackend() {
   absl::MutexLock lock(&book_->mu);
@@ -178,7 +181,8 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
           *prefill_policy_,
           *decode_policy_,
           [this](const std::string& address) { return ChannelFor(address); },
-          *book};
+          *book,
+          queue_};
       ClusterRequest(services, cancellation, std::move(request), std::move(ids),
                      observer)
           .Run();

@@ -38,6 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "router/admission_queue.h"
 #include "router/assignment_policy.h"
 #include "router/generation_backend.h"
 #include "router/router_metrics.h"
@@ -66,6 +67,10 @@ struct ClusterBackendOptions {
   // Routing decisions, retries, TTFT (and its phases), ITL, TPOT, end to end,
   // requests waiting for their first token. Optional, not owned.
   metrics::RouterMetrics* metrics = nullptr;
+  // Requests wait here in arrival order for KV room on a decode worker
+  // (router/admission_queue.h) instead of failing while the cluster is
+  // full.
+  AdmissionQueueOptions queue;
 };
 
 // Counters for tests, logs and metrics.
@@ -115,6 +120,7 @@ class ClusterBackend final : public GenerationBackend {
   const std::unique_ptr<AssignmentPolicy> decode_policy_;
   // Live requests and counters; the request threads hold it too.
   const std::shared_ptr<RequestBook> book_;
+  AdmissionQueue queue_;
 
   absl::Mutex channels_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_

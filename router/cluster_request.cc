@@ -150,19 +150,7 @@ void ClusterRequest::Run() {
 }
 
 ClusterRequest::Next ClusterRequest::RunAttempt(Attempt& a) {
-  if (mode_ != RequestMode::kColocated) {
-    // A prefill group first: without one that can take the request, admitting
-    // it on a decode worker would only hold KV there for nothing.
-    const AssignmentContext assignment{block_hashes_};
-    absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
-        WorkerRole::kPrefill, services_.prefill_policy, assignment);
-    if (!lease.ok()) return Finish(lease.status());
-    a.prefill_address = lease->address();
-    a.prefill_lease.emplace(*std::move(lease));
-  }
-  if (UsesDecode()) {
-    if (Next next = AdmitOnDecode(a); next != Next::kContinue) return next;
-  }
+  if (Next next = Admit(a); next != Next::kContinue) return next;
   // From here on the decode worker (if any) holds KV blocks for the wire id:
   // every exit path below frees them (Abort), unless the stream finished.
   a.prefill_returned_at = absl::Now();
@@ -170,6 +158,53 @@ ClusterRequest::Next ClusterRequest::RunAttempt(Attempt& a) {
     if (Next next = PrefillOnGroup(a); next != Next::kContinue) return next;
   }
   return StreamFromDecode(a);
+}
+
+ClusterRequest::Next ClusterRequest::Admit(Attempt& a) {
+  const auto cancelled = [this] { return cancellation_->cancelled(); };
+  std::unique_ptr<AdmissionQueue::Place> place;
+  if (UsesDecode()) {
+    absl::StatusOr<std::unique_ptr<AdmissionQueue::Place>> joined =
+        services_.queue.Join();
+    if (!joined.ok()) return Finish(joined.status());
+    place = *std::move(joined);
+    if (absl::Status s =
+            services_.queue.WaitForTurn(*place, request_.deadline, cancelled);
+        !s.ok()) {
+      return Finish(s);
+    }
+  }
+  // Leaving (returning) hands the head of the line to the next request.
+  auto left_line = [&](Next next) {
+    if (place != nullptr && metrics_ != nullptr) {
+      metrics_->ObserveAdmissionWait(
+          absl::ToDoubleSeconds(absl::Now() - place->joined()));
+    }
+    return next;
+  };
+  while (true) {
+    if (mode_ != RequestMode::kColocated) {
+      // A prefill group first: without one that can take the request,
+      // admitting it on a decode worker would only hold KV there for
+      // nothing.
+      const AssignmentContext assignment{block_hashes_};
+      absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
+          WorkerRole::kPrefill, services_.prefill_policy, assignment);
+      if (!lease.ok()) return left_line(Finish(lease.status()));
+      a.prefill_address = lease->address();
+      a.prefill_lease.emplace(*std::move(lease));
+    }
+    if (!UsesDecode()) return Next::kContinue;
+    const Next next = AdmitOnDecode(a);
+    if (next != Next::kNoRoom) return left_line(next);
+    a.prefill_lease.reset();
+    a.decode_lease.reset();
+    if (absl::Status s = services_.queue.WaitForCapacity(
+            *place, request_.deadline, cancelled, last_error_);
+        !s.ok()) {
+      return left_line(Finish(s));
+    }
+  }
 }
 
 ClusterRequest::Next ClusterRequest::Failed(const absl::Status& status,
@@ -240,6 +275,8 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
     }
     // (Never past the deadline here: an Admit deadline is the rpc bound.)
     last_error_ = Annotate(s, "decode worker", a.decode_address);
+    // No KV for it now: wait in the admission queue, not an attempt spent.
+    if (absl::IsResourceExhausted(s)) return Next::kNoRoom;
     if (absl::IsUnavailable(s)) {
       services_.registry.MarkUnhealthy(a.decode_address,
                                        std::string(s.message()));
@@ -550,6 +587,8 @@ ClusterRequest::Next ClusterRequest::Finish(absl::Status status) {
     }
   }
   observer_->OnDone(std::move(status));
+  // Its KV is (being) freed: the head of the admission line may fit now.
+  services_.queue.CapacityChanged();
   return Next::kDone;
 }
 

@@ -37,6 +37,7 @@
 #include "grpcpp/client_context.h"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
+#include "router/admission_queue.h"
 #include "router/cluster_backend.h"
 
 namespace pdserve::router {
@@ -79,6 +80,7 @@ struct ClusterServices {
   AssignmentPolicy& decode_policy;
   std::function<std::shared_ptr<grpc::Channel>(const std::string&)> channel_for;
   RequestBook& book;
+  AdmissionQueue& queue;
 };
 
 // Which workers a request needs, decided once from the request and the
@@ -113,6 +115,7 @@ class ClusterRequest {
   enum class Next {
     kContinue,  // on to the next phase
     kRetry,     // another attempt, on other workers
+    kNoRoom,    // the decode worker has no KV for it now: wait in line
     kDone,      // finished: OnDone was called
   };
   // One try on one pair of workers.
@@ -134,6 +137,9 @@ class ClusterRequest {
 
   bool UsesDecode() const;
   Next RunAttempt(Attempt& a);
+  // In the admission queue, in arrival order: a prefill group picked, then
+  // the decode worker's Admit; a refusal for lack of KV waits for room.
+  Next Admit(Attempt& a);
   Next AdmitOnDecode(Attempt& a);
   Next PrefillOnGroup(Attempt& a);
   Next StreamFromDecode(Attempt& a);

@@ -6,7 +6,8 @@
 //          [--model-name NAME] (--prefill H:P,... --decode H:P,... |
 //          --config FILE.json)
 //          [--prefill-policy round-robin|least-loaded|prefix-aware]
-//          [--decode-policy ...] [--max-in-flight 256] [--max-attempts 3]
+//          [--decode-policy ...] [--max-in-flight 1024] [--max-attempts 3]
+//          [--max-queued 0 (= max-in-flight)] [--queue-timeout-seconds 60]
 //          [--host 0.0.0.0] [--grpc-port 0] [--http-port 0]
 //          [--grpc-port-file PATH] [--http-port-file PATH]
 //          [--http-threads 0 (= max-in-flight + 16)]
@@ -15,6 +16,12 @@
 //          [--metrics-port -1 (off; 0 = any free port)] [--metrics-host HOST]
 //          [--worker-id ID] [--metrics-port-file PATH]
 //          [--layout-stages S] [--layout-tp T] [--stagger-choices 1]
+//
+// Overload: a request that finds no decode worker with KV room waits in the
+// router's admission queue, in arrival order (router/admission_queue.h), up
+// to --queue-timeout-seconds, instead of failing; 429 only when
+// --max-queued requests already wait (or --max-in-flight, running + waiting,
+// is reached), 503 only when no worker is healthy.
 //
 // --colocated 1: the decode workers prefill prompts themselves (no prefill
 // groups; the layout disaggregation is measured against).
@@ -93,7 +100,9 @@ int Main(int argc, char** argv) {
       flags.Str("prefill-policy", "least-loaded");
   const std::string decode_policy_name =
       flags.Str("decode-policy", "prefix-aware");
-  const int max_in_flight = flags.Num<int>("max-in-flight", 256);
+  const int max_in_flight = flags.Num<int>("max-in-flight", 1024);
+  const int max_queued = flags.Num<int>("max-queued", 0);
+  const double queue_timeout_s = flags.Num<double>("queue-timeout-seconds", 60);
   const int max_attempts = flags.Num<int>("max-attempts", 3);
   const std::string host = flags.Str("host", "0.0.0.0");
   const int grpc_port = flags.Num<int>("grpc-port", 0);
@@ -122,10 +131,12 @@ int Main(int argc, char** argv) {
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
   }
-  if (max_in_flight < 1 || request_timeout_s <= 0 || refresh_ms < 10) {
+  if (max_in_flight < 1 || request_timeout_s <= 0 || refresh_ms < 10 ||
+      max_queued < 0 || queue_timeout_s <= 0) {
     return Fail(absl::InvalidArgumentError(
-        "--max-in-flight >= 1, --request-timeout-seconds > 0 and "
-        "--refresh-ms >= 10 are required"));
+        "--max-in-flight >= 1, --max-queued >= 0, --queue-timeout-seconds > "
+        "0, --request-timeout-seconds > 0 and --refresh-ms >= 10 are "
+        "required"));
   }
 
   // Workers.
@@ -207,6 +218,9 @@ int Main(int argc, char** argv) {
   backend_options.block_size = block_size;
   backend_options.max_attempts = max_attempts;
   backend_options.colocated = colocated;
+  backend_options.queue.max_waiting =
+      max_queued > 0 ? max_queued : max_in_flight;
+  backend_options.queue.max_wait = absl::Seconds(queue_timeout_s);
   // Metrics are always collected (cheap); served only with --metrics-port.
   auto metrics_registry = std::make_shared<metrics::MetricsRegistry>(
       metrics::Layout{"router", worker_id, 0, layout_stages, layout_tp});

@@ -29,6 +29,14 @@ RouterMetrics::RouterMetrics(MetricsRegistry& registry)
                                 "Requests between admission and finish")),
       queued_(registry.Gauge("pdserve_router_queued_requests",
                              "Requests waiting for a worker")),
+      admission_queue_depth_(registry.Gauge(
+          "pdserve_router_admission_queue_depth",
+          "Requests waiting in line for KV room on a decode worker")),
+      admission_wait_(registry.Histogram(
+          "pdserve_router_admission_wait_seconds",
+          "Time a request waited in the admission queue before it was "
+          "admitted (or gave up)",
+          LatencyBuckets())),
       routing_(registry.CounterFamily(
           "pdserve_router_routing_decisions_total",
           "Workers picked, by policy, side (prefill|decode) and worker")),
@@ -87,6 +95,14 @@ void RouterMetrics::SetInFlight(int64_t n) {
 }
 void RouterMetrics::SetQueued(int64_t n) {
   queued_.Set(static_cast<double>(n));
+}
+
+void RouterMetrics::SetAdmissionQueueDepth(int64_t n) {
+  admission_queue_depth_.Set(static_cast<double>(n));
+}
+
+void RouterMetrics::ObserveAdmissionWait(double seconds) {
+  admission_wait_.Observe(seconds);
 }
 
 void RouterMetrics::OnRouting(const std::string& policy,

@@ -18,6 +18,8 @@
 //   pdserve_router_e2e_seconds                    ObserveE2e
 //   pdserve_router_in_flight_requests             SetInFlight / InFlightGauge
 //   pdserve_router_queued_requests                SetQueued
+//   pdserve_router_admission_queue_depth          SetAdmissionQueueDepth
+//   pdserve_router_admission_wait_seconds         ObserveAdmissionWait
 //   pdserve_router_routing_decisions_total{policy,side,worker}  OnRouting
 //   pdserve_router_retries_total{side}            OnRetry
 //   pdserve_router_prompt_tokens_total            OnTokens
@@ -67,6 +69,10 @@ class RouterMetrics {
   void ObserveE2e(double seconds);
   void SetInFlight(int64_t n);
   void SetQueued(int64_t n);
+  // The admission queue (router/admission_queue.h): requests waiting in line
+  // for KV room, and how long each waited before it was admitted or gave up.
+  void SetAdmissionQueueDepth(int64_t n);
+  void ObserveAdmissionWait(double seconds);
   // `policy` e.g. "round_robin", "least_load", "prefix"; `side` "prefill"
   // or "decode"; `worker` the chosen worker's address or id.
   void OnRouting(const std::string& policy, const std::string& side,
@@ -87,6 +93,8 @@ class RouterMetrics {
   prometheus::Histogram& e2e_;
   prometheus::Gauge& in_flight_;
   prometheus::Gauge& queued_;
+  prometheus::Gauge& admission_queue_depth_;
+  prometheus::Histogram& admission_wait_;
   prometheus::Family<prometheus::Counter>& routing_;
   prometheus::Family<prometheus::Counter>& retries_;
   prometheus::Counter& prompt_tokens_;

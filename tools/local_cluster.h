@@ -74,7 +74,7 @@ struct LocalClusterOptions {
   int http_port = 0;
   std::string prefill_policy = "least-loaded";
   std::string decode_policy = "prefix-aware";
-  int max_in_flight = 256;
+  int max_in_flight = 1024;  // router: running + queued requests
   int refresh_ms = 250;  // router's probe interval
   absl::Duration start_timeout = absl::Seconds(120);
   // /metrics on every process: -1 off; 0 any free port (read back through

@@ -122,8 +122,17 @@ def overview():
     d.panel("In flight and queued", [
         ("sum(pdserve_router_in_flight_requests)", "router in flight"),
         ("sum(pdserve_router_queued_requests)", "router queued"),
+        ("sum(pdserve_router_admission_queue_depth)",
+         "waiting for KV room (router)"),
         ("sum(pdserve_prefill_queue_depth)", "prefill queued"),
         ("sum(pdserve_decode_running_requests)", "decode running")])
+    d.panel("Admission queue wait", [
+        (quantile(0.5, "pdserve_router_admission_wait_seconds"), "p50"),
+        (quantile(0.99, "pdserve_router_admission_wait_seconds"), "p99")],
+        "s",
+        description="Time requests waited in the router's line for KV room "
+        "on a decode worker (arrival order): decode KV is the bottleneck "
+        "when this grows")
     d.panel("Routing decisions", [
         (rate("pdserve_router_routing_decisions_total", "policy, side, worker"),
          "{{side}} {{worker}} ({{policy}})")], "ops")

@@ -186,6 +186,34 @@ void TransferFinding(const Window& w, LayoutReport* report) {
   report->findings.push_back(f);
 }
 
+// Requests that waited in the router's admission queue for KV room on a
+// decode worker: decode KV is what limits the cluster then.
+void AdmissionFinding(const Window& w, LayoutReport* report) {
+  const double waited = w.Sum("pdserve_router_admission_wait_seconds_count");
+  if (waited <= 0 && !w.Has("pdserve_router_admission_queue_depth")) return;
+  Finding f;
+  f.topic = "admission queue (decode KV room)";
+  const double seconds = w.Sum("pdserve_router_admission_wait_seconds_sum");
+  const double e2e = w.Sum("pdserve_router_e2e_seconds_sum");
+  f.value = e2e > 0 ? seconds / e2e : kNaN;
+  const double depth = w.Sum("pdserve_router_admission_queue_depth");
+  f.shown = absl::StrCat(
+      waited > 0 ? absl::StrCat(seconds / waited, " s mean wait") : "no waits",
+      ", ", depth, " waiting now",
+      std::isnan(f.value) ? "" : absl::StrCat(", ", Pct(f.value), " of e2e"));
+  if (!std::isnan(f.value) && f.value > 0.1) {
+    f.knob = "decode workers / KV memory (--num-blocks) / TP degree";
+    f.why =
+        "requests spend a large share of their latency waiting for KV room on "
+        "a decode worker: more decode workers, more KV blocks per worker "
+        "(a larger --num-blocks or a higher TP degree, which spreads the heads "
+        "over more memory), or shorter outputs";
+  } else {
+    f.why = "decode KV is not the bottleneck";
+  }
+  report->findings.push_back(f);
+}
+
 void UtilisationFinding(const Window& w, LayoutReport* report) {
   const double p_busy = w.Sum("pdserve_prefill_stage_busy_seconds_total");
   const double p_idle = w.Sum("pdserve_prefill_stage_idle_seconds_total");
@@ -315,6 +343,7 @@ LayoutReport AnalyzeLayout(const std::vector<Sample>& after,
   LayoutReport report;
   PrefillFindings(w, &report);
   TransferFinding(w, &report);
+  AdmissionFinding(w, &report);
   UtilisationFinding(w, &report);
   SpeculationFinding(w, &report);
   BatchFinding(w, &report);

@@ -904,6 +904,65 @@ std::vector<metrics::Sample> Scrape(const std::string& address) {
 // Every process of a local cluster serves /metrics; the router counts
 // requests by API and code (front-end refusals included), times TTFT and its
 // phases, ITL, TPOT and end to end, and records its routing decisions.
+// Overload: more concurrent requests than the decode worker's KV holds.
+// They wait in the router's admission queue in arrival order and all
+// succeed; none is refused for lack of KV (it used to be 503 "gave up after
+// 3 attempts ... KV cache exhausted").
+TEST(ClusterTest, RequestsBeyondTheKvCapacityQueueAndAllSucceed) {
+  LocalClusterOptions o = BaseOptions();
+  o.stages = 2;
+  o.tp = 2;
+  o.metrics_port_base = 0;
+  // 64 blocks of 16: a long golden prompt (~265 tokens) plus its 32 new
+  // tokens takes ~19, so three fit at once.
+  o.decode_blocks = 64;
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::vector<testing::GoldenCase> longs =
+      testing::LoadGoldenCases("golden_long.jsonl");
+  ASSERT_FALSE(longs.empty());
+  constexpr int kRequests = 12;
+  std::vector<std::vector<int32_t>> prompts(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    // The first requests are golden prompts as they are; the others change
+    // the second token, so no two share a cached prefix block and each needs
+    // its own KV.
+    prompts[i] = longs[i % longs.size()].prompt_ids;
+    if (i >= static_cast<int>(longs.size())) prompts[i][1] = 3 + i;
+  }
+  std::vector<Generated> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      v1::GenerateRequest request;
+      request.mutable_token_ids()->mutable_ids()->Add(prompts[i].begin(),
+                                                      prompts[i].end());
+      request.set_max_tokens(32);
+      results[i] =
+          GrpcGenerate(cluster->grpc_address(), request, absl::Seconds(120));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(results[i].status.ok())
+        << i << ": " << results[i].status.error_message() << "\n"
+        << cluster->LogTail("router");
+    EXPECT_EQ(results[i].ids.size(), 32u) << "request " << i;
+    if (i < static_cast<int>(longs.size())) {
+      EXPECT_EQ(results[i].ids, longs[i].greedy_ids) << "request " << i;
+    }
+  }
+  // Some waited in line; nothing is left behind.
+  const std::vector<metrics::Sample> router =
+      Scrape(cluster->metrics_addresses().at("router"));
+  EXPECT_GT(SumOf(router, "pdserve_router_admission_wait_seconds_count", {}),
+            0);
+  EXPECT_EQ(SumOf(router, "pdserve_router_admission_queue_depth", {}), 0);
+  EXPECT_TRUE(Eventually(
+      [&] { return DecodeBlocksUsed(cluster->decode_addresses()[0]) == 0; },
+      absl::Seconds(10)));
+}
+
 TEST(ClusterTest, RouterAndWorkersExportTheirMetrics) {
   LocalClusterOptions o = BaseOptions();
   o.stages = 2;

@@ -122,6 +122,37 @@ TEST(LayoutReportTest, WindowBetweenTwoScrapesDrivesEveryFinding) {
   EXPECT_TRUE(absl::StrContains(batch->knob, "--tp")) << batch->why;
 }
 
+// Requests waiting in the router's admission queue for decode KV: 6 s of
+// waiting in 20 s of end-to-end latency points at decode KV.
+TEST(LayoutReportTest, AdmissionWaitsPointAtDecodeKv) {
+  const std::string l =
+      "role=\"router\",worker_id=\"r0\",stage=\"0\",num_stages=\"1\","
+      "tp=\"1\"";
+  auto router = [&](double wait_sum, double waits, double e2e_sum, int depth) {
+    return absl::StrFormat(
+        "pdserve_router_admission_wait_seconds_sum{%s} %g\n"
+        "pdserve_router_admission_wait_seconds_count{%s} %g\n"
+        "pdserve_router_e2e_seconds_sum{%s} %g\n"
+        "pdserve_router_admission_queue_depth{%s} %d\n",
+        l, wait_sum, l, waits, l, e2e_sum, l, depth);
+  };
+  LayoutReport report =
+      AnalyzeLayout(Parse(router(7, 12, 30, 3)), Parse(router(1, 2, 10, 0)));
+  const Finding* admission = report.Find("admission queue");
+  ASSERT_NE(admission, nullptr) << report.ToText();
+  EXPECT_NEAR(admission->value, 6.0 / 20.0, 1e-9);
+  EXPECT_TRUE(absl::StrContains(admission->knob, "decode")) << admission->why;
+  EXPECT_TRUE(absl::StrContains(admission->shown, "0.6 s mean wait"))
+      << admission->shown;
+  EXPECT_TRUE(absl::StrContains(admission->shown, "3 waiting now"))
+      << admission->shown;
+  // Little waiting: no knob.
+  report =
+      AnalyzeLayout(Parse(router(1.1, 3, 30, 0)), Parse(router(1, 2, 10, 0)));
+  ASSERT_NE(report.Find("admission queue"), nullptr);
+  EXPECT_TRUE(report.Find("admission queue")->knob.empty());
+}
+
 TEST(LayoutReportTest, BalancedLayoutSuggestsNoKnob) {
   const std::string after = Stage(0, 9, 1, 0) + Stage(1, 9.5, 0.5, 0) +
                             Stage(2, 9, 1, 0) +
