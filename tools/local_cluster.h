@@ -75,7 +75,7 @@ struct LocalClusterOptions {
   std::string prefill_policy = "least-loaded";
   std::string decode_policy = "prefix-aware";
   int max_in_flight = 1024;  // router: running + queued requests
-  int refresh_ms = 250;  // router's probe interval
+  int refresh_ms = 250;      // router's probe interval
   absl::Duration start_timeout = absl::Seconds(120);
   // /metrics on every process: -1 off; 0 any free port (read back through
   // port files); B > 0 the ports of deploy/prometheus/prometheus-local.yml:
