@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <thread>
 #include <utility>
 
@@ -13,6 +14,18 @@
 namespace pdserve::router {
 
 namespace {
+
+// The most bytes of text one token stands for: a vocabulary piece, or a
+// character <unk> covers (UTF-8: up to 4).
+int MaxTokenBytes(const tokenizer::Tokenizer* tokenizer) {
+  size_t most = 4;
+  if (tokenizer == nullptr) return static_cast<int>(most);
+  for (int32_t id = 0; id < tokenizer->vocab_size(); ++id) {
+    absl::StatusOr<std::string> bytes = tokenizer->TokenBytes(id);
+    if (bytes.ok()) most = std::max(most, bytes->size());
+  }
+  return static_cast<int>(most);
+}
 
 class ClusterCall final : public GenerationCall {
  public:
@@ -60,9 +73,11 @@ ClusterBackend::ClusterBackend(ClusterBackendOptions options,
       prefill_policy_(std::move(prefill_policy)),
       decode_policy_(std::move(decode_policy)),
       book_(std::make_shared<RequestBook>()),
-      queue_(options_.queue, [metrics = options_.metrics](int depth) {
-        if (metrics != nullptr) metrics->SetAdmissionQueueDepth(depth);
-      }) {}
+      queue_(options_.queue,
+             [metrics = options_.metrics](int depth) {
+               if (metrics != nullptr) metrics->SetAdmissionQueueDepth(depth);
+             }),
+      max_token_bytes_(MaxTokenBytes(tokenizer)) {}
 
 ClusterBackend::~ClusterBackend() {
   absl::MutexLock lock(&book_->mu);
@@ -138,6 +153,18 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
     if (tokenizer_ == nullptr) {
       return absl::InvalidArgumentError(
           "this router has no tokenizer: send token ids");
+    }
+    // Refused before tokenizing when even the longest tokens could not fit
+    // it into the context (tokenizing a 100k-token prompt costs ~1 s of
+    // CPU).
+    const int64_t max_bytes =
+        int64_t{options_.model.context_length} * max_token_bytes_;
+    if (static_cast<int64_t>(request.prompt_text->size()) > max_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt of ", request.prompt_text->size(),
+                       " bytes cannot fit the model's context of ",
+                       options_.model.context_length, " tokens (at most ",
+                       max_token_bytes_, " bytes per token)"));
     }
     PDS_ASSIGN_OR_RETURN(ids, tokenizer_->Encode(*request.prompt_text));
   }

@@ -121,6 +121,8 @@ class ClusterBackend final : public GenerationBackend {
   // Live requests and counters; the request threads hold it too.
   const std::shared_ptr<RequestBook> book_;
   AdmissionQueue queue_;
+  // Prompts longer than context x this many bytes are refused untokenized.
+  const int max_token_bytes_;
 
   absl::Mutex channels_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_

@@ -68,6 +68,8 @@ struct GenerationRequest {
 };
 
 inline constexpr int kMaxTopLogprobs = rpc::kMaxTopLogprobs;
+// A client's request id is echoed on every response item: bounded.
+inline constexpr size_t kMaxRequestIdBytes = 256;
 
 // A token at an output position with its log-probability under the model's
 // raw distribution (temperature 1, before top-k/top-p).

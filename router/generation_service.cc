@@ -3,6 +3,7 @@
 #include <atomic>
 #include <deque>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "rpc/status_conversion.h"
 
@@ -361,6 +362,11 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
     const v1::GenerateRequest& request, const GenerationBackend& backend,
     absl::Time deadline) {
   GenerationRequest out;
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request_id has ", request.request_id().size(), " bytes; at most ",
+        kMaxRequestIdBytes, " (it is echoed on every response item)"));
+  }
   out.request_id =
       request.request_id().empty() ? NewRequestId() : request.request_id();
   absl::StatusOr<ModelDescription> model =

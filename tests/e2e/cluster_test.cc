@@ -1152,6 +1152,9 @@ TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
       {"{\"prompt\": [1, 99999], \"max_tokens\": 4}", 400, "vocabulary"},
       {"{\"prompt\": \"Hi\",", 400, ""},
       {absl::StrCat("{\"prompt\": \"", long_prompt, "\"}"), 400, "context"},
+      // Refused before tokenizing: no token is this many bytes long.
+      {absl::StrCat("{\"prompt\": \"", std::string(1 << 20, 'a'), "\"}"), 400,
+       "cannot fit"},
       {absl::StrCat("{\"prompt\": \"", std::string(5 << 20, 'x'), "\"}"), 413,
        ""},
   };
@@ -1179,6 +1182,13 @@ TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
     r.set_model("nope");
     EXPECT_EQ(GrpcGenerate(cluster->grpc_address(), r).status.error_code(),
               grpc::StatusCode::NOT_FOUND);
+    // A request id is echoed on every item: a 1 MB one is refused.
+    r = TextRequest("Hi", 4);
+    r.set_request_id(std::string(1 << 20, 'r'));
+    g = GrpcGenerate(cluster->grpc_address(), r);
+    EXPECT_EQ(g.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(g.status.error_message().find("request_id"), std::string::npos)
+        << g.status.error_message().substr(0, 200);
   }
   // Stop strings end the stream before the stop text, through both APIs.
   {
