@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kv/kv_layout.h"
+#include "rpc/auth.h"
 #include "rpc/request_contract.h"
 #include "rpc/status_conversion.h"
 
@@ -501,6 +502,10 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
 grpc::ServerUnaryReactor* DecodeService::Admit(
     grpc::CallbackServerContext* context, const v1::AdmitRequest* request,
     v1::AdmitResponse* response) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   auto* reactor = context->DefaultReactor();
   reactor->Finish(rpc::ToGrpcStatus(AdmitImpl(*request, response)));
   return reactor;
@@ -509,6 +514,10 @@ grpc::ServerUnaryReactor* DecodeService::Admit(
 grpc::ServerUnaryReactor* DecodeService::KvComplete(
     grpc::CallbackServerContext* context, const v1::KvCompleteRequest* request,
     v1::KvCompleteResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   auto* reactor = context->DefaultReactor();
   const uint64_t id = request->request_id();
   auto ch = FindChannel(id);
@@ -603,7 +612,12 @@ absl::Status DecodeService::Complete(const CompleteJob& job) {
 }
 
 grpc::ServerWriteReactor<v1::DecodeDelta>* DecodeService::StreamTokens(
-    grpc::CallbackServerContext*, const v1::StreamTokensRequest* request) {
+    grpc::CallbackServerContext* context,
+    const v1::StreamTokensRequest* request) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return new RefusedStream(auth);
+  }
   const uint64_t id = request->request_id();
   auto ch = FindChannel(id);
   if (ch == nullptr)
@@ -624,6 +638,10 @@ grpc::ServerWriteReactor<v1::DecodeDelta>* DecodeService::StreamTokens(
 grpc::ServerUnaryReactor* DecodeService::Abort(
     grpc::CallbackServerContext* context, const v1::AbortRequest* request,
     v1::AbortResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   auto* reactor = context->DefaultReactor();
   const uint64_t id = request->request_id();
   bool in_transfer = false;
@@ -658,6 +676,10 @@ void DecodeService::FillIdentity(v1::ModelIdentity* model) const {
 grpc::ServerUnaryReactor* DecodeService::GetLoad(
     grpc::CallbackServerContext* context, const v1::GetLoadRequest*,
     v1::DecodeLoad* response) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   const decode::LoadReport load = worker_->Load();
   response->set_running(load.running);
   response->set_waiting(load.waiting);

@@ -39,6 +39,7 @@
 #include "decode/decode_worker.h"
 #include "model/model_config.h"
 #include "pdserve/v1/decode.grpc.pb.h"
+#include "rpc/auth.h"
 #include "transport/kv_transfer.h"
 #include "transport/ucx_worker.h"
 
@@ -59,6 +60,10 @@ struct DecodeServiceOptions {
   // have allocated the ranks' KV pools through them; they must outlive the
   // service). Empty: the service makes its own from `ucx`.
   std::vector<transport::UcxWorker*> rank_workers;
+  // The cluster's internal token(s): every DecodeWorker call must carry one
+  // ("authorization: Bearer <token>"), else UNAUTHENTICATED. Empty: no
+  // check (tests, a trusted network).
+  rpc::BearerTokens internal_tokens;
 };
 
 // One request's token stream: deltas queued by the worker's callback, written

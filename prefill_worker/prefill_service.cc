@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "kv/kv_layout.h"
 #include "prefill_worker/stage_control_service.h"
+#include "rpc/auth.h"
 #include "rpc/request_contract.h"
 #include "rpc/status_conversion.h"
 
@@ -89,7 +90,7 @@ absl::Status PrefillService::Wire() {
     Peer peer;
     peer.stage = want;
     peer.stub = v1::PrefillStageControl::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        rpc::CreateChannel(address, options_.internal_tokens.first()));
     grpc::ClientContext context;
     // Peers may still be loading weights: wait for them (bounded).
     context.set_wait_for_ready(true);
@@ -198,6 +199,10 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
     grpc::CallbackServerContext* context,
     const v1::PrefillSubmitRequest* request,
     v1::PrefillSubmitResponse* response) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto call = std::make_shared<Call>();
   call->id = request->request_id();
@@ -378,7 +383,7 @@ grpc::GenericStub* PrefillService::DecodeStub(const std::string& address) {
   auto& stub = decode_stubs_[address];
   if (stub == nullptr) {
     stub = std::make_unique<grpc::GenericStub>(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        rpc::CreateChannel(address, options_.internal_tokens.first()));
   }
   return stub.get();
 }
@@ -440,6 +445,10 @@ void PrefillService::Answer(const std::shared_ptr<Call>& call,
 grpc::ServerUnaryReactor* PrefillService::Cancel(
     grpc::CallbackServerContext* context,
     const v1::PrefillCancelRequest* request, v1::PrefillCancelResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const uint64_t id = request->request_id();
   std::shared_ptr<PrefillTicket> ticket;
@@ -496,6 +505,10 @@ void PrefillService::CancelKvEverywhere(const KvToCancel& requests) {
 grpc::ServerUnaryReactor* PrefillService::GetLoad(
     grpc::CallbackServerContext* context, const v1::PrefillLoadRequest*,
     v1::PrefillLoad* response) {
+  if (absl::Status auth = rpc::Authenticate(*context, options_.internal_tokens);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   *response = Load();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -48,6 +48,7 @@
 #include "pdserve/v1/prefill.grpc.pb.h"
 #include "prefill/prefill_coordinator.h"
 #include "prefill_worker/stage_process.h"
+#include "rpc/auth.h"
 #include "rpc/server.h"
 
 namespace pdserve::prefill {
@@ -68,6 +69,10 @@ struct PrefillServiceOptions {
   absl::Duration control_timeout = absl::Seconds(15);
   // DecodeWorker.KvComplete (the decode side waits for its sinks first).
   absl::Duration notify_timeout = absl::Seconds(15);
+  // The cluster's internal token(s): PrefillGroup calls must carry one (else
+  // UNAUTHENTICATED), and this stage sends the first on its calls to the
+  // other stages and to decode workers. Empty: no check, none sent.
+  rpc::BearerTokens internal_tokens;
 };
 
 class PrefillService final : public pdserve::v1::PrefillGroup::CallbackService {

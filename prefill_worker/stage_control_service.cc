@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "rpc/auth.h"
 #include "rpc/status_conversion.h"
 
 namespace pdserve::prefill {
@@ -23,8 +24,11 @@ void FillStageLoad(const StageProcessOptions& options, const StageStats& stats,
 }
 
 StageControlService::StageControlService(StageProcess* stage,
-                                         std::string model_identity)
-    : stage_(stage), model_identity_(std::move(model_identity)) {
+                                         std::string model_identity,
+                                         rpc::BearerTokens internal_tokens)
+    : stage_(stage),
+      model_identity_(std::move(model_identity)),
+      internal_tokens_(std::move(internal_tokens)) {
   job_thread_ = std::thread([this] { JobLoop(); });
 }
 
@@ -52,6 +56,10 @@ grpc::ServerUnaryReactor* StageControlService::Defer(
 grpc::ServerUnaryReactor* StageControlService::Hello(
     grpc::CallbackServerContext* context, const v1::StageHelloRequest*,
     v1::StageHelloResponse* response) {
+  if (absl::Status auth = rpc::Authenticate(*context, internal_tokens_);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   const StageProcessOptions& o = stage_->options();
   response->set_stage(o.stage);
   response->set_num_stages(o.num_stages);
@@ -69,6 +77,10 @@ grpc::ServerUnaryReactor* StageControlService::Hello(
 grpc::ServerUnaryReactor* StageControlService::Wire(
     grpc::CallbackServerContext* context, const v1::StageWireRequest* request,
     v1::StageWireResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, internal_tokens_);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   return Defer(context, [this, next = request->next_stage_address(),
                          coordinator = request->coordinator_address()] {
     return stage_->Wire(next, coordinator);
@@ -79,6 +91,10 @@ grpc::ServerUnaryReactor* StageControlService::ConnectSinks(
     grpc::CallbackServerContext* context,
     const v1::StageConnectSinksRequest* request,
     v1::StageConnectSinksResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, internal_tokens_);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   std::vector<std::string> descriptors(request->sink_descriptors().begin(),
                                        request->sink_descriptors().end());
   return Defer(context, [this, descriptors = std::move(descriptors)] {
@@ -89,6 +105,10 @@ grpc::ServerUnaryReactor* StageControlService::ConnectSinks(
 grpc::ServerUnaryReactor* StageControlService::CancelKv(
     grpc::CallbackServerContext* context,
     const v1::StageCancelKvRequest* request, v1::StageCancelKvResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, internal_tokens_);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   std::vector<uint64_t> ids(request->request_ids().begin(),
                             request->request_ids().end());
   return Defer(context, [this, ids = std::move(ids)] {
@@ -100,6 +120,10 @@ grpc::ServerUnaryReactor* StageControlService::CancelKv(
 grpc::ServerUnaryReactor* StageControlService::Ping(
     grpc::CallbackServerContext* context, const v1::StagePingRequest*,
     v1::PrefillStageLoad* response) {
+  if (absl::Status auth = rpc::Authenticate(*context, internal_tokens_);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   {
     absl::MutexLock lock(&mu_);
     last_ping_ = absl::Now();
@@ -113,6 +137,10 @@ grpc::ServerUnaryReactor* StageControlService::Ping(
 grpc::ServerUnaryReactor* StageControlService::Restart(
     grpc::CallbackServerContext* context, const v1::StageRestartRequest*,
     v1::StageRestartResponse*) {
+  if (absl::Status auth = rpc::Authenticate(*context, internal_tokens_);
+      !auth.ok()) {
+    return rpc::Refused(context, auth);
+  }
   restart_requested_.store(true);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);

@@ -18,6 +18,7 @@
 #include "common/closable_queue.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
 #include "prefill_worker/stage_process.h"
+#include "rpc/auth.h"
 
 namespace pdserve::prefill {
 
@@ -26,7 +27,9 @@ class StageControlService final
  public:
   // `stage` must outlive the service; `model_identity` is
   // ModelConfig::Identity().
-  StageControlService(StageProcess* stage, std::string model_identity);
+  // `internal_tokens`: what every call must carry (empty: no check).
+  StageControlService(StageProcess* stage, std::string model_identity,
+                      rpc::BearerTokens internal_tokens = {});
   // Stop the gRPC server first; then drains the job thread.
   ~StageControlService() override;
 
@@ -68,6 +71,7 @@ class StageControlService final
 
   StageProcess* const stage_;
   const std::string model_identity_;
+  const rpc::BearerTokens internal_tokens_;
   ClosableQueue<std::function<void()>> jobs_;
   std::thread job_thread_;
   mutable absl::Mutex mu_;

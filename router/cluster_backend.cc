@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "router/cluster_request.h"
+#include "rpc/auth.h"
 
 namespace pdserve::router {
 
@@ -126,8 +127,7 @@ std::shared_ptr<grpc::Channel> ClusterBackend::ChannelFor(
     // Long token streams: no cap on a message stream's lifetime, but a
     // worker that went away must be noticed on reconnect quickly.
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    channel = grpc::CreateCustomChannel(
-        address, grpc::InsecureChannelCredentials(), args);
+    channel = rpc::CreateChannel(address, options_.internal_token, args);
   }
   return channel;
 }

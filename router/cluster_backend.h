@@ -71,6 +71,9 @@ struct ClusterBackendOptions {
   // (router/admission_queue.h) instead of failing while the cluster is
   // full.
   AdmissionQueueOptions queue;
+  // The cluster's internal token, sent on every call to the workers (they
+  // refuse calls without it when they were given one). Empty: none sent.
+  std::string internal_token;
 };
 
 // Counters for tests, logs and metrics.

@@ -174,7 +174,15 @@ class GenerationReactor : public GrpcReactor, public GenerationObserver {
   void Begin(GenerationBackend* backend,
              const grpc::CallbackServerContext& context,
              const v1::GenerateRequest& request, const char* api,
-             const RejectionHook& on_rejected) {
+             const RejectionHook& on_rejected,
+             const rpc::BearerTokens* api_keys) {
+    if (api_keys != nullptr) {
+      if (absl::Status s = rpc::Authenticate(context, *api_keys); !s.ok()) {
+        if (on_rejected) on_rejected(api, s.code());
+        FailBeforeStart(s);
+        return;
+      }
+    }
     absl::StatusOr<GenerationRequest> generation =
         PrepareRequest(request, *backend, context, api, on_rejected);
     if (!generation.ok()) {
@@ -234,8 +242,9 @@ class GenerateReactor final
   GenerateReactor(GenerationBackend* backend,
                   grpc::CallbackServerContext* context,
                   const v1::GenerateRequest& request,
-                  const RejectionHook& on_rejected) {
-    Begin(backend, *context, request, "grpc_generate", on_rejected);
+                  const RejectionHook& on_rejected,
+                  const rpc::BearerTokens* api_keys) {
+    Begin(backend, *context, request, "grpc_generate", on_rejected, api_keys);
   }
 
   // --- backend side (any thread) ---
@@ -315,9 +324,11 @@ class GenerateUnaryReactor final
                        grpc::CallbackServerContext* context,
                        const v1::GenerateRequest& request,
                        v1::GenerateResponse* response,
-                       const RejectionHook& on_rejected)
+                       const RejectionHook& on_rejected,
+                       const rpc::BearerTokens* api_keys)
       : response_(response) {
-    Begin(backend, *context, request, "grpc_generate_unary", on_rejected);
+    Begin(backend, *context, request, "grpc_generate_unary", on_rejected,
+          api_keys);
   }
 
   void OnDelta(GenerationDelta delta) override {
@@ -402,26 +413,33 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return new GenerateReactor(backend_, context, *request, on_rejected_);
+  return new GenerateReactor(backend_, context, *request, on_rejected_,
+                             api_keys_);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GenerateUnary(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request,
     v1::GenerateResponse* response) {
   return new GenerateUnaryReactor(backend_, context, *request, response,
-                                  on_rejected_);
+                                  on_rejected_, api_keys_);
 }
 
 grpc::ServerUnaryReactor* GenerationService::ListModels(
     grpc::CallbackServerContext* context, const v1::ListModelsRequest*,
     v1::ListModelsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (api_keys_ != nullptr) {
+    if (absl::Status s = rpc::Authenticate(*context, *api_keys_); !s.ok()) {
+      reactor->Finish(rpc::ToGrpcStatus(s));
+      return reactor;
+    }
+  }
   for (const ModelDescription& model : backend_->ListModels()) {
     v1::ModelInfo* info = response->add_models();
     info->set_name(model.name);
     info->set_context_length(model.context_length);
     info->set_vocab_size(model.vocab_size);
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

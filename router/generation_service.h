@@ -12,15 +12,21 @@
 #include "absl/status/statusor.h"
 #include "pdserve/v1/generate.grpc.pb.h"
 #include "router/generation_backend.h"
+#include "rpc/auth.h"
 
 namespace pdserve::router {
 
 class GenerationService final : public v1::Generation::CallbackService {
  public:
-  // `backend` is not owned and must outlive the service.
+  // `backend` is not owned and must outlive the service, as must
+  // `api_keys` (null or empty: no key needed): every call then carries
+  // "authorization: Bearer <key>" or gets UNAUTHENTICATED.
   explicit GenerationService(GenerationBackend* backend,
-                             RejectionHook on_rejected = nullptr)
-      : backend_(backend), on_rejected_(std::move(on_rejected)) {}
+                             RejectionHook on_rejected = nullptr,
+                             const rpc::BearerTokens* api_keys = nullptr)
+      : backend_(backend),
+        on_rejected_(std::move(on_rejected)),
+        api_keys_(api_keys) {}
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context,
@@ -36,6 +42,7 @@ class GenerationService final : public v1::Generation::CallbackService {
  private:
   GenerationBackend* const backend_;
   const RejectionHook on_rejected_;
+  const rpc::BearerTokens* const api_keys_;
 };
 
 // The backend request for a public request: fills defaults (max_tokens 0 =

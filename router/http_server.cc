@@ -8,6 +8,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
@@ -222,6 +223,30 @@ class OpenAiHttpServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
     };
     server_.set_payload_max_length(options_.max_body_bytes);
+    // API keys: every /v1/ route checks the caller before any work.
+    server_.set_pre_routing_handler([this](const httplib::Request& req,
+                                           httplib::Response& res) {
+      if (options_.api_keys == nullptr || !options_.api_keys->enabled() ||
+          !absl::StartsWith(req.path, "/v1/")) {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      const std::string header = req.get_header_value(rpc::kAuthorizationKey);
+      if (options_.api_keys->Accepts(header)) {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      if (options_.on_rejected) {
+        options_.on_rejected(ApiOfPath(req.path),
+                             absl::StatusCode::kUnauthenticated);
+      }
+      res.status = 401;
+      res.set_header("WWW-Authenticate", "Bearer");
+      res.set_content(
+          ErrorBody(401, header.empty() ? "missing API key: send the header "
+                                          "\"Authorization: Bearer <key>\""
+                                        : "incorrect API key"),
+          "application/json");
+      return httplib::Server::HandlerResponse::Handled;
+    });
     // Short keep-alive so Stop() does not wait long on idle connections.
     server_.set_keep_alive_timeout(1);
     server_.Post("/v1/completions",

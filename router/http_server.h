@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "router/generation_backend.h"
+#include "rpc/auth.h"
 
 namespace pdserve::router {
 
@@ -32,6 +33,9 @@ struct HttpServerOptions {
   absl::Duration request_timeout = absl::Minutes(10);
   // Told about requests refused before the backend (optional).
   RejectionHook on_rejected;
+  // API keys (not owned; null or empty: none needed): every /v1/ route then
+  // needs "Authorization: Bearer <key>" (else 401); /health stays open.
+  const rpc::BearerTokens* api_keys = nullptr;
   // OpenAI `n` > 1: start choices 1.. when choice 0 streams its first token,
   // not all at once. By then choice 0's prompt blocks are published at its
   // decode worker and cached in its prefill group, so with prefix-aware

@@ -257,6 +257,8 @@ const char* ErrorType(int http_status) {
     case 400:
     case 404:
     case 413:
+    case 401:
+    case 403:
       return "invalid_request_error";
     case 429:
       return "rate_limit_error";
@@ -538,6 +540,10 @@ int HttpStatusFor(const absl::Status& status) {
       return 400;
     case absl::StatusCode::kNotFound:
       return 404;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
     case absl::StatusCode::kResourceExhausted:
       return 429;
     case absl::StatusCode::kCancelled:
@@ -559,6 +565,7 @@ std::string ErrorBody(int http_status, std::string_view message) {
                 {"param", nullptr},
                 {"code", nullptr}};
   if (http_status == 404) error["code"] = "model_not_found";
+  if (http_status == 401) error["code"] = "invalid_api_key";
   if (http_status == 429) error["code"] = "rate_limit_exceeded";
   return Dump(json{{"error", std::move(error)}});
 }

@@ -18,6 +18,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
+#include "rpc/auth.h"
 
 namespace pdserve::router {
 namespace {
@@ -139,6 +140,8 @@ class SystemResolver final : public Resolver {
 // PrefillGroup) over one cached channel per address.
 class GrpcWorkerProber final : public WorkerProber {
  public:
+  explicit GrpcWorkerProber(std::string internal_token)
+      : internal_token_(std::move(internal_token)) {}
   ProbeResult Probe(WorkerRole role, const std::string& address,
                     absl::Duration timeout) override {
     std::shared_ptr<Stubs> stubs = StubsFor(address);
@@ -206,8 +209,7 @@ class GrpcWorkerProber final : public WorkerProber {
     absl::MutexLock lock(&mu_);
     std::shared_ptr<Stubs>& stubs = stubs_[address];
     if (stubs == nullptr) {
-      auto channel =
-          grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+      auto channel = rpc::CreateChannel(address, internal_token_);
       stubs = std::make_shared<Stubs>();
       stubs->health = grpc::health::v1::Health::NewStub(channel);
       stubs->decode = v1::DecodeWorker::NewStub(channel);
@@ -216,6 +218,7 @@ class GrpcWorkerProber final : public WorkerProber {
     return stubs;
   }
 
+  const std::string internal_token_;
   absl::Mutex mu_;
   // shared_ptr: a probe keeps its stubs even if Forget() runs meanwhile.
   absl::flat_hash_map<std::string, std::shared_ptr<Stubs>> stubs_
@@ -341,8 +344,8 @@ std::unique_ptr<Resolver> MakeSystemResolver() {
   return std::make_unique<SystemResolver>();
 }
 
-std::unique_ptr<WorkerProber> MakeGrpcWorkerProber() {
-  return std::make_unique<GrpcWorkerProber>();
+std::unique_ptr<WorkerProber> MakeGrpcWorkerProber(std::string internal_token) {
+  return std::make_unique<GrpcWorkerProber>(std::move(internal_token));
 }
 
 // ---------------------------------------------------------------------------

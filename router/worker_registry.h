@@ -94,7 +94,10 @@ class WorkerProber {
 // worker answering health but not GetLoad stays in rotation without a report.
 // Both load reports carry the worker's ModelIdentity, which the registry
 // checks against the cluster's.
-std::unique_ptr<WorkerProber> MakeGrpcWorkerProber();
+// `internal_token`: sent on the probes' GetLoad calls (workers started with
+// an internal token refuse them otherwise); empty: none.
+std::unique_ptr<WorkerProber> MakeGrpcWorkerProber(
+    std::string internal_token = "");
 
 // One worker's state, for /health, metrics and tests.
 struct WorkerStatus {

@@ -391,5 +391,40 @@ TEST_F(GenerationServiceTest, ManyConcurrentStreams) {
   EXPECT_EQ(good.load(), kStreams);
 }
 
+// With API keys, every Generation call carries "authorization: Bearer
+// <key>" or gets UNAUTHENTICATED before the backend sees it.
+TEST_F(GenerationServiceTest, ApiKeysKeepOutCallersWithoutOne) {
+  server_.reset();
+  auto keys = rpc::BearerTokens::Of({"key-0123456789abcdef"});
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  service_ = std::make_unique<GenerationService>(&backend_, nullptr, &*keys);
+  auto server = rpc::RunningServer::Start("127.0.0.1:0", {service_.get()});
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = *std::move(server);
+  stub_ = v1::Generation::NewStub(grpc::CreateChannel(
+      server_->address(), grpc::InsecureChannelCredentials()));
+  auto [items, status] = ReadAll(Request("Once", 2));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(items.empty());
+  {
+    grpc::ClientContext context;
+    v1::GenerateResponse response;
+    EXPECT_EQ(stub_->GenerateUnary(&context, Request("Once", 2), &response)
+                  .error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext list_context;
+    v1::ListModelsResponse models;
+    EXPECT_EQ(stub_->ListModels(&list_context, v1::ListModelsRequest(), &models)
+                  .error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // A channel that sends the key on every call.
+  stub_ = v1::Generation::NewStub(
+      rpc::CreateChannel(server_->address(), "key-0123456789abcdef"));
+  auto [good_items, good_status] = ReadAll(Request("Once", 2));
+  EXPECT_TRUE(good_status.ok()) << good_status.error_message();
+  EXPECT_FALSE(good_items.empty());
+}
+
 }  // namespace
 }  // namespace pdserve::router

@@ -648,5 +648,43 @@ TEST_F(HttpServerTest, ConcurrentStreams) {
   EXPECT_EQ(good.load(), kStreams);
 }
 
+// With API keys every /v1/ route needs "Authorization: Bearer <key>" (401 in
+// OpenAI's error shape otherwise, counted as UNAUTHENTICATED); /health stays
+// open for probes.
+TEST_F(HttpServerTest, ApiKeysKeepOutCallersWithoutOne) {
+  server_->Stop();
+  auto keys =
+      rpc::BearerTokens::Of({"key-0123456789abcdef", "another-key-0123456"});
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  std::vector<absl::StatusCode> rejected;
+  absl::Mutex mu;
+  HttpServerOptions options;
+  options.api_keys = &*keys;
+  options.on_rejected = [&](const std::string&, absl::StatusCode code) {
+    absl::MutexLock lock(&mu);
+    rejected.push_back(code);
+  };
+  StartServer(&backend_, options);
+  const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
+  std::string message = ExpectError(
+      client_->Post("/v1/completions", body, "application/json"), 401);
+  EXPECT_NE(message.find("Authorization: Bearer"), std::string::npos)
+      << message;
+  httplib::Headers wrong = {{"Authorization", "Bearer not-the-key-at-all"}};
+  ExpectError(client_->Post("/v1/completions", wrong, body, "application/json"),
+              401);
+  EXPECT_EQ(client_->Get("/v1/models")->status, 401);
+  for (const char* key : {"key-0123456789abcdef", "another-key-0123456"}) {
+    httplib::Headers good = {{"Authorization", absl::StrCat("Bearer ", key)}};
+    auto res = client_->Post("/v1/completions", good, body, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200) << res->body;
+  }
+  EXPECT_EQ(client_->Get("/health")->status, 200);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(rejected, std::vector<absl::StatusCode>(
+                          3, absl::StatusCode::kUnauthenticated));
+}
+
 }  // namespace
 }  // namespace pdserve::router
