@@ -268,11 +268,13 @@ int RouterOverhead(const tools::LocalClusterOptions& base, int requests,
   router::RegistryConfig config;
   config.prefill = (*cluster)->prefill_addresses();
   config.decode = (*cluster)->decode_addresses();
-  router::WorkerRegistry registry(config, router::MakeSystemResolver(),
-                                  router::MakeGrpcWorkerProber());
+  router::WorkerRegistry registry(
+      config, router::MakeSystemResolver(),
+      router::MakeGrpcWorkerProber((*cluster)->internal_token()));
   registry.Refresh();
   router::ClusterBackendOptions bo;
   bo.model = {(*cluster)->model_name(), context, vocab};
+  bo.internal_token = (*cluster)->internal_token();
   auto backend = router::ClusterBackend::Create(
       bo, nullptr, &registry, *router::MakeAssignmentPolicy("round-robin"),
       *router::MakeAssignmentPolicy("round-robin"));

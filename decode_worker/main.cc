@@ -3,7 +3,7 @@
 // with the UCX transport. See decode_worker/README.md.
 //
 //   decode_worker --model PATH [--format auto|gguf|safetensors|dummy]
-//                 [--tp T] [--host 0.0.0.0] [--port 0] [--block-size 16]
+//                 [--tp T] [--host 127.0.0.1] [--port 0] [--block-size 16]
 //                 [--num-blocks N | --kv-memory-mb M] [--max-running 64]
 //                 [--max-step-tokens 512] [--threads-per-rank 1]
 //                 [--speculation off|ngram|draft] [--draft-layers L]
@@ -18,7 +18,14 @@
 //                 [--cuda-attention auto|legacy|tensor-core] (the legacy
 //                 kernel: to bisect a wrong GPU result to the new ones)
 //                 [--kv-dtype auto|f32|bf16]
+//                 [--internal-token-file PATH] [--ucx-net-devices auto]
 //
+// Listens on loopback unless --host says otherwise (0.0.0.0: every
+// interface). --ucx-net-devices auto keeps UCX's network transports on
+// --host's interface too (all: every interface; or UCX's own device list,
+// e.g. mlx5_0:1 for RDMA). --internal-token-file: the cluster's shared token
+// (see services/rpc/auth.h); every DecodeWorker RPC must carry it, so no
+// unauthenticated peer can Admit, Abort or be granted KV blocks.
 // Every rank's KV pool is allocated and registered by its UCX worker, so a
 // prefill's puts land by shared memory on this host (or RDMA across hosts).
 // With --backend cuda (a -DPDSERVE_CUDA=ON build) rank r runs on GPU
@@ -50,10 +57,12 @@
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "process/port_file.h"
+#include "rpc/auth.h"
 #include "rpc/server.h"
 #include "speculative/truncated_weights.h"
 #include "tokenizer/tokenizer.h"
 #include "transport/kv_transfer.h"
+#include "transport/net_device.h"
 #include "transport/ucx_worker.h"
 
 namespace pdserve::decode_worker {
@@ -69,7 +78,7 @@ int Main(int argc, char** argv) {
   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
   const std::string model_path = flags.Str("model", "");
   const std::string format_name = flags.Str("format", "auto");
-  const std::string host = flags.Str("host", "0.0.0.0");
+  const std::string host = flags.Str("host", "127.0.0.1");
   const int port = flags.Num<int>("port", 0);
   const std::string port_file = flags.Str("port-file", "");
   const std::string speculation = flags.Str("speculation", "off");
@@ -111,7 +120,20 @@ int Main(int argc, char** argv) {
   const std::string metrics_host = flags.Str("metrics-host", host);
   const std::string worker_id =
       flags.Str("worker-id", metrics::DefaultWorkerId());
+  const std::string internal_token_file = flags.Str("internal-token-file", "");
+  const std::string ucx_net_devices = flags.Str("ucx-net-devices", "auto");
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  if (!internal_token_file.empty()) {
+    auto tokens = rpc::BearerTokens::FromFile(internal_token_file);
+    if (!tokens.ok()) return Fail(tokens.status());
+    so.internal_tokens = *std::move(tokens);
+  }
+  if (auto ucx_config = transport::UcxNetworkConfig(ucx_net_devices, host);
+      ucx_config.ok()) {
+    so.ucx.ucx_config = *std::move(ucx_config);
+  } else {
+    return Fail(ucx_config.status());
+  }
   if (model_path.empty())
     return Fail(absl::InvalidArgumentError("--model is required"));
   if (has_num_blocks && kv_memory_mb > 0)

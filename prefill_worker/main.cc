@@ -8,7 +8,7 @@
 //                  [--chunk-policy equal-cost|fixed] [--chunk-tokens 256]
 //                  [--microbatch-tokens 512] [--max-in-flight 0 (= 2S)]
 //                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
-//                  [--threads 1] [--host 0.0.0.0] [--port 0]
+//                  [--threads 1] [--host 127.0.0.1] [--port 0]
 //                  [--port-file PATH] [--model-name NAME]
 //                  [--ucx-peer-errors 1]  (0: shared-memory endpoints, same
 //                  host; see decode_worker)
@@ -19,6 +19,11 @@
 //                  [--kv-dtype auto|f32|bf16] (the KV it computes and
 //                  sends; auto = f32 on CPUs, bf16 on GPUs; decode workers
 //                  must keep the same)
+//                  [--internal-token-file PATH] (the cluster's shared
+//                  token: every stage checks it on its RPCs and sends it
+//                  to its peers and the decode workers)
+//                  [--ucx-net-devices auto] (auto: UCX stays on --host's
+//                  interface; all; or a UCX device list, see decode_worker)
 //   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
 //                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
 //                  [--peer-wait-seconds 60]
@@ -66,7 +71,9 @@
 #include "prefill_worker/stage_metrics.h"
 #include "prefill_worker/stage_process.h"
 #include "process/port_file.h"
+#include "rpc/auth.h"
 #include "rpc/server.h"
+#include "transport/net_device.h"
 
 namespace pdserve::prefill {
 namespace {
@@ -157,7 +164,7 @@ int Main(int argc, char** argv) {
   const int64_t num_blocks = flags.Num<int64_t>("num-blocks", 512);
   const bool prefix_reuse = flags.Num<int64_t>("prefix-reuse", 1) != 0;
   const int threads = static_cast<int>(flags.Num<int64_t>("threads", 1));
-  const std::string host = flags.Str("host", "0.0.0.0");
+  const std::string host = flags.Str("host", "127.0.0.1");
   const int64_t port = flags.Num<int64_t>("port", 0);
   const std::string port_file = flags.Str("port-file", "");
   const std::string model_name = flags.Str("model-name", "model");
@@ -182,7 +189,17 @@ int Main(int argc, char** argv) {
   auto attention =
       engine::ParseAttentionKernels(flags.Str("cuda-attention", "auto"));
   if (!attention.ok()) return Fail(attention.status());
+  const std::string internal_token_file = flags.Str("internal-token-file", "");
+  const std::string ucx_net_devices = flags.Str("ucx-net-devices", "auto");
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  rpc::BearerTokens internal_tokens;
+  if (!internal_token_file.empty()) {
+    auto tokens = rpc::BearerTokens::FromFile(internal_token_file);
+    if (!tokens.ok()) return Fail(tokens.status());
+    internal_tokens = *std::move(tokens);
+  }
+  auto ucx_config = transport::UcxNetworkConfig(ucx_net_devices, host);
+  if (!ucx_config.ok()) return Fail(ucx_config.status());
   if (model_path.empty()) {
     return Fail(absl::InvalidArgumentError("--model is required"));
   }
@@ -231,6 +248,7 @@ int Main(int argc, char** argv) {
   stage_options.num_blocks = num_blocks;
   stage_options.threads = threads;
   stage_options.ucx.peer_error_handling = ucx_peer_errors;
+  stage_options.ucx.ucx_config = *ucx_config;
   stage_options.backend = *backend;
   stage_options.kv_dtype = *kv_dtype;
   stage_options.cuda.device = cuda_device;
@@ -290,6 +308,7 @@ int Main(int argc, char** argv) {
     options.peer_wait = absl::Seconds(peer_wait_s);
     options.heartbeat_period = absl::Milliseconds(heartbeat_ms);
     options.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms);
+    options.internal_tokens = internal_tokens;
     auto service = PrefillService::Create(**weights, process->get(), options);
     if (!service.ok()) return Fail(service.status());
     if (auto s = start_metrics(service->get()); !s.ok()) return Fail(s);
@@ -320,7 +339,8 @@ int Main(int argc, char** argv) {
   }
 
   if (auto s = start_metrics(nullptr); !s.ok()) return Fail(s);
-  StageControlService control(process->get(), config.Identity());
+  StageControlService control(process->get(), config.Identity(),
+                              internal_tokens);
   auto server = rpc::RunningServer::Start(address, {&control});
   if (!server.ok()) return Fail(server.status());
   if (auto s = process::WritePortFile(port_file, (*server)->address());

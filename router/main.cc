@@ -16,6 +16,12 @@
 //          [--metrics-port -1 (off; 0 = any free port)] [--metrics-host HOST]
 //          [--worker-id ID] [--metrics-port-file PATH]
 //          [--layout-stages S] [--layout-tp T] [--stagger-choices 1]
+//          [--api-key-file PATH] [--internal-token-file PATH]
+//
+// --api-key-file: clients must send one of the file's keys (one per line) as
+// `Authorization: Bearer <key>` (HTTP /v1/*, gRPC metadata); /health and gRPC
+// health stay open for probes. --internal-token-file: the cluster's shared
+// token, sent on every call to the workers (they take the same file).
 //
 // Overload: a request that finds no decode worker with KV room waits in the
 // router's admission queue, in arrival order (router/admission_queue.h), up
@@ -60,6 +66,7 @@
 #include "router/metered_backend.h"
 #include "router/router_metrics.h"
 #include "router/worker_registry.h"
+#include "rpc/auth.h"
 #include "rpc/server.h"
 #include "tokenizer/tokenizer.h"
 
@@ -123,7 +130,23 @@ int Main(int argc, char** argv) {
   const std::string metrics_port_file = flags.Str("metrics-port-file", "");
   const int layout_stages = flags.Num<int>("layout-stages", 1);
   const int layout_tp = flags.Num<int>("layout-tp", 1);
+  const std::string api_key_file = flags.Str("api-key-file", "");
+  const std::string internal_token_file = flags.Str("internal-token-file", "");
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  rpc::BearerTokens api_keys;
+  if (!api_key_file.empty()) {
+    absl::StatusOr<rpc::BearerTokens> loaded =
+        rpc::BearerTokens::FromFile(api_key_file);
+    if (!loaded.ok()) return Fail(loaded.status());
+    api_keys = *std::move(loaded);
+  }
+  std::string internal_token;
+  if (!internal_token_file.empty()) {
+    absl::StatusOr<rpc::BearerTokens> loaded =
+        rpc::BearerTokens::FromFile(internal_token_file);
+    if (!loaded.ok()) return Fail(loaded.status());
+    internal_token = loaded->first();
+  }
   if (layout_stages < 1 || layout_tp < 1) {
     return Fail(absl::InvalidArgumentError(
         "--layout-stages and --layout-tp must be >= 1"));
@@ -207,7 +230,7 @@ int Main(int argc, char** argv) {
   if (!decode_policy.ok()) return Fail(decode_policy.status());
 
   WorkerRegistry registry(registry_config, MakeSystemResolver(),
-                          MakeGrpcWorkerProber());
+                          MakeGrpcWorkerProber(internal_token));
   registry.StartBackgroundRefresh();
 
   ClusterBackendOptions backend_options;
@@ -218,6 +241,7 @@ int Main(int argc, char** argv) {
   backend_options.block_size = block_size;
   backend_options.max_attempts = max_attempts;
   backend_options.colocated = colocated;
+  backend_options.internal_token = internal_token;
   backend_options.queue.max_waiting =
       max_queued > 0 ? max_queued : max_in_flight;
   backend_options.queue.max_wait = absl::Seconds(queue_timeout_s);
@@ -247,7 +271,7 @@ int Main(int argc, char** argv) {
     std::printf("metrics on %s\n", metrics_server->address().c_str());
   }
 
-  GenerationService generation(&metered, on_rejected);
+  GenerationService generation(&metered, on_rejected, &api_keys);
   absl::StatusOr<std::unique_ptr<rpc::RunningServer>> grpc_server =
       rpc::RunningServer::Start(absl::StrCat(host, ":", grpc_port),
                                 {&generation});
@@ -260,6 +284,7 @@ int Main(int argc, char** argv) {
   http_options.request_timeout = absl::Seconds(request_timeout_s);
   http_options.stagger_choices = stagger_choices;
   http_options.on_rejected = on_rejected;
+  http_options.api_keys = &api_keys;
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
       OpenAiHttpServer::Start(http_options, &metered);
   if (!http_server.ok()) return Fail(http_server.status());

@@ -164,6 +164,25 @@ function checkPdserve(objects, overlay) {
       if (!mounts.has(v.name)) fail(where, `volume ${v.name} is not mounted`);
     }
     if (!layout.data.MODEL_PATH.startsWith("/models/")) fail(where, "MODEL_PATH is not under /models");
+    // Nobody unauthenticated gets in: every process takes the cluster's
+    // internal token, the router its API keys, both from the Secret.
+    const secretPaths = new Map();
+    for (const v of pod.spec.volumes ?? []) {
+      if (v.secret?.secretName !== "pdserve-auth") continue;
+      const m = (c.volumeMounts ?? []).find((vm) => vm.name === v.name);
+      if (!m) continue;
+      for (const item of v.secret.items ?? []) secretPaths.set(item.key, `${m.mountPath}/${item.path}`);
+    }
+    const wants = [["--internal-token-file", "internal-token"]];
+    if (c.command?.[0] === "/opt/pdserve/bin/router") wants.push(["--api-key-file", "api-keys"]);
+    for (const [flag, key] of wants) {
+      const arg = c.args.find((a) => a.startsWith(`${flag}=`));
+      if (!arg) fail(where, `args lack ${flag}`);
+      else if (arg.slice(flag.length + 1) !== secretPaths.get(key))
+        fail(where, `${flag} is not the pdserve-auth Secret's ${key} (mounted: ${secretPaths.get(key)})`);
+    }
+    if (pod.spec.securityContext?.fsGroup === undefined)
+      fail(where, "no fsGroup: the image's non-root user cannot read the Secret");
   }
   const sts = objects.find((o) => o.kind === "StatefulSet" && o.metadata.name === "prefill");
   if (!sts) return fail(overlay, "no prefill StatefulSet");

@@ -7,6 +7,8 @@
 //                [--echo 1]       (print the prompt first; with --logprobs,
 //                                  score its tokens too; --max-tokens 0
 //                                  then only scores the prompt)
+//                [--api-key-file PATH] (a router started with
+//                                  --api-key-file: its first key is sent)
 //
 // Streams the continuation's text to stdout; a summary (tokens, finish
 // reason, time to first token) goes to stderr. Errors print the gRPC status.
@@ -24,6 +26,7 @@
 #include "common/command_line_flags.h"
 #include "common/status_macros.h"
 #include "pdserve/v1/generate.grpc.pb.h"
+#include "rpc/auth.h"
 #include "rpc/status_conversion.h"
 #include "tools/commands.h"
 
@@ -74,7 +77,14 @@ absl::Status RunClient(int argc, char** argv) {
     request.set_include_logprobs(true);
     request.set_top_logprobs(logprobs);
   }
+  const std::string api_key_file = flags.Str("api-key-file", "");
   PDS_RETURN_IF_ERROR(flags.Check());
+  std::string api_key;
+  if (!api_key_file.empty()) {
+    PDS_ASSIGN_OR_RETURN(rpc::BearerTokens keys,
+                         rpc::BearerTokens::FromFile(api_key_file));
+    api_key = keys.first();
+  }
   if (prompt.empty() == ids_text.empty()) {
     return absl::InvalidArgumentError("give exactly one of --prompt, --ids");
   }
@@ -91,8 +101,7 @@ absl::Status RunClient(int argc, char** argv) {
     request.set_text(prompt);
   }
 
-  auto stub = v1::Generation::NewStub(
-      grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  auto stub = v1::Generation::NewStub(rpc::CreateChannel(router, api_key));
   grpc::ClientContext context;
   context.set_deadline(
       absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s)));

@@ -1,11 +1,16 @@
 #include "tools/local_cluster.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -17,6 +22,7 @@
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "process/port_file.h"
+#include "rpc/auth.h"
 
 namespace pdserve::tools {
 namespace {
@@ -25,6 +31,33 @@ std::string DefaultModelName(const std::string& path) {
   std::filesystem::path p(path);
   while (!p.empty() && p.filename().empty()) p = p.parent_path();
   return p.stem().string();
+}
+
+// 32 random bytes, hex, in a file only this user can read.
+absl::Status WriteRandomToken(const std::string& path) {
+  unsigned char bytes[32];
+  std::ifstream random("/dev/urandom", std::ios::binary);
+  if (!random.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+    return absl::UnavailableError("cannot read /dev/urandom");
+  }
+  std::string token;
+  for (unsigned char b : bytes)
+    absl::StrAppend(&token, absl::Hex(b, absl::kZeroPad2));
+  const int fd =
+      open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0 || fchmod(fd, 0600) != 0) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  token.push_back('\n');
+  const bool written = write(fd, token.data(), token.size()) ==
+                       static_cast<ssize_t>(token.size());
+  close(fd);
+  if (!written) {
+    return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -56,7 +89,16 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
           absl::StrCat("cannot create ", options.work_dir, ": ", ec.message()));
     }
   }
+  if (options.internal_token_file.empty()) {
+    options.internal_token_file =
+        absl::StrCat(options.work_dir, "/internal.token");
+    PDS_RETURN_IF_ERROR(WriteRandomToken(options.internal_token_file));
+  }
+  PDS_ASSIGN_OR_RETURN(
+      rpc::BearerTokens internal_tokens,
+      rpc::BearerTokens::FromFile(options.internal_token_file));
   auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster(options));
+  cluster->internal_token_ = internal_tokens.first();
   // Decode workers first (they take longest to load with large TP), then
   // the prefill groups, then the router that needs both.
   for (int w = 0; w < options.decode_workers; ++w) {
@@ -113,6 +155,9 @@ absl::StatusOr<std::unique_ptr<process::ChildProcess>> LocalCluster::Launch(
   process::SpawnOptions spawn;
   spawn.binary = path;
   spawn.args = std::move(args);
+  // Every process checks (and sends) the cluster's internal token.
+  spawn.args.insert(spawn.args.end(),
+                    {"--internal-token-file", options_.internal_token_file});
   spawn.log_path = absl::StrCat(options_.work_dir, "/", name, ".log");
   return process::ChildProcess::Spawn(std::move(spawn));
 }
@@ -313,6 +358,9 @@ absl::Status LocalCluster::StartRouter() {
       "--colocated",      options_.colocated ? "1" : "0",
       "--layout-stages",  absl::StrCat(options_.stages),
       "--layout-tp",      absl::StrCat(options_.tp)};
+  if (!options_.api_key_file.empty()) {
+    args.insert(args.end(), {"--api-key-file", options_.api_key_file});
+  }
   const std::string metrics_file = MetricsArgs("router", 0, &args);
   PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));
   PDS_ASSIGN_OR_RETURN(

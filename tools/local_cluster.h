@@ -70,6 +70,11 @@ struct LocalClusterOptions {
   bool shared_memory_kv = true;
 
   std::string host = "127.0.0.1";
+  // The token every internal RPC carries (services/rpc/auth.h): "" = a fresh
+  // random one, written to work_dir/internal.token (mode 0600).
+  std::string internal_token_file;
+  // The router's API keys (one per line); "" = the public API is open.
+  std::string api_key_file;
   int grpc_port = 0;  // router; 0 = any free port
   int http_port = 0;
   std::string prefill_policy = "least-loaded";
@@ -96,9 +101,15 @@ class LocalCluster {
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& http_address() const { return http_address_; }
   const std::string& model_name() const { return options_.model_name; }
+  // What a caller of the workers' internal APIs must send (tests, benches).
+  const std::string& internal_token() const { return internal_token_; }
   // Stage 0 of each group / each decode worker: gRPC "host:port".
   const std::vector<std::string>& prefill_addresses() const {
     return prefill_addresses_;
+  }
+  // Group `group`'s stages' control addresses (stage 0: the group's own).
+  const std::vector<std::string>& stage_addresses(int group) const {
+    return groups_.at(group).stage_addresses;
   }
   const std::vector<std::string>& decode_addresses() const {
     return decode_addresses_;
@@ -162,6 +173,7 @@ class LocalCluster {
   std::unique_ptr<process::ChildProcess> router_;
   std::vector<std::string> prefill_addresses_;
   std::vector<std::string> decode_addresses_;
+  std::string internal_token_;
   std::string grpc_address_;
   std::string http_address_;
   std::map<std::string, std::string> metrics_addresses_;

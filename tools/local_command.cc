@@ -8,6 +8,9 @@
 //               [--metrics-port-base 9100 (-1 = off, 0 = any free ports)]
 //               [--backend cpu|cuda] [--cuda-devices 0[,1,...]]
 //               [--kv-dtype auto|f32|bf16] (every worker's KV element type)
+//               [--api-key-file PATH] (the router then wants one of its keys)
+//               [--internal-token-file PATH] (default: a fresh random token
+//               in the work folder, mode 0600)
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -55,6 +58,8 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   o.backend = flags.Str("backend", o.backend);
   o.cuda_devices = flags.Str("cuda-devices", o.cuda_devices);
   o.kv_dtype = flags.Str("kv-dtype", o.kv_dtype);
+  o.api_key_file = flags.Str("api-key-file", "");
+  o.internal_token_file = flags.Str("internal-token-file", "");
   // Refuse bad spellings here, before any process starts.
   PDS_RETURN_IF_ERROR(engine::ParseBackend(o.backend).status());
   PDS_RETURN_IF_ERROR(engine::ParseDeviceList(o.cuda_devices).status());
@@ -76,14 +81,21 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   PDS_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster,
                        LocalCluster::Start(o));
   std::printf("%s", cluster->Describe().c_str());
+  // The examples carry the key when the router wants one.
+  std::string key_flag, key_header;
+  if (!o.api_key_file.empty()) {
+    key_flag = absl::StrCat(" --api-key-file ", o.api_key_file);
+    key_header = absl::StrCat("-H \"Authorization: Bearer $(grep -v '^#' ",
+                              o.api_key_file, " | head -1)\" ");
+  }
   std::printf(
       "\ntry:\n  %s/pdserve client --router %s --prompt \"Once upon a time\" "
-      "--max-tokens 32\n"
+      "--max-tokens 32%s\n"
       "  curl -s http://%s/v1/completions -H 'Content-Type: application/json' "
-      "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'\n"
+      "%s-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'\n"
       "\nCtrl-C stops the cluster.\n",
       process::ExecutableDir().c_str(), cluster->grpc_address().c_str(),
-      cluster->http_address().c_str());
+      key_flag.c_str(), cluster->http_address().c_str(), key_header.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "engine/engine_test_util.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "metrics/exposition.h"
 #include "nlohmann/json.hpp"
@@ -27,6 +29,7 @@
 #include "pdserve/v1/prefill.grpc.pb.h"
 #include "process/child_process.h"
 #include "process/port_file.h"
+#include "rpc/auth.h"
 #include "testing/golden.h"
 #include "tools/local_cluster.h"
 
@@ -207,7 +210,7 @@ int64_t PrefillCachedTokens(const LocalCluster& cluster) {
   int64_t total = 0;
   for (const std::string& address : cluster.prefill_addresses()) {
     auto stub = v1::PrefillGroup::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+        rpc::CreateChannel(address, cluster.internal_token()));
     grpc::ClientContext context;
     v1::PrefillLoad load;
     EXPECT_TRUE(stub->GetLoad(&context, v1::PrefillLoadRequest(), &load).ok());
@@ -486,8 +489,8 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
   {
     // The decode worker keeps (and the prefill stages therefore send) the
     // KV element type asked for.
-    auto stub = v1::DecodeWorker::NewStub(grpc::CreateChannel(
-        cluster->decode_addresses()[0], grpc::InsecureChannelCredentials()));
+    auto stub = v1::DecodeWorker::NewStub(rpc::CreateChannel(
+        cluster->decode_addresses()[0], cluster->internal_token()));
     grpc::ClientContext context;
     v1::DecodeLoad load;
     ASSERT_TRUE(stub->GetLoad(&context, v1::GetLoadRequest(), &load).ok());
@@ -646,9 +649,11 @@ TEST(ClusterTest, SixtyFourConcurrentStreamsOfMixedLengthsAreAllCorrect) {
 
 // ---- Cancel: KV back to baseline on both sides ------------------------------
 
-int64_t DecodeBlocksUsed(const std::string& address) {
+// The workers' internal APIs want the cluster's token.
+int64_t DecodeBlocksUsed(const LocalCluster& cluster,
+                         const std::string& address) {
   auto stub = v1::DecodeWorker::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      rpc::CreateChannel(address, cluster.internal_token()));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::DecodeLoad load;
@@ -656,9 +661,10 @@ int64_t DecodeBlocksUsed(const std::string& address) {
   return s.ok() ? load.kv_blocks_used() : -1;
 }
 
-v1::PrefillLoad PrefillLoadOf(const std::string& address) {
+v1::PrefillLoad PrefillLoadOf(const LocalCluster& cluster,
+                              const std::string& address) {
   auto stub = v1::PrefillGroup::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      rpc::CreateChannel(address, cluster.internal_token()));
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::PrefillLoad load;
@@ -684,8 +690,9 @@ TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
   ASSERT_NE(cluster, nullptr);
   const std::string decode = cluster->decode_addresses()[0];
   const std::string prefill = cluster->prefill_addresses()[0];
-  const int64_t decode_baseline = DecodeBlocksUsed(decode);
-  const int64_t prefill_baseline = PrefillLoadOf(prefill).kv_blocks_used();
+  const int64_t decode_baseline = DecodeBlocksUsed(*cluster, decode);
+  const int64_t prefill_baseline =
+      PrefillLoadOf(*cluster, prefill).kv_blocks_used();
   ASSERT_GE(decode_baseline, 0);
   // A long continuation (507 tokens, ~0.2 s of decoding), cancelled right
   // after its first item arrives.
@@ -695,14 +702,14 @@ TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
   EXPECT_EQ(g.status.error_code(), grpc::StatusCode::CANCELLED)
       << g.status.error_message();
   EXPECT_LT(g.ids.size(), 507u);
-  EXPECT_TRUE(
-      Eventually([&] { return DecodeBlocksUsed(decode) == decode_baseline; },
-                 absl::Seconds(10)))
-      << "decode blocks used " << DecodeBlocksUsed(decode) << " vs "
+  EXPECT_TRUE(Eventually(
+      [&] { return DecodeBlocksUsed(*cluster, decode) == decode_baseline; },
+      absl::Seconds(10)))
+      << "decode blocks used " << DecodeBlocksUsed(*cluster, decode) << " vs "
       << decode_baseline;
   EXPECT_TRUE(Eventually(
       [&] {
-        v1::PrefillLoad load = PrefillLoadOf(prefill);
+        v1::PrefillLoad load = PrefillLoadOf(*cluster, prefill);
         return load.kv_blocks_used() == prefill_baseline &&
                load.in_flight() == 0;
       },
@@ -795,8 +802,9 @@ TEST(ClusterTest, KilledPrefillStageTakesItsGroupOutUntilItReturns) {
     EXPECT_TRUE(g.status.ok()) << g.status.error_message();
   }
   // The heartbeat (2 s without an answer) takes the group out.
-  EXPECT_TRUE(Eventually([&] { return !PrefillLoadOf(group0).serving(); },
-                         absl::Seconds(10)));
+  EXPECT_TRUE(
+      Eventually([&] { return !PrefillLoadOf(*cluster, group0).serving(); },
+                 absl::Seconds(10)));
   for (int i = 0; i < 4; ++i) {
     Generated g = GrpcGenerate(cluster->grpc_address(),
                                TextRequest("Once upon a time", 8));
@@ -806,19 +814,21 @@ TEST(ClusterTest, KilledPrefillStageTakesItsGroupOutUntilItReturns) {
   // answer, restarts the group in place, and it takes its share again.
   absl::Status restarted = cluster->RestartPrefillStage(0, 1);
   ASSERT_TRUE(restarted.ok()) << restarted;
-  ASSERT_TRUE(Eventually([&] { return PrefillLoadOf(group0).serving(); },
-                         absl::Seconds(30)))
+  ASSERT_TRUE(
+      Eventually([&] { return PrefillLoadOf(*cluster, group0).serving(); },
+                 absl::Seconds(30)))
       << cluster->LogTail("prefill-0-stage-0");
-  const int64_t before = PrefillLoadOf(group0).completed();
+  const int64_t before = PrefillLoadOf(*cluster, group0).completed();
   ASSERT_TRUE(Eventually(
       [&] {
         Generated g = GrpcGenerate(cluster->grpc_address(),
                                    TextRequest("Once upon a time", 4));
-        return g.status.ok() && PrefillLoadOf(group0).completed() > before;
+        return g.status.ok() &&
+               PrefillLoadOf(*cluster, group0).completed() > before;
       },
       absl::Seconds(20)))
       << "group 0 never got a request after its restart";
-  EXPECT_TRUE(PrefillLoadOf(group1).serving());
+  EXPECT_TRUE(PrefillLoadOf(*cluster, group1).serving());
 }
 
 // A stage killed while long prompts stream their KV into the decode worker:
@@ -835,7 +845,7 @@ TEST(ClusterTest, StageKilledMidTransferLeavesTheDecodeWorkerServing) {
   std::unique_ptr<LocalCluster> cluster = StartCluster(o);
   ASSERT_NE(cluster, nullptr);
   const std::string decode = cluster->decode_addresses()[0];
-  const int64_t baseline = DecodeBlocksUsed(decode);
+  const int64_t baseline = DecodeBlocksUsed(*cluster, decode);
   const testing::GoldenCase long_case =
       testing::LoadGoldenCases("golden_long.jsonl")[0];
   constexpr int kRequests = 12;
@@ -863,10 +873,11 @@ TEST(ClusterTest, StageKilledMidTransferLeavesTheDecodeWorkerServing) {
     }
   }
   EXPECT_GT(ok, 0);
-  EXPECT_TRUE(Eventually([&] { return DecodeBlocksUsed(decode) == baseline; },
-                         absl::Seconds(20)))
-      << "decode blocks used " << DecodeBlocksUsed(decode) << " vs " << baseline
-      << "\n"
+  EXPECT_TRUE(
+      Eventually([&] { return DecodeBlocksUsed(*cluster, decode) == baseline; },
+                 absl::Seconds(20)))
+      << "decode blocks used " << DecodeBlocksUsed(*cluster, decode) << " vs "
+      << baseline << "\n"
       << cluster->LogTail("decode-0");
   Generated after =
       GrpcGenerate(cluster->grpc_address(), TextRequest(long_case.prompt, 8));
@@ -959,7 +970,9 @@ TEST(ClusterTest, RequestsBeyondTheKvCapacityQueueAndAllSucceed) {
             0);
   EXPECT_EQ(SumOf(router, "pdserve_router_admission_queue_depth", {}), 0);
   EXPECT_TRUE(Eventually(
-      [&] { return DecodeBlocksUsed(cluster->decode_addresses()[0]) == 0; },
+      [&] {
+        return DecodeBlocksUsed(*cluster, cluster->decode_addresses()[0]) == 0;
+      },
       absl::Seconds(10)));
 }
 
@@ -1067,9 +1080,20 @@ TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
     process::SpawnOptions spawn;
     spawn.binary =
         absl::StrCat(PDSERVE_BINARY_DIR, "/decode_worker/decode_worker");
-    spawn.args = {"--model",      o.model_path, "--host",       "127.0.0.1",
-                  "--port",       "0",          "--port-file",  port_file,
-                  "--num-blocks", "64",         "--model-name", "stories260K"};
+    spawn.args = {"--model",
+                  o.model_path,
+                  "--host",
+                  "127.0.0.1",
+                  "--port",
+                  "0",
+                  "--port-file",
+                  port_file,
+                  "--num-blocks",
+                  "64",
+                  "--model-name",
+                  "stories260K",
+                  "--internal-token-file",
+                  cluster->options().internal_token_file};
     spawn.args.insert(spawn.args.end(), variants[v].begin(), variants[v].end());
     spawn.log_path = absl::StrCat(dir, "/stranger-", v, ".log");
     auto child = process::ChildProcess::Spawn(spawn);
@@ -1105,7 +1129,9 @@ TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
                 "--grpc-port-file",
                 grpc_file,
                 "--refresh-ms",
-                "100"};
+                "100",
+                "--internal-token-file",
+                cluster->options().internal_token_file};
   spawn.log_path = absl::StrCat(dir, "/router2.log");
   auto router = process::ChildProcess::Spawn(spawn);
   ASSERT_TRUE(router.ok()) << router.status();
@@ -1121,12 +1147,142 @@ TEST(ClusterTest, IncompatibleDecodeWorkersStayOutOfRotation) {
   }
   for (const std::string& stranger : addresses) {
     auto stub = v1::DecodeWorker::NewStub(
-        grpc::CreateChannel(stranger, grpc::InsecureChannelCredentials()));
+        rpc::CreateChannel(stranger, cluster->internal_token()));
     grpc::ClientContext context;
     v1::DecodeLoad load;
     ASSERT_TRUE(stub->GetLoad(&context, v1::GetLoadRequest(), &load).ok());
     EXPECT_EQ(load.steps(), 0) << stranger << " got work";
   }
+}
+
+// ---- Who may call -----------------------------------------------------------
+
+// The router's public API wants an API key; the workers' internal APIs want
+// the cluster's token (pdserve local makes one): an unauthenticated caller
+// can neither generate nor take KV blocks (issue 21: 52 bare Admits used to
+// take all 1,024 and deny service to everyone), and health stays open.
+TEST(ClusterTest, NobodyWithoutAnApiKeyOrTheClusterTokenGetsIn) {
+  const std::string key = "test-key-0123456789abcdef";
+  const std::string key_file =
+      absl::StrCat(::testing::TempDir(), "/api-keys-", getpid());
+  {
+    std::ofstream out(key_file);
+    out << "# the test's key\n" << key << "\n";
+  }
+  LocalClusterOptions o = BaseOptions();
+  o.api_key_file = key_file;
+  o.stages = 2;
+  std::unique_ptr<LocalCluster> cluster = StartCluster(o);
+  ASSERT_NE(cluster, nullptr);
+  const std::string decode = cluster->decode_addresses()[0];
+  const std::string prefill = cluster->prefill_addresses()[0];
+  const int64_t baseline = DecodeBlocksUsed(*cluster, decode);
+  ASSERT_GE(baseline, 0);
+
+  // Public HTTP: 401 without or with a wrong key, 200 with the key.
+  const std::string body = R"({"prompt": "Once upon", "max_tokens": 4})";
+  for (const std::string& header : {std::string(), std::string("Bearer nope"),
+                                    absl::StrCat("Basic ", key)}) {
+    httplib::Client client = HttpClientFor(cluster->http_address());
+    httplib::Headers headers;
+    if (!header.empty()) headers.emplace("Authorization", header);
+    auto res =
+        client.Post("/v1/completions", headers, body, "application/json");
+    ASSERT_TRUE(res) << header;
+    EXPECT_EQ(res->status, 401) << header << ": " << res->body;
+    EXPECT_NE(res->body.find("invalid_api_key"), std::string::npos)
+        << res->body;
+  }
+  {
+    httplib::Client client = HttpClientFor(cluster->http_address());
+    auto res = client.Post("/v1/completions",
+                           {{"Authorization", absl::StrCat("Bearer ", key)}},
+                           body, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 200) << res->body;
+    EXPECT_EQ(client.Get("/health")->status, 200);  // probes need no key
+  }
+  // Public gRPC: UNAUTHENTICATED without the key; the golden with it.
+  {
+    const testing::GoldenCase golden = testing::LoadGoldenCases()[0];
+    auto stub = v1::Generation::NewStub(grpc::CreateChannel(
+        cluster->grpc_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext bare;
+    auto reader = stub->Generate(&bare, TextRequest(golden.prompt, 4));
+    v1::GenerateResponse item;
+    while (reader->Read(&item)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    auto keyed = v1::Generation::NewStub(
+        rpc::CreateChannel(cluster->grpc_address(), key));
+    grpc::ClientContext context;
+    reader = keyed->Generate(&context,
+                             TextRequest(golden.prompt, golden.max_new_tokens));
+    std::vector<int32_t> ids;
+    while (reader->Read(&item)) {
+      ids.insert(ids.end(), item.token_ids().begin(), item.token_ids().end());
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(ids, golden.greedy_ids);
+  }
+  // Internal APIs: 52 Admits without the token, or with the API key (a
+  // client's key is not the cluster's token), take no KV block.
+  for (const std::string& token : {std::string(), key}) {
+    auto stub = v1::DecodeWorker::NewStub(rpc::CreateChannel(decode, token));
+    for (int i = 0; i < 26; ++i) {
+      grpc::ClientContext context;
+      v1::AdmitRequest admit;
+      admit.set_request_id(900000 + i);
+      for (int t = 0; t < 400; ++t) admit.add_prompt_ids(1 + t % 200);
+      admit.set_max_tokens(100);
+      v1::AdmitResponse response;
+      grpc::Status s = stub->Admit(&context, admit, &response);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+          << s.error_message();
+    }
+    grpc::ClientContext context;
+    v1::AbortRequest abort;
+    v1::AbortResponse aborted;
+    EXPECT_EQ(stub->Abort(&context, abort, &aborted).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    auto group = v1::PrefillGroup::NewStub(rpc::CreateChannel(prefill, token));
+    grpc::ClientContext load_context;
+    v1::PrefillLoad load;
+    EXPECT_EQ(group->GetLoad(&load_context, v1::PrefillLoadRequest(), &load)
+                  .error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    // Stage 1's control API: no Restart (a denial of service) or Ping.
+    auto control = v1::PrefillStageControl::NewStub(
+        rpc::CreateChannel(cluster->stage_addresses(0)[1], token));
+    grpc::ClientContext restart_context;
+    v1::StageRestartResponse restarted;
+    EXPECT_EQ(
+        control
+            ->Restart(&restart_context, v1::StageRestartRequest(), &restarted)
+            .error_code(),
+        grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext ping_context;
+    v1::PrefillStageLoad stage_load;
+    EXPECT_EQ(control->Ping(&ping_context, v1::StagePingRequest(), &stage_load)
+                  .error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // The group still serves (stage 1 was not restarted by a stranger).
+  EXPECT_TRUE(PrefillLoadOf(*cluster, prefill).serving());
+  EXPECT_EQ(DecodeBlocksUsed(*cluster, decode), baseline);
+  // Health stays open on the workers (Kubernetes probes carry no token).
+  for (const std::string& address : {decode, prefill}) {
+    auto health = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckResponse response;
+    EXPECT_TRUE(
+        health
+            ->Check(&context, grpc::health::v1::HealthCheckRequest(), &response)
+            .ok())
+        << address;
+  }
+  std::remove(key_file.c_str());
 }
 
 // ---- Bad requests against the real cluster ---------------------------------

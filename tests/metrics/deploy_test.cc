@@ -25,6 +25,7 @@
 #include "metrics/cluster_util.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generate.grpc.pb.h"
+#include "rpc/auth.h"
 #include "testing/golden.h"
 
 namespace pdserve::metrics {
@@ -259,21 +260,30 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
   const int decode_port = testing::FreePort();
   const int stage1_port = testing::FreePort();
   const int stage0_port = testing::FreePort();
+  // The pdserve-auth Secret, as the kubelet would mount it.
+  const std::string internal_token = "test-internal-token-0123456789";
+  const std::string api_key = "test-api-key-0123456789";
+  fs::create_directories(dir + "/auth");
+  std::ofstream(dir + "/auth/internal-token") << internal_token << "\n";
+  std::ofstream(dir + "/auth/api-keys") << api_key << "\n";
+  const std::map<std::string, std::string> secrets = {
+      {"/etc/pdserve/auth/", dir + "/auth/"}};
 
   const Container decode_spec =
-      FromManifest(objects, "Deployment", "decode-0", decode_port, {});
+      FromManifest(objects, "Deployment", "decode-0", decode_port, {}, secrets);
   Child decode(decode_spec.argv, dir + "/decode.log", decode_spec.env);
   const Container stage1_spec =
       FromManifest(objects, "StatefulSet", "prefill", stage1_port,
-                   {{"HOSTNAME", "prefill-1"}});
+                   {{"HOSTNAME", "prefill-1"}}, secrets);
   Child stage1(stage1_spec.argv, dir + "/stage1.log", stage1_spec.env);
   ASSERT_FALSE(
       stage1.WaitFor("stage control on ([0-9.:]+)", absl::Seconds(60)).empty());
   // prefill-1.prefill:50051, mapped to loopback.
-  const Container stage0_spec = FromManifest(
-      objects, "StatefulSet", "prefill", stage0_port,
-      {{"HOSTNAME", "prefill-0"},
-       {"PDSERVE_PEERS", absl::StrCat("127.0.0.1:", stage1_port)}});
+  const Container stage0_spec =
+      FromManifest(objects, "StatefulSet", "prefill", stage0_port,
+                   {{"HOSTNAME", "prefill-0"},
+                    {"PDSERVE_PEERS", absl::StrCat("127.0.0.1:", stage1_port)}},
+                   secrets);
   Child stage0(stage0_spec.argv, dir + "/stage0.log", stage0_spec.env);
   const std::string decode_address =
       decode.WaitFor("listening on ([0-9.:]+)", absl::Seconds(60));
@@ -283,9 +293,9 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
   ASSERT_FALSE(stage0_address.empty());
 
   auto decode_stub = pdserve::v1::DecodeWorker::NewStub(
-      grpc::CreateChannel(decode_address, grpc::InsecureChannelCredentials()));
+      rpc::CreateChannel(decode_address, internal_token));
   auto prefill_stub = pdserve::v1::PrefillGroup::NewStub(
-      grpc::CreateChannel(stage0_address, grpc::InsecureChannelCredentials()));
+      rpc::CreateChannel(stage0_address, internal_token));
   const auto cases = pdserve::testing::LoadGoldenCases("golden.jsonl");
   const auto tokens = testing::RunRequest(
       *decode_stub, decode_address,
@@ -330,13 +340,13 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
       objects, "Deployment", "router", router_port, {},
       {{"prefill-0.prefill:50051", stage0_address},
        {"decode-0:50051", decode_address},
+       {"/etc/pdserve/auth/", dir + "/auth/"},
        {"--http-port=8080", absl::StrCat("--http-port=", http_port)}});
   Child router(router_spec.argv, dir + "/router.log", router_spec.env);
   ASSERT_FALSE(
       router.WaitFor("router: gRPC on ([0-9.:]+)", absl::Seconds(60)).empty());
   auto generation = pdserve::v1::Generation::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port),
-                          grpc::InsecureChannelCredentials()));
+      rpc::CreateChannel(absl::StrCat("127.0.0.1:", router_port), api_key));
   pdserve::v1::GenerateRequest request;
   request.mutable_token_ids()->mutable_ids()->Add(cases[1].prompt_ids.begin(),
                                                   cases[1].prompt_ids.end());
