@@ -407,6 +407,12 @@ void LocalCluster::KillDecode(int worker) {
   }
 }
 
+void LocalCluster::SignalDecode(int worker, int signal) {
+  if (worker < static_cast<int>(decodes_.size()) && decodes_[worker]) {
+    decodes_[worker]->Signal(signal);
+  }
+}
+
 void LocalCluster::KillPrefillStage(int group, int stage) {
   if (group < static_cast<int>(groups_.size()) &&
       stage < static_cast<int>(groups_[group].stages.size()) &&

@@ -117,6 +117,8 @@ class LocalCluster {
 
   // SIGKILL, as a crash would.
   void KillDecode(int worker);
+  // Any signal (SIGSTOP / SIGCONT: a frozen worker and its thaw).
+  void SignalDecode(int worker, int signal);
   void KillPrefillStage(int group, int stage);
   // Stops what is left of the group and starts all its stages again, stage 0
   // on its old port (the router's registry knows the group by it).

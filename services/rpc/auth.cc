@@ -147,7 +147,28 @@ grpc::ServerUnaryReactor* Refused(grpc::CallbackServerContext* context,
 
 std::shared_ptr<grpc::Channel> CreateChannel(
     const std::string& address, const std::string& token,
-    const grpc::ChannelArguments& args) {
+    const grpc::ChannelArguments& caller_args) {
+  // A frozen peer (SIGSTOP, a wedged host) keeps its TCP connection open
+  // and answers nothing: HTTP/2 pings that go unanswered for
+  // kKeepaliveTimeout close the connection, so its calls fail UNAVAILABLE
+  // within kKeepaliveTime + kKeepaliveTimeout instead of hanging until a
+  // deadline (servers allow pings this often: rpc/server.cc).
+  grpc::ChannelArguments args = caller_args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(kKeepaliveTime)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(kKeepaliveTimeout)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A server-streaming call sends no data after its request, so without
+  // this the client's pings are spaced by the default of minutes.
+  args.SetInt(GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS,
+              static_cast<int>(absl::ToInt64Milliseconds(kKeepaliveTime)));
+  // BDP probing's own pings delay keepalive's when a peer freezes mid-stream
+  // (measured: errors after 6 s instead of 3 s in about a third of runs).
+  // pdserve's RPCs carry token ids and small messages (KV goes by UCX), so
+  // the default flow-control window is plenty.
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   if (token.empty()) {
     return grpc::CreateCustomChannel(address,
                                      grpc::InsecureChannelCredentials(), args);

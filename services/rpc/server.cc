@@ -23,6 +23,12 @@ absl::StatusOr<std::unique_ptr<RunningServer>> RunningServer::Start(
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // pdserve's clients ping every second to notice a frozen server
+  // (rpc/auth.h kKeepaliveTime); by default a server answers pings more
+  // often than every 5 minutes with GOAWAY "too_many_pings".
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   std::unique_ptr<RunningServer> running(new RunningServer());
   for (grpc::Service* service : services) builder.RegisterService(service);
   running->server_ = builder.BuildAndStart();
