@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -191,7 +192,7 @@ absl::Status LocalCluster::RecordMetrics(const std::string& name,
   return absl::OkStatus();
 }
 
-absl::Status LocalCluster::StartDecode(int worker) {
+absl::Status LocalCluster::StartDecode(int worker, int port) {
   const std::string name = absl::StrCat("decode-", worker);
   const std::string port_file =
       absl::StrCat(options_.work_dir, "/", name, ".port");
@@ -207,7 +208,7 @@ absl::Status LocalCluster::StartDecode(int worker) {
                                    "--host",
                                    options_.host,
                                    "--port",
-                                   "0",
+                                   absl::StrCat(port),
                                    "--port-file",
                                    port_file,
                                    "--num-blocks",
@@ -407,6 +408,13 @@ void LocalCluster::KillDecode(int worker) {
   }
 }
 
+void LocalCluster::KillRouter() {
+  if (router_ != nullptr) {
+    router_->Signal(SIGKILL);
+    (void)router_->Wait(absl::Seconds(10));
+  }
+}
+
 void LocalCluster::SignalDecode(int worker, int signal) {
   if (worker < static_cast<int>(decodes_.size()) && decodes_[worker]) {
     decodes_[worker]->Signal(signal);
@@ -455,6 +463,100 @@ absl::Status LocalCluster::RestartPrefillGroup(int group) {
     if (stage != nullptr) stage->Stop();
   }
   return StartPrefillGroup(group, groups_[group].port);
+}
+
+namespace {
+
+int PortOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? 0
+                                    : std::atoi(address.c_str() + colon + 1);
+}
+
+// Whether `child` exited; its wait status described in `reason`.
+bool Exited(process::ChildProcess* child, std::string* reason) {
+  if (child == nullptr) return false;
+  const std::optional<int> status = child->ExitStatus();
+  if (!status.has_value()) return false;
+  *reason = process::ChildProcess::DescribeStatus(*status);
+  return true;
+}
+
+}  // namespace
+
+bool LocalCluster::RestartDue(const std::string& name) {
+  Backoff& b = backoff_[name];
+  const absl::Time now = absl::Now();
+  if (b.next_try == absl::InfinitePast()) {
+    // A death not seen before: a process that stayed up long enough starts
+    // the backoff over.
+    if (now - b.started >= options_.restart_reset) b.deaths_in_a_row = 0;
+    ++b.deaths_in_a_row;
+    absl::Duration wait = options_.restart_backoff;
+    for (int i = 1;
+         i < b.deaths_in_a_row && wait < options_.max_restart_backoff; ++i) {
+      wait *= 2;
+    }
+    b.next_try = now + std::min(wait, options_.max_restart_backoff);
+  }
+  return now >= b.next_try;
+}
+
+void LocalCluster::Restarted(const std::string& name, const std::string& reason,
+                             absl::Status status,
+                             std::vector<RestartEvent>* events) {
+  Backoff& b = backoff_[name];
+  b.started = absl::Now();
+  // A failed restart counts as another death (its backoff grows).
+  b.next_try = absl::InfinitePast();
+  if (status.ok()) ++restarts_[name];
+  std::fprintf(stderr, "pdserve local: %s ended (%s); restart #%d %s\n",
+               name.c_str(), reason.c_str(), b.deaths_in_a_row,
+               status.ok()
+                   ? "serving again"
+                   : absl::StrCat("failed: ", status.message()).c_str());
+  events->push_back({name, reason, std::move(status), b.deaths_in_a_row});
+}
+
+std::vector<RestartEvent> LocalCluster::Supervise() {
+  std::vector<RestartEvent> events;
+  std::string reason;
+  for (size_t w = 0; w < decodes_.size(); ++w) {
+    const std::string name = absl::StrCat("decode-", w);
+    if (!Exited(decodes_[w].get(), &reason) || !RestartDue(name)) continue;
+    // Same port: the router knows the worker by its address.
+    Restarted(name, reason,
+              StartDecode(static_cast<int>(w), PortOf(decode_addresses_[w])),
+              &events);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    Group& group = groups_[g];
+    const std::string name = absl::StrCat("prefill-", g);
+    if (!group.stages.empty() && Exited(group.stages[0].get(), &reason)) {
+      // Stage 0 holds the group's state: the whole group starts again.
+      if (RestartDue(name)) {
+        Restarted(name, absl::StrCat("stage 0: ", reason),
+                  RestartPrefillGroup(static_cast<int>(g)), &events);
+      }
+      continue;
+    }
+    for (size_t i = 1; i < group.stages.size(); ++i) {
+      const std::string stage_name = absl::StrCat(name, "-stage-", i);
+      if (!Exited(group.stages[i].get(), &reason) || !RestartDue(stage_name)) {
+        continue;
+      }
+      // Stage 0 notices every stage answering again and rewires the group.
+      Restarted(stage_name, reason,
+                RestartPrefillStage(static_cast<int>(g), static_cast<int>(i)),
+                &events);
+    }
+  }
+  if (Exited(router_.get(), &reason) && RestartDue("router")) {
+    options_.grpc_port = PortOf(grpc_address_);
+    options_.http_port = PortOf(http_address_);
+    Restarted("router", reason, StartRouter(), &events);
+  }
+  return events;
 }
 
 std::string LocalCluster::Describe() const {

@@ -13,6 +13,9 @@
 // new work arrives; then the prefill groups; then the decode workers); if the
 // launcher itself dies, its children die with it (PR_SET_PDEATHSIG).
 //
+// Supervise(), called now and then by the owner, restarts what died (with
+// backoff) on the same ports, so the router's registry takes it back.
+//
 // Not thread-safe: one thread drives a LocalCluster (the one that started
 // it — children are tied to the thread that forked them).
 #pragma once
@@ -87,6 +90,20 @@ struct LocalClusterOptions {
   // router B, prefill group g stage i B + 10 + g * stages + i, decode worker
   // w B + 20 + w.
   int metrics_port_base = -1;
+  // Supervise(): the wait before restarting a process that died, doubling
+  // with each death in a row up to the max; a process that stayed up for
+  // `restart_reset` starts again from the initial wait.
+  absl::Duration restart_backoff = absl::Milliseconds(500);
+  absl::Duration max_restart_backoff = absl::Seconds(30);
+  absl::Duration restart_reset = absl::Seconds(60);
+};
+
+// One restart Supervise() made (or tried).
+struct RestartEvent {
+  std::string name;     // "decode-0", "prefill-0" (a group), "router"
+  std::string reason;   // how it ended: "signal 9", "exit 1"
+  absl::Status status;  // of the restart
+  int attempt = 0;      // deaths in a row
 };
 
 class LocalCluster {
@@ -120,6 +137,7 @@ class LocalCluster {
   // Any signal (SIGSTOP / SIGCONT: a frozen worker and its thaw).
   void SignalDecode(int worker, int signal);
   void KillPrefillStage(int group, int stage);
+  void KillRouter();
   // Stops what is left of the group and starts all its stages again, stage 0
   // on its old port (the router's registry knows the group by it).
   [[nodiscard]] absl::Status RestartPrefillGroup(int group);
@@ -128,6 +146,13 @@ class LocalCluster {
   // place and serves again (prefill_worker's recovery). Returns once the
   // stage serves its control API; the group needs a few seconds more.
   [[nodiscard]] absl::Status RestartPrefillStage(int group, int stage);
+  // Restarts every process that exited, on its old port, once its backoff
+  // passed: a decode worker or the router alone; a prefill group whole when
+  // its stage 0 died, else the dead stage (stage 0 then rewires the group).
+  // A stopped (SIGSTOP) process is alive: not restarted. Returns what it did
+  // (also logged to stderr); restarts() counts every restart per name.
+  std::vector<RestartEvent> Supervise();
+  const std::map<std::string, int>& restarts() const { return restarts_; }
   // Until the router answers SERVING (DEADLINE_EXCEEDED otherwise).
   [[nodiscard]] absl::Status WaitRouterServing(absl::Duration timeout) const;
   // Stops every process. Idempotent.
@@ -166,8 +191,19 @@ class LocalCluster {
                              const std::string& port_file,
                              process::ChildProcess* child);
   absl::Status StartPrefillGroup(int group, int port);
-  absl::Status StartDecode(int worker);
+  absl::Status StartDecode(int worker, int port = 0);
   absl::Status StartRouter();
+  // Supervise()'s bookkeeping for one name.
+  struct Backoff {
+    int deaths_in_a_row = 0;
+    absl::Time started = absl::Now();
+    absl::Time next_try = absl::InfinitePast();
+  };
+  // Whether `name` (dead, described by `reason`) may be restarted now;
+  // records the death once.
+  bool RestartDue(const std::string& name);
+  void Restarted(const std::string& name, const std::string& reason,
+                 absl::Status status, std::vector<RestartEvent>* events);
 
   LocalClusterOptions options_;
   std::vector<Group> groups_;
@@ -179,6 +215,8 @@ class LocalCluster {
   std::string grpc_address_;
   std::string http_address_;
   std::map<std::string, std::string> metrics_addresses_;
+  std::map<std::string, Backoff> backoff_;
+  std::map<std::string, int> restarts_;
 };
 
 }  // namespace pdserve::tools

@@ -11,6 +11,8 @@
 //               [--api-key-file PATH] (the router then wants one of its keys)
 //               [--internal-token-file PATH] (default: a fresh random token
 //               in the work folder, mode 0600)
+//               [--supervise 1] (restart a process that dies: backoff from
+//               0.5 s doubling to 30 s, on its old port; logged)
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -60,6 +62,7 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   o.kv_dtype = flags.Str("kv-dtype", o.kv_dtype);
   o.api_key_file = flags.Str("api-key-file", "");
   o.internal_token_file = flags.Str("internal-token-file", "");
+  const bool supervise = flags.Num<int>("supervise", 1) != 0;
   // Refuse bad spellings here, before any process starts.
   PDS_RETURN_IF_ERROR(engine::ParseBackend(o.backend).status());
   PDS_RETURN_IF_ERROR(engine::ParseDeviceList(o.cuda_devices).status());
@@ -97,9 +100,15 @@ absl::Status RunLocalCluster(int argc, char** argv) {
       process::ExecutableDir().c_str(), cluster->grpc_address().c_str(),
       key_flag.c_str(), cluster->http_address().c_str(), key_header.c_str());
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&signals, &sig);
-  std::fprintf(stderr, "pdserve local: stopping\n");
+  // Until Ctrl-C: restart what dies (LocalCluster::Supervise: backoff, same
+  // ports, so the router takes it back into rotation by itself).
+  const timespec tick = {0, 250 * 1000 * 1000};
+  while (sigtimedwait(&signals, nullptr, &tick) < 0) {
+    if (supervise) (void)cluster->Supervise();
+  }
+  int total = 0;
+  for (const auto& [name, count] : cluster->restarts()) total += count;
+  std::fprintf(stderr, "pdserve local: stopping (%d restart(s))\n", total);
   cluster->Stop();
   return absl::OkStatus();
 }

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,8 +17,10 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "pdserve/v1/generate.grpc.pb.h"
 #include "rpc/auth.h"
@@ -217,6 +221,185 @@ TEST(ChaosTest, FrozenDecodeWorkerEndsItsStreamsAndIsAvoided) {
       absl::ToDoubleSeconds(
           *std::max_element(late_latency.begin(), late_latency.end())),
       absl::ToDoubleSeconds(kv_back));
+}
+
+// HTTP load: `threads` clients sending short completions until `stop`,
+// counting every outcome by status (0 = no response at all).
+class HttpLoad {
+ public:
+  HttpLoad(const std::string& address, int threads) {
+    const size_t colon = address.rfind(':');
+    host_ = address.substr(0, colon);
+    port_ = std::stoi(address.substr(colon + 1));
+    for (int t = 0; t < threads; ++t) {
+      threads_.emplace_back([this, t] { Run(t); });
+    }
+  }
+  ~HttpLoad() { Stop(); }
+  void Stop() {
+    stop_.store(true);
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+  std::map<int, int> counts() {
+    absl::MutexLock lock(&mu_);
+    return counts_;
+  }
+  // When the last request that succeeded ended.
+  absl::Time last_ok() {
+    absl::MutexLock lock(&mu_);
+    return last_ok_;
+  }
+  std::string first_error(int status) {
+    absl::MutexLock lock(&mu_);
+    return errors_[status];
+  }
+
+ private:
+  void Run(int t) {
+    httplib::Client client(host_, port_);
+    client.set_read_timeout(60, 0);
+    client.set_connection_timeout(2, 0);
+    int i = 0;
+    while (!stop_.load()) {
+      const std::string body =
+          absl::StrCat(R"({"prompt": "Once upon a time )", t, " ", i++,
+                       R"(", "max_tokens": 8, "temperature": 0})");
+      auto res = client.Post("/v1/completions", body, "application/json");
+      const int status = res ? res->status : 0;
+      {
+        absl::MutexLock lock(&mu_);
+        ++counts_[status];
+        if (status == 200) last_ok_ = absl::Now();
+        if (status != 200 && errors_[status].empty()) {
+          errors_[status] =
+              res ? res->body.substr(0, 300) : httplib::to_string(res.error());
+        }
+      }
+      if (status != 200) absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+
+  std::string host_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+  absl::Mutex mu_;
+  std::map<int, int> counts_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::string> errors_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_ok_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
+std::string Describe(const std::map<int, int>& counts) {
+  std::string out;
+  for (const auto& [status, n] : counts) {
+    absl::StrAppend(
+        &out, out.empty() ? "" : ", ", n, " x ",
+        status == 0 ? std::string("no response") : absl::StrCat(status));
+  }
+  return out;
+}
+
+// Supervise() on this (the starting) thread until `done` or the timeout.
+template <typename F>
+bool SuperviseUntil(LocalCluster& cluster, F done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    (void)cluster.Supervise();
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return done();
+}
+
+// Each kind of process killed (SIGKILL) under load, with the supervisor on:
+// every request is answered (200, or 503/429 with a message while a part is
+// down; never 500, never silence from the router), each part comes back on
+// its own and serves, KV returns to 0, and the restarts are counted.
+TEST(ChaosTest, KilledProcessesAreRestartedAndServeAgain) {
+  LocalClusterOptions o;
+  o.model_path = testing::Stories260KDir();
+  o.bin_dir = PDSERVE_BINARY_DIR;
+  o.model_name = "stories260K";
+  o.stages = 2;
+  o.tp = 1;
+  o.decode_blocks = 512;
+  o.prefill_blocks = 256;
+  o.refresh_ms = 100;
+  absl::StatusOr<std::unique_ptr<LocalCluster>> started =
+      LocalCluster::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  LocalCluster& cluster = **started;
+
+  struct Fault {
+    std::string name;
+    std::function<void()> inject;
+  };
+  const std::vector<Fault> faults = {
+      {"decode-0", [&] { cluster.KillDecode(0); }},
+      {"prefill-0-stage-1", [&] { cluster.KillPrefillStage(0, 1); }},
+      {"prefill-0", [&] { cluster.KillPrefillStage(0, 0); }},
+  };
+  for (const Fault& fault : faults) {
+    SCOPED_TRACE(fault.name);
+    HttpLoad load(cluster.http_address(), 4);
+    ASSERT_TRUE(SuperviseUntil(
+        cluster, [&] { return load.counts()[200] >= 20; }, absl::Seconds(60)))
+        << Describe(load.counts());
+    const absl::Time killed = absl::Now();
+    fault.inject();
+    // Back when requests succeed again after the kill.
+    const bool back = SuperviseUntil(
+        cluster,
+        [&] {
+          return cluster.restarts().count(fault.name) > 0 &&
+                 load.last_ok() > killed + absl::Milliseconds(200);
+        },
+        absl::Seconds(90));
+    const absl::Duration recovery = absl::Now() - killed;
+    // Some more load on the restarted part.
+    SuperviseUntil(
+        cluster, [] { return false; }, absl::Seconds(1));
+    load.Stop();
+    const std::map<int, int> counts = load.counts();
+    EXPECT_TRUE(back) << Describe(counts);
+    EXPECT_EQ(counts.count(500), 0u) << load.first_error(500);
+    EXPECT_EQ(counts.count(0), 0u) << load.first_error(0);
+    for (const auto& [status, n] : counts) {
+      EXPECT_TRUE(status == 200 || status == 503 || status == 429)
+          << n << " x " << status << ": " << load.first_error(status);
+    }
+    std::printf(
+        "chaos: SIGKILL %s under 4 HTTP clients: %s; serving again "
+        "%.2f s after the kill; restarts %d\n",
+        fault.name.c_str(), Describe(counts).c_str(),
+        absl::ToDoubleSeconds(recovery),
+        cluster.restarts().count(fault.name) ? cluster.restarts().at(fault.name)
+                                             : 0);
+  }
+  // No KV left behind on the (restarted) decode worker.
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return DecodeBlocksUsed(cluster, cluster.decode_addresses()[0]) == 0;
+      },
+      absl::Seconds(40)));
+
+  // The router itself: back on the same ports.
+  const std::string http = cluster.http_address();
+  const absl::Time killed = absl::Now();
+  cluster.KillRouter();
+  ASSERT_TRUE(SuperviseUntil(
+      cluster, [&] { return cluster.restarts().count("router") > 0; },
+      absl::Seconds(60)));
+  EXPECT_EQ(cluster.http_address(), http);
+  HttpLoad after(cluster.http_address(), 1);
+  ASSERT_TRUE(SuperviseUntil(
+      cluster, [&] { return after.counts()[200] >= 3; }, absl::Seconds(30)))
+      << Describe(after.counts());
+  after.Stop();
+  std::printf("chaos: SIGKILL router: serving again on %s %.2f s later\n",
+              http.c_str(), absl::ToDoubleSeconds(absl::Now() - killed));
 }
 
 }  // namespace
