@@ -218,14 +218,31 @@ class OpenAiHttpServer::Impl {
   ~Impl() { Stop(); }
 
   absl::Status Start() {
+    if (absl::Status s = rpc::CheckTlsFiles(options_.tls); !s.ok()) return s;
+    if (options_.tls.enabled()) {
+      auto tls = std::make_unique<httplib::SSLServer>(
+          options_.tls.cert_file.c_str(), options_.tls.key_file.c_str(),
+          options_.tls.client_ca_file.empty()
+              ? nullptr
+              : options_.tls.client_ca_file.c_str());
+      if (!tls->is_valid()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cannot use TLS certificate ", options_.tls.cert_file, " / key ",
+            options_.tls.key_file,
+            " (not a matching PEM pair, or an unreadable client CA)"));
+      }
+      server_ = std::move(tls);
+    } else {
+      server_ = std::make_unique<httplib::Server>();
+    }
     const int threads = std::max(2, options_.threads);
-    server_.new_task_queue = [threads] {
+    server_->new_task_queue = [threads] {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
     };
-    server_.set_payload_max_length(options_.max_body_bytes);
+    server_->set_payload_max_length(options_.max_body_bytes);
     // API keys: every /v1/ route checks the caller before any work.
-    server_.set_pre_routing_handler([this](const httplib::Request& req,
-                                           httplib::Response& res) {
+    server_->set_pre_routing_handler([this](const httplib::Request& req,
+                                            httplib::Response& res) {
       if (options_.api_keys == nullptr || !options_.api_keys->enabled() ||
           !absl::StartsWith(req.path, "/v1/")) {
         return httplib::Server::HandlerResponse::Unhandled;
@@ -248,22 +265,22 @@ class OpenAiHttpServer::Impl {
       return httplib::Server::HandlerResponse::Handled;
     });
     // Short keep-alive so Stop() does not wait long on idle connections.
-    server_.set_keep_alive_timeout(1);
-    server_.Post("/v1/completions",
-                 [this](const httplib::Request& req, httplib::Response& res) {
-                   HandleGenerate(OpenAiEndpoint::kCompletions, req, res);
-                 });
-    server_.Post("/v1/chat/completions",
-                 [this](const httplib::Request& req, httplib::Response& res) {
-                   HandleGenerate(OpenAiEndpoint::kChatCompletions, req, res);
-                 });
-    server_.Get(
+    server_->set_keep_alive_timeout(1);
+    server_->Post("/v1/completions",
+                  [this](const httplib::Request& req, httplib::Response& res) {
+                    HandleGenerate(OpenAiEndpoint::kCompletions, req, res);
+                  });
+    server_->Post("/v1/chat/completions",
+                  [this](const httplib::Request& req, httplib::Response& res) {
+                    HandleGenerate(OpenAiEndpoint::kChatCompletions, req, res);
+                  });
+    server_->Get(
         "/v1/models", [this](const httplib::Request&, httplib::Response& res) {
           res.set_content(ModelsBody(backend_->ListModels(), NowUnixSeconds()),
                           "application/json");
         });
-    server_.Get("/health", [this](const httplib::Request&,
-                                  httplib::Response& res) {
+    server_->Get("/health", [this](const httplib::Request&,
+                                   httplib::Response& res) {
       absl::Status health = backend_->Health();
       if (!health.ok()) {
         res.status = 503;
@@ -277,7 +294,7 @@ class OpenAiHttpServer::Impl {
     // handler has counted the request already). They are counted like every
     // other refusal, so a client posting to a wrong path or sending
     // oversized prompts shows in pdserve_router_requests_total.
-    server_.set_error_handler(httplib::Server::HandlerWithResponse(
+    server_->set_error_handler(httplib::Server::HandlerWithResponse(
         [this](const httplib::Request& req, httplib::Response& res) {
           if (!res.body.empty())
             return httplib::Server::HandlerResponse::Unhandled;
@@ -299,29 +316,30 @@ class OpenAiHttpServer::Impl {
     // connections (many clients opening streams at once) overflows it and
     // some fail. Remember the listening socket and listen() again with a
     // real backlog (Linux updates the backlog of a listening socket).
-    server_.set_socket_options([this](socket_t sock) {
+    server_->set_socket_options([this](socket_t sock) {
       httplib::default_socket_options(sock);
       listen_fd_ = sock;
     });
     if (options_.port == 0) {
-      port_ = server_.bind_to_any_port(options_.host);
+      port_ = server_->bind_to_any_port(options_.host);
     } else {
-      port_ = server_.bind_to_port(options_.host, options_.port) ? options_.port
-                                                                 : -1;
+      port_ = server_->bind_to_port(options_.host, options_.port)
+                  ? options_.port
+                  : -1;
     }
     if (port_ <= 0) {
       return absl::UnavailableError(absl::StrCat(
           "cannot bind HTTP on ", options_.host, ":", options_.port));
     }
     if (listen_fd_ >= 0) ::listen(listen_fd_, kListenBacklog);
-    listener_ = std::thread([this] { server_.listen_after_bind(); });
+    listener_ = std::thread([this] { server_->listen_after_bind(); });
     // httplib's stop() is a no-op until the accept loop runs: wait for it, so
     // a Stop() right after Start() cannot leave the loop running forever.
     const absl::Time until = absl::Now() + absl::Seconds(10);
-    while (!server_.is_running() && absl::Now() < until) {
+    while (!server_->is_running() && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(1));
     }
-    if (!server_.is_running()) {
+    if (!server_->is_running()) {
       return absl::InternalError("HTTP accept loop did not start");
     }
     return absl::OkStatus();
@@ -329,7 +347,8 @@ class OpenAiHttpServer::Impl {
 
   void Stop() {
     if (stopped_.exchange(true)) return;
-    server_.stop();
+    if (server_ == nullptr) return;  // Start() failed before creating it
+    server_->stop();
     if (listener_.joinable()) listener_.join();
   }
 
@@ -355,7 +374,7 @@ class OpenAiHttpServer::Impl {
 
   const HttpServerOptions options_;
   GenerationBackend* const backend_;
-  httplib::Server server_;
+  std::unique_ptr<httplib::Server> server_;  // an SSLServer with TLS
   std::thread listener_;
   int port_ = 0;
   int listen_fd_ = -1;  // owned by server_

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "router/generation_backend.h"
 #include "rpc/auth.h"
+#include "rpc/tls.h"
 
 namespace pdserve::router {
 
@@ -36,6 +37,9 @@ struct HttpServerOptions {
   // API keys (not owned; null or empty: none needed): every /v1/ route then
   // needs "Authorization: Bearer <key>" (else 401); /health stays open.
   const rpc::BearerTokens* api_keys = nullptr;
+  // HTTPS with these files (none: plain HTTP); with a client CA, clients
+  // must present a certificate it signed (mutual TLS).
+  rpc::TlsFiles tls;
   // OpenAI `n` > 1: start choices 1.. when choice 0 streams its first token,
   // not all at once. By then choice 0's prompt blocks are published at its
   // decode worker and cached in its prefill group, so with prefix-aware

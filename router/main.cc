@@ -17,6 +17,10 @@
 //          [--worker-id ID] [--metrics-port-file PATH]
 //          [--layout-stages S] [--layout-tp T] [--stagger-choices 1]
 //          [--api-key-file PATH] [--internal-token-file PATH]
+//          [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
+//
+// --tls-cert/--tls-key: HTTPS and gRPC over TLS on the public ports (with
+// --tls-client-ca, clients must present a certificate that CA signed).
 //
 // --api-key-file: clients must send one of the file's keys (one per line) as
 // `Authorization: Bearer <key>` (HTTP /v1/*, gRPC metadata); /health and gRPC
@@ -68,6 +72,7 @@
 #include "router/worker_registry.h"
 #include "rpc/auth.h"
 #include "rpc/server.h"
+#include "rpc/tls.h"
 #include "tokenizer/tokenizer.h"
 
 namespace pdserve::router {
@@ -132,7 +137,14 @@ int Main(int argc, char** argv) {
   const int layout_tp = flags.Num<int>("layout-tp", 1);
   const std::string api_key_file = flags.Str("api-key-file", "");
   const std::string internal_token_file = flags.Str("internal-token-file", "");
+  rpc::TlsFiles tls;
+  tls.cert_file = flags.Str("tls-cert", "");
+  tls.key_file = flags.Str("tls-key", "");
+  tls.client_ca_file = flags.Str("tls-client-ca", "");
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> grpc_credentials =
+      rpc::ServerCredentialsFor(tls);
+  if (!grpc_credentials.ok()) return Fail(grpc_credentials.status());
   rpc::BearerTokens api_keys;
   if (!api_key_file.empty()) {
     absl::StatusOr<rpc::BearerTokens> loaded =
@@ -274,7 +286,7 @@ int Main(int argc, char** argv) {
   GenerationService generation(&metered, on_rejected, &api_keys);
   absl::StatusOr<std::unique_ptr<rpc::RunningServer>> grpc_server =
       rpc::RunningServer::Start(absl::StrCat(host, ":", grpc_port),
-                                {&generation});
+                                {&generation}, *grpc_credentials);
   if (!grpc_server.ok()) return Fail(grpc_server.status());
 
   HttpServerOptions http_options;
@@ -285,6 +297,7 @@ int Main(int argc, char** argv) {
   http_options.stagger_choices = stagger_choices;
   http_options.on_rejected = on_rejected;
   http_options.api_keys = &api_keys;
+  http_options.tls = tls;
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
       OpenAiHttpServer::Start(http_options, &metered);
   if (!http_server.ok()) return Fail(http_server.status());
@@ -301,9 +314,10 @@ int Main(int argc, char** argv) {
         !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(250)));
   });
 
-  std::printf("router: gRPC on %s, HTTP on %s, model '%s'\n",
-              (*grpc_server)->address().c_str(), http_address.c_str(),
-              model_name.c_str());
+  std::printf("router: gRPC on %s, HTTP%s on %s, model '%s'%s\n",
+              (*grpc_server)->address().c_str(), tls.enabled() ? "S" : "",
+              http_address.c_str(), model_name.c_str(),
+              tls.enabled() ? " (TLS)" : "");
   std::fflush(stdout);
   if (auto s =
           process::WritePortFile(grpc_port_file, (*grpc_server)->address());

@@ -9,6 +9,9 @@
 //                                  then only scores the prompt)
 //                [--api-key-file PATH] (a router started with
 //                                  --api-key-file: its first key is sent)
+//                [--tls-ca PEM] (TLS to the router, verified with this CA;
+//                                  --tls-ca system: the system's roots)
+//                [--tls-cert PEM --tls-key PEM] (mutual TLS)
 //
 // Streams the continuation's text to stdout; a summary (tokens, finish
 // reason, time to first token) goes to stderr. Errors print the gRPC status.
@@ -28,6 +31,7 @@
 #include "pdserve/v1/generate.grpc.pb.h"
 #include "rpc/auth.h"
 #include "rpc/status_conversion.h"
+#include "rpc/tls.h"
 #include "tools/commands.h"
 
 namespace pdserve::tools {
@@ -78,7 +82,16 @@ absl::Status RunClient(int argc, char** argv) {
     request.set_top_logprobs(logprobs);
   }
   const std::string api_key_file = flags.Str("api-key-file", "");
+  const std::string tls_ca = flags.Str("tls-ca", "");
+  const std::string tls_cert = flags.Str("tls-cert", "");
+  const std::string tls_key = flags.Str("tls-key", "");
   PDS_RETURN_IF_ERROR(flags.Check());
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (!tls_ca.empty() || !tls_cert.empty()) {
+    PDS_ASSIGN_OR_RETURN(
+        credentials, rpc::ClientTlsCredentials(tls_ca == "system" ? "" : tls_ca,
+                                               tls_cert, tls_key));
+  }
   std::string api_key;
   if (!api_key_file.empty()) {
     PDS_ASSIGN_OR_RETURN(rpc::BearerTokens keys,

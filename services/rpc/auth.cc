@@ -147,7 +147,9 @@ grpc::ServerUnaryReactor* Refused(grpc::CallbackServerContext* context,
 
 std::shared_ptr<grpc::Channel> CreateChannel(
     const std::string& address, const std::string& token,
-    const grpc::ChannelArguments& caller_args) {
+    const grpc::ChannelArguments& caller_args,
+    std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
   // A frozen peer (SIGSTOP, a wedged host) keeps its TCP connection open
   // and answers nothing: HTTP/2 pings that go unanswered for
   // kKeepaliveTimeout close the connection, so its calls fail UNAVAILABLE
@@ -170,16 +172,14 @@ std::shared_ptr<grpc::Channel> CreateChannel(
   // the default flow-control window is plenty.
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   if (token.empty()) {
-    return grpc::CreateCustomChannel(address,
-                                     grpc::InsecureChannelCredentials(), args);
+    return grpc::CreateCustomChannel(address, credentials, args);
   }
   std::vector<
       std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>
       interceptors;
   interceptors.push_back(std::make_unique<TokenInterceptorFactory>(token));
   return grpc::experimental::CreateCustomChannelWithInterceptors(
-      address, grpc::InsecureChannelCredentials(), args,
-      std::move(interceptors));
+      address, credentials, args, std::move(interceptors));
 }
 
 }  // namespace pdserve::rpc

@@ -66,8 +66,11 @@ inline constexpr absl::Duration kKeepaliveTimeout = absl::Seconds(1);
 // (kKeepaliveTime/kKeepaliveTimeout): a frozen peer's calls fail UNAVAILABLE
 // within 2 s (4 s when gRPC needs a second round). Insecure transport: use with
 // loopback or a private network, or with TLS in front.
+// `credentials`: null = plaintext (rpc::ClientTlsCredentials for a TLS
+// server).
 std::shared_ptr<grpc::Channel> CreateChannel(
     const std::string& address, const std::string& token,
-    const grpc::ChannelArguments& args = grpc::ChannelArguments());
+    const grpc::ChannelArguments& args = grpc::ChannelArguments(),
+    std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
 }  // namespace pdserve::rpc

@@ -10,13 +10,16 @@
 namespace pdserve::rpc {
 
 absl::StatusOr<std::unique_ptr<RunningServer>> RunningServer::Start(
-    const std::string& address, const std::vector<grpc::Service*>& services) {
+    const std::string& address, const std::vector<grpc::Service*>& services,
+    std::shared_ptr<grpc::ServerCredentials> credentials) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
-                           &selected_port);
+  builder.AddListeningPort(
+      address,
+      credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
+      &selected_port);
   // Streams of tokens are small messages; keepalive lets a dead router or
   // client be noticed without waiting for TCP timeouts.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);

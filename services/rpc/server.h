@@ -18,8 +18,10 @@ class RunningServer {
  public:
   // `address` like "127.0.0.1:0" or "0.0.0.0:50051". Services are not owned
   // and must outlive the server. UNAVAILABLE if the address cannot be bound.
+  // `credentials`: null = plaintext; TLS from rpc::ServerCredentialsFor.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<RunningServer>> Start(
-      const std::string& address, const std::vector<grpc::Service*>& services);
+      const std::string& address, const std::vector<grpc::Service*>& services,
+      std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
 
   ~RunningServer();  // Shutdown() with a short deadline, then waits.
   RunningServer(const RunningServer&) = delete;
