@@ -159,6 +159,54 @@ class TwoOwners {
   std::atomic<int> refs_{2};
 };
 
+// Bytes off the wire as a `T`; INVALID_ARGUMENT saying so when they are not.
+template <typename T>
+absl::StatusOr<T> ParseWire(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  if (grpc::Status s = buffer.Dump(&slices); !s.ok()) {
+    return absl::InvalidArgumentError("the request could not be read");
+  }
+  std::string bytes;
+  for (const grpc::Slice& slice : slices) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  T message;
+  if (!message.ParseFromString(bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request (", bytes.size(), " bytes) is not a valid ",
+                     T::descriptor()->full_name()));
+  }
+  return message;
+}
+
+// The caller's key checked first (a stranger learns nothing about the
+// request format), then the request parsed.
+absl::StatusOr<v1::GenerateRequest> AuthorizedRequest(
+    const grpc::CallbackServerContext& context, const grpc::ByteBuffer& request,
+    const rpc::BearerTokens* api_keys) {
+  if (api_keys != nullptr) {
+    if (absl::Status s = rpc::Authenticate(context, *api_keys); !s.ok()) {
+      return s;
+    }
+  }
+  return ParseWire<v1::GenerateRequest>(request);
+}
+
+grpc::ByteBuffer ToWire(const google::protobuf::Message& message) {
+  const std::string bytes = message.SerializeAsString();
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// A stream refused before it started (its request did not parse).
+class RefusedStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  explicit RefusedStream(const absl::Status& status) {
+    Finish(rpc::ToGrpcStatus(status));
+  }
+  void OnDone() override { delete this; }
+};
+
 // What both reactors share: the request prepared and started against the
 // backend (the start/cancel race lives in CallSlot), two owners (gRPC and the
 // backend) of which the last deletes the reactor, and Finish at most once.
@@ -214,8 +262,11 @@ class GenerationReactor : public GrpcReactor, public GenerationObserver {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return;
     finished_ = true;
+    BeforeFinish(status);
     this->Finish(status);
   }
+  // Last words before Finish (under mu_): the unary answer's bytes.
+  virtual void BeforeFinish(const grpc::Status&) {}
 
   // gRPC's OnDone and the backend's OnDone each release one owner.
   void ReleaseOwner() {
@@ -237,7 +288,7 @@ class GenerationReactor : public GrpcReactor, public GenerationObserver {
 // ---------------------------------------------------------------------------
 
 class GenerateReactor final
-    : public GenerationReactor<grpc::ServerWriteReactor<v1::GenerateResponse>> {
+    : public GenerationReactor<grpc::ServerWriteReactor<grpc::ByteBuffer>> {
  public:
   GenerateReactor(GenerationBackend* backend,
                   grpc::CallbackServerContext* context,
@@ -251,9 +302,10 @@ class GenerateReactor final
   void OnDelta(GenerationDelta delta) override {
     absl::MutexLock lock(&mu_);
     if (finished_) return;
-    v1::GenerateResponse& item = queue_.emplace_back();
+    v1::GenerateResponse item;
     item.set_request_id(request_.request_id);
     AppendDelta(delta, request_.top_logprobs, request_.logprobs, &item);
+    queue_.push_back(ToWire(item));
     if (!write_in_flight_) {
       write_in_flight_ = true;
       StartWrite(&queue_.front());
@@ -308,7 +360,7 @@ class GenerateReactor final
  private:
   // Items not yet written; the front one is being written when
   // write_in_flight_ (deque: push_back keeps the front's address stable).
-  std::deque<v1::GenerateResponse> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status backend_status_ ABSL_GUARDED_BY(mu_);
 };
@@ -323,10 +375,10 @@ class GenerateUnaryReactor final
   GenerateUnaryReactor(GenerationBackend* backend,
                        grpc::CallbackServerContext* context,
                        const v1::GenerateRequest& request,
-                       v1::GenerateResponse* response,
+                       grpc::ByteBuffer* wire_response,
                        const RejectionHook& on_rejected,
                        const rpc::BearerTokens* api_keys)
-      : response_(response) {
+      : wire_response_(wire_response) {
     Begin(backend, *context, request, "grpc_generate_unary", on_rejected,
           api_keys);
   }
@@ -334,7 +386,7 @@ class GenerateUnaryReactor final
   void OnDelta(GenerationDelta delta) override {
     absl::MutexLock lock(&mu_);
     if (!finished_) {
-      AppendDelta(delta, request_.top_logprobs, request_.logprobs, response_);
+      AppendDelta(delta, request_.top_logprobs, request_.logprobs, &response_);
     }
   }
 
@@ -360,11 +412,16 @@ class GenerateUnaryReactor final
   // The id leads the answer (the backend has not started yet).
   void OnPrepared() override {
     absl::MutexLock lock(&mu_);
-    response_->set_request_id(request_.request_id);
+    response_.set_request_id(request_.request_id);
+  }
+  void BeforeFinish(const grpc::Status& status) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (status.ok()) *wire_response_ = ToWire(response_);
   }
 
+  v1::GenerateResponse response_ ABSL_GUARDED_BY(mu_);
   // Owned by gRPC; written only before Finish().
-  v1::GenerateResponse* const response_ ABSL_PT_GUARDED_BY(mu_);
+  grpc::ByteBuffer* const wire_response_ ABSL_PT_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -411,16 +468,30 @@ absl::StatusOr<GenerationRequest> ToGenerationRequest(
   return out;
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  return new GenerateReactor(backend_, context, *request, on_rejected_,
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  absl::StatusOr<v1::GenerateRequest> parsed =
+      AuthorizedRequest(*context, *request, api_keys_);
+  if (!parsed.ok()) {
+    if (on_rejected_) on_rejected_("grpc_generate", parsed.status().code());
+    return new RefusedStream(parsed.status());
+  }
+  return new GenerateReactor(backend_, context, *parsed, on_rejected_,
                              api_keys_);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GenerateUnary(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest* request,
-    v1::GenerateResponse* response) {
-  return new GenerateUnaryReactor(backend_, context, *request, response,
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  absl::StatusOr<v1::GenerateRequest> parsed =
+      AuthorizedRequest(*context, *request, api_keys_);
+  if (!parsed.ok()) {
+    if (on_rejected_) {
+      on_rejected_("grpc_generate_unary", parsed.status().code());
+    }
+    return rpc::Refused(context, parsed.status());
+  }
+  return new GenerateUnaryReactor(backend_, context, *parsed, response,
                                   on_rejected_, api_keys_);
 }
 

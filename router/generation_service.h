@@ -7,6 +7,10 @@
 // reactor's mutex); the reactor deletes itself when both gRPC (OnDone) and the
 // backend (its OnDone) are finished with it. Client cancellation and deadline
 // expiry reach the backend through GenerationCall::Cancel().
+//
+// Generate and GenerateUnary take their requests as raw bytes and parse them
+// here: gRPC's own parsing answers bytes that are no GenerateRequest with
+// UNIMPLEMENTED and no message; this service says INVALID_ARGUMENT and why.
 #pragma once
 
 #include "absl/status/statusor.h"
@@ -16,7 +20,11 @@
 
 namespace pdserve::router {
 
-class GenerationService final : public v1::Generation::CallbackService {
+class GenerationService final
+    : public v1::Generation::WithRawCallbackMethod_Generate<
+          v1::Generation::WithRawCallbackMethod_GenerateUnary<
+              v1::Generation::WithCallbackMethod_ListModels<
+                  v1::Generation::Service>>> {
  public:
   // `backend` is not owned and must outlive the service, as must
   // `api_keys` (null or empty: no key needed): every call then carries
@@ -28,12 +36,13 @@ class GenerationService final : public v1::Generation::CallbackService {
         on_rejected_(std::move(on_rejected)),
         api_keys_(api_keys) {}
 
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+  // Raw: a serialized v1::GenerateRequest in, v1::GenerateResponse(s) out.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(
       grpc::CallbackServerContext* context,
-      const v1::GenerateRequest* request) override;
-  grpc::ServerUnaryReactor* GenerateUnary(
-      grpc::CallbackServerContext* context, const v1::GenerateRequest* request,
-      v1::GenerateResponse* response) override;
+      const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* GenerateUnary(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListModels(
       grpc::CallbackServerContext* context,
       const v1::ListModelsRequest* request,

@@ -4,11 +4,14 @@
 // deadlines.
 #include "router/generation_service.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/synchronization/notification.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "router/admission_limiter.h"
+#include "rpc/auth.h"
 #include "rpc/server.h"
 #include "tests/router/fake_backend.h"
 
@@ -393,6 +396,73 @@ TEST_F(GenerationServiceTest, ManyConcurrentStreams) {
 
 // With API keys, every Generation call carries "authorization: Bearer
 // <key>" or gets UNAUTHENTICATED before the backend sees it.
+// Raw bytes through gRPC's generic stub (a client that does not speak
+// protobuf, or a corrupted message): the status for `bytes` sent to
+// /pdserve.v1.Generation/`method`, unary or streaming.
+grpc::Status SendBytes(const std::shared_ptr<grpc::Channel>& channel,
+                       const std::string& method, const std::string& bytes,
+                       bool streaming) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  const std::string path = "/pdserve.v1.Generation/" + method;
+  if (!streaming) {
+    grpc::ByteBuffer response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&context, path, grpc::StubOptions(), &request, &response,
+                   [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    return status;
+  }
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&context, path, &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));
+  cq.Next(&tag, &ok);
+  call->Write(request, reinterpret_cast<void*>(2));
+  cq.Next(&tag, &ok);
+  call->WritesDone(reinterpret_cast<void*>(3));
+  cq.Next(&tag, &ok);
+  grpc::ByteBuffer item;
+  do {
+    call->Read(&item, reinterpret_cast<void*>(4));
+    cq.Next(&tag, &ok);
+  } while (ok);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// gRPC's own parsing answers undecodable requests with UNIMPLEMENTED and no
+// message (issue 21); the service parses them itself and says what is wrong.
+TEST_F(GenerationServiceTest,
+       UndecodableRequestsAreInvalidArgumentWithAMessage) {
+  const std::string garbage("\xff\xff\xff\xff\x0f not protobuf", 20);
+  for (const bool streaming : {false, true}) {
+    SCOPED_TRACE(streaming ? "Generate" : "GenerateUnary");
+    const grpc::Status status = SendBytes(
+        channel_, streaming ? "Generate" : "GenerateUnary", garbage, streaming);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("pdserve.v1.GenerateRequest"),
+              std::string::npos)
+        << status.error_message();
+  }
+  // And the service still serves.
+  auto [items, status] = ReadAll(Request("Once", 2));
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
 TEST_F(GenerationServiceTest, ApiKeysKeepOutCallersWithoutOne) {
   server_.reset();
   auto keys = rpc::BearerTokens::Of({"key-0123456789abcdef"});
@@ -418,6 +488,12 @@ TEST_F(GenerationServiceTest, ApiKeysKeepOutCallersWithoutOne) {
                   .error_code(),
               grpc::StatusCode::UNAUTHENTICATED);
   }
+  // A stranger's undecodable bytes: UNAUTHENTICATED, not a parse error.
+  EXPECT_EQ(SendBytes(grpc::CreateChannel(server_->address(),
+                                          grpc::InsecureChannelCredentials()),
+                      "GenerateUnary", "\xff\xff", false)
+                .error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
   // A channel that sends the key on every call.
   stub_ = v1::Generation::NewStub(
       rpc::CreateChannel(server_->address(), "key-0123456789abcdef"));
