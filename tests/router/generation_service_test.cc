@@ -448,7 +448,7 @@ grpc::Status SendBytes(const std::shared_ptr<grpc::Channel>& channel,
 // message (issue 21); the service parses them itself and says what is wrong.
 TEST_F(GenerationServiceTest,
        UndecodableRequestsAreInvalidArgumentWithAMessage) {
-  const std::string garbage("\xff\xff\xff\xff\x0f not protobuf", 20);
+  const std::string garbage("\xff\xff\xff\xff\x0f not protobuf");
   for (const bool streaming : {false, true}) {
     SCOPED_TRACE(streaming ? "Generate" : "GenerateUnary");
     const grpc::Status status = SendBytes(
