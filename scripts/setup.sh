@@ -12,7 +12,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config clang-format
   libabsl-dev libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   libucx-dev ucx-utils prometheus-cpp-dev prometheus
-  libsentencepiece-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev
+  libsentencepiece-dev libpcre2-dev libicu-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 
