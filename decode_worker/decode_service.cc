@@ -30,6 +30,12 @@ struct Channel {
   absl::Status sink_failure ABSL_GUARDED_BY(mu);
   int64_t granted_tokens ABSL_GUARDED_BY(mu) = 0;  // 0: nothing to transfer
   bool complete_requested ABSL_GUARDED_BY(mu) = false;
+  // Admit finished setting the request up (worker, pins, grants). An Abort
+  // that arrives before then only sets `abort_requested`: the Admit undoes
+  // its own work and answers ABORTED, so nothing is left holding blocks
+  // until a lease runs out.
+  bool admitted ABSL_GUARDED_BY(mu) = false;
+  bool abort_requested ABSL_GUARDED_BY(mu) = false;
   // Stream state. Invariants: at most one write in flight (`writing`); Finish
   // is called once (`finish_called`), never while a write is in flight, so
   // the reactor (OnDone deletes it) is alive whenever `writing` or
@@ -379,6 +385,35 @@ void DecodeService::DropGrantsOfFinished() {
   for (uint64_t id : finished) DropGrants(id);
 }
 
+bool DecodeService::AbortedWhileAdmitting(Channel& ch, int64_t granted_tokens) {
+  absl::MutexLock lock(&ch.mu);
+  ch.granted_tokens = granted_tokens;
+  ch.admitted = true;
+  return ch.abort_requested;
+}
+
+absl::Status DecodeService::AbortedDuringAdmit(uint64_t id) {
+  return absl::AbortedError(
+      absl::StrCat("request ", id, " was aborted before its admit completed"));
+}
+
+void DecodeService::RememberEarlyAbort(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  // An Admit later than this is one the router stopped waiting for long ago
+  // (its RPC deadline is far shorter); the bound keeps a flood of Aborts for
+  // made-up ids from growing the set without limit.
+  constexpr absl::Duration kEarlyAbortMemory = absl::Seconds(60);
+  constexpr size_t kMaxEarlyAborts = 1 << 16;
+  while (!early_abort_order_.empty() &&
+         (early_abort_order_.front().first < now - kEarlyAbortMemory ||
+          early_abort_order_.size() >= kMaxEarlyAborts)) {
+    early_aborts_.erase(early_abort_order_.front().second);
+    early_abort_order_.pop_front();
+  }
+  if (early_aborts_.insert(id).second) early_abort_order_.emplace_back(now, id);
+}
+
 absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
                                       v1::AdmitResponse* response) {
   const uint64_t id = request.request_id();
@@ -410,6 +445,7 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   auto ch = std::make_shared<Channel>(id);
   {
     absl::MutexLock lock(&mu_);
+    if (early_aborts_.erase(id) > 0) return AbortedDuringAdmit(id);
     // Drop finished streams nobody came for.
     const absl::Time cutoff = absl::Now() - options_.unclaimed_stream_ttl;
     absl::erase_if(channels_, [&](const auto& entry) {
@@ -438,6 +474,11 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
     if (!submitted.ok()) {
       ForgetChannel(id, ch.get());
       return submitted;
+    }
+    if (AbortedWhileAdmitting(*ch, /*granted_tokens=*/0)) {
+      (void)worker_->Abort(id);
+      ForgetChannel(id, ch.get());
+      return AbortedDuringAdmit(id);
     }
     FillIdentity(response->mutable_model());
     return absl::OkStatus();
@@ -489,9 +530,13 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
     }
     dest->set_grant(std::move(*grant));
   }
-  {
-    absl::MutexLock lock(&ch->mu);
-    ch->granted_tokens = tokens;
+  if (AbortedWhileAdmitting(*ch, tokens)) {
+    // As a failed grant: revoke what was granted (the pins hold the blocks
+    // until the sinks' quarantine ends), stop the request.
+    if (tokens > 0) DropGrants(id);
+    (void)worker_->Abort(id);
+    ForgetChannel(id, ch.get());
+    return AbortedDuringAdmit(id);
   }
   response->set_cached_tokens(cached);
   FillIdentity(response->mutable_model());
@@ -647,18 +692,32 @@ grpc::ServerUnaryReactor* DecodeService::Abort(
   bool in_transfer = false;
   if (auto ch = FindChannel(id)) {
     absl::MutexLock lock(&ch->mu);
+    if (!ch->admitted) {
+      // Its Admit is still running: it sees the flag when done and undoes
+      // itself (the router's Admit call may have timed out meanwhile).
+      ch->abort_requested = true;
+      reactor->Finish(grpc::Status::OK);
+      return reactor;
+    }
     in_transfer =
         ch->granted_tokens > 0 && !ch->complete_requested && !ch->final_queued;
-  }
-  absl::Status s;
-  if (in_transfer) {
-    // Revoke the grants; the sinks release the blocks (→ OnSinkRelease →
-    // DecodeWorker::Abort, and the pins end) once no put of the request can
-    // still land.
-    DropGrants(id);
   } else {
-    s = worker_->Abort(id);
+    // No Admit seen yet: one may still be on its way (the router gave up
+    // waiting for it). Remember the id so that it is refused on arrival.
+    RememberEarlyAbort(id);
   }
+  if (in_transfer) {
+    // Revoke the grants: each sink ends its rank's pin on the blocks once no
+    // put of the request can still land (after its quarantine), or at once
+    // when the rank's KV had all landed (then no release callback follows).
+    DropGrants(id);
+  }
+  // The request ends now either way: the pins, not the request, keep its
+  // blocks from another request while a put may still land. (Waiting for
+  // the sinks' callbacks to abort it left a request whose KV had landed, but
+  // whose stage died before KvComplete, in the worker until its lease.)
+  const absl::Status aborted = worker_->Abort(id);
+  const absl::Status s = in_transfer ? absl::OkStatus() : aborted;
   reactor->Finish(rpc::ToGrpcStatus(s));
   return reactor;
 }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -167,6 +168,11 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   void CompleterLoop();
   absl::Status Complete(const CompleteJob& job);
   std::shared_ptr<Channel> FindChannel(uint64_t request_id) const;
+  // Marks the channel's Admit done (with the tokens its grants cover) and
+  // says whether an Abort arrived meanwhile.
+  bool AbortedWhileAdmitting(Channel& channel, int64_t granted_tokens);
+  static absl::Status AbortedDuringAdmit(uint64_t request_id);
+  void RememberEarlyAbort(uint64_t request_id);
 
   decode::DecodeWorker* const worker_;
   const model::ModelConfig config_;
@@ -180,6 +186,11 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_
       ABSL_GUARDED_BY(mu_);
   std::deque<CompleteJob> jobs_ ABSL_GUARDED_BY(mu_);
+  // Ids aborted before their Admit arrived, refused when it does; oldest
+  // first in `early_abort_order_` for pruning.
+  absl::flat_hash_set<uint64_t> early_aborts_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, uint64_t>> early_abort_order_
+      ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread completer_;
   std::atomic<int64_t> lease_expiries_{0};

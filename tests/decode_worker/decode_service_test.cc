@@ -189,6 +189,69 @@ TEST(DecodeServiceTest, AbortBeforeTheKvArrivedRevokesTheGrant) {
   EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(15)));
 }
 
+// Every layer of the KV landed, but the stage that was to send KvComplete
+// died first; the router aborts. The sinks have nothing left to release (no
+// release callback follows), so the Abort itself must end the request, not
+// the worker's lease a minute later.
+TEST(DecodeServiceTest, AbortAfterTheKvLandedWithoutItsCompleteFreesAtOnce) {
+  Server server(/*tp=*/2);
+  const int64_t baseline = server.Load().kv_blocks_used();
+  const auto c = AllGoldenCases().front();
+  v1::AdmitResponse admit;
+  ASSERT_TRUE(
+      Admit(server.stub(), MakeAdmit(19, c.prompt_ids, 8), &admit).ok());
+  TestPrefill prefill;
+  ASSERT_TRUE(prefill
+                  .Run(server.stub(), 19, c.prompt_ids, admit, -1, nullptr,
+                       /*call_complete=*/false)
+                  .ok());
+  EXPECT_EQ(server.Load().awaiting_kv(), 1);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(30));
+  v1::AbortRequest a;
+  a.set_request_id(19);
+  v1::AbortResponse r;
+  ASSERT_TRUE(server.stub().Abort(&ctx, a, &r).ok());
+  EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(3)))
+      << server.Load().kv_blocks_used() << " blocks used, "
+      << server.Load().awaiting_kv() << " awaiting KV";
+  EXPECT_EQ(server.Load().awaiting_kv(), 0);
+}
+
+// The router gives up on an Admit that takes too long and sends Abort; the
+// Admit may reach the worker only after that Abort. It must be refused, not
+// hold its blocks until the lease runs out (a minute of KV nobody uses).
+TEST(DecodeServiceTest, AdmitArrivingAfterItsAbortIsRefusedAndHoldsNothing) {
+  Server server(/*tp=*/2);
+  const int64_t baseline = server.Load().kv_blocks_used();
+  const auto c = AllGoldenCases().front();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(30));
+  v1::AbortRequest a;
+  a.set_request_id(17);
+  v1::AbortResponse r;
+  const grpc::Status aborted = server.stub().Abort(&ctx, a, &r);
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::NOT_FOUND)
+      << aborted.error_message();
+  v1::AdmitResponse admit;
+  const grpc::Status late =
+      Admit(server.stub(), MakeAdmit(17, c.prompt_ids, 8), &admit);
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::ABORTED)
+      << late.error_message();
+  EXPECT_NE(late.error_message().find("aborted before its admit"),
+            std::string::npos)
+      << late.error_message();
+  EXPECT_EQ(server.Load().kv_blocks_used(), baseline);
+  EXPECT_EQ(server.Load().awaiting_kv(), 0);
+  // Only that one Admit: the id is forgotten once refused.
+  ASSERT_TRUE(
+      Admit(server.stub(), MakeAdmit(17, c.prompt_ids, 8), &admit).ok());
+  grpc::ClientContext again;
+  again.set_deadline(Deadline(30));
+  ASSERT_TRUE(server.stub().Abort(&again, a, &r).ok());
+  EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(15)));
+}
+
 // A request's grant lives on every TP rank's sink, over the same block ids.
 // When one rank's sink is done with a revoked grant (its source confirmed)
 // while another's still waits out its quarantine (a stuck source), the
