@@ -1,5 +1,7 @@
 #include "router/generation_service.h"
 
+#include <google/protobuf/unknown_field_set.h>
+
 #include <atomic>
 #include <deque>
 
@@ -160,6 +162,40 @@ class TwoOwners {
 };
 
 // Bytes off the wire as a `T`; INVALID_ARGUMENT saying so when they are not.
+// The first field in `message` (or a message inside it) that this server's
+// schema does not know: "" when there is none. Protobuf keeps such fields
+// aside silently; a client built from a newer .proto would otherwise get an
+// answer that ignored what it asked for.
+std::string FirstUnknownField(const google::protobuf::Message& message) {
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  const google::protobuf::UnknownFieldSet& unknown =
+      reflection->GetUnknownFields(message);
+  if (!unknown.empty()) {
+    return absl::StrCat("field number ", unknown.field(0).number(), " of ",
+                        message.GetDescriptor()->full_name());
+  }
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(message, &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (field->cpp_type() !=
+        google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) {
+      continue;
+    }
+    if (field->is_repeated()) {
+      for (int i = 0; i < reflection->FieldSize(message, field); ++i) {
+        std::string found = FirstUnknownField(
+            reflection->GetRepeatedMessage(message, field, i));
+        if (!found.empty()) return found;
+      }
+    } else {
+      std::string found =
+          FirstUnknownField(reflection->GetMessage(message, field));
+      if (!found.empty()) return found;
+    }
+  }
+  return "";
+}
+
 template <typename T>
 absl::StatusOr<T> ParseWire(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
@@ -175,6 +211,11 @@ absl::StatusOr<T> ParseWire(const grpc::ByteBuffer& buffer) {
     return absl::InvalidArgumentError(
         absl::StrCat("the request (", bytes.size(), " bytes) is not a valid ",
                      T::descriptor()->full_name()));
+  }
+  if (std::string unknown = FirstUnknownField(message); !unknown.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request sets ", unknown,
+        ", which this server does not know (refused rather than ignored)"));
   }
   return message;
 }

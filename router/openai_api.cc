@@ -5,6 +5,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -172,6 +173,50 @@ absl::Status ReadStop(const json& body, std::vector<std::string>* stop) {
     }
   } else {
     return FieldError("stop", "must be a string or an array of strings");
+  }
+  return absl::OkStatus();
+}
+
+// Every body field this server reads, per endpoint. Anything else is refused
+// by name: a client that sends `response_format`, `repetition_penalty` or
+// `guided_json` must learn that nothing enforced it, not get a 200 with
+// output that ignored it. (A null value is the same as absent.)
+absl::Status RejectUnknownFields(OpenAiEndpoint endpoint, const json& body) {
+  static const absl::flat_hash_set<std::string_view> kCommon = {
+      "model",
+      "max_tokens",
+      "max_completion_tokens",
+      "temperature",
+      "top_p",
+      "top_k",
+      "seed",
+      "n",
+      "stop",
+      "ignore_eos",
+      "stream",
+      "stream_options",
+      "logprobs",
+      "top_logprobs",
+      "best_of",
+      "frequency_penalty",
+      "presence_penalty",
+      "logit_bias",
+      "tools",
+      "functions",
+      "echo"};
+  // Fields the endpoint's own readers check (refused there when misplaced).
+  static const absl::flat_hash_set<std::string_view> kCompletions = {"prompt",
+                                                                     "suffix"};
+  static const absl::flat_hash_set<std::string_view> kChat = {"messages"};
+  const auto& own =
+      endpoint == OpenAiEndpoint::kCompletions ? kCompletions : kChat;
+  for (const auto& [key, value] : body.items()) {
+    if (value.is_null() || kCommon.contains(key) || own.contains(key)) {
+      continue;
+    }
+    return FieldError(key,
+                      "is not supported by this server (refused rather than "
+                      "ignored)");
   }
   return absl::OkStatus();
 }
@@ -420,6 +465,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     }
     gen.prompt_text = RenderChatPrompt(request.messages);
   }
+  if (absl::Status s = RejectUnknownFields(endpoint, body); !s.ok()) return s;
   if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
   if (absl::Status s = ReadLogprobs(endpoint, body, &gen); !s.ok()) return s;
 

@@ -463,6 +463,42 @@ TEST_F(GenerationServiceTest,
   EXPECT_TRUE(status.ok()) << status.error_message();
 }
 
+// A client built from a newer .proto sets a field this server does not know:
+// refused naming the field, never answered as if it had not been sent (top
+// level and inside a nested message).
+TEST_F(GenerationServiceTest, FieldsThisServerDoesNotKnowAreRefused) {
+  const std::string valid = Request("Once", 2).SerializeAsString();
+  // Field 999, varint 1: tag (999 << 3 | 0) as a varint, then the value.
+  const std::string unknown_field = std::string("\xb8\x3e\x01", 3);
+  v1::GenerateRequest with_sampling = Request("Once", 2);
+  with_sampling.mutable_sampling()->set_temperature(0.5);
+  std::string nested = with_sampling.sampling().SerializeAsString();
+  nested += unknown_field;
+  v1::GenerateRequest outer = Request("Once", 2);
+  const std::string nested_bytes =
+      outer.SerializeAsString() + std::string("\x32", 1) +
+      std::string(1, static_cast<char>(nested.size())) + nested;
+  for (const bool streaming : {false, true}) {
+    SCOPED_TRACE(streaming ? "Generate" : "GenerateUnary");
+    const char* method = streaming ? "Generate" : "GenerateUnary";
+    grpc::Status status =
+        SendBytes(channel_, method, valid + unknown_field, streaming);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find(
+                  "field number 999 of pdserve.v1.GenerateRequest"),
+              std::string::npos)
+        << status.error_message();
+    status = SendBytes(channel_, method, nested_bytes, streaming);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("field number 999 of "
+                                          "pdserve.v1.SamplingParams"),
+              std::string::npos)
+        << status.error_message();
+    // The same bytes without the stranger field are served.
+    EXPECT_TRUE(SendBytes(channel_, method, valid, streaming).ok());
+  }
+}
+
 TEST_F(GenerationServiceTest, ApiKeysKeepOutCallersWithoutOne) {
   server_.reset();
   auto keys = rpc::BearerTokens::Of({"key-0123456789abcdef"});
