@@ -300,6 +300,13 @@ absl::StatusOr<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& gguf) {
       spec.token_types.push_back(static_cast<int32_t>(type));
     }
   }
+  if (gguf.FindMetadata("tokenizer.ggml.merges") != nullptr) {
+    PDS_ASSIGN_OR_RETURN(spec.merges,
+                         gguf.GetStringArray("tokenizer.ggml.merges"));
+  }
+  if (gguf.FindMetadata("tokenizer.ggml.pre") != nullptr) {
+    PDS_ASSIGN_OR_RETURN(spec.ggml_pre, gguf.GetString("tokenizer.ggml.pre"));
+  }
   PDS_ASSIGN_OR_RETURN(spec.bos_token_id,
                        OptionalTokenId(gguf, "tokenizer.ggml.bos_token_id"));
   PDS_ASSIGN_OR_RETURN(spec.eos_token_id,

@@ -116,14 +116,26 @@ class SafetensorsWeightSource final : public MappedWeightSource {
   }
 
   absl::StatusOr<TokenizerSpec> tokenizer_spec() const override {
+    // tokenizer.json first, as transformers loads the fast tokenizer when a
+    // folder has both.
+    const fs::path json_path = folder_ / "tokenizer.json";
+    const fs::path config_path = folder_ / "tokenizer_config.json";
     const fs::path tokenizer_path = folder_ / kTokenizerName;
     std::error_code error;
-    if (!fs::is_regular_file(tokenizer_path, error)) {
-      return absl::NotFoundError(absl::StrCat(
-          tokenizer_path.string(), ": missing SentencePiece tokenizer model"));
-    }
     TokenizerSpec spec;
-    spec.sentencepiece_model_path = tokenizer_path.string();
+    if (fs::is_regular_file(json_path, error)) {
+      spec.hf_tokenizer_json_path = json_path.string();
+      if (fs::is_regular_file(config_path, error)) {
+        spec.hf_tokenizer_config_path = config_path.string();
+      }
+    } else if (fs::is_regular_file(tokenizer_path, error)) {
+      spec.sentencepiece_model_path = tokenizer_path.string();
+    } else {
+      return absl::NotFoundError(absl::StrCat(
+          folder_.string(), ": no tokenizer: neither ", json_path.string(),
+          " (Hugging Face tokenizer.json) nor ", tokenizer_path.string(),
+          " (SentencePiece tokenizer.model) exists"));
+    }
     spec.bos_token_id = config_.bos_token_id;
     spec.eos_token_id = config_.eos_token_id;
     return spec;

@@ -54,6 +54,12 @@ struct Slice2D {
 
 // How to find the tokenizer of a model. Exactly one of the two is set.
 struct TokenizerSpec {
+  // A Hugging Face tokenizer.json (the fast tokenizer; preferred over
+  // tokenizer.model when a folder has both, as transformers does) and the
+  // tokenizer_config.json next to it (may be empty: bos/eos then come from
+  // the post-processor).
+  std::string hf_tokenizer_json_path;
+  std::string hf_tokenizer_config_path;
   // A SentencePiece ModelProto file (HF layout: tokenizer.model).
   std::string sentencepiece_model_path;
   // Or a vocabulary embedded in GGUF metadata (tokenizer.ggml.*).
@@ -62,6 +68,10 @@ struct TokenizerSpec {
   std::vector<float> scores;
   std::vector<int32_t> token_types;  // llama.cpp token types (1 normal, 2
                                      // unknown, 3 control, 6 byte, ...)
+  // gpt2 (byte-level BPE) vocabularies: tokenizer.ggml.merges ("a b", rank
+  // order) and tokenizer.ggml.pre, naming the pre-tokenizer regex.
+  std::vector<std::string> merges;
+  std::string ggml_pre;
   int32_t bos_token_id = -1;
   int32_t eos_token_id = -1;
   int32_t unk_token_id = -1;

@@ -61,13 +61,39 @@ bool IsValidUtf8(std::string_view s) {
   return true;
 }
 
-IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
-                                               bool at_text_start)
-    : tokenizer_(tokenizer),
-      text_empty_(at_text_start),
-      at_start_(at_text_start && tokenizer.impl_->strips_dummy_prefix) {}
+namespace internal {
+namespace {
 
-void IncrementalDetokenizer::DrainPending(bool end_of_run, std::string* out) {
+// SentencePiece's decoding, one piece at a time.
+class SentencePieceStream : public StreamDecoder {
+ public:
+  SentencePieceStream(const SentencePieceImpl& impl, bool at_text_start)
+      : impl_(impl),
+        text_empty_(at_text_start),
+        at_start_(at_text_start && impl.strips_dummy_prefix) {}
+
+  std::string Push(int32_t id) override;
+  std::string Finish() override {
+    std::string out;
+    DrainPending(/*end_of_run=*/true, &out);
+    if (!out.empty()) text_empty_ = false;
+    return out;
+  }
+  size_t pending_bytes() const override { return pending_.size(); }
+
+ private:
+  // Emits complete characters (or U+FFFD for bytes that can never become
+  // valid) from the front of pending_; with `end_of_run`, flushes all.
+  void DrainPending(bool end_of_run, std::string* out);
+
+  const SentencePieceImpl& impl_;
+  std::string pending_;       // raw bytes from byte-fallback pieces
+  bool text_empty_;           // nothing emitted yet
+  bool at_start_;             // the next word-initial space may be dropped
+  bool bos_ws_seen_ = false;  // the previous piece had its space dropped
+};
+
+void SentencePieceStream::DrainPending(bool end_of_run, std::string* out) {
   std::string_view rest = pending_;
   while (!rest.empty()) {
     const size_t need = ExpectedLength(static_cast<unsigned char>(rest[0]));
@@ -92,14 +118,9 @@ void IncrementalDetokenizer::DrainPending(bool end_of_run, std::string* out) {
   pending_.erase(0, pending_.size() - rest.size());
 }
 
-absl::StatusOr<std::string> IncrementalDetokenizer::Push(int32_t id) {
-  const internal::TokenizerImpl& impl = *tokenizer_.impl_;
-  if (id < 0 || id >= impl.vocab_size) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "token id ", id, " is outside the vocabulary of ", impl.vocab_size));
-  }
-  using Kind = internal::PieceEntry::Kind;
-  const internal::PieceEntry& e = impl.pieces[id];
+std::string SentencePieceStream::Push(int32_t id) {
+  using Kind = PieceEntry::Kind;
+  const PieceEntry& e = impl_.pieces[id];
   std::string out;
   if (e.kind == Kind::kByte) {
     pending_.push_back(static_cast<char>(e.byte));
@@ -138,6 +159,35 @@ absl::StatusOr<std::string> IncrementalDetokenizer::Push(int32_t id) {
   return out;
 }
 
+}  // namespace
+
+std::unique_ptr<StreamDecoder> SentencePieceImpl::NewStream(
+    bool at_text_start) const {
+  return std::make_unique<SentencePieceStream>(*this, at_text_start);
+}
+
+}  // namespace internal
+
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer,
+                                               bool at_text_start)
+    : tokenizer_(tokenizer),
+      stream_(tokenizer.impl_->NewStream(at_text_start)) {}
+
+IncrementalDetokenizer::~IncrementalDetokenizer() = default;
+
+size_t IncrementalDetokenizer::pending_bytes() const {
+  return stream_->pending_bytes();
+}
+
+absl::StatusOr<std::string> IncrementalDetokenizer::Push(int32_t id) {
+  const internal::TokenizerImpl& impl = *tokenizer_.impl_;
+  if (id < 0 || id >= impl.vocab_size) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "token id ", id, " is outside the vocabulary of ", impl.vocab_size));
+  }
+  return stream_->Push(id);
+}
+
 absl::StatusOr<std::string> IncrementalDetokenizer::PushAll(
     std::span<const int32_t> ids) {
   std::string out;
@@ -149,11 +199,6 @@ absl::StatusOr<std::string> IncrementalDetokenizer::PushAll(
   return out;
 }
 
-std::string IncrementalDetokenizer::Finish() {
-  std::string out;
-  DrainPending(/*end_of_run=*/true, &out);
-  if (!out.empty()) text_empty_ = false;
-  return out;
-}
+std::string IncrementalDetokenizer::Finish() { return stream_->Finish(); }
 
 }  // namespace pdserve::tokenizer

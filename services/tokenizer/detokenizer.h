@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -14,9 +15,12 @@ namespace pdserve::tokenizer {
 // The deltas returned by Push() followed by Finish() concatenate to exactly
 // Tokenizer::Decode() of all pushed ids (for a detokenizer started with
 // `at_text_start`, the default), and every delta is valid UTF-8: bytes of a
-// multi-byte character spread over byte-fallback pieces are held back until
-// the character is complete. A run of byte pieces that cannot become valid
-// UTF-8 is emitted as U+FFFD per bad byte, the same as SentencePiece.
+// multi-byte character spread over byte-fallback pieces (SentencePiece,
+// tokenizer.json ByteFallback) or byte-level tokens (tokenizer.json
+// ByteLevel: a token may end inside a character) are held back until the
+// character is complete. A run of bytes that cannot become valid UTF-8 is
+// emitted as U+FFFD per bad byte (SentencePiece) or per maximal bad
+// subsequence (tokenizer.json, as the reference's TextDecoder does).
 //
 // `at_text_start` = true decodes the ids as a text of their own, so the first
 // word loses its dummy-prefix space ("▁They" -> "They"); this is how the golden
@@ -28,6 +32,7 @@ class IncrementalDetokenizer {
  public:
   explicit IncrementalDetokenizer(const Tokenizer& tokenizer,
                                   bool at_text_start = true);
+  ~IncrementalDetokenizer();
 
   // Returns the text that `id` completes (often empty for control tokens or a
   // partial character). OUT_OF_RANGE for a bad id, leaving the state as is.
@@ -43,18 +48,11 @@ class IncrementalDetokenizer {
   std::string Finish();
 
   // Bytes held back waiting for the rest of a UTF-8 character.
-  size_t pending_bytes() const { return pending_.size(); }
+  size_t pending_bytes() const;
 
  private:
-  // Emits complete characters (or U+FFFD for bytes that can never become
-  // valid) from the front of pending_; with `end_of_run`, flushes all.
-  void DrainPending(bool end_of_run, std::string* out);
-
   const Tokenizer& tokenizer_;
-  std::string pending_;       // raw bytes from byte-fallback pieces
-  bool text_empty_;           // nothing emitted yet
-  bool at_start_;             // the next word-initial space may be dropped
-  bool bos_ws_seen_ = false;  // the previous piece had its space dropped
+  std::unique_ptr<internal::StreamDecoder> stream_;  // the backend's state
 };
 
 // Valid UTF-8 per SentencePiece's (and the Unicode standard's) strict rules:

@@ -8,6 +8,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/mapped_file.h"
 #include "common/status_macros.h"
+#include "tokenizer/hf_tokenizer.h"
 #include "tokenizer/proto_builder.h"
 #include "tokenizer/tokenizer_internal.h"
 
@@ -39,8 +40,27 @@ Tokenizer::~Tokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(
     const model::TokenizerSpec& spec) {
+  const bool has_hf = !spec.hf_tokenizer_json_path.empty();
   const bool has_file = !spec.sentencepiece_model_path.empty();
   const bool has_vocab = !spec.tokens.empty() || !spec.ggml_model.empty();
+  if (has_hf && (has_file || has_vocab)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer spec sets both a tokenizer.json (",
+                     spec.hf_tokenizer_json_path,
+                     ") and another vocabulary; exactly one is expected"));
+  }
+  if (has_hf) {
+    PDS_ASSIGN_OR_RETURN(
+        std::unique_ptr<internal::TokenizerImpl> impl,
+        hf::HfTokenizer::FromFiles(spec.hf_tokenizer_json_path,
+                                   spec.hf_tokenizer_config_path));
+    return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+  }
+  if (has_vocab && spec.ggml_model == "gpt2") {
+    PDS_ASSIGN_OR_RETURN(std::unique_ptr<internal::TokenizerImpl> impl,
+                         hf::HfTokenizer::FromGgufGpt2(spec));
+    return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+  }
   if (has_file && has_vocab) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tokenizer spec sets both a SentencePiece model (",
@@ -67,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::CreateFromSerializedProto(
     std::string_view serialized, std::string_view description) {
-  auto impl = std::make_unique<internal::TokenizerImpl>();
+  auto impl = std::make_unique<internal::SentencePieceImpl>();
   internal::SentencePieceModel& sp = impl->sp;
   // SentencePiece validates the proto (parse errors, missing <unk>, duplicate
   // or malformed pieces) and reports failures as a status, never aborting.
@@ -126,32 +146,19 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::CreateFromSerializedProto(
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
                                                        bool add_bos) const {
-  std::vector<int> ids;
-  PDS_RETURN_IF_ERROR(
-      FromSentencePiece(impl_->sp.Encode(text, &ids), "encode"));
-  std::vector<int32_t> out;
-  out.reserve(ids.size() + 1);
-  if (add_bos && impl_->bos_id >= 0) out.push_back(impl_->bos_id);
-  out.insert(out.end(), ids.begin(), ids.end());
-  return out;
+  return impl_->Encode(text, add_bos);
 }
 
 absl::StatusOr<std::string> Tokenizer::Decode(
     std::span<const int32_t> ids) const {
-  std::vector<int> sp_ids;
-  sp_ids.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= impl_->vocab_size) {
       return absl::OutOfRangeError(
           absl::StrCat("token id ", ids[i], " at position ", i,
                        " is outside the vocabulary of ", impl_->vocab_size));
     }
-    sp_ids.push_back(ids[i]);
   }
-  std::string text;
-  PDS_RETURN_IF_ERROR(
-      FromSentencePiece(impl_->sp.Decode(sp_ids, &text), "decode"));
-  return text;
+  return impl_->Decode(ids);
 }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
@@ -169,29 +176,65 @@ absl::Status Tokenizer::CheckId(int32_t id) const {
 
 absl::StatusOr<std::string_view> Tokenizer::IdToPiece(int32_t id) const {
   PDS_RETURN_IF_ERROR(CheckId(id));
-  return std::string_view(impl_->sp.IdToPiece(id));
+  return impl_->IdToPiece(id);
 }
 
 absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
   PDS_RETURN_IF_ERROR(CheckId(id));
-  using Kind = internal::PieceEntry::Kind;
-  const internal::PieceEntry& e = impl_->pieces[id];
+  return impl_->TokenBytes(id);
+}
+
+bool Tokenizer::IsControl(int32_t id) const {
+  return CheckId(id).ok() && impl_->IsControl(id);
+}
+
+// ---------------------------------------------------------------------------
+// SentencePiece backend
+
+namespace internal {
+
+absl::StatusOr<std::vector<int32_t>> SentencePieceImpl::Encode(
+    std::string_view text, bool add_bos) const {
+  std::vector<int> ids;
+  PDS_RETURN_IF_ERROR(FromSentencePiece(sp.Encode(text, &ids), "encode"));
+  std::vector<int32_t> out;
+  out.reserve(ids.size() + 1);
+  if (add_bos && bos_id >= 0) out.push_back(bos_id);
+  out.insert(out.end(), ids.begin(), ids.end());
+  return out;
+}
+
+absl::StatusOr<std::string> SentencePieceImpl::Decode(
+    std::span<const int32_t> ids) const {
+  std::vector<int> sp_ids(ids.begin(), ids.end());
+  std::string text;
+  PDS_RETURN_IF_ERROR(FromSentencePiece(sp.Decode(sp_ids, &text), "decode"));
+  return text;
+}
+
+std::string_view SentencePieceImpl::IdToPiece(int32_t id) const {
+  return sp.IdToPiece(id);
+}
+
+std::string SentencePieceImpl::TokenBytes(int32_t id) const {
+  const PieceEntry& e = pieces[id];
   switch (e.kind) {
-    case Kind::kByte:
+    case PieceEntry::Kind::kByte:
       return std::string(1, static_cast<char>(e.byte));
-    case Kind::kControl:
-      return impl_->sp.IdToPiece(id);
-    case Kind::kUnknown:
-    case Kind::kText:
+    case PieceEntry::Kind::kControl:
+      return sp.IdToPiece(id);
+    case PieceEntry::Kind::kUnknown:
+    case PieceEntry::Kind::kText:
       break;
   }
   return e.text;
 }
 
-bool Tokenizer::IsControl(int32_t id) const {
-  return CheckId(id).ok() &&
-         impl_->pieces[id].kind == internal::PieceEntry::Kind::kControl;
+bool SentencePieceImpl::IsControl(int32_t id) const {
+  return pieces[id].kind == PieceEntry::Kind::kControl;
 }
+
+}  // namespace internal
 
 absl::Status Tokenizer::CheckCompatibleWith(int model_vocab_size) const {
   if (model_vocab_size != impl_->vocab_size) {

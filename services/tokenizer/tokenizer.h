@@ -1,7 +1,10 @@
-// Text <-> token ids for a model, backed by the SentencePiece library for both
-// model layouts: a Hugging Face folder's tokenizer.model is loaded as is, and a
-// GGUF vocabulary (tokenizer.ggml.*) is turned into the equivalent ModelProto
-// first (see proto_builder.h), so both give identical ids.
+// Text <-> token ids for a model, with two backends:
+// - SentencePiece: a Hugging Face folder's tokenizer.model is loaded as is, and
+//   a GGUF `llama` vocabulary (tokenizer.ggml.*) is turned into the equivalent
+//   ModelProto first (see proto_builder.h), so both give identical ids.
+// - Hugging Face tokenizer.json (hf_tokenizer.h): BPE with its normalizers,
+//   pre-tokenizers, added tokens, post-processor and decoders, byte-identical
+//   to @huggingface/tokenizers; a GGUF `gpt2` vocabulary is mapped onto it.
 //
 // Thread-safety: a Tokenizer is immutable after Create(); all const methods
 // may be called concurrently.
@@ -21,13 +24,17 @@
 namespace pdserve::tokenizer {
 
 namespace internal {
-struct TokenizerImpl;
+class TokenizerImpl;
+class StreamDecoder;
 }  // namespace internal
 
 class Tokenizer {
  public:
   // Loads the tokenizer described by `spec`: exactly one of
-  // `sentencepiece_model_path` or a GGUF vocabulary (`tokens`...) must be set.
+  // `hf_tokenizer_json_path` (with optional `hf_tokenizer_config_path`),
+  // `sentencepiece_model_path` or a GGUF vocabulary (`tokens`...) must be
+  // set. A malformed tokenizer.json is INVALID_ARGUMENT naming the file, the
+  // JSON key path and what is wrong.
   // Errors: NOT_FOUND / INVALID_ARGUMENT naming the file or metadata field;
   // never crashes on a corrupt, truncated or empty tokenizer.model.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Tokenizer>> Create(
@@ -45,6 +52,10 @@ class Tokenizer {
 
   // SentencePiece encoding of `text`, preceded by BOS when `add_bos` (and the
   // vocabulary has one). Errors: INVALID_ARGUMENT from SentencePiece.
+  // tokenizer.json: `add_bos` means the post-processor's special tokens
+  // (Hugging Face's add_special_tokens); added tokens written in `text`
+  // (e.g. "<|im_start|>") become their ids; invalid UTF-8 in `text` is
+  // replaced by U+FFFD first, as a JavaScript string would hold it.
   [[nodiscard]] absl::StatusOr<std::vector<int32_t>> Encode(
       std::string_view text, bool add_bos = true) const;
 
@@ -53,6 +64,8 @@ class Tokenizer {
   // of byte pieces are assembled into UTF-8 with U+FFFD for each invalid
   // byte. A greedy continuation decoded on its own is exactly the golden
   // `text`. Errors: OUT_OF_RANGE for an id outside [0, vocab_size()).
+  // tokenizer.json: the reference's decode with skip_special_tokens and
+  // without clean_up_tokenization_spaces (so decode(encode(s)) == s).
   [[nodiscard]] absl::StatusOr<std::string> Decode(
       std::span<const int32_t> ids) const;
 

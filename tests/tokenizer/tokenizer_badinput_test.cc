@@ -176,10 +176,13 @@ TEST(TokenizerBadInputTest, BadTokenTypesAndIds) {
       spec.tokens[301];  // duplicate piece: SentencePiece rejects it
   EXPECT_FALSE(Tokenizer::Create(spec).ok());
 
+  // gpt2 vocabularies go to the tokenizer.json backend, which needs merges.
   spec = RealSpec();
   spec.ggml_model = "gpt2";
   EXPECT_EQ(Tokenizer::Create(spec).status().code(),
-            absl::StatusCode::kUnimplemented);
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(Tokenizer::Create(spec).status().message(),
+                                "tokenizer.ggml.merges"));
 }
 
 TEST(TokenizerBadInputTest, VocabMismatchWithModel) {
