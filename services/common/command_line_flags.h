@@ -1,13 +1,32 @@
-// `--name value` / `--name=value` flags for pdserve's binaries. Each lookup
-// consumes its flag, so Check() can name the first flag nobody asked for, and
-// the first unparsable number is remembered rather than aborting.
+// `--name value` / `--name=value` flags for pdserve's binaries, and their
+// `--help`. Each lookup (Str, Num, Bool) both reads its flag and registers it
+// -- name, group, default and meaning -- so Usage() is generated from the very
+// table that parses and cannot drift from it. Each lookup also consumes its
+// flag, so Check() can name the first flag nobody asked for; the first
+// unparsable value is remembered rather than aborting.
+//
+//   CommandLineFlags flags;
+//   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
+//   flags.Group("Network");
+//   const int port = flags.Num<int>("port", 0, "gRPC port (0: any free one)");
+//   ...every lookup, unconditionally, so --help lists it...
+//   if (flags.help_requested()) {
+//     std::fputs(flags.Usage("prog [flags]").c_str(), stdout);
+//     return 0;
+//   }
+//   if (auto s = flags.Check(); !s.ok()) return Fail(s);
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <map>
 #include <string>
+#include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -15,31 +34,58 @@ namespace pdserve {
 
 class CommandLineFlags {
  public:
-  // Parses argv[first..]: INVALID_ARGUMENT for a positional argument or a
-  // trailing flag without a value.
+  // Parses argv[first..]. `--help` and `-h` take no value and set
+  // help_requested(). INVALID_ARGUMENT for a positional argument or a
+  // trailing flag without a value -- unless help was asked for, in which
+  // case the usage is what the user wants to see.
   [[nodiscard]] absl::Status Parse(int argc, char** argv, int first = 1) {
+    absl::Status error;
     for (int i = first; i < argc; ++i) {
       std::string arg = argv[i];
+      if (arg == "--help" || arg == "-h") {
+        help_requested_ = true;
+        continue;
+      }
       if (arg.rfind("--", 0) != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("unexpected argument '", arg, "'"));
+        if (error.ok()) {
+          error = absl::InvalidArgumentError(
+              absl::StrCat("unexpected argument '", arg, "'"));
+        }
+        continue;
       }
       arg = arg.substr(2);
       if (auto eq = arg.find('='); eq != std::string::npos) {
         flags_[arg.substr(0, eq)] = arg.substr(eq + 1);
       } else if (i + 1 < argc) {
         flags_[arg] = argv[++i];
-      } else {
-        return absl::InvalidArgumentError(
+      } else if (error.ok()) {
+        error = absl::InvalidArgumentError(
             absl::StrCat("flag --", arg, " needs a value"));
       }
     }
-    return absl::OkStatus();
+    return help_requested_ ? absl::OkStatus() : error;
   }
 
+  // True when --help or -h was given: print Usage() and exit 0.
+  bool help_requested() const { return help_requested_; }
+
+  // The group the following lookups are listed under in Usage() (e.g.
+  // "Network", "KV cache"). Groups print in the order first named.
+  void Group(std::string_view name) { group_ = std::string(name); }
+
+  // Whether the flag was given (and not consumed yet). Registers nothing:
+  // pair it with a lookup.
   bool Has(const std::string& name) const { return flags_.count(name) != 0; }
 
-  std::string Str(const std::string& name, const std::string& def) {
+  // The flag's value, or `def`. `help` is its one-line meaning; Usage()
+  // shows `shown_default` if given, else `def` ("(none)" when empty).
+  std::string Str(const std::string& name, const std::string& def,
+                  std::string_view help = {},
+                  std::string_view shown_default = {}) {
+    Register(
+        name,
+        shown_default.empty() ? ShownDefault(def) : std::string(shown_default),
+        help);
     auto it = flags_.find(name);
     if (it == flags_.end()) return def;
     std::string value = it->second;
@@ -48,7 +94,14 @@ class CommandLineFlags {
   }
 
   template <typename T>
-  T Num(const std::string& name, T def) {
+  T Num(const std::string& name, T def, std::string_view help = {},
+        std::string_view shown_default = {}) {
+    static_assert(std::is_arithmetic_v<T> && !std::is_same_v<T, bool>,
+                  "Num is for numbers; use Bool for switches");
+    Register(
+        name,
+        shown_default.empty() ? absl::StrCat(def) : std::string(shown_default),
+        help);
     auto it = flags_.find(name);
     if (it == flags_.end()) return def;
     T value{};
@@ -68,19 +121,153 @@ class CommandLineFlags {
     return value;
   }
 
-  // The first bad number, or the first flag nobody asked for.
+  // A switch: 1/0 (any integer: nonzero is on), true/false, yes/no, on/off.
+  // Usage() shows the default as 1 or 0.
+  bool Bool(const std::string& name, bool def, std::string_view help) {
+    Register(name, def ? "1" : "0", help);
+    auto it = flags_.find(name);
+    if (it == flags_.end()) return def;
+    const std::string text = absl::AsciiStrToLower(it->second);
+    bool value = def;
+    int64_t number = 0;
+    if (text == "true" || text == "yes" || text == "on") {
+      value = true;
+    } else if (text == "false" || text == "no" || text == "off") {
+      value = false;
+    } else if (absl::SimpleAtoi(text, &number)) {
+      value = number != 0;
+    } else if (error_.ok()) {
+      error_ = absl::InvalidArgumentError(absl::StrCat(
+          "--", name, ": '", it->second, "' is not 0/1 or true/false"));
+    }
+    flags_.erase(it);
+    return value;
+  }
+
+  // The first bad value, or the first flag nobody asked for.
   [[nodiscard]] absl::Status Check() const {
     if (!error_.ok()) return error_;
     if (!flags_.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", flags_.begin()->first));
+          absl::StrCat("unknown flag --", flags_.begin()->first,
+                       " (--help lists the flags)"));
     }
     return absl::OkStatus();
   }
 
+  // "usage: <synopsis>" and then every flag looked up so far, by group, each
+  // with its meaning and default, wrapped to about 80 columns. `synopsis` may
+  // span lines; a `notes` paragraph, if given, follows the flags.
+  std::string Usage(std::string_view synopsis,
+                    std::string_view notes = {}) const {
+    std::string out = "usage: ";
+    out.append(synopsis);
+    if (out.empty() || out.back() != '\n') out += '\n';
+    out +=
+        "\nEvery flag takes a value: --name VALUE or --name=VALUE. -h, --help: "
+        "this text.\n";
+    std::vector<std::string> groups;
+    for (const Entry& e : entries_) {
+      if (std::find(groups.begin(), groups.end(), e.group) == groups.end()) {
+        groups.push_back(e.group);
+      }
+    }
+    for (const std::string& group : groups) {
+      absl::StrAppend(&out, "\n", group.empty() ? "Flags" : group, ":\n");
+      size_t width = 0;
+      for (const Entry& e : entries_) {
+        if (e.group == group) width = std::max(width, e.name.size() + 2);
+      }
+      // The meaning starts at a common column (unless a name is very long).
+      const size_t column = std::min<size_t>(kIndent + width + 2, kMaxColumn);
+      for (const Entry& e : entries_) {
+        if (e.group != group) continue;
+        std::string line =
+            absl::StrCat(std::string(kIndent, ' '), "--", e.name);
+        line += line.size() + 2 <= column
+                    ? std::string(column - line.size(), ' ')
+                    : std::string("  ");
+        const size_t first_column = line.size();
+        Wrap(e.help, absl::StrCat("[default: ", e.shown_default, "]"),
+             first_column, column, &line);
+        out += line;
+      }
+    }
+    if (!notes.empty()) {
+      out += '\n';
+      out.append(notes);
+      if (out.back() != '\n') out += '\n';
+    }
+    return out;
+  }
+
  private:
+  static constexpr size_t kIndent = 2;
+  static constexpr size_t kMaxColumn = 30;
+  static constexpr size_t kWidth = 80;
+
+  struct Entry {
+    std::string group;
+    std::string name;
+    std::string shown_default;
+    std::string help;
+  };
+
+  static std::string ShownDefault(const std::string& def) {
+    return def.empty() ? "(none)" : def;
+  }
+
+  // The first lookup of a name registers it; later ones change nothing.
+  void Register(const std::string& name, std::string shown_default,
+                std::string_view help) {
+    for (const Entry& e : entries_) {
+      if (e.name == name) return;
+    }
+    entries_.push_back(
+        Entry{group_, name, std::move(shown_default), std::string(help)});
+  }
+
+  // Appends `text` and then `last` (never split) word-wrapped to *out,
+  // whose current line already holds `used` columns; continuation lines are
+  // indented to `column`.
+  static void Wrap(std::string_view text, std::string_view last, size_t used,
+                   size_t column, std::string* out) {
+    std::vector<std::string_view> words;
+    for (size_t pos = 0; pos < text.size();) {
+      if (text[pos] == ' ') {
+        ++pos;
+        continue;
+      }
+      size_t end = text.find(' ', pos);
+      if (end == std::string_view::npos) end = text.size();
+      words.push_back(text.substr(pos, end - pos));
+      pos = end;
+    }
+    words.push_back(last);
+    bool line_has_word = false;
+    for (std::string_view word : words) {
+      if (line_has_word && used + 1 + word.size() > kWidth) {
+        *out += '\n';
+        out->append(column, ' ');
+        used = column;
+        line_has_word = false;
+      }
+      if (line_has_word) {
+        *out += ' ';
+        ++used;
+      }
+      out->append(word);
+      used += word.size();
+      line_has_word = true;
+    }
+    *out += '\n';
+  }
+
   std::map<std::string, std::string> flags_;
   absl::Status error_;
+  bool help_requested_ = false;
+  std::string group_;
+  std::vector<Entry> entries_;
 };
 
 }  // namespace pdserve
