@@ -2,22 +2,9 @@
 // (+ grpc.health.v1, reflection) over gRPC and the OpenAI API over HTTP, and
 // runs every request through a prefill group and a decode worker.
 //
-//   router --model PATH [--format auto|gguf|safetensors|dummy]
-//          [--model-name NAME] (--prefill H:P,... --decode H:P,... |
-//          --config FILE.json)
-//          [--prefill-policy round-robin|least-loaded|prefix-aware]
-//          [--decode-policy ...] [--max-in-flight 1024] [--max-attempts 3]
-//          [--max-queued 0 (= max-in-flight)] [--queue-timeout-seconds 60]
-//          [--host 0.0.0.0] [--grpc-port 0] [--http-port 0]
-//          [--grpc-port-file PATH] [--http-port-file PATH]
-//          [--http-threads 0 (= max-in-flight + 16)]
-//          [--request-timeout-seconds 600] [--refresh-ms 1000]
-//          [--block-size 16] [--colocated 0|1]
-//          [--metrics-port -1 (off; 0 = any free port)] [--metrics-host HOST]
-//          [--worker-id ID] [--metrics-port-file PATH]
-//          [--layout-stages S] [--layout-tp T] [--stagger-choices 1]
-//          [--api-key-file PATH] [--internal-token-file PATH]
-//          [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
+//   router --model PATH (--prefill H:P,... --decode H:P,... | --config FILE)
+//          [flags]   (`router --help` lists every flag, its default and
+//                    meaning, from the same table that parses them)
 //
 // --tls-cert/--tls-key: HTTPS and gRPC over TLS on the public ports (with
 // --tls-client-ca, clients must present a certificate that CA signed).
@@ -78,6 +65,19 @@
 namespace pdserve::router {
 namespace {
 
+constexpr char kSynopsis[] =
+    "router --model PATH (--prefill H:P,... --decode H:P,... | --config "
+    "FILE)\n              [flags]\n"
+    "The public face of a pdserve cluster: the OpenAI API over HTTP and "
+    "pdserve.v1.Generation\nover gRPC, each request run through a prefill "
+    "group and a decode worker.\n";
+
+constexpr char kNotes[] =
+    "A request that finds no decode worker with KV room waits in the "
+    "admission queue, in\narrival order, up to --queue-timeout-seconds; 429 "
+    "only when --max-queued requests wait\n(or --max-in-flight is reached), "
+    "503 only when no worker is healthy. SIGINT/SIGTERM\nstop.\n";
+
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "router: %s\n", s.ToString().c_str());
   return 1;
@@ -102,45 +102,132 @@ int Main(int argc, char** argv) {
 
   CommandLineFlags flags;
   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
-  const std::string model_path = flags.Str("model", "");
-  const std::string format_name = flags.Str("format", "auto");
-  const std::string model_name = flags.Str("model-name", "model");
-  const std::string prefill_list = flags.Str("prefill", "");
-  const std::string decode_list = flags.Str("decode", "");
-  const std::string config_path = flags.Str("config", "");
+  flags.Group("Model");
+  const std::string model_path = flags.Str(
+      "model", "",
+      "Model folder or file (required): gives the tokenizer, context length "
+      "and vocabulary; the workers load the same model.");
+  const std::string format_name =
+      flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
+  const std::string model_name = flags.Str(
+      "model-name", "model",
+      "Name served to clients (/v1/models, the `model` field); must match "
+      "the workers' --model-name or they stay out of rotation.");
+  flags.Group("Workers");
+  const std::string prefill_list =
+      flags.Str("prefill", "",
+                "Prefill groups as HOST:PORT,... (each group's stage 0); a "
+                "host may resolve to several addresses.");
+  const std::string decode_list =
+      flags.Str("decode", "", "Decode workers as HOST:PORT,...");
+  const std::string config_path = flags.Str(
+      "config", "",
+      "JSON file with the prefill and decode targets, refresh and probe "
+      "intervals and the model identity (router/worker_registry.h); instead "
+      "of --prefill/--decode.");
+  const int refresh_ms = flags.Num<int>(
+      "refresh-ms", 1000,
+      "Milliseconds between re-resolving and health-probing the workers "
+      "(>= 10; with --config the file's refresh_interval_ms).");
+  const bool colocated = flags.Bool(
+      "colocated", false,
+      "1: no prefill groups; decode workers prefill prompts themselves.");
+  const int block_size = flags.Num<int>(
+      "block-size", 16,
+      "KV block size in tokens; must match the workers' (prefix-aware "
+      "hashing and the model identity).");
+  flags.Group("Scheduling");
   const std::string prefill_policy_name =
-      flags.Str("prefill-policy", "least-loaded");
-  const std::string decode_policy_name =
-      flags.Str("decode-policy", "prefix-aware");
-  const int max_in_flight = flags.Num<int>("max-in-flight", 1024);
-  const int max_queued = flags.Num<int>("max-queued", 0);
-  const double queue_timeout_s = flags.Num<double>("queue-timeout-seconds", 60);
-  const int max_attempts = flags.Num<int>("max-attempts", 3);
-  const std::string host = flags.Str("host", "0.0.0.0");
-  const int grpc_port = flags.Num<int>("grpc-port", 0);
-  const int http_port = flags.Num<int>("http-port", 0);
-  const std::string grpc_port_file = flags.Str("grpc-port-file", "");
-  const std::string http_port_file = flags.Str("http-port-file", "");
-  const int http_threads = flags.Num<int>("http-threads", 0);
-  const bool stagger_choices = flags.Num<int>("stagger-choices", 1) != 0;
-  const double request_timeout_s =
-      flags.Num<double>("request-timeout-seconds", 600);
-  const int refresh_ms = flags.Num<int>("refresh-ms", 1000);
-  const int block_size = flags.Num<int>("block-size", 16);
-  const bool colocated = flags.Num<int>("colocated", 0) != 0;
-  const int metrics_port = flags.Num<int>("metrics-port", -1);
-  const std::string metrics_host = flags.Str("metrics-host", host);
-  const std::string worker_id =
-      flags.Str("worker-id", metrics::DefaultWorkerId());
-  const std::string metrics_port_file = flags.Str("metrics-port-file", "");
-  const int layout_stages = flags.Num<int>("layout-stages", 1);
-  const int layout_tp = flags.Num<int>("layout-tp", 1);
-  const std::string api_key_file = flags.Str("api-key-file", "");
-  const std::string internal_token_file = flags.Str("internal-token-file", "");
+      flags.Str("prefill-policy", "least-loaded",
+                "How a request picks its prefill group: "
+                "round-robin|least-loaded|prefix-aware.");
+  const std::string decode_policy_name = flags.Str(
+      "decode-policy", "prefix-aware",
+      "How a request picks its decode worker: "
+      "round-robin|least-loaded|prefix-aware (prefix-aware reuses cached "
+      "prompt blocks).");
+  const int max_in_flight = flags.Num<int>(
+      "max-in-flight", 1024,
+      "Most requests admitted at once, running plus waiting; more get 429.");
+  const int max_queued =
+      flags.Num<int>("max-queued", 0,
+                     "Most requests waiting for KV room on a decode worker (0: "
+                     "--max-in-flight); more get 429.");
+  const double queue_timeout_s = flags.Num<double>(
+      "queue-timeout-seconds", 60,
+      "Seconds a request may wait in the admission queue before it fails.");
+  const int max_attempts = flags.Num<int>(
+      "max-attempts", 3,
+      "Tries per request before its first token, each on a fresh "
+      "prefill/decode pair.");
+  const double request_timeout_s = flags.Num<double>(
+      "request-timeout-seconds", 600,
+      "Each HTTP request's deadline in seconds (504 when it passes).");
+  const bool stagger_choices = flags.Bool(
+      "stagger-choices", true,
+      "OpenAI n > 1: start choices 1.. at choice 0's first token, reusing "
+      "its cached prompt blocks (0: all at once, lower latency, more "
+      "prefill).");
+  flags.Group("Network");
+  const std::string host = flags.Str(
+      "host", "0.0.0.0", "Interface the gRPC and HTTP servers listen on.");
+  const int grpc_port = flags.Num<int>(
+      "grpc-port", 0,
+      "gRPC port (pdserve.v1.Generation, health, reflection); 0: any free "
+      "port.");
+  const int http_port = flags.Num<int>(
+      "http-port", 0, "HTTP port of the OpenAI API; 0: any free port.");
+  const std::string grpc_port_file =
+      flags.Str("grpc-port-file", "",
+                "Write the bound gRPC HOST:PORT here once serving.");
+  const std::string http_port_file =
+      flags.Str("http-port-file", "",
+                "Write the bound HTTP HOST:PORT here once serving.");
+  const int http_threads = flags.Num<int>(
+      "http-threads", 0,
+      "HTTP connection threads, the most concurrent HTTP requests (0: "
+      "--max-in-flight + 16).");
+  flags.Group("Security");
+  const std::string api_key_file = flags.Str(
+      "api-key-file", "",
+      "File of API keys, one per line: clients must send one as "
+      "`Authorization: Bearer KEY` (HTTP /v1/*, gRPC); health stays open.");
+  const std::string internal_token_file = flags.Str(
+      "internal-token-file", "",
+      "The cluster's shared token file, sent on every call to the workers "
+      "(they take the same file).");
   rpc::TlsFiles tls;
-  tls.cert_file = flags.Str("tls-cert", "");
-  tls.key_file = flags.Str("tls-key", "");
-  tls.client_ca_file = flags.Str("tls-client-ca", "");
+  tls.cert_file = flags.Str(
+      "tls-cert", "",
+      "PEM certificate: HTTPS and gRPC over TLS on the public ports (with "
+      "--tls-key).");
+  tls.key_file = flags.Str("tls-key", "", "PEM private key of --tls-cert.");
+  tls.client_ca_file = flags.Str(
+      "tls-client-ca", "",
+      "PEM CA: clients must present a certificate it signed (mutual TLS).");
+  flags.Group("Metrics");
+  const int metrics_port = flags.Num<int>(
+      "metrics-port", -1,
+      "Port of the Prometheus /metrics endpoint; -1: off, 0: any free port.");
+  const std::string metrics_host = flags.Str(
+      "metrics-host", host, "Interface /metrics listens on.", "--host");
+  const std::string worker_id =
+      flags.Str("worker-id", metrics::DefaultWorkerId(),
+                "worker_id label on the metrics.", "HOSTNAME-PID");
+  const std::string metrics_port_file =
+      flags.Str("metrics-port-file", "",
+                "Write the bound metrics HOST:PORT here once serving.");
+  const int layout_stages = flags.Num<int>(
+      "layout-stages", 1,
+      "Label only: pipeline stages of the cluster this router fronts (to "
+      "compare layouts on one dashboard).");
+  const int layout_tp = flags.Num<int>(
+      "layout-tp", 1,
+      "Label only: tensor-parallel degree of the cluster's decode workers.");
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kSynopsis, kNotes).c_str(), stdout);
+    return 0;
+  }
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> grpc_credentials =
       rpc::ServerCredentialsFor(tls);
@@ -288,6 +375,7 @@ int Main(int argc, char** argv) {
       rpc::RunningServer::Start(absl::StrCat(host, ":", grpc_port),
                                 {&generation}, *grpc_credentials);
   if (!grpc_server.ok()) return Fail(grpc_server.status());
+  (*grpc_server)->ReportHealthFor({v1::Generation::service_full_name()});
 
   HttpServerOptions http_options;
   http_options.host = host;
@@ -298,6 +386,7 @@ int Main(int argc, char** argv) {
   http_options.on_rejected = on_rejected;
   http_options.api_keys = &api_keys;
   http_options.tls = tls;
+  http_options.tokenizer = tokenizer.get();
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
       OpenAiHttpServer::Start(http_options, &metered);
   if (!http_server.ok()) return Fail(http_server.status());
