@@ -2,23 +2,8 @@
 // plus grpc.health.v1 and reflection, with every TP rank's KV pool registered
 // with the UCX transport. See decode_worker/README.md.
 //
-//   decode_worker --model PATH [--format auto|gguf|safetensors|dummy]
-//                 [--tp T] [--host 127.0.0.1] [--port 0] [--block-size 16]
-//                 [--num-blocks N | --kv-memory-mb M] [--max-running 64]
-//                 [--max-step-tokens 512] [--threads-per-rank 1]
-//                 [--speculation off|ngram|draft] [--draft-layers L]
-//                 [--max-gamma 4] [--spec-max-batch B]
-//                 [--kv-lease-seconds 30] [--model-name NAME]
-//                 [--port-file PATH] [--ucx-peer-errors 1]
-//                 [--metrics-port -1 (off; 0 = any free port)]
-//                 [--metrics-host HOST (default --host)] [--worker-id ID]
-//                 [--metrics-port-file PATH]
-//                 [--backend cpu|cuda] [--cuda-devices 0[,1..]]
-//                 [--cuda-graphs 1] [--cuda-max-graph-batch 128]
-//                 [--cuda-attention auto|legacy|tensor-core] (the legacy
-//                 kernel: to bisect a wrong GPU result to the new ones)
-//                 [--kv-dtype auto|f32|bf16]
-//                 [--internal-token-file PATH] [--ucx-net-devices auto]
+//   decode_worker --model PATH [flags]   (`decode_worker --help` lists
+//                 every flag, its default and meaning)
 //
 // Listens on loopback unless --host says otherwise (0.0.0.0: every
 // interface). --ucx-net-devices auto keeps UCX's network transports on
@@ -68,6 +53,17 @@
 namespace pdserve::decode_worker {
 namespace {
 
+constexpr char kSynopsis[] =
+    "decode_worker --model PATH [flags]\n"
+    "Serves pdserve.v1.DecodeWorker: admits requests, receives their "
+    "prompt KV from prefill\ngroups over UCX and decodes them in "
+    "continuous batches.\n";
+
+constexpr char kNotes[] =
+    "Prints \"metrics on HOST:PORT\" (with --metrics-port) and then "
+    "\"listening on HOST:PORT\"\nonce serving; SIGINT/SIGTERM stop. See "
+    "decode_worker/README.md.\n";
+
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "decode_worker: %s\n", s.ToString().c_str());
   return 1;
@@ -76,53 +72,127 @@ int Fail(const absl::Status& s) {
 int Main(int argc, char** argv) {
   CommandLineFlags flags;
   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
-  const std::string model_path = flags.Str("model", "");
-  const std::string format_name = flags.Str("format", "auto");
-  const std::string host = flags.Str("host", "127.0.0.1");
-  const int port = flags.Num<int>("port", 0);
-  const std::string port_file = flags.Str("port-file", "");
-  const std::string speculation = flags.Str("speculation", "off");
-  const int draft_layers = flags.Num<int>("draft-layers", 0);
-  const bool has_num_blocks = flags.Has("num-blocks");
-  const int64_t num_blocks = flags.Num<int64_t>("num-blocks", 512);
-  const int64_t kv_memory_mb = flags.Num<int64_t>("kv-memory-mb", 0);
-  const double lease_s = flags.Num<double>("kv-lease-seconds", 30.0);
   decode::DecodeWorkerOptions wo;
-  auto backend = engine::ParseBackend(flags.Str("backend", "cpu"));
+  DecodeServiceOptions so;
+  flags.Group("Model");
+  const std::string model_path =
+      flags.Str("model", "", "Model folder or file to serve (required).");
+  const std::string format_name =
+      flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
+  so.model_name = flags.Str(
+      "model-name", "model",
+      "Name this worker reports in its identity; must match the router's "
+      "--model-name.");
+  wo.tp_size = flags.Num<int>(
+      "tp", 1, "Tensor-parallel ranks (threads, or GPUs with --backend cuda).");
+  wo.threads_per_rank =
+      flags.Num<int>("threads-per-rank", 1, "Compute threads per TP rank.");
+  const std::string backend_name =
+      flags.Str("backend", "cpu",
+                "Compute backend: cpu|cuda (cuda needs a "
+                "-DPDSERVE_CUDA=ON build).");
+  const std::string devices_text =
+      flags.Str("cuda-devices", "0",
+                "GPUs as a list (0,1,...): rank r runs on devices[r % count].");
+  const std::string attention_name = flags.Str(
+      "cuda-attention", "auto",
+      "CUDA attention kernels: auto|legacy|tensor-core (legacy: to bisect a "
+      "wrong GPU result).");
+  wo.cuda.use_graphs = flags.Bool(
+      "cuda-graphs", true,
+      "Replay decode/verify steps from CUDA Graphs (0: eager launches).");
+  wo.cuda.max_graph_batch = flags.Num<int>(
+      "cuda-max-graph-batch", wo.cuda.max_graph_batch,
+      "Largest batch (sequences) a CUDA Graph is captured for; bigger steps "
+      "run eager.");
+  flags.Group("KV cache");
+  wo.block_size = flags.Num<int>(
+      "block-size", 16, "KV block size in tokens (the router's must match).");
+  const bool has_num_blocks = flags.Has("num-blocks");
+  const int64_t num_blocks = flags.Num<int64_t>(
+      "num-blocks", 512, "KV blocks in the pool (or give --kv-memory-mb).");
+  const int64_t kv_memory_mb = flags.Num<int64_t>(
+      "kv-memory-mb", 0,
+      "Size the KV pool by memory instead: MiB for all layers and ranks "
+      "together (0: use --num-blocks).");
+  const std::string kv_dtype_name = flags.Str(
+      "kv-dtype", "auto",
+      "KV element type: auto|f32|bf16 (auto: f32 on CPUs, bf16 on GPUs); "
+      "prefill workers must send the same.");
+  const double lease_s = flags.Num<double>(
+      "kv-lease-seconds", 30.0,
+      "Seconds an admitted request's KV may wait for its prefill's writes "
+      "(restarted by each write) before its blocks are freed.");
+  flags.Group("Scheduling");
+  wo.max_running = flags.Num<int>(
+      "max-running", wo.max_running,
+      "Most requests decoding at once; more wait in FIFO order.");
+  wo.max_step_tokens = flags.Num<int>(
+      "max-step-tokens", wo.max_step_tokens,
+      "Tokens one step may feed (decode tokens + drafts + prefill chunks).");
+  flags.Group("Speculation");
+  const std::string speculation = flags.Str(
+      "speculation", "off",
+      "Speculative decoding: off|ngram|draft (draft: the target's first "
+      "--draft-layers layers).");
+  const int draft_layers = flags.Num<int>(
+      "draft-layers", 0,
+      "Layers of the draft model with --speculation draft (required there).");
+  wo.speculation.max_gamma = flags.Num<int>(
+      "max-gamma", 4, "Most drafted tokens verified per request and step.");
+  wo.speculation.max_batch = flags.Num<int>(
+      "spec-max-batch", wo.speculation.max_batch,
+      "Speculation is off for a step with more decoding requests than this.");
+  flags.Group("Network");
+  const std::string host =
+      flags.Str("host", "127.0.0.1",
+                "Interface to listen on (0.0.0.0: every interface).");
+  const int port = flags.Num<int>("port", 0, "gRPC port; 0: any free port.");
+  const std::string port_file = flags.Str(
+      "port-file", "", "Write the bound HOST:PORT here once serving.");
+  so.ucx.peer_error_handling = flags.Bool(
+      "ucx-peer-errors", true,
+      "Keep UCX endpoints that report a dead peer at once (tcp, verbs); 0 "
+      "allows shared-memory/CMA endpoints (same host; prefill workers must "
+      "agree).");
+  const std::string ucx_net_devices = flags.Str(
+      "ucx-net-devices", "auto",
+      "UCX network devices: auto (--host's interface), all, or a UCX device "
+      "list such as mlx5_0:1.");
+  flags.Group("Security");
+  const std::string internal_token_file = flags.Str(
+      "internal-token-file", "",
+      "The cluster's shared token file: every DecodeWorker RPC must carry "
+      "it.");
+  flags.Group("Metrics");
+  const int metrics_port = flags.Num<int>(
+      "metrics-port", -1,
+      "Port of the Prometheus /metrics endpoint; -1: off, 0: any free port.");
+  const std::string metrics_host = flags.Str(
+      "metrics-host", host, "Interface /metrics listens on.", "--host");
+  const std::string worker_id =
+      flags.Str("worker-id", metrics::DefaultWorkerId(),
+                "worker_id label on the metrics.", "HOSTNAME-PID");
+  const std::string metrics_port_file =
+      flags.Str("metrics-port-file", "",
+                "Write the bound metrics HOST:PORT here once serving.");
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kSynopsis, kNotes).c_str(), stdout);
+    return 0;
+  }
+  if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  auto backend = engine::ParseBackend(backend_name);
   if (!backend.ok()) return Fail(backend.status());
   wo.backend = *backend;
-  auto devices = engine::ParseDeviceList(flags.Str("cuda-devices", "0"));
+  auto devices = engine::ParseDeviceList(devices_text);
   if (!devices.ok()) return Fail(devices.status());
   wo.cuda_devices = *devices;
-  auto kv_dtype = engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto"));
+  auto kv_dtype = engine::ParseKvDTypeFlag(kv_dtype_name);
   if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   wo.kv_dtype = *kv_dtype;
-  auto attention =
-      engine::ParseAttentionKernels(flags.Str("cuda-attention", "auto"));
+  auto attention = engine::ParseAttentionKernels(attention_name);
   if (!attention.ok()) return Fail(attention.status());
   wo.cuda.attention = *attention;
-  wo.cuda.use_graphs = flags.Num<int>("cuda-graphs", 1) != 0;
-  wo.cuda.max_graph_batch =
-      flags.Num<int>("cuda-max-graph-batch", wo.cuda.max_graph_batch);
-  wo.tp_size = flags.Num<int>("tp", 1);
-  wo.threads_per_rank = flags.Num<int>("threads-per-rank", 1);
-  wo.block_size = flags.Num<int>("block-size", 16);
-  wo.max_running = flags.Num<int>("max-running", wo.max_running);
-  wo.max_step_tokens = flags.Num<int>("max-step-tokens", wo.max_step_tokens);
-  wo.speculation.max_gamma = flags.Num<int>("max-gamma", 4);
-  wo.speculation.max_batch =
-      flags.Num<int>("spec-max-batch", wo.speculation.max_batch);
-  DecodeServiceOptions so;
-  so.model_name = flags.Str("model-name", "model");
-  so.ucx.peer_error_handling = flags.Num<int>("ucx-peer-errors", 1) != 0;
-  const int metrics_port = flags.Num<int>("metrics-port", -1);
-  const std::string metrics_port_file = flags.Str("metrics-port-file", "");
-  const std::string metrics_host = flags.Str("metrics-host", host);
-  const std::string worker_id =
-      flags.Str("worker-id", metrics::DefaultWorkerId());
-  const std::string internal_token_file = flags.Str("internal-token-file", "");
-  const std::string ucx_net_devices = flags.Str("ucx-net-devices", "auto");
-  if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (!internal_token_file.empty()) {
     auto tokens = rpc::BearerTokens::FromFile(internal_token_file);
     if (!tokens.ok()) return Fail(tokens.status());
@@ -243,6 +313,7 @@ int Main(int argc, char** argv) {
   auto server = rpc::RunningServer::Start(absl::StrCat(host, ":", port),
                                           {service->get()});
   if (!server.ok()) return Fail(server.status());
+  (*server)->ReportHealthFor({v1::DecodeWorker::service_full_name()});
   (*server)->SetServing(true);
   std::printf("listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
