@@ -1,37 +1,7 @@
 // prefill_worker: one pipeline stage of a prefill group per process.
 //
-//   prefill_worker --model PATH [--format auto|gguf|safetensors|dummy]
-//                  --stage I --stages S [--layer-split auto|2,2,1]
-//                  [--scored-share 0] (share of prompt tokens scored with
-//                  echo + logprobs: `auto` then weighs the last stage's
-//                  logits rows; every stage must get the same value)
-//                  [--chunk-policy equal-cost|fixed] [--chunk-tokens 256]
-//                  [--microbatch-tokens 512] [--max-in-flight 0 (= 2S)]
-//                  [--block-size 16] [--num-blocks 512] [--prefix-reuse 1]
-//                  [--threads 1] [--host 127.0.0.1] [--port 0]
-//                  [--port-file PATH] [--model-name NAME]
-//                  [--ucx-peer-errors 1]  (0: shared-memory endpoints, same
-//                  host; see decode_worker)
-//                  [--backend cpu|cuda] [--cuda-device 0] (a
-//                  -DPDSERVE_CUDA=ON build; KV is then bf16 and is mirrored
-//                  to host memory for the UCX puts)
-//                  [--cuda-attention auto|legacy|tensor-core]
-//                  [--kv-dtype auto|f32|bf16] (the KV it computes and
-//                  sends; auto = f32 on CPUs, bf16 on GPUs; decode workers
-//                  must keep the same)
-//                  [--internal-token-file PATH] (the cluster's shared
-//                  token: every stage checks it on its RPCs and sends it
-//                  to its peers and the decode workers)
-//                  [--ucx-net-devices auto] (auto: UCX stays on --host's
-//                  interface; all; or a UCX device list, see decode_worker)
-//   stage 0 only:  --peers HOST:PORT,... (stages 1..S-1's control addresses)
-//                  [--heartbeat-ms 200] [--heartbeat-timeout-ms 2000]
-//                  [--peer-wait-seconds 60]
-//   stage > 0:     [--orphan-seconds 30]
-//   metrics:       [--metrics-port -1 (off; 0 = any free port)]
-//                  [--metrics-host HOST (default --host)]
-//                  [--metrics-port-file PATH]
-//                  [--worker-id GROUP (shared by the group's stages)]
+//   prefill_worker --model PATH --stage I --stages S [--peers ...] [flags]
+//   (`prefill_worker --help` lists every flag, its default and meaning)
 //
 // Stage 0 serves pdserve.v1.PrefillGroup (+ health, reflection) on --port;
 // stage i > 0 serves pdserve.v1.PrefillStageControl there. Start stages
@@ -77,6 +47,16 @@
 
 namespace pdserve::prefill {
 namespace {
+
+constexpr char kSynopsis[] =
+    "prefill_worker --model PATH --stage I --stages S [flags]\n"
+    "       stage 0 also: --peers HOST:PORT,... (stages 1..S-1)\n"
+    "One pipeline stage of a prefill group per process.\n";
+
+constexpr char kNotes[] =
+    "Stage 0 serves pdserve.v1.PrefillGroup on --port; stage i > 0 serves "
+    "pdserve.v1.\nPrefillStageControl there. Start stages 1..S-1 first, then "
+    "stage 0 with their\naddresses. SIGINT/SIGTERM stop.\n";
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "prefill_worker: %s\n", s.ToString().c_str());
@@ -145,53 +125,131 @@ int Main(int argc, char** argv) {
 
   CommandLineFlags flags;
   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
-  const std::string model_path = flags.Str("model", "");
-  const std::string format_name = flags.Str("format", "auto");
-  const int stage = static_cast<int>(flags.Num<int64_t>("stage", 0));
-  const int stages = static_cast<int>(flags.Num<int64_t>("stages", 1));
-  const std::string split_text = flags.Str("layer-split", "auto");
+  flags.Group("Model");
+  const std::string model_path =
+      flags.Str("model", "", "Model folder or file (required).");
+  const std::string format_name =
+      flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
+  const std::string model_name = flags.Str(
+      "model-name", "model",
+      "Name reported in the group's identity; must match the router's and "
+      "the decode workers'.");
+  const std::string backend_name = flags.Str(
+      "backend", "cpu",
+      "Compute backend: cpu|cuda (cuda: a -DPDSERVE_CUDA=ON build; KV is "
+      "mirrored to host memory for the UCX puts).");
+  const int cuda_device = static_cast<int>(
+      flags.Num<int64_t>("cuda-device", 0, "GPU this stage runs on."));
+  const std::string attention_name =
+      flags.Str("cuda-attention", "auto",
+                "CUDA attention kernels: auto|legacy|tensor-core.");
+  const int threads = static_cast<int>(
+      flags.Num<int64_t>("threads", 1, "Compute threads of this stage."));
+  flags.Group("Pipeline");
+  const int stage = static_cast<int>(flags.Num<int64_t>(
+      "stage", 0, "This process's stage index, 0..--stages - 1."));
+  const int stages = static_cast<int>(
+      flags.Num<int64_t>("stages", 1, "Pipeline stages in the group."));
+  const std::string split_text = flags.Str(
+      "layer-split", "auto",
+      "Layers per stage, e.g. 2,2,1; auto balances estimated FLOPs (every "
+      "stage must get the same value).");
   // Share of prompt tokens expected to be scored (echo + logprobs): their
   // logits rows weigh on the last stage, which `auto` then gives fewer layers.
-  const double scored_share = flags.Num<double>("scored-share", 0.0);
-  const std::string policy_name = flags.Str("chunk-policy", "equal-cost");
-  const int chunk_tokens =
-      static_cast<int>(flags.Num<int64_t>("chunk-tokens", 256));
-  const int microbatch_tokens =
-      static_cast<int>(flags.Num<int64_t>("microbatch-tokens", 512));
-  const int max_in_flight =
-      static_cast<int>(flags.Num<int64_t>("max-in-flight", 0));
-  const int block_size = static_cast<int>(flags.Num<int64_t>("block-size", 16));
-  const int64_t num_blocks = flags.Num<int64_t>("num-blocks", 512);
-  const bool prefix_reuse = flags.Num<int64_t>("prefix-reuse", 1) != 0;
-  const int threads = static_cast<int>(flags.Num<int64_t>("threads", 1));
-  const std::string host = flags.Str("host", "127.0.0.1");
-  const int64_t port = flags.Num<int64_t>("port", 0);
-  const std::string port_file = flags.Str("port-file", "");
-  const std::string model_name = flags.Str("model-name", "model");
-  const std::string peers_text = flags.Str("peers", "");
-  const int64_t heartbeat_ms = flags.Num<int64_t>("heartbeat-ms", 200);
-  const int64_t heartbeat_timeout_ms =
-      flags.Num<int64_t>("heartbeat-timeout-ms", 2000);
-  const int64_t peer_wait_s = flags.Num<int64_t>("peer-wait-seconds", 60);
-  const int64_t orphan_s = flags.Num<int64_t>("orphan-seconds", 30);
-  const bool ucx_peer_errors = flags.Num<int>("ucx-peer-errors", 1) != 0;
-  const std::string metrics_port_file = flags.Str("metrics-port-file", "");
-  const int metrics_port =
-      static_cast<int>(flags.Num<int64_t>("metrics-port", -1));
-  const std::string metrics_host = flags.Str("metrics-host", host);
-  const std::string worker_id = flags.Str("worker-id", "prefill");
-  auto backend = engine::ParseBackend(flags.Str("backend", "cpu"));
-  if (!backend.ok()) return Fail(backend.status());
-  const int cuda_device =
-      static_cast<int>(flags.Num<int64_t>("cuda-device", 0));
-  auto kv_dtype = engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto"));
-  if (!kv_dtype.ok()) return Fail(kv_dtype.status());
-  auto attention =
-      engine::ParseAttentionKernels(flags.Str("cuda-attention", "auto"));
-  if (!attention.ok()) return Fail(attention.status());
-  const std::string internal_token_file = flags.Str("internal-token-file", "");
-  const std::string ucx_net_devices = flags.Str("ucx-net-devices", "auto");
+  const double scored_share = flags.Num<double>(
+      "scored-share", 0.0,
+      "Share (0-1) of prompt tokens expected to be scored with echo + "
+      "logprobs: `auto` then gives the last stage fewer layers. Same on "
+      "every stage.");
+  const std::string peers_text = flags.Str(
+      "peers", "",
+      "Stage 0 only: the control HOST:PORT of stages 1..S-1, in order.");
+  const int64_t heartbeat_ms = flags.Num<int64_t>(
+      "heartbeat-ms", 200, "Stage 0 only: milliseconds between pings.");
+  const int64_t heartbeat_timeout_ms = flags.Num<int64_t>(
+      "heartbeat-timeout-ms", 2000,
+      "Stage 0 only: a ping unanswered this long (ms) marks the group "
+      "down.");
+  const int64_t peer_wait_s = flags.Num<int64_t>(
+      "peer-wait-seconds", 60,
+      "Stage 0 only: seconds start-up waits for every peer to answer.");
+  const int64_t orphan_s = flags.Num<int64_t>(
+      "orphan-seconds", 30,
+      "Stage > 0 only: exit when stage 0 stopped pinging this many "
+      "seconds.");
+  flags.Group("Scheduling");
+  const std::string policy_name = flags.Str(
+      "chunk-policy", "equal-cost",
+      "How prompts are cut into chunks: equal-cost (earlier chunks larger, "
+      "equal attention work) or fixed.");
+  const int chunk_tokens = static_cast<int>(flags.Num<int64_t>(
+      "chunk-tokens", 256,
+      "Average tokens per chunk (fixed: exact); 0: whole prompt in one."));
+  const int microbatch_tokens = static_cast<int>(flags.Num<int64_t>(
+      "microbatch-tokens", 512, "Token budget of one pipeline microbatch."));
+  const int max_in_flight = static_cast<int>(flags.Num<int64_t>(
+      "max-in-flight", 0,
+      "Microbatches in the pipeline at once (0: twice --stages)."));
+  flags.Group("KV cache");
+  const int block_size = static_cast<int>(flags.Num<int64_t>(
+      "block-size", 16, "KV block size in tokens (the decode workers')."));
+  const int64_t num_blocks = flags.Num<int64_t>(
+      "num-blocks", 512,
+      "KV blocks in the group (each stage's pool holds them all).");
+  const bool prefix_reuse =
+      flags.Bool("prefix-reuse", true,
+                 "Reuse cached KV blocks of a prompt prefix seen before.");
+  const std::string kv_dtype_name = flags.Str(
+      "kv-dtype", "auto",
+      "KV element type computed and sent: auto|f32|bf16 (auto: f32 on CPUs, "
+      "bf16 on GPUs); decode workers must keep the same.");
+  flags.Group("Network");
+  const std::string host =
+      flags.Str("host", "127.0.0.1",
+                "Interface to listen on (0.0.0.0: every interface).");
+  const int64_t port = flags.Num<int64_t>(
+      "port", 0,
+      "gRPC port (stage 0: PrefillGroup; others: stage control); 0: any "
+      "free port.");
+  const std::string port_file = flags.Str(
+      "port-file", "", "Write the bound HOST:PORT here once serving.");
+  const bool ucx_peer_errors = flags.Bool(
+      "ucx-peer-errors", true,
+      "Keep UCX endpoints that report a dead peer at once; 0 allows "
+      "shared-memory endpoints (same host; decode workers must agree).");
+  const std::string ucx_net_devices = flags.Str(
+      "ucx-net-devices", "auto",
+      "UCX network devices: auto (--host's interface), all, or a UCX device "
+      "list.");
+  flags.Group("Security");
+  const std::string internal_token_file = flags.Str(
+      "internal-token-file", "",
+      "The cluster's shared token file: checked on this stage's RPCs and "
+      "sent to its peers and the decode workers.");
+  flags.Group("Metrics");
+  const int metrics_port = static_cast<int>(flags.Num<int64_t>(
+      "metrics-port", -1,
+      "Port of the Prometheus /metrics endpoint; -1: off, 0: any free "
+      "port."));
+  const std::string metrics_host = flags.Str(
+      "metrics-host", host, "Interface /metrics listens on.", "--host");
+  const std::string metrics_port_file =
+      flags.Str("metrics-port-file", "",
+                "Write the bound metrics HOST:PORT here once serving.");
+  const std::string worker_id = flags.Str(
+      "worker-id", "prefill",
+      "worker_id label on the metrics, shared by the group's stages.");
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kSynopsis, kNotes).c_str(), stdout);
+    return 0;
+  }
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  auto backend = engine::ParseBackend(backend_name);
+  if (!backend.ok()) return Fail(backend.status());
+  auto kv_dtype = engine::ParseKvDTypeFlag(kv_dtype_name);
+  if (!kv_dtype.ok()) return Fail(kv_dtype.status());
+  auto attention = engine::ParseAttentionKernels(attention_name);
+  if (!attention.ok()) return Fail(attention.status());
   rpc::BearerTokens internal_tokens;
   if (!internal_token_file.empty()) {
     auto tokens = rpc::BearerTokens::FromFile(internal_token_file);
@@ -314,6 +372,7 @@ int Main(int argc, char** argv) {
     if (auto s = start_metrics(service->get()); !s.ok()) return Fail(s);
     auto server = rpc::RunningServer::Start(address, {service->get()});
     if (!server.ok()) return Fail(server.status());
+    (*server)->ReportHealthFor({v1::PrefillGroup::service_full_name()});
     (*service)->Start(server->get());
     if (auto s = process::WritePortFile(port_file, (*server)->address());
         !s.ok()) {
@@ -343,6 +402,7 @@ int Main(int argc, char** argv) {
                               internal_tokens);
   auto server = rpc::RunningServer::Start(address, {&control});
   if (!server.ok()) return Fail(server.status());
+  (*server)->ReportHealthFor({v1::PrefillStageControl::service_full_name()});
   if (auto s = process::WritePortFile(port_file, (*server)->address());
       !s.ok()) {
     return Fail(s);
