@@ -1,17 +1,5 @@
-// pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3)
-//                [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0]
-//                [--seed N] [--stop STRING] [--model NAME]
-//                [--timeout-seconds 120] [--show-ids 1]
-//                [--logprobs N]   (each token's log-probability and its N
-//                                  most likely alternatives, 0-20)
-//                [--echo 1]       (print the prompt first; with --logprobs,
-//                                  score its tokens too; --max-tokens 0
-//                                  then only scores the prompt)
-//                [--api-key-file PATH] (a router started with
-//                                  --api-key-file: its first key is sent)
-//                [--tls-ca PEM] (TLS to the router, verified with this CA;
-//                                  --tls-ca system: the system's roots)
-//                [--tls-cert PEM --tls-key PEM] (mutual TLS)
+// pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) [flags]
+//   (`pdserve client --help` lists every flag, its default and meaning)
 //
 // Streams the continuation's text to stdout; a summary (tokens, finish
 // reason, time to first token) goes to stderr. Errors print the gRPC status.
@@ -52,39 +40,87 @@ const char* FinishName(v1::FinishReason reason) {
   }
 }
 
+constexpr char kClientSynopsis[] =
+    "pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
+    "[flags]\n"
+    "Sends one request to a router's gRPC API and streams the "
+    "continuation's text to\nstdout; a summary (tokens, finish reason, time "
+    "to first token) goes to stderr.\n";
+
 }  // namespace
 
 absl::Status RunClient(int argc, char** argv) {
   CommandLineFlags flags;
   PDS_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
-  const std::string router = flags.Str("router", "127.0.0.1:50051");
-  const std::string prompt = flags.Str("prompt", "");
-  const std::string ids_text = flags.Str("ids", "");
-  const bool show_ids = flags.Num<int>("show-ids", 0) != 0;
   v1::GenerateRequest request;
-  request.set_model(flags.Str("model", ""));
-  request.set_max_tokens(flags.Num<int>("max-tokens", 64));
-  request.mutable_sampling()->set_temperature(
-      flags.Num<float>("temperature", 0.0f));
-  request.mutable_sampling()->set_top_p(flags.Num<float>("top-p", 1.0f));
-  request.mutable_sampling()->set_top_k(flags.Num<int>("top-k", 0));
+  flags.Group("Request");
+  const std::string router =
+      flags.Str("router", "127.0.0.1:50051", "The router's gRPC HOST:PORT.");
+  const std::string prompt =
+      flags.Str("prompt", "", "Prompt text (or give --ids).");
+  const std::string ids_text =
+      flags.Str("ids", "", "Prompt as token ids 1,2,3 (or give --prompt).");
+  request.set_model(flags.Str("model", "",
+                              "Model name to ask for (the router's "
+                              "--model-name).",
+                              "(none: the router's model)"));
+  request.set_max_tokens(flags.Num<int>(
+      "max-tokens", 64,
+      "Most tokens to generate (0 with --echo 1 --logprobs N: only score "
+      "the prompt)."));
+  const bool has_stop = flags.Has("stop");
+  std::string stop = flags.Str(
+      "stop", "", "Stop string: the output ends where it would appear.");
+  if (has_stop) request.add_stop(std::move(stop));
+  const double timeout_s = flags.Num<double>(
+      "timeout-seconds", 120, "Deadline of the whole request, in seconds.");
+  flags.Group("Sampling");
+  request.mutable_sampling()->set_temperature(flags.Num<float>(
+      "temperature", 0.0f, "Sampling temperature; 0: greedy."));
+  request.mutable_sampling()->set_top_p(
+      flags.Num<float>("top-p", 1.0f, "Nucleus sampling mass (0, 1]."));
+  request.mutable_sampling()->set_top_k(flags.Num<int>(
+      "top-k", 0, "Sample among the k most likely tokens; 0: all."));
   // No --seed: the router picks a fresh one per request.
-  if (flags.Has("seed")) {
-    request.mutable_sampling()->set_seed(
-        static_cast<uint64_t>(flags.Num<int64_t>("seed", 0)));
-  }
-  if (flags.Has("stop")) request.add_stop(flags.Str("stop", ""));
-  const double timeout_s = flags.Num<double>("timeout-seconds", 120);
-  const int logprobs = flags.Num<int>("logprobs", -1);
-  request.set_echo(flags.Num<int>("echo", 0) != 0);
+  const bool has_seed = flags.Has("seed");
+  const int64_t seed =
+      flags.Num<int64_t>("seed", 0, "Sampling seed, for reproducible samples.",
+                         "(none: the router picks one per request)");
+  if (has_seed)
+    request.mutable_sampling()->set_seed(static_cast<uint64_t>(seed));
+  flags.Group("Output");
+  const bool show_ids =
+      flags.Bool("show-ids", false,
+                 "After the text, print the generated token ids (ids: 1,2,3).");
+  const int logprobs =
+      flags.Num<int>("logprobs", -1,
+                     "Print each token's log-probability and its N most likely "
+                     "alternatives (0-20); -1: off.");
+  request.set_echo(flags.Bool(
+      "echo", false,
+      "Print the prompt first; with --logprobs, score its tokens too."));
   if (logprobs >= 0) {
     request.set_include_logprobs(true);
     request.set_top_logprobs(logprobs);
   }
-  const std::string api_key_file = flags.Str("api-key-file", "");
-  const std::string tls_ca = flags.Str("tls-ca", "");
-  const std::string tls_cert = flags.Str("tls-cert", "");
-  const std::string tls_key = flags.Str("tls-key", "");
+  flags.Group("Security");
+  const std::string api_key_file = flags.Str(
+      "api-key-file", "",
+      "File of API keys (a router started with --api-key-file): its first "
+      "key is sent.");
+  const std::string tls_ca = flags.Str(
+      "tls-ca", "",
+      "TLS to the router, verified with this PEM CA (system: the system's "
+      "roots).");
+  const std::string tls_cert =
+      flags.Str("tls-cert", "",
+                "PEM client certificate for mutual TLS (with --tls-key).");
+  const std::string tls_key =
+      flags.Str("tls-key", "", "PEM private key of --tls-cert.");
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kClientSynopsis).c_str(), stdout);
+    return absl::OkStatus();
+  }
   PDS_RETURN_IF_ERROR(flags.Check());
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (!tls_ca.empty() || !tls_cert.empty()) {

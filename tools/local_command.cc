@@ -1,18 +1,5 @@
-// pdserve local [--model PATH] [--format F] [--model-name NAME]
-//               [--prefill-groups 1] [--stages 2] [--layer-split auto]
-//               [--chunk-tokens 256] [--decode-workers 1] [--tp 2]
-//               [--speculation ngram|off|draft] [--draft-layers L]
-//               [--grpc-port 50051] [--http-port 8000] [--host 127.0.0.1]
-//               [--prefill-policy least-loaded] [--decode-policy prefix-aware]
-//               [--work-dir DIR] [--bin-dir DIR] [--colocated 0|1]
-//               [--metrics-port-base 9100 (-1 = off, 0 = any free ports)]
-//               [--backend cpu|cuda] [--cuda-devices 0[,1,...]]
-//               [--kv-dtype auto|f32|bf16] (every worker's KV element type)
-//               [--api-key-file PATH] (the router then wants one of its keys)
-//               [--internal-token-file PATH] (default: a fresh random token
-//               in the work folder, mode 0600)
-//               [--supervise 1] (restart a process that dies: backoff from
-//               0.5 s doubling to 30 s, on its old port; logged)
+// pdserve local [flags]   (`pdserve local --help` lists every flag, its
+//                         default and meaning)
 //
 // Starts the router, the prefill groups and the decode workers as separate
 // processes, waits until the router serves, prints the endpoints and example
@@ -32,37 +19,106 @@
 
 namespace pdserve::tools {
 
+namespace {
+
+constexpr char kLocalSynopsis[] =
+    "pdserve local [flags]\n"
+    "Starts a whole cluster on this machine (router, prefill groups, decode "
+    "workers, each\na process), prints its endpoints and example requests, "
+    "and runs until Ctrl-C.\n";
+
+}  // namespace
+
 absl::Status RunLocalCluster(int argc, char** argv) {
   CommandLineFlags flags;
   PDS_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
   LocalClusterOptions o;
-  o.model_path = flags.Str("model", "../shared/models/stories260K");
-  o.format = flags.Str("format", "auto");
-  o.model_name = flags.Str("model-name", "");
-  o.prefill_groups = flags.Num<int>("prefill-groups", 1);
-  o.colocated = flags.Num<int>("colocated", 0) != 0;
-  o.stages = flags.Num<int>("stages", 2);
-  o.layer_split = flags.Str("layer-split", "auto");
-  o.chunk_tokens = flags.Num<int>("chunk-tokens", 256);
-  o.decode_workers = flags.Num<int>("decode-workers", 1);
-  o.tp = flags.Num<int>("tp", 2);
-  o.speculation = flags.Str("speculation", "ngram");
-  o.draft_layers = flags.Num<int>("draft-layers", 0);
-  o.grpc_port = flags.Num<int>("grpc-port", 50051);
-  o.http_port = flags.Num<int>("http-port", 8000);
-  o.host = flags.Str("host", "127.0.0.1");
-  o.prefill_policy = flags.Str("prefill-policy", o.prefill_policy);
-  o.decode_policy = flags.Str("decode-policy", o.decode_policy);
-  o.work_dir = flags.Str("work-dir", "");
+  flags.Group("Model");
+  o.model_path = flags.Str("model", "../shared/models/stories260K",
+                           "Model folder (safetensors) or .gguf file that "
+                           "every process loads.");
+  o.format =
+      flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
+  o.model_name =
+      flags.Str("model-name", "", "Name the router serves (the `model` field).",
+                "(none: the model's file or folder name)");
+  o.backend = flags.Str("backend", o.backend,
+                        "Compute backend of every worker: cpu|cuda.");
+  o.cuda_devices = flags.Str(
+      "cuda-devices", o.cuda_devices,
+      "GPUs (0,1,...): decode workers get the list, prefill stages one "
+      "each in turn.");
+  flags.Group("Layout");
+  o.prefill_groups = flags.Num<int>("prefill-groups", 1,
+                                    "Prefill groups (pipelines) to start.");
+  o.stages =
+      flags.Num<int>("stages", 2, "Pipeline stages (processes) per group.");
+  o.layer_split =
+      flags.Str("layer-split", "auto",
+                "Layers per stage, e.g. 3,2; auto balances estimated FLOPs.");
+  o.chunk_tokens = flags.Num<int>("chunk-tokens", 256,
+                                  "Average prompt tokens per prefill chunk.");
+  o.decode_workers =
+      flags.Num<int>("decode-workers", 1, "Decode workers to start.");
+  o.tp = flags.Num<int>("tp", 2, "Tensor-parallel ranks per decode worker.");
+  o.colocated = flags.Bool(
+      "colocated", false,
+      "1: no prefill groups; the decode workers prefill prompts themselves.");
+  flags.Group("KV cache");
+  o.kv_dtype =
+      flags.Str("kv-dtype", o.kv_dtype,
+                "Every worker's KV element type: auto|f32|bf16 (auto: f32 on "
+                "CPUs, bf16 on GPUs).");
+  flags.Group("Scheduling");
+  o.prefill_policy = flags.Str(
+      "prefill-policy", o.prefill_policy,
+      "Router's prefill group choice: round-robin|least-loaded|prefix-aware.");
+  o.decode_policy = flags.Str(
+      "decode-policy", o.decode_policy,
+      "Router's decode worker choice: round-robin|least-loaded|prefix-aware.");
+  flags.Group("Speculation");
+  o.speculation = flags.Str("speculation", "ngram",
+                            "Decode workers' speculative decoding: "
+                            "off|ngram|draft.");
+  o.draft_layers = flags.Num<int>(
+      "draft-layers", 0,
+      "With --speculation draft: the target's first L layers are the draft.");
+  flags.Group("Network");
+  o.host =
+      flags.Str("host", "127.0.0.1", "Interface every process listens on.");
+  o.grpc_port = flags.Num<int>("grpc-port", 50051,
+                               "Router's gRPC port (0: any free port).");
+  o.http_port = flags.Num<int>(
+      "http-port", 8000, "Router's HTTP (OpenAI API) port (0: any free port).");
+  flags.Group("Security");
+  o.api_key_file = flags.Str(
+      "api-key-file", "",
+      "API keys, one per line: the router then wants one as a bearer token.");
+  o.internal_token_file = flags.Str(
+      "internal-token-file", "", "The cluster's shared internal token file.",
+      "(none: a fresh random token in the work folder, mode 0600)");
+  flags.Group("Metrics");
   // The ports deploy/prometheus/prometheus-local.yml scrapes; -1 = off.
-  o.metrics_port_base = flags.Num<int>("metrics-port-base", 9100);
-  o.bin_dir = flags.Str("bin-dir", process::ExecutableDir());
-  o.backend = flags.Str("backend", o.backend);
-  o.cuda_devices = flags.Str("cuda-devices", o.cuda_devices);
-  o.kv_dtype = flags.Str("kv-dtype", o.kv_dtype);
-  o.api_key_file = flags.Str("api-key-file", "");
-  o.internal_token_file = flags.Str("internal-token-file", "");
-  const bool supervise = flags.Num<int>("supervise", 1) != 0;
+  o.metrics_port_base = flags.Num<int>(
+      "metrics-port-base", 9100,
+      "/metrics ports: router B, prefill stage B+10+g*stages+i, decode "
+      "worker B+20+w (as deploy/prometheus/prometheus-local.yml scrapes); "
+      "-1: off, 0: any free ports.");
+  flags.Group("Processes");
+  o.work_dir = flags.Str("work-dir", "", "Folder for logs and port files.",
+                         "(none: a fresh temporary folder)");
+  o.bin_dir =
+      flags.Str("bin-dir", process::ExecutableDir(),
+                "Folder holding router, prefill_worker and decode_worker.",
+                "(this binary's folder)");
+  const bool supervise = flags.Bool(
+      "supervise", true,
+      "Restart a process that dies, on its old port, after a backoff of 0.5 "
+      "s doubling to 30 s (logged).");
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kLocalSynopsis).c_str(), stdout);
+    return absl::OkStatus();
+  }
   // Refuse bad spellings here, before any process starts.
   PDS_RETURN_IF_ERROR(engine::ParseBackend(o.backend).status());
   PDS_RETURN_IF_ERROR(engine::ParseDeviceList(o.cuda_devices).status());
