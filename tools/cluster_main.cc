@@ -16,9 +16,14 @@ int main(int argc, char** argv) {
   } else if (command == "client") {
     status = pdserve::tools::RunClient(argc, argv);
   } else {
-    std::fprintf(
-        stderr, "usage: pdserve-cluster local|client ... (see pdserve help)\n");
-    return 2;
+    // Not meant to be run by hand: point at pdserve's own help.
+    const bool help = command == "-h" || command == "--help";
+    std::fputs(
+        "usage: pdserve-cluster local|client [flags]  (run by `pdserve local` "
+        "and `pdserve client`;\n`pdserve help` lists the commands, `pdserve "
+        "local --help` a command's flags)\n",
+        help ? stdout : stderr);
+    return help ? 0 : 2;
   }
   if (!status.ok()) {
     std::fprintf(stderr, "pdserve %s: %s\n", command.c_str(),

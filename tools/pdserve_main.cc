@@ -1,17 +1,16 @@
-// pdserve command line.
+// pdserve command line: `pdserve COMMAND [flags]`.
 //
-//   pdserve generate --model PATH --prompt TEXT [--max-tokens N]
-//                    [--temperature T] [--top-p P] [--top-k K] [--seed S]
-//                    [--format auto|gguf|safetensors] [--threads N]
-//
-//   pdserve local  [--model PATH] [--stages S] [--tp T] [--speculation X] ...
-//   pdserve client --router HOST:PORT --prompt TEXT [--max-tokens N] ...
+//   pdserve generate --model PATH --prompt TEXT [flags]
+//   pdserve local [flags]
+//   pdserve client --router HOST:PORT --prompt TEXT [flags]
 //
 // `generate` runs the single-process reference engine and streams the text of
 // the continuation to stdout as it is produced. `local` starts a whole
 // cluster (router, prefill group, decode worker) on this machine; `client`
 // sends one request to a router's gRPC API (tools/local_command.cc,
-// tools/client_command.cc).
+// tools/client_command.cc). `pdserve`, `pdserve help`, `-h` or `--help` list
+// the commands; `pdserve COMMAND --help` (or `pdserve help COMMAND`) lists a
+// command's flags with their defaults and meanings.
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,55 +41,80 @@
 namespace pdserve {
 namespace {
 
-constexpr char kUsage[] =
-    "usage: pdserve generate --model PATH --prompt TEXT [--max-tokens N] "
-    "[--temperature T]\n"
-    "                        [--top-p P] [--top-k K] [--seed S] [--format F] "
-    "[--threads N]\n"
-    "                        [--backend cpu|cuda] [--cuda-device D] "
-    "[--kv-dtype auto|f32|bf16]\n"
-    "       pdserve local [--model PATH] [--prefill-groups G] [--stages S] "
-    "[--tp T]\n"
-    "                     [--decode-workers W] [--speculation off|ngram|draft] "
-    "[--draft-layers L]\n"
-    "                     [--grpc-port P] [--http-port P] [--work-dir DIR]\n"
-    "                     [--backend cpu|cuda] [--cuda-devices 0,1] "
-    "[--kv-dtype auto|f32|bf16]\n"
-    "       pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
-    "[--max-tokens N]\n"
-    "                      [--temperature T] [--seed S] [--stop S] "
-    "[--show-ids 1]\n"
-    "                      [--logprobs N] [--echo 1] (--echo 1 --logprobs 0 "
-    "--max-tokens 0: score the prompt)\n";
+// One line per command; printed by `pdserve`, `pdserve help`, -h, --help.
+constexpr char kCommands[] =
+    "usage: pdserve COMMAND [flags]\n"
+    "\n"
+    "commands:\n"
+    "  generate   run a model in this process and stream the continuation "
+    "of --prompt\n"
+    "  local      start a whole cluster (router, prefill groups, decode "
+    "workers) here\n"
+    "  client     send one request to a router's gRPC API and stream the "
+    "answer\n"
+    "  help       this list; `pdserve help COMMAND` = `pdserve COMMAND "
+    "--help`\n"
+    "\n"
+    "`pdserve COMMAND --help` lists the command's flags, their defaults and "
+    "meanings.\n"
+    "The servers are separate binaries with their own --help: router, "
+    "prefill_worker,\ndecode_worker (and layout_report).\n";
+
+constexpr char kGenerateSynopsis[] =
+    "pdserve generate --model PATH --prompt TEXT [flags]\n"
+    "Runs the single-process reference engine and streams the continuation's "
+    "text to stdout;\na summary (tokens, time to first token, tokens/s) goes "
+    "to stderr.\n";
 
 absl::Status Generate(int argc, char** argv) {
   CommandLineFlags flags;
   PDS_RETURN_IF_ERROR(flags.Parse(argc, argv, /*first=*/2));
-  if (!flags.Has("model"))
-    return absl::InvalidArgumentError("--model is required");
-  if (!flags.Has("prompt")) {
-    return absl::InvalidArgumentError("--prompt is required");
-  }
-  const std::string model_path = flags.Str("model", "");
-  const std::string prompt = flags.Str("prompt", "");
-  model::LoadFormat format = model::LoadFormat::kAuto;
-  if (flags.Has("format")) {
-    PDS_ASSIGN_OR_RETURN(format,
-                         model::ParseLoadFormat(flags.Str("format", "auto")));
-  }
-  int max_tokens = flags.Num<int>("max-tokens", 64);
-  const int threads = flags.Num<int>("threads", 0);
-  PDS_ASSIGN_OR_RETURN(const engine::Backend backend,
-                       engine::ParseBackend(flags.Str("backend", "cpu")));
-  const int cuda_device = flags.Num<int>("cuda-device", 0);
-  PDS_ASSIGN_OR_RETURN(const std::optional<kv::KvDType> kv_dtype,
-                       engine::ParseKvDTypeFlag(flags.Str("kv-dtype", "auto")));
+  flags.Group("Model");
+  const std::string model_path = flags.Str(
+      "model", "", "Model folder (safetensors) or .gguf file (required).");
+  const std::string format_name =
+      flags.Str("format", "auto", "Model format: auto|gguf|safetensors.");
+  const std::string backend_name =
+      flags.Str("backend", "cpu", "Compute backend: cpu|cuda.");
+  const int cuda_device =
+      flags.Num<int>("cuda-device", 0, "GPU to run on with --backend cuda.");
+  const int threads =
+      flags.Num<int>("threads", 0, "Compute threads; 0: the engine's default.");
+  flags.Group("KV cache");
+  const std::string kv_dtype_name = flags.Str(
+      "kv-dtype", "auto",
+      "KV element type: auto|f32|bf16 (auto: f32 on CPUs, bf16 on GPUs).");
+  flags.Group("Request");
+  const std::string prompt =
+      flags.Str("prompt", "", "Prompt text to continue (required).");
+  int max_tokens = flags.Num<int>(
+      "max-tokens", 64,
+      "Most tokens to generate (fewer if the context ends first).");
+  flags.Group("Sampling");
   engine::SamplingParams sampling;
-  sampling.temperature = flags.Num<float>("temperature", 0.0f);
-  sampling.top_p = flags.Num<float>("top-p", 1.0f);
-  sampling.top_k = flags.Num<int>("top-k", 0);
-  sampling.seed = static_cast<uint64_t>(flags.Num<int64_t>("seed", 0));
+  sampling.temperature =
+      flags.Num<float>("temperature", 0.0f, "Sampling temperature; 0: greedy.");
+  sampling.top_p =
+      flags.Num<float>("top-p", 1.0f, "Nucleus sampling mass (0, 1].");
+  sampling.top_k = flags.Num<int>(
+      "top-k", 0, "Sample among the k most likely tokens; 0: all.");
+  sampling.seed = static_cast<uint64_t>(
+      flags.Num<int64_t>("seed", 0, "Sampling seed (same seed, same text)."));
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kGenerateSynopsis).c_str(), stdout);
+    return absl::OkStatus();
+  }
   PDS_RETURN_IF_ERROR(flags.Check());
+  if (model_path.empty()) {
+    return absl::InvalidArgumentError("--model is required");
+  }
+  if (prompt.empty()) return absl::InvalidArgumentError("--prompt is required");
+  PDS_ASSIGN_OR_RETURN(const model::LoadFormat format,
+                       model::ParseLoadFormat(format_name));
+  PDS_ASSIGN_OR_RETURN(const engine::Backend backend,
+                       engine::ParseBackend(backend_name));
+  PDS_ASSIGN_OR_RETURN(const std::optional<kv::KvDType> kv_dtype,
+                       engine::ParseKvDTypeFlag(kv_dtype_name));
   PDS_RETURN_IF_ERROR(sampling.Validate());
   if (max_tokens <= 0)
     return absl::InvalidArgumentError("--max-tokens must be positive");
@@ -176,10 +200,24 @@ absl::Status Generate(int argc, char** argv) {
 }  // namespace pdserve
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::string(argv[1]) == "--help" ||
-      std::string(argv[1]) == "help") {
-    std::fputs(pdserve::kUsage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+  // No command: the list, on stderr, exit 2 (a usage error). Asked for
+  // help: the list on stdout, exit 0.
+  if (argc < 2) {
+    std::fputs(pdserve::kCommands, stderr);
+    return 2;
+  }
+  std::vector<char*> args(argv, argv + argc);
+  std::string first = argv[1];
+  if (first == "help" || first == "-h" || first == "--help") {
+    if (argc < 3) {
+      std::fputs(pdserve::kCommands, stdout);
+      return 0;
+    }
+    // `pdserve help COMMAND` is `pdserve COMMAND --help`.
+    static char help_flag[] = "--help";
+    args = {argv[0], argv[2], help_flag};
+    argc = static_cast<int>(args.size());
+    argv = args.data();
   }
   const std::string command = argv[1];
   absl::Status status;
@@ -193,16 +231,16 @@ int main(int argc, char** argv) {
     const std::string cluster_tool =
         std::filesystem::path(pdserve::process::ExecutableDir()) /
         "pdserve-cluster";
-    std::vector<char*> args(argv, argv + argc);
-    args[0] = const_cast<char*>(cluster_tool.c_str());
-    args.push_back(nullptr);
-    execv(cluster_tool.c_str(), args.data());
+    std::vector<char*> exec_args(argv, argv + argc);
+    exec_args[0] = const_cast<char*>(cluster_tool.c_str());
+    exec_args.push_back(nullptr);
+    execv(cluster_tool.c_str(), exec_args.data());
     std::fprintf(stderr, "pdserve: cannot run %s: %s\n", cluster_tool.c_str(),
                  std::strerror(errno));
     return 1;
   } else {
     std::fprintf(stderr, "pdserve: unknown command '%s'\n%s", command.c_str(),
-                 pdserve::kUsage);
+                 pdserve::kCommands);
     return 2;
   }
   if (!status.ok()) {
