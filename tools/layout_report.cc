@@ -9,7 +9,8 @@
 // Prints each finding (stage imbalance, bubble ratio, KV transfer share of
 // TTFT, prefill vs decode utilisation, speculative acceptance, decode batch
 // size) with the knob it suggests turning and why (metrics/layout_report.h).
-// `--interval 0` analyses totals since the processes started.
+// `--interval 0` analyses totals since the processes started; `layout_report
+// --help` lists every flag with its default and meaning.
 #include "metrics/layout_report.h"
 
 #include <cstdio>
@@ -110,6 +111,14 @@ absl::StatusOr<std::vector<metrics::Sample>> QueryPrometheus(
   return samples;
 }
 
+constexpr char kSynopsis[] =
+    "layout_report --metrics http://H:P/metrics,... [--interval 10]\n"
+    "       layout_report --prometheus http://H:9090 [--window 5m]\n"
+    "The layout tuning view of a running pdserve cluster: each finding (stage "
+    "imbalance,\nbubble ratio, KV transfer share of TTFT, prefill vs decode "
+    "utilisation, speculative\nacceptance, decode batch size) with the knob "
+    "it suggests turning and why.\n";
+
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "layout_report: %s\n", s.ToString().c_str());
   return 1;
@@ -118,10 +127,26 @@ int Fail(const absl::Status& s) {
 int Main(int argc, char** argv) {
   CommandLineFlags flags;
   if (auto s = flags.Parse(argc, argv); !s.ok()) return Fail(s);
-  const std::string urls_text = flags.Str("metrics", "");
-  const std::string prometheus = flags.Str("prometheus", "");
-  const double interval_s = flags.Num<double>("interval", 10);
-  const std::string window_text = flags.Str("window", "5m");
+  flags.Group("Scrape");
+  const std::string urls_text =
+      flags.Str("metrics", "",
+                "/metrics URLs of the cluster's processes, comma-separated "
+                "(http://H:P/metrics,...).");
+  const double interval_s = flags.Num<double>(
+      "interval", 10,
+      "With --metrics: seconds between the two scrapes analysed; 0: totals "
+      "since the processes started.");
+  flags.Group("Prometheus");
+  const std::string prometheus = flags.Str(
+      "prometheus", "",
+      "Prometheus base URL (http://H:9090) to query instead of --metrics.");
+  const std::string window_text = flags.Str(
+      "window", "5m",
+      "With --prometheus: the window analysed, ending now (5m, 1h, 30s).");
+  if (flags.help_requested()) {
+    std::fputs(flags.Usage(kSynopsis).c_str(), stdout);
+    return 0;
+  }
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (urls_text.empty() == prometheus.empty()) {
     return Fail(absl::InvalidArgumentError(
