@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
+#include "common/version.h"
 #include "router/openai_api.h"
 
 namespace pdserve::router {
@@ -30,6 +31,20 @@ std::string ApiOfPath(const std::string& path) {
   if (path == "/v1/completions") return "openai_completions";
   if (path == "/v1/chat/completions") return "openai_chat";
   return "http_other";
+}
+
+// The methods a known path takes (the Allow header of a 405), or null for a
+// path that is not a route.
+const char* AllowedMethods(const std::string& path) {
+  if (path == "/v1/completions" || path == "/v1/chat/completions" ||
+      path == "/tokenize" || path == "/detokenize") {
+    return "POST";
+  }
+  if (path == "/v1/models" || absl::StartsWith(path, "/v1/models/") ||
+      path == "/health" || path == "/version") {
+    return "GET";
+  }
+  return nullptr;
 }
 
 // The status code such a refusal is counted under. An oversized body is
@@ -240,11 +255,13 @@ class OpenAiHttpServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
     };
     server_->set_payload_max_length(options_.max_body_bytes);
-    // API keys: every /v1/ route checks the caller before any work.
+    // API keys: every /v1/ route and /tokenize, /detokenize check the caller
+    // before any work (/health, /version and /metrics stay open).
     server_->set_pre_routing_handler([this](const httplib::Request& req,
                                             httplib::Response& res) {
       if (options_.api_keys == nullptr || !options_.api_keys->enabled() ||
-          !absl::StartsWith(req.path, "/v1/")) {
+          !(absl::StartsWith(req.path, "/v1/") || req.path == "/tokenize" ||
+            req.path == "/detokenize")) {
         return httplib::Server::HandlerResponse::Unhandled;
       }
       const std::string header = req.get_header_value(rpc::kAuthorizationKey);
@@ -279,6 +296,31 @@ class OpenAiHttpServer::Impl {
           res.set_content(ModelsBody(backend_->ListModels(), NowUnixSeconds()),
                           "application/json");
         });
+    server_->Get(R"(/v1/models/(.+))", [this](const httplib::Request& req,
+                                              httplib::Response& res) {
+      // Model ids may hold '/' (Hugging Face names): the rest of the path.
+      absl::StatusOr<ModelDescription> model =
+          ResolveModel(*backend_, req.matches[1].str());
+      if (!model.ok()) {
+        SendError(res, absl::NotFoundError(absl::StrCat(
+                           "no model '", req.matches[1].str(), "' here")));
+        return;
+      }
+      res.set_content(ModelBody(*model, NowUnixSeconds()), "application/json");
+    });
+    server_->Get("/version", [](const httplib::Request&,
+                                httplib::Response& res) {
+      res.set_content(absl::StrCat("{\"version\":\"", kPdserveVersion, "\"}"),
+                      "application/json");
+    });
+    server_->Post("/tokenize",
+                  [this](const httplib::Request& req, httplib::Response& res) {
+                    HandleTokenize(req, res);
+                  });
+    server_->Post("/detokenize",
+                  [this](const httplib::Request& req, httplib::Response& res) {
+                    HandleDetokenize(req, res);
+                  });
     server_->Get("/health", [this](const httplib::Request&,
                                    httplib::Response& res) {
       absl::Status health = backend_->Health();
@@ -302,9 +344,19 @@ class OpenAiHttpServer::Impl {
             options_.on_rejected(ApiOfPath(req.path),
                                  StatusCodeOfHttpError(res.status));
           }
+          // A known path asked with the wrong method: 405 and what it takes.
+          if (res.status == 404) {
+            if (const char* allow = AllowedMethods(req.path)) {
+              res.status = 405;
+              res.set_header("Allow", allow);
+            }
+          }
           std::string message =
               res.status == 404
                   ? absl::StrCat("no route for ", req.method, " ", req.path)
+              : res.status == 405
+                  ? absl::StrCat(req.path, " takes ", AllowedMethods(req.path),
+                                 ", not ", req.method)
               : res.status == 413 ? std::string("request body too large")
                                   : absl::StrCat("HTTP error ", res.status);
           res.set_content(
@@ -357,6 +409,8 @@ class OpenAiHttpServer::Impl {
  private:
   void HandleGenerate(OpenAiEndpoint endpoint, const httplib::Request& req,
                       httplib::Response& res);
+  void HandleTokenize(const httplib::Request& req, httplib::Response& res);
+  void HandleDetokenize(const httplib::Request& req, httplib::Response& res);
   // Waits for the next event up to `until`, waking every kPollSlice to see
   // whether the server is stopping (then: cancel, nullopt).
   std::optional<StreamBuffer::Event> NextEvent(StreamBuffer& buffer,
@@ -380,6 +434,45 @@ class OpenAiHttpServer::Impl {
   int listen_fd_ = -1;  // owned by server_
   std::atomic<bool> stopped_{false};
 };
+
+void OpenAiHttpServer::Impl::HandleTokenize(const httplib::Request& req,
+                                            httplib::Response& res) {
+  absl::StatusOr<TokenizeRequest> parsed = ParseTokenizeRequest(req.body);
+  if (!parsed.ok()) return SendError(res, parsed.status());
+  absl::StatusOr<ModelDescription> model =
+      ResolveModel(*backend_, parsed->model);
+  if (!model.ok()) return SendError(res, model.status());
+  if (options_.tokenizer == nullptr) {
+    return SendError(res, absl::FailedPreconditionError(
+                              "this router has no tokenizer (the model has "
+                              "none): it takes and returns token ids"));
+  }
+  absl::StatusOr<std::vector<int32_t>> ids =
+      options_.tokenizer->Encode(parsed->text, parsed->add_special_tokens);
+  if (!ids.ok()) return SendError(res, ids.status());
+  res.set_content(TokenizeBody(*ids, model->context_length),
+                  "application/json");
+}
+
+void OpenAiHttpServer::Impl::HandleDetokenize(const httplib::Request& req,
+                                              httplib::Response& res) {
+  absl::StatusOr<DetokenizeRequest> parsed = ParseDetokenizeRequest(req.body);
+  if (!parsed.ok()) return SendError(res, parsed.status());
+  absl::StatusOr<ModelDescription> model =
+      ResolveModel(*backend_, parsed->model);
+  if (!model.ok()) return SendError(res, model.status());
+  if (options_.tokenizer == nullptr) {
+    return SendError(res, absl::FailedPreconditionError(
+                              "this router has no tokenizer (the model has "
+                              "none): it takes and returns token ids"));
+  }
+  absl::StatusOr<std::string> text = options_.tokenizer->Decode(parsed->tokens);
+  if (!text.ok()) {
+    // An id outside the vocabulary is the caller's mistake.
+    return SendError(res, absl::InvalidArgumentError(text.status().message()));
+  }
+  res.set_content(DetokenizeBody(*text), "application/json");
+}
 
 void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
                                             const httplib::Request& req,

@@ -19,6 +19,7 @@
 #include "router/generation_backend.h"
 #include "rpc/auth.h"
 #include "rpc/tls.h"
+#include "tokenizer/tokenizer.h"
 
 namespace pdserve::router {
 
@@ -46,6 +47,9 @@ struct HttpServerOptions {
   // routing the other choices prefill only the prompt's last partial block
   // instead of the whole prompt again; they pay about one TTFT of latency.
   bool stagger_choices = true;
+  // The served model's tokenizer (not owned; null for a dummy model without
+  // one): POST /tokenize and /detokenize use it, else answer 400 saying so.
+  const tokenizer::Tokenizer* tokenizer = nullptr;
 };
 
 class OpenAiHttpServer {

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "tokenizer/detokenizer.h"
 
 namespace pdserve::router {
@@ -736,17 +737,122 @@ std::string StreamErrorEvent(const absl::Status& status) {
   return absl::StrCat("data: ", ErrorBody(status), "\n\n");
 }
 
+namespace {
+
+json ModelObject(const ModelDescription& model, int64_t created) {
+  return {{"id", model.name},
+          {"object", "model"},
+          {"created", created},
+          {"owned_by", "pdserve"},
+          {"max_model_len", model.context_length}};
+}
+
+// A JSON object body with only `allowed` fields (null = absent).
+absl::StatusOr<json> ParseObjectWithFields(
+    std::string_view body_text,
+    std::initializer_list<std::string_view> allowed) {
+  json body = json::parse(body_text, /*cb=*/nullptr,
+                          /*allow_exceptions=*/false);
+  if (body.is_discarded()) {
+    return absl::InvalidArgumentError(
+        "request body is not valid JSON (or not valid UTF-8)");
+  }
+  if (!body.is_object()) {
+    return absl::InvalidArgumentError("request body must be a JSON object");
+  }
+  for (const auto& [key, value] : body.items()) {
+    if (value.is_null()) continue;
+    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+      return FieldError(key,
+                        "is not supported by this server (refused rather "
+                        "than ignored)");
+    }
+  }
+  return body;
+}
+
+absl::Status ReadModel(const json& body, std::string* model) {
+  if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
+    if (!it->is_string()) return FieldError("model", "must be a string");
+    *model = it->get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 std::string ModelsBody(const std::vector<ModelDescription>& models,
                        int64_t created) {
   json data = json::array();
   for (const ModelDescription& model : models) {
-    data.push_back({{"id", model.name},
-                    {"object", "model"},
-                    {"created", created},
-                    {"owned_by", "pdserve"},
-                    {"max_model_len", model.context_length}});
+    data.push_back(ModelObject(model, created));
   }
   return Dump(json{{"object", "list"}, {"data", std::move(data)}});
+}
+
+std::string ModelBody(const ModelDescription& model, int64_t created) {
+  return Dump(ModelObject(model, created));
+}
+
+absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view text) {
+  absl::StatusOr<json> body = ParseObjectWithFields(
+      text, {"model", "prompt", "messages", "add_special_tokens"});
+  if (!body.ok()) return body.status();
+  TokenizeRequest request;
+  PDS_RETURN_IF_ERROR(ReadModel(*body, &request.model));
+  PDS_RETURN_IF_ERROR(
+      ReadBool(*body, "add_special_tokens", &request.add_special_tokens));
+  const bool has_prompt =
+      body->contains("prompt") && !(*body)["prompt"].is_null();
+  const bool has_messages =
+      body->contains("messages") && !(*body)["messages"].is_null();
+  if (has_prompt == has_messages) {
+    return absl::InvalidArgumentError(
+        "send exactly one of 'prompt' (a string) or 'messages'");
+  }
+  if (has_prompt) {
+    if (!(*body)["prompt"].is_string()) {
+      return FieldError("prompt", "must be a string");
+    }
+    request.text = (*body)["prompt"].get<std::string>();
+    return request;
+  }
+  std::vector<ChatMessage> messages;
+  PDS_RETURN_IF_ERROR(ReadMessages(*body, &messages));
+  request.text = RenderChatPrompt(messages);
+  return request;
+}
+
+std::string TokenizeBody(const std::vector<int32_t>& ids,
+                         int32_t max_model_len) {
+  return Dump(json{{"count", ids.size()},
+                   {"max_model_len", max_model_len},
+                   {"tokens", ids}});
+}
+
+absl::StatusOr<DetokenizeRequest> ParseDetokenizeRequest(
+    std::string_view text) {
+  absl::StatusOr<json> body = ParseObjectWithFields(text, {"model", "tokens"});
+  if (!body.ok()) return body.status();
+  DetokenizeRequest request;
+  PDS_RETURN_IF_ERROR(ReadModel(*body, &request.model));
+  auto it = body->find("tokens");
+  if (it == body->end() || it->is_null()) {
+    return FieldError("tokens", "is required");
+  }
+  if (!it->is_array()) return FieldError("tokens", "must be an array of ids");
+  for (const json& id : *it) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return FieldError("tokens", "must hold non-negative integer ids");
+    }
+    request.tokens.push_back(static_cast<int32_t>(id.get<int64_t>()));
+  }
+  return request;
+}
+
+std::string DetokenizeBody(std::string_view text) {
+  return Dump(json{{"prompt", text}});
 }
 
 }  // namespace pdserve::router

@@ -158,5 +158,31 @@ inline constexpr std::string_view kStreamDoneEvent = "data: [DONE]\n\n";
 // GET /v1/models body.
 std::string ModelsBody(const std::vector<ModelDescription>& models,
                        int64_t created);
+// GET /v1/models/{id} body: one model object.
+std::string ModelBody(const ModelDescription& model, int64_t created);
+
+// POST /tokenize (vLLM's shape): {"model"?, "prompt": "...",
+// "add_special_tokens"?: true} or {"model"?, "messages": [...],
+// "add_special_tokens"?: true} (the chat prompt as /v1/chat/completions
+// renders it). Unknown fields are refused by name.
+struct TokenizeRequest {
+  std::string model;
+  std::string text;
+  bool add_special_tokens = true;
+};
+[[nodiscard]] absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(
+    std::string_view body);
+// {"count": N, "max_model_len": L, "tokens": [...]}
+std::string TokenizeBody(const std::vector<int32_t>& ids,
+                         int32_t max_model_len);
+
+// POST /detokenize: {"model"?, "tokens": [ids]} -> {"prompt": "text"}.
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int32_t> tokens;
+};
+[[nodiscard]] absl::StatusOr<DetokenizeRequest> ParseDetokenizeRequest(
+    std::string_view body);
+std::string DetokenizeBody(std::string_view text);
 
 }  // namespace pdserve::router

@@ -53,8 +53,19 @@ RunningServer::~RunningServer() {
 
 void RunningServer::SetServing(bool serving) {
   if (server_ == nullptr) return;
+  serving_ = serving;
   if (auto* health = server_->GetHealthCheckService(); health != nullptr) {
-    health->SetServingStatus(serving);
+    health->SetServingStatus(serving);  // "" and every name set below
+  }
+}
+
+void RunningServer::ReportHealthFor(
+    const std::vector<std::string>& service_names) {
+  if (server_ == nullptr) return;
+  auto* health = server_->GetHealthCheckService();
+  for (const std::string& name : service_names) {
+    service_names_.push_back(name);
+    if (health != nullptr) health->SetServingStatus(name, serving_);
   }
 }
 

@@ -33,6 +33,11 @@ class RunningServer {
   // Sets the overall serving status reported by grpc.health.v1 ("" service)
   // and by each named service.
   void SetServing(bool serving);
+  // Makes grpc.health.v1 answer for these service names too (e.g.
+  // "pdserve.v1.Generation", what Kubernetes' grpc probe and grpc-health-probe
+  // send with -service), following SetServing. Unnamed services answer
+  // NOT_FOUND, as the protocol says.
+  void ReportHealthFor(const std::vector<std::string>& service_names);
   // Cancels in-flight calls after `grace_seconds` and stops. Idempotent.
   void Shutdown(double grace_seconds = 1.0);
   void Wait();
@@ -44,6 +49,7 @@ class RunningServer {
   std::string address_;
   int port_ = 0;
   bool shut_down_ = false;
+  bool serving_ = false;
 };
 
 }  // namespace pdserve::rpc

@@ -322,18 +322,6 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
   EXPECT_TRUE(absl::StrContains(res->body, "tp=\"" + tp + "\"")) << tp;
   EXPECT_TRUE(absl::StrContains(res->body, "worker_id=\"decode-0\""));
   // The router, as its Deployment starts it, in front of the same workers.
-  // Until the router takes --metrics-port (RouterMetrics wired into the
-  // binary) it refuses the manifest's arguments: say so and stop here.
-  const CommandResult probe =
-      Shell(absl::StrCat(ROUTER_BIN, " --metrics-port=0 --model=/nonexistent"));
-  if (absl::StrContains(probe.output, "unknown flag --metrics-port")) {
-    std::printf(
-        "started from the cpu-demo manifests: decode-0, prefill-0, prefill-1; "
-        "NOT the router: its binary does not take --metrics-port yet (%s)\n",
-        probe.output.c_str());
-    fs::remove_all(dir);
-    return;
-  }
   const int router_port = testing::FreePort();
   const int http_port = testing::FreePort();
   const Container router_spec = FromManifest(

@@ -17,7 +17,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "router/admission_limiter.h"
+#include "router/openai_api.h"
+#include "testing/golden.h"
 #include "tests/router/fake_backend.h"
+#include "tokenizer/tokenizer.h"
 
 namespace pdserve::router {
 namespace {
@@ -440,6 +443,98 @@ TEST_F(HttpServerTest, ModelsAndHealth) {
   EXPECT_EQ(health->status, 200);
   backend_.set_health(absl::UnavailableError("no decode worker"));
   ExpectError(client_->Get("/health"), 503);
+}
+
+TEST_F(HttpServerTest, OneModelAndTheVersion) {
+  auto model = client_->Get("/v1/models/stories260K");
+  ASSERT_TRUE(model);
+  ASSERT_EQ(model->status, 200) << model->body;
+  json body = json::parse(model->body);
+  EXPECT_EQ(body["id"], "stories260K");
+  EXPECT_EQ(body["object"], "model");
+  EXPECT_TRUE(body["created"].is_number_integer());
+  EXPECT_EQ(body["owned_by"], "pdserve");
+  EXPECT_NE(ExpectError(client_->Get("/v1/models/gpt-9"), 404).find("'gpt-9'"),
+            std::string::npos);
+  auto version = client_->Get("/version");
+  ASSERT_TRUE(version);
+  EXPECT_EQ(version->status, 200);
+  EXPECT_TRUE(json::parse(version->body)["version"].is_string())
+      << version->body;
+}
+
+TEST_F(HttpServerTest, WrongMethodOnAKnownPathIs405WithAllow) {
+  for (const char* path :
+       {"/v1/completions", "/v1/chat/completions", "/tokenize"}) {
+    auto res = client_->Get(path);
+    std::string message = ExpectError(res, 405);
+    EXPECT_EQ(res->get_header_value("Allow"), "POST") << path;
+    EXPECT_NE(message.find("POST"), std::string::npos) << message;
+  }
+  auto res = client_->Post("/v1/models", "{}", "application/json");
+  ExpectError(res, 405);
+  EXPECT_EQ(res->get_header_value("Allow"), "GET");
+  res = client_->Delete("/v1/models/stories260K");
+  ExpectError(res, 405);
+  EXPECT_EQ(res->get_header_value("Allow"), "GET");
+  // An unknown path stays 404.
+  ExpectError(client_->Get("/v1/nothing"), 404);
+}
+
+TEST_F(HttpServerTest, TokenizeAndDetokenizeWithTheModelsTokenizer) {
+  model::TokenizerSpec spec;
+  spec.sentencepiece_model_path =
+      ::pdserve::testing::Stories260KDir() + "/tokenizer.model";
+  absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> tok =
+      tokenizer::Tokenizer::Create(spec);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  // Without a tokenizer (a dummy model): a clear 400.
+  EXPECT_NE(ExpectError(Post("/tokenize", R"({"prompt": "Once"})"), 400)
+                .find("no tokenizer"),
+            std::string::npos);
+  server_->Stop();
+  HttpServerOptions options;
+  options.tokenizer = tok->get();
+  StartServer(&backend_, options);
+
+  const std::string text = "Once upon a time";
+  const std::vector<int32_t> expected = *(*tok)->Encode(text, true);
+  auto res = Post("/tokenize", R"({"prompt": "Once upon a time"})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  json body = json::parse(res->body);
+  EXPECT_EQ(body["tokens"].get<std::vector<int32_t>>(), expected);
+  EXPECT_EQ(body["count"], expected.size());
+  EXPECT_TRUE(body["max_model_len"].is_number_integer());
+  res = Post("/tokenize",
+             R"({"prompt": "Once upon a time", "add_special_tokens": false})");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(json::parse(res->body)["tokens"].get<std::vector<int32_t>>(),
+            *(*tok)->Encode(text, false));
+  // Chat messages: the prompt /v1/chat/completions would feed the model.
+  res =
+      Post("/tokenize", R"({"messages": [{"role": "user", "content": "Hi"}]})");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(json::parse(res->body)["tokens"].get<std::vector<int32_t>>(),
+            *(*tok)->Encode(RenderChatPrompt({{"user", "Hi"}}), true));
+
+  res = Post("/detokenize", json{{"tokens", expected}}.dump());
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(json::parse(res->body)["prompt"], text);
+
+  // Bad requests: precise 400s, never a 500.
+  for (const char* bad :
+       {R"({})", R"({"prompt": "a", "messages": []})", R"({"prompt": 5})",
+        R"({"prompt": "a", "truncate_prompt_tokens": 3})", "{oops"}) {
+    EXPECT_FALSE(ExpectError(Post("/tokenize", bad), 400).empty()) << bad;
+  }
+  for (const char* bad :
+       {R"({})", R"({"tokens": [-1]})", R"({"tokens": "abc"})",
+        R"({"tokens": [99999999]})"}) {
+    EXPECT_FALSE(ExpectError(Post("/detokenize", bad), 400).empty()) << bad;
+  }
+  ExpectError(Post("/tokenize", R"({"model": "gpt-9", "prompt": "a"})"), 404);
 }
 
 TEST_F(HttpServerTest, BadRequestsGet400AndTheServerKeepsServing) {

@@ -37,6 +37,33 @@ TEST(RunningServerTest, ServesHealthOnAnEphemeralPortAndFollowsSetServing) {
   EXPECT_EQ(check(), HealthCheckResponse::SERVING);
 }
 
+// Kubernetes' grpc probe and grpc-health-probe ask for a service by name.
+TEST(RunningServerTest, HealthAnswersForNamedServices) {
+  auto server = RunningServer::Start("127.0.0.1:0", {});
+  ASSERT_TRUE(server.ok()) << server.status();
+  (*server)->ReportHealthFor({"pdserve.v1.Generation"});
+  auto stub = Health::NewStub(grpc::CreateChannel(
+      (*server)->address(), grpc::InsecureChannelCredentials()));
+  auto check = [&](const std::string& service) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    HealthCheckRequest request;
+    request.set_service(service);
+    HealthCheckResponse response;
+    grpc::Status status = stub->Check(&context, request, &response);
+    return status.ok() ? static_cast<int>(response.status())
+                       : -static_cast<int>(status.error_code());
+  };
+  EXPECT_EQ(check("pdserve.v1.Generation"), HealthCheckResponse::SERVING);
+  EXPECT_EQ(check("pdserve.v1.Nothing"), -grpc::StatusCode::NOT_FOUND);
+  (*server)->SetServing(false);
+  EXPECT_EQ(check("pdserve.v1.Generation"), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check(""), HealthCheckResponse::NOT_SERVING);
+  (*server)->SetServing(true);
+  EXPECT_EQ(check("pdserve.v1.Generation"), HealthCheckResponse::SERVING);
+}
+
 TEST(RunningServerTest, UnbindableAddressIsUnavailable) {
   auto server = RunningServer::Start("256.1.1.1:1", {});
   ASSERT_FALSE(server.ok());
