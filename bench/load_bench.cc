@@ -15,10 +15,8 @@
 // Reported per run: TTFT, TPOT, ITL (gap between streamed items) p50/p99,
 // output tokens/s, and goodput = requests/s that met both SLOs.
 //
-//   load_bench [--model ../shared/models/stories260K] [--requests 200]
-//              [--rate 20] [--short-prompt 16:64] [--long-prompt 256:400]
-//              [--output 16:64] [--slo-ttft-ms 200] [--slo-tpot-ms 20]
-//              [--overhead-requests 200] [--seed 1] [--only overhead|load]
+//   load_bench [flags]   (`load_bench --help` lists every flag, its default
+//                         and meaning)
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -350,25 +348,60 @@ int Main(int argc, char** argv) {
     return 2;
   }
   tools::LocalClusterOptions base;
-  base.model_path = flags.Str("model", PDSERVE_MODELS_DIR "/stories260K");
-  base.format = flags.Str("format", "auto");
+  flags.Group("Model");
+  base.model_path =
+      flags.Str("model", PDSERVE_MODELS_DIR "/stories260K",
+                "Model every process of the benchmark clusters loads.");
+  base.format =
+      flags.Str("format", "auto", "Model format: auto|gguf|safetensors.");
   base.bin_dir = PDSERVE_BINARY_DIR;
   base.refresh_ms = 100;
   base.decode_blocks = 2048;
   base.prefill_blocks = 1024;
   base.max_running = 128;
-  const int requests = flags.Num<int>("requests", 200);
-  const double rate = flags.Num<double>("rate", 20);
+  flags.Group("Load");
+  const int requests = flags.Num<int>(
+      "requests", 200, "Requests per open-loop run (short and long prompts).");
+  const double rate = flags.Num<double>(
+      "rate", 20, "Poisson arrival rate of the open-loop runs, requests/s.");
+  const std::string short_text = flags.Str(
+      "short-prompt", "16:64", "Short prompts' length range LO:HI, tokens.");
+  const std::string long_text = flags.Str(
+      "long-prompt", "256:400", "Long prompts' length range LO:HI, tokens.");
+  const std::string output_text = flags.Str(
+      "output", "16:64", "Output length range LO:HI, tokens (greedy).");
+  const uint64_t seed =
+      flags.Num<uint64_t>("seed", 1, "Seed of the arrivals and lengths.");
+  const int overhead_requests = flags.Num<int>(
+      "overhead-requests", 200,
+      "Single-token requests of the router added-latency comparison.");
+  const std::string only = flags.Str(
+      "only", "", "Run one part only: overhead|load.", "(none: both)");
+  flags.Group("SLO");
+  const double slo_ttft =
+      flags.Num<double>("slo-ttft-ms", 200,
+                        "Time-to-first-token SLO for goodput, ms.") /
+      1e3;
+  const double slo_tpot =
+      flags.Num<double>("slo-tpot-ms", 20,
+                        "Time-per-output-token SLO for goodput, ms.") /
+      1e3;
+  if (flags.help_requested()) {
+    std::fputs(
+        flags
+            .Usage(
+                "load_bench [flags]\n"
+                "Open-loop load on local clusters: router added latency, and "
+                "disaggregated vs\ncolocated on the same cores at short and "
+                "long prompts (bench/load_bench.cc).\n")
+            .c_str(),
+        stdout);
+    return 0;
+  }
   Range short_prompt, long_prompt, output;
-  const bool ranges_ok =
-      ParseRange(flags.Str("short-prompt", "16:64"), &short_prompt) &&
-      ParseRange(flags.Str("long-prompt", "256:400"), &long_prompt) &&
-      ParseRange(flags.Str("output", "16:64"), &output);
-  const double slo_ttft = flags.Num<double>("slo-ttft-ms", 200) / 1e3;
-  const double slo_tpot = flags.Num<double>("slo-tpot-ms", 20) / 1e3;
-  const int overhead_requests = flags.Num<int>("overhead-requests", 200);
-  const uint64_t seed = flags.Num<uint64_t>("seed", 1);
-  const std::string only = flags.Str("only", "");
+  const bool ranges_ok = ParseRange(short_text, &short_prompt) &&
+                         ParseRange(long_text, &long_prompt) &&
+                         ParseRange(output_text, &output);
   if (auto s = flags.Check(); !s.ok() || !ranges_ok) {
     std::fprintf(stderr, "%s\n",
                  s.ok() ? "ranges are LO:HI" : s.ToString().c_str());

@@ -1,12 +1,8 @@
 // Pipeline-parallel prefill: S = 1 vs S = 2 (and more with --stages) on the
 // same queue of long prompts, one compute thread per stage, in one run.
 //
-//   prefill_bench [--config ../shared/models/bench-configs/llama-110m.json]
-//                 [--prompt 2048] [--requests 4] [--stages 1,2]
-//                 [--chunk-tokens 512] [--microbatch-tokens 512]
-//                 [--policy equal-cost|fixed] [--max-in-flight 0 (= 2S)]
-//                 [--prompt-logprobs -1 (off) | N alternatives]
-//                 [--scored-share 0] (split `auto` as prefill_worker's flag)
+//   prefill_bench [flags]   (`prefill_bench --help` lists every flag, its
+//                            default and meaning)
 //
 // The whole queue is submitted at once (a full queue: every stage can have
 // work). Reported per S: prefill tokens/s over the queue, TTFT of the first
@@ -123,17 +119,47 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
   }
+  flags.Group("Model");
   const std::string config_path =
-      flags.Str("config", PDSERVE_MODELS_DIR "/bench-configs/llama-110m.json");
-  const int prompt = flags.Num<int>("prompt", 2048);
-  const int requests = flags.Num<int>("requests", 4);
-  const std::string stages_text = flags.Str("stages", "1,2");
-  const int chunk_tokens = flags.Num<int>("chunk-tokens", 512);
-  const int microbatch = flags.Num<int>("microbatch-tokens", 512);
-  const std::string policy_name = flags.Str("policy", "equal-cost");
-  const int max_in_flight = flags.Num<int>("max-in-flight", 0);
-  const int prompt_logprobs = flags.Num<int>("prompt-logprobs", -1);
-  const double scored_share = flags.Num<double>("scored-share", 0.0);
+      flags.Str("config", PDSERVE_MODELS_DIR "/bench-configs/llama-110m.json",
+                "Model config JSON (random weights of that shape).");
+  flags.Group("Workload");
+  const int prompt =
+      flags.Num<int>("prompt", 2048, "Prompt length of every request, tokens.");
+  const int requests = flags.Num<int>(
+      "requests", 4, "Requests in the queue, all submitted at once.");
+  const int prompt_logprobs = flags.Num<int>(
+      "prompt-logprobs", -1,
+      "Also score the prompts (echo + logprobs) with N alternatives per "
+      "position and compare; -1: off.");
+  flags.Group("Pipeline");
+  const std::string stages_text =
+      flags.Str("stages", "1,2", "Stage counts S to compare, comma-separated.");
+  const double scored_share = flags.Num<double>(
+      "scored-share", 0.0,
+      "S > 1 also reruns the scored queue with the auto split weighted for "
+      "this share of scored prompt tokens (as prefill_worker's flag); 0: "
+      "off.");
+  flags.Group("Scheduling");
+  const int chunk_tokens =
+      flags.Num<int>("chunk-tokens", 512, "Average prompt tokens per chunk.");
+  const int microbatch = flags.Num<int>(
+      "microbatch-tokens", 512, "Token budget of one pipeline microbatch.");
+  const std::string policy_name =
+      flags.Str("policy", "equal-cost", "Chunk policy: equal-cost|fixed.");
+  const int max_in_flight = flags.Num<int>(
+      "max-in-flight", 0, "Microbatches in the pipeline at once (0: 2S).");
+  if (flags.help_requested()) {
+    std::fputs(flags
+                   .Usage("prefill_bench [flags]\n"
+                          "Pipeline-parallel prefill: S = 1 vs S = 2 (and "
+                          "more with --stages) on the same\nqueue of long "
+                          "prompts, one compute thread per stage "
+                          "(bench/prefill_bench.cc).\n")
+                   .c_str(),
+               stdout);
+    return 0;
+  }
   if (auto s = flags.Check(); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
