@@ -23,9 +23,10 @@ Value MakeFunction(NativeFn fn, std::shared_ptr<void> captured = nullptr) {
   return Value::Function(std::move(data));
 }
 
+// An object from entries whose keys are known to be distinct and few.
 Value NewObject(std::vector<std::pair<std::string, Value>> entries) {
   auto data = std::make_shared<ObjectData>();
-  for (auto& [k, v] : entries) data->Set(std::move(k), std::move(v));
+  data->entries = std::move(entries);
   return Value::Object(std::move(data));
 }
 
@@ -515,7 +516,8 @@ void Interpreter::RenderFor(const Node& node,
   bool no_iteration = true;
   const double length = static_cast<double>(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    Charge(1);
+    // An iteration builds the `loop` object: worth more than a node.
+    Charge(10);
     const double index = static_cast<double>(i);
     scope->Set("loop",
                NewObject({
@@ -1956,7 +1958,8 @@ Value RangeBuiltin(Interpreter& in, std::vector<Value>& args) {
   if (step == 0) Fail("range() step must not be zero");
   std::vector<Value> out;
   const auto push = [&](double i) {
-    in.CheckItems(out.size() + 1);
+    if (out.size() >= in.limits().max_items) in.CheckItems(out.size() + 1);
+    in.Charge(1);
     out.push_back(std::floor(i) == i ? Value::Int(i) : Value::Float(i));
   };
   if (step > 0) {

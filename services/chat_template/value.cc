@@ -143,11 +143,11 @@ const char* Value::TypeName() const {
 // ---- ObjectData ----
 
 namespace {
-constexpr size_t kLinearScanLimit = 8;
+constexpr size_t kLinearScanLimit = 16;
 }  // namespace
 
 const Value* ObjectData::Find(std::string_view key) const {
-  if (entries.size() <= kLinearScanLimit) {
+  if (entries.size() <= kLinearScanLimit || index_.size() != entries.size()) {
     for (const auto& [k, v] : entries) {
       if (k == key) return &v;
     }
