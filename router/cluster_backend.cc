@@ -166,7 +166,8 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
                        options_.model.context_length, " tokens (at most ",
                        max_token_bytes_, " bytes per token)"));
     }
-    PDS_ASSIGN_OR_RETURN(ids, tokenizer_->Encode(*request.prompt_text));
+    PDS_ASSIGN_OR_RETURN(ids, tokenizer_->Encode(*request.prompt_text,
+                                                 request.add_special_tokens));
   }
   const int64_t context = options_.model.context_length;
   const int64_t n = static_cast<int64_t>(ids.size());

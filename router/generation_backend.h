@@ -49,6 +49,9 @@ struct GenerationRequest {
   // Exactly one of the two is the prompt.
   std::optional<std::string> prompt_text;
   std::optional<std::vector<int32_t>> prompt_ids;
+  // Text prompts: let the tokenizer add its special tokens (BOS). False for
+  // a chat rendered by the model's template, which writes its own.
+  bool add_special_tokens = true;
   int32_t max_tokens = rpc::kDefaultMaxTokens;
   SamplingOptions sampling;
   std::vector<std::string> stop;

@@ -437,7 +437,8 @@ class OpenAiHttpServer::Impl {
 
 void OpenAiHttpServer::Impl::HandleTokenize(const httplib::Request& req,
                                             httplib::Response& res) {
-  absl::StatusOr<TokenizeRequest> parsed = ParseTokenizeRequest(req.body);
+  absl::StatusOr<TokenizeRequest> parsed =
+      ParseTokenizeRequest(req.body, options_.chat_prompt);
   if (!parsed.ok()) return SendError(res, parsed.status());
   absl::StatusOr<ModelDescription> model =
       ResolveModel(*backend_, parsed->model);
@@ -484,7 +485,8 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
     if (options_.on_rejected) options_.on_rejected(api, status.code());
     SendError(res, status);
   };
-  absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(endpoint, req.body);
+  absl::StatusOr<OpenAiRequest> parsed =
+      ParseOpenAiRequest(endpoint, req.body, options_.chat_prompt);
   if (!parsed.ok()) return reject(parsed.status());
   absl::StatusOr<ModelDescription> model =
       ResolveModel(*backend_, parsed->generation.model);
@@ -585,6 +587,15 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
       }
       if (open > 0) event = NextEvent(*buffer, deadline + kDeadlineGrace);
     }
+    if (parsed->tool_format != ToolCallFormat::kNone) {
+      for (CompletionOutcome& outcome : outcomes) {
+        ParsedAnswer answer = ParseToolCalls(
+            parsed->tool_format, parsed->answer_prefix + outcome.text);
+        if (answer.tool_calls.empty()) continue;  // plain text stays as is
+        outcome.text = std::move(answer.content);
+        outcome.tool_calls = std::move(answer.tool_calls);
+      }
+    }
     res.set_content(
         CompletionBody(endpoint, id, created, model->name, outcomes, n),
         "application/json");
@@ -601,6 +612,8 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
     std::vector<bool> first;             // per choice: no chunk sent yet
     std::vector<int64_t> text_offset;    // per choice: characters reported
     std::vector<GenerationUsage> usage;  // per choice, from its last delta
+    // Chat with tools: per choice, the answer's tool calls held back.
+    std::vector<ToolCallStream> tool_calls;
     bool finished = false;
   };
   auto state = std::make_shared<StreamState>();
@@ -610,6 +623,13 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   state->first.assign(num_choices, true);
   state->text_offset.assign(num_choices, 0);
   state->usage.resize(num_choices);
+  if (parsed->tool_format != ToolCallFormat::kNone) {
+    for (int c = 0; c < num_choices; ++c) {
+      state->tool_calls.emplace_back(parsed->tool_format);
+      // The forced opening is part of the answer (held: it starts a call).
+      (void)state->tool_calls.back().Push(parsed->answer_prefix);
+    }
+  }
   const bool include_usage = parsed->include_usage;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Request-Id", id);
@@ -681,6 +701,28 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         chunk_logprobs.tokens = std::move(delta.logprobs);
         const bool first_chunk = state->first[choice];
         state->first[choice] = false;
+        if (!state->tool_calls.empty()) {
+          ToolCallStream& calls = state->tool_calls[choice];
+          text = calls.Push(text);
+          if (text.empty() && !delta.finished && !first_chunk &&
+              chunk_logprobs.tokens.empty()) {
+            return true;  // all held back (a call is being written)
+          }
+          if (delta.finished) {
+            ParsedAnswer rest = calls.Finish();
+            text += rest.content;
+            if (!rest.tool_calls.empty()) {
+              if ((!text.empty() || first_chunk) &&
+                  !write(StreamChunkEvent(endpoint, id, created, name, text,
+                                          FinishReason::kNone, first_chunk,
+                                          chunk_logprobs, choice))) {
+                return false;
+              }
+              return write(StreamToolCallsEvent(id, created, name,
+                                                rest.tool_calls, choice));
+            }
+          }
+        }
         // A failed write means the client went away: returning false closes
         // the connection and the releaser cancels the generation.
         return write(StreamChunkEvent(

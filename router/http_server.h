@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "router/chat_prompt.h"
 #include "router/generation_backend.h"
 #include "rpc/auth.h"
 #include "rpc/tls.h"
@@ -50,6 +51,9 @@ struct HttpServerOptions {
   // The served model's tokenizer (not owned; null for a dummy model without
   // one): POST /tokenize and /detokenize use it, else answer 400 saying so.
   const tokenizer::Tokenizer* tokenizer = nullptr;
+  // How chat messages become the prompt (not owned; null: the base-model
+  // fallback): the model's own template, with tools and template kwargs.
+  const ChatPrompt* chat_prompt = nullptr;
 };
 
 class OpenAiHttpServer {

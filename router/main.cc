@@ -67,16 +67,16 @@ namespace {
 
 constexpr char kSynopsis[] =
     "router --model PATH (--prefill H:P,... --decode H:P,... | --config "
-    "FILE)\n              [flags]\n"
+    "FILE) [flags]\n"
     "The public face of a pdserve cluster: the OpenAI API over HTTP and "
-    "pdserve.v1.Generation\nover gRPC, each request run through a prefill "
+    "pdserve.v1.Generation over gRPC, each request run through a prefill "
     "group and a decode worker.\n";
 
 constexpr char kNotes[] =
     "A request that finds no decode worker with KV room waits in the "
-    "admission queue, in\narrival order, up to --queue-timeout-seconds; 429 "
-    "only when --max-queued requests wait\n(or --max-in-flight is reached), "
-    "503 only when no worker is healthy. SIGINT/SIGTERM\nstop.\n";
+    "admission queue, in arrival order, up to --queue-timeout-seconds; 429 "
+    "only when --max-queued requests wait (or --max-in-flight is reached), "
+    "503 only when no worker is healthy. SIGINT/SIGTERM stop.\n";
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "router: %s\n", s.ToString().c_str());
@@ -305,6 +305,18 @@ int Main(int argc, char** argv) {
     if (!loaded.ok()) return Fail(loaded.status());
     tokenizer = *std::move(loaded);
   }
+  // Chat prompts: the model's own template where it ships one (a template
+  // that cannot be read stops the router: serving a made-up prompt format
+  // would quietly degrade every answer).
+  std::unique_ptr<ChatPrompt> chat_prompt = ChatPrompt::Fallback();
+  if (*format != model::LoadFormat::kDummy) {
+    absl::StatusOr<std::unique_ptr<ChatPrompt>> loaded =
+        ChatPrompt::ForModel(model_path);
+    if (!loaded.ok()) return Fail(loaded.status());
+    chat_prompt = *std::move(loaded);
+  }
+  std::fprintf(stderr, "router: chat prompts: %s\n",
+               chat_prompt->Describe().c_str());
 
   // The cluster's identity, as far as the router knows it from the model it
   // loaded: a worker serving another model, name or KV block size stays out
@@ -387,6 +399,7 @@ int Main(int argc, char** argv) {
   http_options.api_keys = &api_keys;
   http_options.tls = tls;
   http_options.tokenizer = tokenizer.get();
+  http_options.chat_prompt = chat_prompt.get();
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
       OpenAiHttpServer::Start(http_options, &metered);
   if (!http_server.ok()) return Fail(http_server.status());

@@ -162,6 +162,240 @@ absl::Status ReadMessages(const json& body, std::vector<ChatMessage>* out) {
   return absl::OkStatus();
 }
 
+using ojson = nlohmann::ordered_json;
+
+absl::Status MessageError(size_t index, std::string_view field,
+                          std::string_view what) {
+  return FieldError(absl::StrCat("messages[", index, "]", std::string(field)),
+                    what);
+}
+
+// A message's text: a string, or text parts joined (a text model has no
+// other parts). Null only where `may_be_null` (an assistant turn that only
+// calls tools).
+absl::Status ReadContent(size_t index, const ojson& message, bool may_be_null,
+                         std::string* text) {
+  auto content = message.find("content");
+  if (content == message.end() || content->is_null()) {
+    if (may_be_null) return absl::OkStatus();
+    return MessageError(index, ".content", "is required");
+  }
+  if (content->is_string()) {
+    *text = content->get<std::string>();
+    return absl::OkStatus();
+  }
+  if (!content->is_array()) {
+    return MessageError(index, ".content",
+                        "must be a string or an array of text parts");
+  }
+  for (const ojson& part : *content) {
+    auto type = part.is_object() ? part.find("type") : part.end();
+    if (!part.is_object() || type == part.end() || *type != "text" ||
+        !part.contains("text") || !part["text"].is_string()) {
+      return MessageError(index, ".content",
+                          "parts must be {\"type\": \"text\", \"text\": ...}");
+    }
+    *text += part["text"].get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// An assistant turn's tool_calls, with each call's `arguments` (JSON text
+// on the wire) as an object, as chat templates expect them.
+absl::Status ReadToolCalls(size_t index, const ojson& calls, ojson* out) {
+  if (!calls.is_array()) {
+    return MessageError(index, ".tool_calls", "must be an array");
+  }
+  *out = ojson::array();
+  for (const ojson& call : calls) {
+    const ojson* function = call.is_object() && call.contains("function")
+                                ? &call["function"]
+                                : nullptr;
+    if (function == nullptr || !function->is_object() ||
+        !function->contains("name") || !(*function)["name"].is_string()) {
+      return MessageError(index, ".tool_calls",
+                          "each needs function.name (a string)");
+    }
+    ojson arguments = ojson::object();
+    if (auto a = function->find("arguments");
+        a != function->end() && !a->is_null()) {
+      if (a->is_string()) {
+        arguments = ojson::parse(a->get<std::string>(), nullptr, false);
+      } else {
+        arguments = *a;
+      }
+      if (arguments.is_discarded() || !arguments.is_object()) {
+        return MessageError(index, ".tool_calls",
+                            "function.arguments must be a JSON object (or its "
+                            "text)");
+      }
+    }
+    ojson normalized = {
+        {"id", call.value("id", "")},
+        {"type", "function"},
+        {"function",
+         {{"name", (*function)["name"]}, {"arguments", std::move(arguments)}}}};
+    out->push_back(std::move(normalized));
+  }
+  return absl::OkStatus();
+}
+
+// Chat messages, tools and template options into `chat` (and the plain
+// role/content pairs into `plain`).
+absl::Status ReadChat(const ojson& body, ChatInput* chat,
+                      std::vector<ChatMessage>* plain) {
+  auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) {
+    return FieldError("messages", "is required");
+  }
+  if (!it->is_array() || it->empty()) {
+    return FieldError("messages", "must be a non-empty array");
+  }
+  static const absl::flat_hash_set<std::string_view> kMessageFields = {
+      "role", "content", "name", "tool_calls", "tool_call_id"};
+  for (size_t i = 0; i < it->size(); ++i) {
+    const ojson& message = (*it)[i];
+    if (!message.is_object()) {
+      return FieldError("messages", "must hold objects");
+    }
+    for (const auto& [key, value] : message.items()) {
+      if (!value.is_null() && !kMessageFields.contains(key)) {
+        return MessageError(i, absl::StrCat(".", key),
+                            "is not supported by this server (refused "
+                            "rather than ignored)");
+      }
+    }
+    auto role = message.find("role");
+    if (role == message.end() || !role->is_string()) {
+      return MessageError(i, ".role", "is required");
+    }
+    std::string role_name = role->get<std::string>();
+    if (role_name == "developer") role_name = "system";
+    if (role_name != "system" && role_name != "user" &&
+        role_name != "assistant" && role_name != "tool") {
+      return MessageError(i, ".role",
+                          "must be system, developer, user, assistant or "
+                          "tool");
+    }
+    ojson normalized = {{"role", role_name}};
+    const bool calls_tools = role_name == "assistant" &&
+                             message.contains("tool_calls") &&
+                             !message["tool_calls"].is_null();
+    std::string text;
+    PDS_RETURN_IF_ERROR(ReadContent(i, message, calls_tools, &text));
+    normalized["content"] = text;
+    if (auto name = message.find("name");
+        name != message.end() && !name->is_null()) {
+      if (!name->is_string()) {
+        return MessageError(i, ".name", "must be a string");
+      }
+      normalized["name"] = *name;
+    }
+    if (calls_tools) {
+      ojson calls;
+      PDS_RETURN_IF_ERROR(ReadToolCalls(i, message["tool_calls"], &calls));
+      normalized["tool_calls"] = std::move(calls);
+    } else if (message.contains("tool_calls") &&
+               !message["tool_calls"].is_null()) {
+      return MessageError(i, ".tool_calls", "only assistant turns call tools");
+    }
+    if (auto id = message.find("tool_call_id");
+        id != message.end() && !id->is_null()) {
+      if (role_name != "tool" || !id->is_string()) {
+        return MessageError(i, ".tool_call_id",
+                            "belongs to a tool turn, as a string");
+      }
+      normalized["tool_call_id"] = *id;
+    }
+    chat->messages.push_back(std::move(normalized));
+    plain->push_back({role_name, std::move(text)});
+  }
+
+  if (auto tools = body.find("tools");
+      tools != body.end() && !tools->is_null()) {
+    if (!tools->is_array()) return FieldError("tools", "must be an array");
+    for (const ojson& tool : *tools) {
+      if (!tool.is_object() || tool.value("type", "") != "function" ||
+          !tool.contains("function") || !tool["function"].is_object() ||
+          !tool["function"].contains("name") ||
+          !tool["function"]["name"].is_string()) {
+        return FieldError("tools",
+                          "each must be {\"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"parameters\": ...}}");
+      }
+    }
+    if (!tools->empty()) chat->tools = *tools;
+  }
+  if (auto choice = body.find("tool_choice");
+      choice != body.end() && !choice->is_null()) {
+    ToolChoice& c = chat->tool_choice;
+    if (choice->is_string()) {
+      const std::string v = choice->get<std::string>();
+      if (v == "auto") {
+        c.kind = ToolChoice::Kind::kAuto;
+      } else if (v == "none") {
+        c.kind = ToolChoice::Kind::kNone;
+      } else if (v == "required") {
+        c.kind = ToolChoice::Kind::kRequired;
+      } else {
+        return FieldError("tool_choice",
+                          "must be \"auto\", \"none\", \"required\" or "
+                          "{\"type\": \"function\", \"function\": {\"name\": "
+                          "...}}");
+      }
+    } else if (choice->is_object() && choice->value("type", "") == "function" &&
+               choice->contains("function") &&
+               (*choice)["function"].is_object() &&
+               (*choice)["function"].contains("name") &&
+               (*choice)["function"]["name"].is_string()) {
+      c.kind = ToolChoice::Kind::kFunction;
+      c.function = (*choice)["function"]["name"].get<std::string>();
+      bool known = false;
+      if (chat->tools.is_array()) {
+        for (const ojson& tool : chat->tools) {
+          known |= tool["function"]["name"] == c.function;
+        }
+      }
+      if (!known) {
+        return FieldError("tool_choice",
+                          absl::StrCat("names function '", c.function,
+                                       "', which is not in 'tools'"));
+      }
+    } else {
+      return FieldError("tool_choice",
+                        "must be \"auto\", \"none\", \"required\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": "
+                        "...}}");
+    }
+    if (c.kind == ToolChoice::Kind::kRequired && chat->tools.is_null()) {
+      return FieldError("tool_choice", "\"required\" needs 'tools'");
+    }
+  }
+  if (auto kwargs = body.find("chat_template_kwargs");
+      kwargs != body.end() && !kwargs->is_null()) {
+    if (!kwargs->is_object()) {
+      return FieldError("chat_template_kwargs", "must be an object");
+    }
+    for (const auto& [key, value] : kwargs->items()) {
+      if (key == "messages" || key == "tools" || key == "bos_token" ||
+          key == "eos_token" || key == "add_generation_prompt") {
+        return FieldError("chat_template_kwargs",
+                          absl::StrCat("may not set '", key,
+                                       "' (the request's own fields do)"));
+      }
+    }
+    chat->kwargs = *kwargs;
+  }
+  if (auto add = body.find("add_generation_prompt");
+      add != body.end() && !add->is_null()) {
+    if (!add->is_boolean()) {
+      return FieldError("add_generation_prompt", "must be a boolean");
+    }
+    chat->add_generation_prompt = add->get<bool>();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadStop(const json& body, std::vector<std::string>* stop) {
   auto it = body.find("stop");
   if (it == body.end() || it->is_null()) return absl::OkStatus();
@@ -208,7 +442,9 @@ absl::Status RejectUnknownFields(OpenAiEndpoint endpoint, const json& body) {
   // Fields the endpoint's own readers check (refused there when misplaced).
   static const absl::flat_hash_set<std::string_view> kCompletions = {"prompt",
                                                                      "suffix"};
-  static const absl::flat_hash_set<std::string_view> kChat = {"messages"};
+  static const absl::flat_hash_set<std::string_view> kChat = {
+      "messages", "tool_choice", "chat_template_kwargs",
+      "add_generation_prompt"};
   const auto& own =
       endpoint == OpenAiEndpoint::kCompletions ? kCompletions : kChat;
   for (const auto& [key, value] : body.items()) {
@@ -230,7 +466,7 @@ absl::Status RejectUnsupported(const json& body) {
     if (absl::Status s = ReadNumber(body, field, &v); !s.ok()) return s;
     if (v != 0) return FieldError(field, "is not supported (must be 0)");
   }
-  for (const char* field : {"suffix", "logit_bias", "tools", "functions"}) {
+  for (const char* field : {"suffix", "logit_bias", "functions"}) {
     auto it = body.find(field);
     if (it == body.end() || it->is_null()) continue;
     if ((it->is_boolean() && !it->get<bool>()) ||
@@ -435,8 +671,9 @@ json LogprobsJson(OpenAiEndpoint endpoint, const LogprobsOutput& logprobs) {
 
 }  // namespace
 
-absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
-                                                 std::string_view body_text) {
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
+    OpenAiEndpoint endpoint, std::string_view body_text,
+    const ChatPrompt* chat_prompt) {
   json body = json::parse(body_text, /*cb=*/nullptr,
                           /*allow_exceptions=*/false);
   if (body.is_discarded()) {
@@ -454,6 +691,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     if (!it->is_string()) return FieldError("model", "must be a string");
     gen.model = it->get<std::string>();
   }
+  if (absl::Status s = RejectUnknownFields(endpoint, body); !s.ok()) return s;
   if (endpoint == OpenAiEndpoint::kCompletions) {
     if (absl::Status s = ReadPrompts(body, &request.prompts); !s.ok()) {
       return s;
@@ -461,13 +699,26 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint,
     gen.prompt_text = request.prompts.front().text;
     gen.prompt_ids = request.prompts.front().ids;
   } else {
-    if (absl::Status s = ReadMessages(body, &request.messages); !s.ok()) {
-      return s;
-    }
-    gen.prompt_text = RenderChatPrompt(request.messages);
+    // Key order matters to templates (tojson of tool schemas): read the
+    // chat fields from an order-keeping parse.
+    const ojson ordered = ojson::parse(body_text, nullptr, false);
+    ChatInput chat;
+    PDS_RETURN_IF_ERROR(ReadChat(ordered, &chat, &request.messages));
+    const std::unique_ptr<ChatPrompt> fallback =
+        chat_prompt == nullptr ? ChatPrompt::Fallback() : nullptr;
+    absl::StatusOr<RenderedChat> rendered =
+        (chat_prompt != nullptr ? *chat_prompt : *fallback).Render(chat);
+    if (!rendered.ok()) return rendered.status();
+    gen.prompt_text = std::move(rendered->text);
+    gen.add_special_tokens = rendered->add_special_tokens;
+    request.tool_format = rendered->tool_format;
+    request.answer_prefix = std::move(rendered->answer_prefix);
   }
-  if (absl::Status s = RejectUnknownFields(endpoint, body); !s.ok()) return s;
   if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
+  if (endpoint == OpenAiEndpoint::kCompletions && body.contains("tools") &&
+      !body["tools"].is_null()) {
+    return FieldError("tools", "is a chat option (/v1/chat/completions)");
+  }
   if (absl::Status s = ReadLogprobs(endpoint, body, &gen); !s.ok()) return s;
 
   // The contract's default when absent, for both endpoints (OpenAI's chat
@@ -570,6 +821,7 @@ std::string RenderChatPrompt(const std::vector<ChatMessage>& messages) {
   for (const ChatMessage& message : messages) {
     const char* role = message.role == "system" ? "System"
                        : message.role == "user" ? "User"
+                       : message.role == "tool" ? "Tool"
                                                 : "Assistant";
     absl::StrAppend(&prompt, role, ": ", message.content, "\n");
   }
@@ -669,6 +921,25 @@ GenerationUsage CombinedUsage(const std::vector<GenerationUsage>& choices,
   return total;
 }
 
+namespace {
+
+// OpenAI's tool_calls array; stream deltas number the calls (`index`).
+json ToolCallsJson(const std::vector<ToolCall>& calls, bool indexed) {
+  json out = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    json call = {
+        {"id", calls[i].id},
+        {"type", "function"},
+        {"function",
+         {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+    if (indexed) call["index"] = i;
+    out.push_back(std::move(call));
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,
                            const std::vector<CompletionOutcome>& outcomes,
@@ -682,6 +953,14 @@ std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                    {"finish_reason", FinishJson(outcome.finish_reason)}};
     if (endpoint == OpenAiEndpoint::kCompletions) {
       choice["text"] = outcome.text;
+    } else if (!outcome.tool_calls.empty()) {
+      // OpenAI's shape for an answer that calls tools: content null unless
+      // the model also wrote text, finish_reason "tool_calls".
+      choice["message"] = {
+          {"role", "assistant"},
+          {"content", outcome.text.empty() ? json() : json(outcome.text)},
+          {"tool_calls", ToolCallsJson(outcome.tool_calls, /*indexed=*/false)}};
+      choice["finish_reason"] = "tool_calls";
     } else {
       choice["message"] = {{"role", "assistant"}, {"content", outcome.text}};
     }
@@ -715,6 +994,24 @@ std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
   }
   json chunk = {{"id", std::string(id)},
                 {"object", ObjectName(endpoint, /*chunk=*/true)},
+                {"created", created},
+                {"model", std::string(model)},
+                {"choices", json::array({std::move(choice)})}};
+  return Event(chunk);
+}
+
+std::string StreamToolCallsEvent(std::string_view id, int64_t created,
+                                 std::string_view model,
+                                 const std::vector<ToolCall>& calls,
+                                 int choice_index) {
+  json choice = {
+      {"index", choice_index},
+      {"logprobs", nullptr},
+      {"finish_reason", "tool_calls"},
+      {"delta", {{"tool_calls", ToolCallsJson(calls, /*indexed=*/true)}}}};
+  json chunk = {{"id", std::string(id)},
+                {"object", ObjectName(OpenAiEndpoint::kChatCompletions,
+                                      /*chunk=*/true)},
                 {"created", created},
                 {"model", std::string(model)},
                 {"choices", json::array({std::move(choice)})}};
@@ -794,9 +1091,11 @@ std::string ModelBody(const ModelDescription& model, int64_t created) {
   return Dump(ModelObject(model, created));
 }
 
-absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view text) {
+absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(
+    std::string_view text, const ChatPrompt* chat_prompt) {
   absl::StatusOr<json> body = ParseObjectWithFields(
-      text, {"model", "prompt", "messages", "add_special_tokens"});
+      text, {"model", "prompt", "messages", "add_special_tokens", "tools",
+             "tool_choice", "chat_template_kwargs", "add_generation_prompt"});
   if (!body.ok()) return body.status();
   TokenizeRequest request;
   PDS_RETURN_IF_ERROR(ReadModel(*body, &request.model));
@@ -817,9 +1116,21 @@ absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view text) {
     request.text = (*body)["prompt"].get<std::string>();
     return request;
   }
-  std::vector<ChatMessage> messages;
-  PDS_RETURN_IF_ERROR(ReadMessages(*body, &messages));
-  request.text = RenderChatPrompt(messages);
+  // As /v1/chat/completions renders it: the ids the model would see.
+  const ojson ordered = ojson::parse(text, nullptr, false);
+  ChatInput chat;
+  std::vector<ChatMessage> plain;
+  PDS_RETURN_IF_ERROR(ReadChat(ordered, &chat, &plain));
+  const std::unique_ptr<ChatPrompt> fallback =
+      chat_prompt == nullptr ? ChatPrompt::Fallback() : nullptr;
+  absl::StatusOr<RenderedChat> rendered =
+      (chat_prompt != nullptr ? *chat_prompt : *fallback).Render(chat);
+  if (!rendered.ok()) return rendered.status();
+  request.text = std::move(rendered->text);
+  if (!body->contains("add_special_tokens") ||
+      (*body)["add_special_tokens"].is_null()) {
+    request.add_special_tokens = rendered->add_special_tokens;
+  }
   return request;
 }
 

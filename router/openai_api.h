@@ -12,7 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "router/chat_prompt.h"
 #include "router/generation_backend.h"
+#include "router/tool_calls.h"
 
 namespace pdserve::router {
 
@@ -39,6 +41,10 @@ struct OpenAiRequest {
   // index = prompt index * n + choice (OpenAI's numbering).
   std::vector<PromptInput> prompts;
   std::vector<ChatMessage> messages;  // chat only; already rendered in prompt
+  // Chat: how to read tool calls back from the answer, and the answer's start
+  // that the prompt already holds (a forced call's opening).
+  ToolCallFormat tool_format = ToolCallFormat::kNone;
+  std::string answer_prefix;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   // Choices to generate (OpenAI's `n`), each an independent request with
@@ -54,10 +60,14 @@ inline constexpr int kMaxBatchChoices = 64;
 
 // Parses and validates a request body (INVALID_ARGUMENT naming the field for
 // malformed JSON, wrong types, n outside [1, kMaxChoices], best_of != 1 and
-// other unsupported options, out-of-range
-// values). Unknown fields are ignored, as OpenAI's clients send many.
+// other unsupported options, out-of-range values, and any field the server
+// does not honour). Chat messages are rendered with `chat_prompt` (the
+// model's template; null: the base-model fallback), whose refusals (a
+// template's raise_exception, tools it cannot express) come back as
+// INVALID_ARGUMENT.
 [[nodiscard]] absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
-    OpenAiEndpoint endpoint, std::string_view body);
+    OpenAiEndpoint endpoint, std::string_view body,
+    const ChatPrompt* chat_prompt = nullptr);
 
 // The chat template for base models (no template of their own):
 //
@@ -111,10 +121,11 @@ int64_t TextCharacters(std::string_view text);
 
 // What a finished generation produced (non-streaming bodies, final chunks).
 struct CompletionOutcome {
-  std::string text;
+  std::string text;  // chat with tool calls: the text outside them
   FinishReason finish_reason = FinishReason::kNone;
   GenerationUsage usage;
   LogprobsOutput logprobs;
+  std::vector<ToolCall> tool_calls;  // chat only
 };
 
 // "stop" or "length" for OpenAI (cancelled/error are not OpenAI reasons and
@@ -147,6 +158,12 @@ std::string StreamChunkEvent(OpenAiEndpoint endpoint, std::string_view id,
                              std::string_view text, FinishReason finish_reason,
                              bool first, const LogprobsOutput& logprobs = {},
                              int choice_index = 0);
+// A chat chunk carrying a choice's tool calls (each whole, numbered by
+// `index`), finish_reason "tool_calls".
+std::string StreamToolCallsEvent(std::string_view id, int64_t created,
+                                 std::string_view model,
+                                 const std::vector<ToolCall>& calls,
+                                 int choice_index);
 // The trailing usage chunk (stream_options.include_usage): empty choices.
 std::string StreamUsageEvent(OpenAiEndpoint endpoint, std::string_view id,
                              int64_t created, std::string_view model,
@@ -171,7 +188,7 @@ struct TokenizeRequest {
   bool add_special_tokens = true;
 };
 [[nodiscard]] absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(
-    std::string_view body);
+    std::string_view body, const ChatPrompt* chat_prompt = nullptr);
 // {"count": N, "max_model_len": L, "tokens": [...]}
 std::string TokenizeBody(const std::vector<int32_t>& ids,
                          int32_t max_model_len);
