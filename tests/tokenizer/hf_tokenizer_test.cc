@@ -85,9 +85,16 @@ class HfParityTest : public ::testing::Test {
           new std::string("setup_tokenizer_refs.sh failed:\n" + setup.output);
       return;
     }
-    const CommandResult refs = Shell(
-        absl::StrCat("node tests/tokenizer/hf_parity_refs.mjs --modules '",
-                     kRefsDir, "/node_modules' --out '", kRefsJson, "'"));
+    // Every test runs in its own process (gtest_discover_tests): the
+    // reference ids are computed once (≈20 s of node) and reused while the
+    // script is unchanged; the lock keeps parallel tests from racing on it.
+    const CommandResult refs = Shell(absl::StrCat(
+        "flock '", kRefsJson, ".lock' sh -c \"test -s '", kRefsJson, "' -a '",
+        kRefsJson,
+        "' -nt tests/tokenizer/hf_parity_refs.mjs || "
+        "{ node tests/tokenizer/hf_parity_refs.mjs --modules '",
+        kRefsDir, "/node_modules' --out '", kRefsJson, ".tmp' && mv '",
+        kRefsJson, ".tmp' '", kRefsJson, "'; }\""));
     if (refs.code != 0) {
       setup_error_ =
           new std::string("hf_parity_refs.mjs failed:\n" + refs.output);
