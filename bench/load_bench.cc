@@ -392,7 +392,7 @@ int Main(int argc, char** argv) {
             .Usage(
                 "load_bench [flags]\n"
                 "Open-loop load on local clusters: router added latency, and "
-                "disaggregated vs\ncolocated on the same cores at short and "
+                "disaggregated vs colocated on the same cores at short and "
                 "long prompts (bench/load_bench.cc).\n")
             .c_str(),
         stdout);

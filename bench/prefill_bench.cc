@@ -153,7 +153,7 @@ int Main(int argc, char** argv) {
     std::fputs(flags
                    .Usage("prefill_bench [flags]\n"
                           "Pipeline-parallel prefill: S = 1 vs S = 2 (and "
-                          "more with --stages) on the same\nqueue of long "
+                          "more with --stages) on the same queue of long "
                           "prompts, one compute thread per stage "
                           "(bench/prefill_bench.cc).\n")
                    .c_str(),

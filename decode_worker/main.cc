@@ -55,13 +55,13 @@ namespace {
 
 constexpr char kSynopsis[] =
     "decode_worker --model PATH [flags]\n"
-    "Serves pdserve.v1.DecodeWorker: admits requests, receives their "
-    "prompt KV from prefill\ngroups over UCX and decodes them in "
-    "continuous batches.\n";
+    "Serves pdserve.v1.DecodeWorker: admits requests, receives their prompt "
+    "KV from prefill groups over UCX and decodes them in continuous "
+    "batches.\n";
 
 constexpr char kNotes[] =
     "Prints \"metrics on HOST:PORT\" (with --metrics-port) and then "
-    "\"listening on HOST:PORT\"\nonce serving; SIGINT/SIGTERM stop. See "
+    "\"listening on HOST:PORT\" once serving; SIGINT/SIGTERM stop. See "
     "decode_worker/README.md.\n";
 
 int Fail(const absl::Status& s) {

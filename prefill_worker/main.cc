@@ -55,8 +55,8 @@ constexpr char kSynopsis[] =
 
 constexpr char kNotes[] =
     "Stage 0 serves pdserve.v1.PrefillGroup on --port; stage i > 0 serves "
-    "pdserve.v1.\nPrefillStageControl there. Start stages 1..S-1 first, then "
-    "stage 0 with their\naddresses. SIGINT/SIGTERM stop.\n";
+    "pdserve.v1.PrefillStageControl there. Start stages 1..S-1 first, then "
+    "stage 0 with their addresses. SIGINT/SIGTERM stop.\n";
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "prefill_worker: %s\n", s.ToString().c_str());

@@ -44,7 +44,7 @@ constexpr char kClientSynopsis[] =
     "pdserve client --router HOST:PORT (--prompt TEXT | --ids 1,2,3) "
     "[flags]\n"
     "Sends one request to a router's gRPC API and streams the "
-    "continuation's text to\nstdout; a summary (tokens, finish reason, time "
+    "continuation's text to stdout; a summary (tokens, finish reason, time "
     "to first token) goes to stderr.\n";
 
 }  // namespace

@@ -115,8 +115,8 @@ constexpr char kSynopsis[] =
     "layout_report --metrics http://H:P/metrics,... [--interval 10]\n"
     "       layout_report --prometheus http://H:9090 [--window 5m]\n"
     "The layout tuning view of a running pdserve cluster: each finding (stage "
-    "imbalance,\nbubble ratio, KV transfer share of TTFT, prefill vs decode "
-    "utilisation, speculative\nacceptance, decode batch size) with the knob "
+    "imbalance, bubble ratio, KV transfer share of TTFT, prefill vs decode "
+    "utilisation, speculative acceptance, decode batch size) with the knob "
     "it suggests turning and why.\n";
 
 int Fail(const absl::Status& s) {

@@ -24,7 +24,7 @@ namespace {
 constexpr char kLocalSynopsis[] =
     "pdserve local [flags]\n"
     "Starts a whole cluster on this machine (router, prefill groups, decode "
-    "workers, each\na process), prints its endpoints and example requests, "
+    "workers, each a process), prints its endpoints and example requests, "
     "and runs until Ctrl-C.\n";
 
 }  // namespace
@@ -95,8 +95,10 @@ absl::Status RunLocalCluster(int argc, char** argv) {
       "api-key-file", "",
       "API keys, one per line: the router then wants one as a bearer token.");
   o.internal_token_file = flags.Str(
-      "internal-token-file", "", "The cluster's shared internal token file.",
-      "(none: a fresh random token in the work folder, mode 0600)");
+      "internal-token-file", "",
+      "The cluster's shared internal token file (none: a fresh random token "
+      "written to the work folder, mode 0600).",
+      "(none: a fresh token)");
   flags.Group("Metrics");
   // The ports deploy/prometheus/prometheus-local.yml scrapes; -1 = off.
   o.metrics_port_base = flags.Num<int>(

@@ -57,13 +57,13 @@ constexpr char kCommands[] =
     "\n"
     "`pdserve COMMAND --help` lists the command's flags, their defaults and "
     "meanings.\n"
-    "The servers are separate binaries with their own --help: router, "
-    "prefill_worker,\ndecode_worker (and layout_report).\n";
+    "The servers are separate binaries with their own --help: router,\n"
+    "prefill_worker, decode_worker (and layout_report).\n";
 
 constexpr char kGenerateSynopsis[] =
     "pdserve generate --model PATH --prompt TEXT [flags]\n"
     "Runs the single-process reference engine and streams the continuation's "
-    "text to stdout;\na summary (tokens, time to first token, tokens/s) goes "
+    "text to stdout; a summary (tokens, time to first token, tokens/s) goes "
     "to stderr.\n";
 
 absl::Status Generate(int argc, char** argv) {

@@ -80,8 +80,7 @@ class CommandLineFlags {
   // The flag's value, or `def`. `help` is its one-line meaning; Usage()
   // shows `shown_default` if given, else `def` ("(none)" when empty).
   std::string Str(const std::string& name, const std::string& def,
-                  std::string_view help = {},
-                  std::string_view shown_default = {}) {
+                  std::string_view help, std::string_view shown_default = {}) {
     Register(
         name,
         shown_default.empty() ? ShownDefault(def) : std::string(shown_default),
@@ -94,7 +93,7 @@ class CommandLineFlags {
   }
 
   template <typename T>
-  T Num(const std::string& name, T def, std::string_view help = {},
+  T Num(const std::string& name, T def, std::string_view help,
         std::string_view shown_default = {}) {
     static_assert(std::is_arithmetic_v<T> && !std::is_same_v<T, bool>,
                   "Num is for numbers; use Bool for switches");
@@ -156,13 +155,13 @@ class CommandLineFlags {
   }
 
   // "usage: <synopsis>" and then every flag looked up so far, by group, each
-  // with its meaning and default, wrapped to about 80 columns. `synopsis` may
-  // span lines; a `notes` paragraph, if given, follows the flags.
+  // with its meaning and default, wrapped to 80 columns. `synopsis` and
+  // `notes` (printed after the flags, if given) may span lines; lines longer
+  // than 80 columns are wrapped.
   std::string Usage(std::string_view synopsis,
                     std::string_view notes = {}) const {
-    std::string out = "usage: ";
-    out.append(synopsis);
-    if (out.empty() || out.back() != '\n') out += '\n';
+    std::string out = WrapLines(absl::StrCat("usage: ", std::string(synopsis)),
+                                /*first_indent=*/7);
     out +=
         "\nEvery flag takes a value: --name VALUE or --name=VALUE. -h, --help: "
         "this text.\n";
@@ -194,9 +193,7 @@ class CommandLineFlags {
       }
     }
     if (!notes.empty()) {
-      out += '\n';
-      out.append(notes);
-      if (out.back() != '\n') out += '\n';
+      absl::StrAppend(&out, "\n", WrapLines(std::string(notes), 0));
     }
     return out;
   }
@@ -227,6 +224,33 @@ class CommandLineFlags {
         Entry{group_, name, std::move(shown_default), std::string(help)});
   }
 
+  // `text` with every line longer than kWidth word-wrapped: continuation
+  // lines keep the line's own indent (the first line's: `first_indent`).
+  // Ends with a newline.
+  static std::string WrapLines(const std::string& text, size_t first_indent) {
+    std::string out;
+    size_t start = 0;
+    bool first = true;
+    while (start < text.size()) {
+      size_t end = text.find('\n', start);
+      if (end == std::string::npos) end = text.size();
+      const std::string_view line(text.data() + start, end - start);
+      if (line.size() <= kWidth) {
+        out.append(line);
+        out += '\n';
+      } else {
+        size_t indent = line.find_first_not_of(' ');
+        if (indent == std::string_view::npos) indent = 0;
+        out.append(line.substr(0, indent));
+        Wrap(line.substr(indent), {}, indent, first ? first_indent : indent,
+             &out);
+      }
+      first = false;
+      start = end + 1;
+    }
+    return out;
+  }
+
   // Appends `text` and then `last` (never split) word-wrapped to *out,
   // whose current line already holds `used` columns; continuation lines are
   // indented to `column`.
@@ -243,7 +267,7 @@ class CommandLineFlags {
       words.push_back(text.substr(pos, end - pos));
       pos = end;
     }
-    words.push_back(last);
+    if (!last.empty()) words.push_back(last);
     bool line_has_word = false;
     for (std::string_view word : words) {
       if (line_has_word && used + 1 + word.size() > kWidth) {
