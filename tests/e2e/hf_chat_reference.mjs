@@ -1,0 +1,80 @@
+// The outside references for hf_chat_test: the prompt ids a Hugging Face
+// stack would feed the model for a chat request (the model's template
+// rendered by @huggingface/jinja, then encoded by @huggingface/tokenizers
+// without adding special tokens, as transformers' apply_chat_template does),
+// and OpenAI's own JavaScript client calling the router.
+//
+//   node hf_chat_reference.mjs --modules DIR --model-dir DIR --request FILE
+//        --base-url URL --api-key KEY --model NAME
+// Prints one JSON object: {"ids": [...], "text": "...", "client": {...}}.
+import fs from "node:fs";
+import path from "node:path";
+import { createRequire } from "node:module";
+import { pathToFileURL } from "node:url";
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => {
+    if (a.startsWith("--")) acc.push([a.slice(2), all[i + 1]]);
+    return acc;
+  }, []));
+const modules = path.resolve(args.modules);
+const require = createRequire(path.join(modules, "x.js"));
+const { Template } = require("@huggingface/jinja");
+const { Tokenizer } = await import(pathToFileURL(
+  path.join(modules, "@huggingface/tokenizers/dist/tokenizers.mjs")).href);
+const OpenAI = require("openai");
+
+const config = JSON.parse(
+  fs.readFileSync(path.join(args["model-dir"], "tokenizer_config.json")));
+const tokenizerJson = JSON.parse(
+  fs.readFileSync(path.join(args["model-dir"], "tokenizer.json")));
+const request = JSON.parse(fs.readFileSync(args.request));
+
+const special = (t) => (t && typeof t === "object" ? t.content : t) ?? "";
+const context = {
+  ...(request.chat_template_kwargs ?? {}),
+  messages: request.messages,
+  add_generation_prompt: true,
+  bos_token: special(config.bos_token),
+  eos_token: special(config.eos_token),
+};
+if (request.tools) context.tools = request.tools;
+const text = new Template(config.chat_template).render(context);
+const tok = new Tokenizer(tokenizerJson, config);
+const ids = tok.encode(text, { add_special_tokens: false }).ids;
+
+const client = new OpenAI({ baseURL: args["base-url"], apiKey: args["api-key"] });
+const completion = await client.chat.completions.create({
+  model: args.model,
+  messages: request.messages,
+  tools: request.tools,
+  max_tokens: 6,
+  temperature: 0,
+  chat_template_kwargs: request.chat_template_kwargs,
+});
+const stream = await client.chat.completions.create({
+  model: args.model,
+  messages: request.messages,
+  max_tokens: 6,
+  temperature: 0,
+  stream: true,
+  stream_options: { include_usage: true },
+  chat_template_kwargs: request.chat_template_kwargs,
+});
+let streamed = "";
+let usage = null;
+for await (const chunk of stream) {
+  if (chunk.usage) usage = chunk.usage;
+  for (const c of chunk.choices) streamed += c.delta?.content ?? "";
+}
+let models = await client.models.retrieve(args.model);
+console.log(JSON.stringify({
+  ids, text,
+  client: {
+    finish_reason: completion.choices[0].finish_reason,
+    message: completion.choices[0].message,
+    prompt_tokens: completion.usage.prompt_tokens,
+    streamed, streamed_prompt_tokens: usage?.prompt_tokens ?? -1,
+    model_id: models.id,
+  },
+}));
