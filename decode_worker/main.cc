@@ -80,9 +80,12 @@ int Main(int argc, char** argv) {
   const std::string format_name =
       flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
   so.model_name = flags.Str(
-      "model-name", "model",
+      "model-name", "",
       "Name this worker reports in its identity; must match the router's "
-      "--model-name.");
+      "--model-name.",
+      "the --model file or folder name");
+  if (so.model_name.empty())
+    so.model_name = model::DefaultModelName(model_path);
   wo.tp_size = flags.Num<int>(
       "tp", 1, "Tensor-parallel ranks (threads, or GPUs with --backend cuda).");
   wo.threads_per_rank =

@@ -130,10 +130,12 @@ int Main(int argc, char** argv) {
       flags.Str("model", "", "Model folder or file (required).");
   const std::string format_name =
       flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
-  const std::string model_name = flags.Str(
-      "model-name", "model",
+  std::string model_name = flags.Str(
+      "model-name", "",
       "Name reported in the group's identity; must match the router's and "
-      "the decode workers'.");
+      "the decode workers'.",
+      "the --model file or folder name");
+  if (model_name.empty()) model_name = model::DefaultModelName(model_path);
   const std::string backend_name = flags.Str(
       "backend", "cpu",
       "Compute backend: cpu|cuda (cuda: a -DPDSERVE_CUDA=ON build; KV is "

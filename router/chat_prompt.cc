@@ -64,6 +64,19 @@ absl::StatusOr<std::unique_ptr<ChatPrompt>> ChatPrompt::ForModel(
   return prompt;
 }
 
+absl::StatusOr<std::unique_ptr<ChatPrompt>> ChatPrompt::ForGguf(
+    const std::string& path, const model::TokenizerSpec& spec) {
+  if (spec.chat_template.empty()) return Fallback();
+  auto token = [&spec](int32_t id) -> std::string {
+    return id >= 0 && id < static_cast<int32_t>(spec.tokens.size())
+               ? spec.tokens[id]
+               : "";
+  };
+  return FromSource(spec.chat_template,
+                    absl::StrCat(path, " tokenizer.chat_template"),
+                    token(spec.bos_token_id), token(spec.eos_token_id));
+}
+
 absl::StatusOr<std::unique_ptr<ChatPrompt>> ChatPrompt::FromSource(
     const std::string& source, const std::string& origin,
     const std::string& bos_token, const std::string& eos_token) {

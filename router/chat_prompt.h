@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "chat_template/chat_template.h"
+#include "model/weight_source.h"
 #include "nlohmann/json.hpp"
 #include "router/tool_calls.h"
 
@@ -67,6 +68,10 @@ class ChatPrompt {
   // must not be served with a made-up one.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ChatPrompt>> ForModel(
       const std::string& model_path);
+  // A GGUF file's `tokenizer.chat_template` (in `spec`), its special tokens
+  // spelled from the vocabulary; the fallback when the file has none.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<ChatPrompt>> ForGguf(
+      const std::string& path, const model::TokenizerSpec& spec);
   // A template given as source (tests, GGUF metadata).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ChatPrompt>> FromSource(
       const std::string& source, const std::string& origin,

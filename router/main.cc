@@ -109,10 +109,12 @@ int Main(int argc, char** argv) {
       "and vocabulary; the workers load the same model.");
   const std::string format_name =
       flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
-  const std::string model_name = flags.Str(
-      "model-name", "model",
+  std::string model_name = flags.Str(
+      "model-name", "",
       "Name served to clients (/v1/models, the `model` field); must match "
-      "the workers' --model-name or they stay out of rotation.");
+      "the workers' --model-name or they stay out of rotation.",
+      "the --model file or folder name");
+  if (model_name.empty()) model_name = model::DefaultModelName(model_path);
   flags.Group("Workers");
   const std::string prefill_list =
       flags.Str("prefill", "",
@@ -310,8 +312,11 @@ int Main(int argc, char** argv) {
   // would quietly degrade every answer).
   std::unique_ptr<ChatPrompt> chat_prompt = ChatPrompt::Fallback();
   if (*format != model::LoadFormat::kDummy) {
+    absl::StatusOr<model::TokenizerSpec> spec = (*weights)->tokenizer_spec();
     absl::StatusOr<std::unique_ptr<ChatPrompt>> loaded =
-        ChatPrompt::ForModel(model_path);
+        spec.ok() && !spec->chat_template.empty()
+            ? ChatPrompt::ForGguf(model_path, *spec)
+            : ChatPrompt::ForModel(model_path);
     if (!loaded.ok()) return Fail(loaded.status());
     chat_prompt = *std::move(loaded);
   }

@@ -22,17 +22,12 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "model/weight_source.h"
 #include "process/port_file.h"
 #include "rpc/auth.h"
 
 namespace pdserve::tools {
 namespace {
-
-std::string DefaultModelName(const std::string& path) {
-  std::filesystem::path p(path);
-  while (!p.empty() && p.filename().empty()) p = p.parent_path();
-  return p.stem().string();
-}
 
 // 32 random bytes, hex, in a file only this user can read.
 absl::Status WriteRandomToken(const std::string& path) {
@@ -74,7 +69,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
         "prefill groups, stages, decode workers and TP must all be >= 1");
   }
   if (options.model_name.empty()) {
-    options.model_name = DefaultModelName(options.model_path);
+    options.model_name = model::DefaultModelName(options.model_path);
   }
   if (options.work_dir.empty()) {
     char pattern[] = "/tmp/pdserve-local.XXXXXX";

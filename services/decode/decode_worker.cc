@@ -737,7 +737,7 @@ bool DecodeWorker::Impl::AppendTokens(
         break;
       }
     }
-    if (!r->params.ignore_eos && t == config.eos_token_id) {
+    if (!r->params.ignore_eos && config.IsEos(t)) {
       reason = FinishReason::kEos;
       break;
     }

@@ -304,6 +304,10 @@ absl::StatusOr<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& gguf) {
     PDS_ASSIGN_OR_RETURN(spec.merges,
                          gguf.GetStringArray("tokenizer.ggml.merges"));
   }
+  if (gguf.FindMetadata("tokenizer.chat_template") != nullptr) {
+    PDS_ASSIGN_OR_RETURN(spec.chat_template,
+                         gguf.GetString("tokenizer.chat_template"));
+  }
   if (gguf.FindMetadata("tokenizer.ggml.pre") != nullptr) {
     PDS_ASSIGN_OR_RETURN(spec.ggml_pre, gguf.GetString("tokenizer.ggml.pre"));
   }

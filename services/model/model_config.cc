@@ -101,6 +101,26 @@ absl::StatusOr<std::optional<int>> OptionalTokenId(
   return OptionalInt(root, key, source_name);
 }
 
+// Every id of `eos_token_id` (a number or a list) into `ids`, once each.
+absl::Status ReadEosTokenIds(const Json& root, std::string_view source_name,
+                             std::vector<int>* ids) {
+  auto it = root.find("eos_token_id");
+  if (it == root.end() || it->is_null()) return absl::OkStatus();
+  const Json list = it->is_array() ? *it : Json::array({*it});
+  for (const Json& id : list) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return BadKey(source_name, "eos_token_id",
+                    "must be a token id or a list of token ids");
+    }
+    const int value = static_cast<int>(id.get<int64_t>());
+    if (std::find(ids->begin(), ids->end(), value) == ids->end()) {
+      ids->push_back(value);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DType> ParseTorchDtype(std::string_view text,
                                       std::string_view source_name) {
   if (text == "float32") return DType::kF32;
@@ -299,6 +319,8 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   PDS_ASSIGN_OR_RETURN(std::optional<int> eos,
                        OptionalTokenId(root, "eos_token_id", source_name));
   config.eos_token_id = eos.value_or(config.eos_token_id);
+  PDS_RETURN_IF_ERROR(
+      ReadEosTokenIds(root, source_name, &config.eos_token_ids));
   PDS_ASSIGN_OR_RETURN(std::optional<std::string> torch_dtype,
                        OptionalString(root, "torch_dtype", source_name));
   if (torch_dtype.has_value()) {
@@ -312,6 +334,27 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
         valid.code(), absl::StrCat(ToAbsl(source_name), ": ", valid.message()));
   }
   return config;
+}
+
+absl::Status MergeGenerationConfigJson(std::string_view json_text,
+                                       std::string_view source_name,
+                                       ModelConfig* config) {
+  const Json root = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(ToAbsl(source_name), ": not a JSON object"));
+  }
+  std::vector<int> ids;
+  PDS_RETURN_IF_ERROR(ReadEosTokenIds(root, source_name, &ids));
+  for (int id : ids) {
+    if (id >= config->vocab_size) {
+      return BadKey(source_name, "eos_token_id",
+                    absl::StrCat("id ", id, " is outside the vocabulary (",
+                                 config->vocab_size, ")"));
+    }
+    if (!config->IsEos(id)) config->eos_token_ids.push_back(id);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace pdserve::model

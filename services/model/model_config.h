@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +31,17 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   int bos_token_id = 1;
   int eos_token_id = 2;
+  // Every token that ends a sequence: eos_token_id first, then the others a
+  // chat model lists (Llama 3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) in
+  // config.json or generation_config.json. Empty: only eos_token_id.
+  std::vector<int> eos_token_ids;
+  bool IsEos(int token) const {
+    if (token == eos_token_id) return true;
+    for (int id : eos_token_ids) {
+      if (id == token) return true;
+    }
+    return false;
+  }
   DType dtype = DType::kF32;  // storage dtype declared by the model
 
   // Checks internal consistency (positive sizes, num_heads % num_kv_heads == 0,
@@ -48,6 +60,14 @@ struct ModelConfig {
 // included in every error. Missing required keys are INVALID_ARGUMENT naming
 // the key; head_dim defaults to hidden_size / num_attention_heads and
 // num_key_value_heads to num_attention_heads, as transformers does.
+// Adds the end-of-sequence ids of a generation_config.json (`eos_token_id`,
+// a number or a list: what transformers' generate() stops on) to `config`.
+// INVALID_ARGUMENT naming the file for a malformed file or an id outside the
+// vocabulary.
+[[nodiscard]] absl::Status MergeGenerationConfigJson(
+    std::string_view json_text, std::string_view source_name,
+    ModelConfig* config);
+
 [[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(
     std::string_view json_text, std::string_view source_name);
 

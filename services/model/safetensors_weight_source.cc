@@ -70,6 +70,14 @@ class SafetensorsWeightSource final : public MappedWeightSource {
     PDS_ASSIGN_OR_RETURN(std::string config_text,
                          ReadFileToString(config_path));
     PDS_ASSIGN_OR_RETURN(config_, ParseHfConfigJson(config_text, config_path));
+    // Chat models list their end-of-turn tokens here (Llama 3's <|eot_id|>).
+    const fs::path generation_config = folder / "generation_config.json";
+    if (std::error_code ec; fs::exists(generation_config, ec)) {
+      PDS_ASSIGN_OR_RETURN(std::string text,
+                           ReadFileToString(generation_config.string()));
+      PDS_RETURN_IF_ERROR(MergeGenerationConfigJson(
+          text, generation_config.string(), &config_));
+    }
 
     if (absl::EndsWith(weights_file.filename().string(), ".index.json")) {
       PDS_ASSIGN_OR_RETURN(auto weight_map,

@@ -55,6 +55,12 @@ absl::StatusOr<LoadFormat> DetectFormat(const std::string& path) {
 
 }  // namespace
 
+std::string DefaultModelName(const std::string& path) {
+  std::filesystem::path p(path);
+  while (!p.empty() && p.filename().empty()) p = p.parent_path();
+  return p.stem().string();
+}
+
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(const std::string& path,
                                                         LoadFormat format) {
   if (format == LoadFormat::kAuto) {

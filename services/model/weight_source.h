@@ -72,6 +72,8 @@ struct TokenizerSpec {
   // order) and tokenizer.ggml.pre, naming the pre-tokenizer regex.
   std::vector<std::string> merges;
   std::string ggml_pre;
+  // GGUF `tokenizer.chat_template` (a Jinja chat template), when present.
+  std::string chat_template;
   int32_t bos_token_id = -1;
   int32_t eos_token_id = -1;
   int32_t unk_token_id = -1;
@@ -114,6 +116,12 @@ enum class LoadFormat {
 // Opens and fully validates a model: every tensor the architecture needs is
 // present with the right shape and a supported dtype, and every byte range
 // lies inside its file. Errors carry the file name and what is wrong.
+// The name a model is served under when none is given: its file or folder
+// name without extension ("…/stories260K" -> "stories260K",
+// "…/llama-3.2-1b.Q4_K_M.gguf" -> "llama-3.2-1b.Q4_K_M"). The router and the
+// workers derive it alike, so their identities agree.
+std::string DefaultModelName(const std::string& path);
+
 [[nodiscard]] absl::StatusOr<std::unique_ptr<WeightSource>> OpenModel(
     const std::string& path, LoadFormat format = LoadFormat::kAuto);
 

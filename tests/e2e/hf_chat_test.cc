@@ -31,6 +31,7 @@ using tools::LocalCluster;
 using tools::LocalClusterOptions;
 
 const std::string kBinary = PDSERVE_BINARY_DIR;
+const std::string kSource = PDSERVE_SOURCE_DIR;
 const std::string kRefsDir = kBinary + "/tokenizer-refs";
 
 struct CommandResult {
@@ -48,8 +49,10 @@ std::string Slurp(const std::string& path) {
 CommandResult Shell(const std::string& command) {
   const std::string out = fs::temp_directory_path() /
                           ("hf_chat_" + std::to_string(::getpid()) + ".out");
-  const int status =
-      std::system(absl::StrCat(command, " > '", out, "' 2>&1").c_str());
+  // Scripts are named from the source tree (ctest runs in the build tree).
+  const int status = std::system(
+      absl::StrCat("cd '", kSource, "' && ", command, " > '", out, "' 2>&1")
+          .c_str());
   CommandResult r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.output = Slurp(out);

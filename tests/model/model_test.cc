@@ -90,6 +90,37 @@ TEST(ModelConfigTest, DefaultsFollowTransformers) {
   EXPECT_FALSE(config->tie_word_embeddings);
 }
 
+// Chat models end a turn on any of several tokens (Llama 3: <|end_of_text|>,
+// <|eom_id|>, <|eot_id|>), listed in config.json and generation_config.json.
+TEST(ModelConfigTest, EveryListedEosTokenEndsASequence) {
+  auto config = ParseHfConfigJson(
+      R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "vocab_size": 100, "rms_norm_eps": 1e-6,
+          "max_position_embeddings": 256, "eos_token_id": [7, 8]})",
+      "x.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(config->IsEos(7));
+  EXPECT_TRUE(config->IsEos(8));
+  EXPECT_FALSE(config->IsEos(9));
+  ASSERT_TRUE(MergeGenerationConfigJson(
+                  R"({"eos_token_id": [8, 9], "do_sample": true})",
+                  "generation_config.json", &*config)
+                  .ok());
+  EXPECT_EQ(config->eos_token_id, 7);
+  EXPECT_TRUE(config->IsEos(9));
+  EXPECT_FALSE(config->IsEos(10));
+  const absl::Status outside = MergeGenerationConfigJson(
+      R"({"eos_token_id": 100})", "generation_config.json", &*config);
+  EXPECT_FALSE(outside.ok());
+  EXPECT_NE(outside.message().find("generation_config.json"), std::string::npos)
+      << outside;
+  EXPECT_FALSE(MergeGenerationConfigJson(R"({"eos_token_id": "x"})",
+                                         "generation_config.json", &*config)
+                   .ok());
+  EXPECT_FALSE(
+      MergeGenerationConfigJson("[", "generation_config.json", &*config).ok());
+}
+
 TEST(ModelConfigTest, DTypeNamesAndSizes) {
   EXPECT_EQ(DTypeName(DType::kF32), "F32");
   EXPECT_EQ(DTypeName(DType::kF16), "F16");

@@ -169,6 +169,39 @@ TEST(ChatPromptTest, BaseModelsWithoutATemplateRefuseToolsAndKwargs) {
   EXPECT_TRUE(r->generation.add_special_tokens);
 }
 
+// A GGUF file carries its template as tokenizer.chat_template; its special
+// tokens are spelled from the vocabulary.
+TEST(ChatPromptTest, GgufTemplateWithTokensFromTheVocabulary) {
+  model::TokenizerSpec spec;
+  spec.tokens = {"<unk>", "<|begin_of_text|>", "<|eot_id|>", "a"};
+  spec.bos_token_id = 1;
+  spec.eos_token_id = 2;
+  spec.chat_template =
+      "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+      "{{ eos_token }}{% endfor %}";
+  absl::StatusOr<std::unique_ptr<ChatPrompt>> prompt =
+      ChatPrompt::ForGguf("m.gguf", spec);
+  ASSERT_TRUE(prompt.ok()) << prompt.status();
+  EXPECT_NE((*prompt)->Describe().find("m.gguf tokenizer.chat_template"),
+            std::string::npos)
+      << (*prompt)->Describe();
+  absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+      OpenAiEndpoint::kChatCompletions,
+      R"({"messages": [{"role": "user", "content": "hi"}]})", prompt->get());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r->generation.prompt_text, "<|begin_of_text|>user: hi<|eot_id|>");
+  // No template in the file: the fallback.
+  spec.chat_template.clear();
+  EXPECT_FALSE((*ChatPrompt::ForGguf("m.gguf", spec))->has_template());
+  // A broken one: a load error naming the file.
+  spec.chat_template = "{% for %}";
+  absl::StatusOr<std::unique_ptr<ChatPrompt>> broken =
+      ChatPrompt::ForGguf("m.gguf", spec);
+  ASSERT_FALSE(broken.ok());
+  EXPECT_NE(broken.status().message().find("m.gguf"), std::string::npos)
+      << broken.status();
+}
+
 TEST(ToolCallsTest, HermesCallsAndTheTextAroundThem) {
   ParsedAnswer a = ParseToolCalls(
       ToolCallFormat::kHermes,

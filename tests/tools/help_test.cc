@@ -96,7 +96,7 @@ std::vector<Binary> Binaries() {
         {"--api-key-file", "(none)"},
         {"--tls-cert", "(none)"},
         {"--tls-key", ""},
-        {"--model-name", "model"},
+        {"--model-name", "the --model file or folder name"},
         {"--prefill-policy", "least-loaded"},
         {"--decode-policy", "prefix-aware"},
         {"--max-queued", "0"},
@@ -116,7 +116,7 @@ std::vector<Binary> Binaries() {
                 {"--metrics-port", "-1"},
                 {"--metrics-host", "--host"},
                 {"--cuda-graphs", "1"},
-                {"--model-name", "model"}}});
+                {"--model-name", "the --model file or folder name"}}});
 #endif
 #ifdef HELP_PREFILL_WORKER
   b.push_back({"prefill_worker",
@@ -130,7 +130,7 @@ std::vector<Binary> Binaries() {
                 {"--internal-token-file", ""},
                 {"--scored-share", "0"},
                 {"--metrics-port", "-1"},
-                {"--model-name", "model"}}});
+                {"--model-name", "the --model file or folder name"}}});
 #endif
 #ifdef HELP_PDSERVE
   b.push_back({"pdserve local",
