@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -176,6 +177,46 @@ std::string LocalCluster::MetricsArgs(const std::string& name, int offset,
   return port_file;
 }
 
+absl::StatusOr<std::string> LocalCluster::WaitUp(
+    const std::string& name, const std::string& port_file,
+    process::ChildProcess* child) const {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + options_.start_timeout;
+  constexpr absl::Duration kReportEvery = absl::Seconds(5);
+  while (true) {
+    const absl::Duration slice = std::min(
+        kReportEvery, std::max(absl::ZeroDuration(), deadline - absl::Now()));
+    absl::StatusOr<std::string> address =
+        process::WaitForPortFile(port_file, slice, child);
+    if (address.ok() || !absl::IsDeadlineExceeded(address.status()) ||
+        absl::Now() >= deadline) {
+      if (address.ok() && options_.progress) {
+        options_.progress(
+            absl::StrFormat("%s up on %s (%.1f s)", name, *address,
+                            absl::ToDoubleSeconds(absl::Now() - start)));
+      }
+      if (!address.ok() && absl::IsDeadlineExceeded(address.status())) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            name, " did not come up within ",
+            absl::FormatDuration(options_.start_timeout), "; its log ends:\n",
+            child != nullptr ? child->LogTail(2048) : ""));
+      }
+      return address;
+    }
+    if (options_.progress) {
+      std::string last = child != nullptr ? child->LogTail(512) : "";
+      while (!last.empty() && last.back() == '\n') last.pop_back();
+      if (const size_t nl = last.rfind('\n'); nl != std::string::npos) {
+        last = last.substr(nl + 1);
+      }
+      options_.progress(
+          absl::StrFormat("still starting %s (%.0f s)%s%s", name,
+                          absl::ToDoubleSeconds(absl::Now() - start),
+                          last.empty() ? "" : ": ", last));
+    }
+  }
+}
+
 absl::Status LocalCluster::RecordMetrics(const std::string& name,
                                          const std::string& port_file,
                                          process::ChildProcess* child) {
@@ -228,9 +269,8 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
   }
   const std::string metrics_file = MetricsArgs(name, 20 + worker, &args);
   PDS_ASSIGN_OR_RETURN(auto child, Launch("decode_worker", name, args));
-  PDS_ASSIGN_OR_RETURN(
-      std::string address,
-      process::WaitForPortFile(port_file, options_.start_timeout, child.get()));
+  PDS_ASSIGN_OR_RETURN(std::string address,
+                       WaitUp(name, port_file, child.get()));
   PDS_RETURN_IF_ERROR(RecordMetrics(name, metrics_file, child.get()));
   if (static_cast<int>(decodes_.size()) <= worker) {
     decodes_.resize(worker + 1);
@@ -300,10 +340,8 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
         MetricsArgs(name, 10 + group * s_count + stage, &args);
     g.stage_args[stage] = args;
     PDS_ASSIGN_OR_RETURN(g.stages[stage], Launch("prefill_worker", name, args));
-    PDS_ASSIGN_OR_RETURN(
-        std::string address,
-        process::WaitForPortFile(port_file, options_.start_timeout,
-                                 g.stages[stage].get()));
+    PDS_ASSIGN_OR_RETURN(std::string address,
+                         WaitUp(name, port_file, g.stages[stage].get()));
     g.stage_addresses[stage] = address;
     PDS_RETURN_IF_ERROR(
         RecordMetrics(name, metrics_file, g.stages[stage].get()));
@@ -320,10 +358,8 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
   const std::string metrics_file =
       MetricsArgs(name, 10 + group * s_count, &args);
   PDS_ASSIGN_OR_RETURN(g.stages[0], Launch("prefill_worker", name, args));
-  PDS_ASSIGN_OR_RETURN(
-      std::string address,
-      process::WaitForPortFile(port_file, options_.start_timeout,
-                               g.stages[0].get()));
+  PDS_ASSIGN_OR_RETURN(std::string address,
+                       WaitUp(name, port_file, g.stages[0].get()));
   PDS_RETURN_IF_ERROR(RecordMetrics(name, metrics_file, g.stages[0].get()));
   prefill_addresses_[group] = address;
   const size_t colon = address.rfind(':');
@@ -359,9 +395,8 @@ absl::Status LocalCluster::StartRouter() {
   }
   const std::string metrics_file = MetricsArgs("router", 0, &args);
   PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));
-  PDS_ASSIGN_OR_RETURN(
-      grpc_address_, process::WaitForPortFile(grpc_file, options_.start_timeout,
-                                              router_.get()));
+  PDS_ASSIGN_OR_RETURN(grpc_address_,
+                       WaitUp("router", grpc_file, router_.get()));
   PDS_ASSIGN_OR_RETURN(
       http_address_, process::WaitForPortFile(http_file, options_.start_timeout,
                                               router_.get()));

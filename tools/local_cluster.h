@@ -20,6 +20,7 @@
 // it — children are tied to the thread that forked them).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -85,6 +86,10 @@ struct LocalClusterOptions {
   int max_in_flight = 1024;  // router: running + queued requests
   int refresh_ms = 250;      // router's probe interval
   absl::Duration start_timeout = absl::Seconds(120);
+  // Told how the start goes, a line at a time ("decode-0 up on ... (2.1 s)",
+  // every 5 s "still starting decode-0 (10 s): <its log's last line>"), so a
+  // large model's minutes of loading are not silence. Optional.
+  std::function<void(const std::string&)> progress;
   // /metrics on every process: -1 off; 0 any free port (read back through
   // port files); B > 0 the ports of deploy/prometheus/prometheus-local.yml:
   // router B, prefill group g stage i B + 10 + g * stages + i, decode worker
@@ -187,6 +192,10 @@ class LocalCluster {
   std::string MetricsArgs(const std::string& name, int offset,
                           std::vector<std::string>* args) const;
   // Reads the metrics port file once the process serves.
+  // WaitForPortFile with progress reports (options_.progress).
+  absl::StatusOr<std::string> WaitUp(const std::string& name,
+                                     const std::string& port_file,
+                                     process::ChildProcess* child) const;
   absl::Status RecordMetrics(const std::string& name,
                              const std::string& port_file,
                              process::ChildProcess* child);

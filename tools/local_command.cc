@@ -139,9 +139,12 @@ absl::Status RunLocalCluster(int argc, char** argv) {
                "pdserve local: starting %d prefill group(s) of %d "
                "stage(s), %d decode worker(s) of TP %d, router...\n",
                o.prefill_groups, o.stages, o.decode_workers, o.tp);
+  o.progress = [](const std::string& line) {
+    std::fprintf(stderr, "pdserve local: %s\n", line.c_str());
+  };
   PDS_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster,
                        LocalCluster::Start(o));
-  std::printf("%s", cluster->Describe().c_str());
+  std::printf("\npdserve local: ready\n%s", cluster->Describe().c_str());
   // The examples carry the key when the router wants one.
   std::string key_flag, key_header;
   if (!o.api_key_file.empty()) {
@@ -149,14 +152,18 @@ absl::Status RunLocalCluster(int argc, char** argv) {
     key_header = absl::StrCat("-H \"Authorization: Bearer $(grep -v '^#' ",
                               o.api_key_file, " | head -1)\" ");
   }
+  // A dummy model has random weights and no tokenizer: its examples send
+  // token ids (text would be refused).
+  const bool ids_only = o.format == "dummy";
   std::printf(
-      "\ntry:\n  %s/pdserve client --router %s --prompt \"Once upon a time\" "
-      "--max-tokens 32%s\n"
+      "\ntry:\n  %s/pdserve client --router %s %s --max-tokens 32%s\n"
       "  curl -s http://%s/v1/completions -H 'Content-Type: application/json' "
-      "%s-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}'\n"
+      "%s-d '{\"prompt\": %s, \"max_tokens\": 32}'\n"
       "\nCtrl-C stops the cluster.\n",
       process::ExecutableDir().c_str(), cluster->grpc_address().c_str(),
-      key_flag.c_str(), cluster->http_address().c_str(), key_header.c_str());
+      ids_only ? "--ids 1,450,4996" : "--prompt \"Once upon a time\"",
+      key_flag.c_str(), cluster->http_address().c_str(), key_header.c_str(),
+      ids_only ? "[1, 450, 4996]" : "\"Once upon a time\"");
   std::fflush(stdout);
   // Until Ctrl-C: restart what dies (LocalCluster::Supervise: backoff, same
   // ports, so the router takes it back into rotation by itself).

@@ -6,6 +6,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "engine/engine_backend.h"
@@ -170,7 +173,28 @@ absl::Status CpuBackend::Load(const model::WeightSource& weights) {
   if (holds_first()) PDS_RETURN_IF_ERROR(LoadEmbedding(weights, p, &embedding));
   const int64_t hidden = config.hidden_size;
   const int64_t attn_width = p.attn_width();
+  // Progress for people waiting on a large model (minutes for 8B on a few
+  // cores): a log line every 2 s with the rate and the time left.
+  const int num_layers = shard.layer_end - shard.layer_begin;
+  const double layer_bytes =
+      4.0 * static_cast<double>(qkv_rows() * hidden + hidden * attn_width +
+                                3 * ffn_rows() * hidden);
+  const absl::Time load_start = absl::Now();
+  absl::Time last_report = load_start;
   for (int layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
+    if (const absl::Time now = absl::Now();
+        now - last_report >= absl::Seconds(2)) {
+      last_report = now;
+      const int done = layer - shard.layer_begin;
+      const double seconds = absl::ToDoubleSeconds(now - load_start);
+      const double rate = done * layer_bytes / seconds;
+      PDS_LOG(INFO) << absl::StrFormat(
+          "loading weights: layer %d of %d, %.2f of %.2f GB, %.0f MB/s, "
+          "about %.0f s left",
+          done, num_layers, done * layer_bytes / 1e9,
+          num_layers * layer_bytes / 1e9, rate / 1e6,
+          rate > 0 ? (num_layers - done) * layer_bytes / rate : 0.0);
+    }
     HostLayerWeights lw;
     PDS_RETURN_IF_ERROR(LoadLayerWeights(weights, p, layer, &lw));
     CpuLayerWeights& cw = layers.emplace_back();
@@ -184,11 +208,22 @@ absl::Status CpuBackend::Load(const model::WeightSource& weights) {
                          PackAndRelease(lw.w_down, hidden, ffn_rows()));
   }
   if (holds_last()) {
+    if (absl::Now() - load_start >= absl::Seconds(2)) {
+      PDS_LOG(INFO) << absl::StrFormat(
+          "loading weights: the output head (%.2f GB)",
+          4.0 * static_cast<double>(p.vocab_rows() * hidden) / 1e9);
+    }
     std::vector<float> head;
     PDS_RETURN_IF_ERROR(LoadHead(weights, p, &final_norm, &head));
     PDS_ASSIGN_OR_RETURN(lm_head, PackAndRelease(head, p.vocab_rows(), hidden));
   }
   BuildRopeTables(config, &rope_cos, &rope_sin);
+  if (absl::Now() - load_start >= absl::Seconds(2)) {
+    PDS_LOG(INFO) << absl::StrFormat(
+        "loaded %d layers (%.2f GB) in %.1f s", num_layers,
+        num_layers * layer_bytes / 1e9,
+        absl::ToDoubleSeconds(absl::Now() - load_start));
+  }
   return absl::OkStatus();
 }
 
