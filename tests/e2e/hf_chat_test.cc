@@ -10,6 +10,7 @@
 #include <httplib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -166,10 +167,23 @@ TEST(HfChatTest,
   o.decode_blocks = 256;
   o.prefill_blocks = 128;
   o.api_key_file = dir / "api.key";
+  std::vector<std::string> progress;
+  o.progress = [&progress](const std::string& line) {
+    progress.push_back(line);
+  };
   absl::StatusOr<std::unique_ptr<LocalCluster>> started =
       LocalCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status();
   LocalCluster& cluster = **started;
+  // The start reports each process as it comes up.
+  for (const char* name :
+       {"decode-0 up on 127.0.0.1:", "prefill-0-stage-1 up on 127.0.0.1:",
+        "prefill-0-stage-0 up on 127.0.0.1:", "router up on 127.0.0.1:"}) {
+    EXPECT_TRUE(std::any_of(
+        progress.begin(), progress.end(),
+        [&](const std::string& line) { return line.starts_with(name); }))
+        << name;
+  }
   EXPECT_NE(cluster.LogTail("router", 16384)
                 .find("chat prompts: the model's chat template from"),
             std::string::npos)
