@@ -411,12 +411,21 @@ void PrefillService::Notify(const std::shared_ptr<Call>& call) {
             call->response->set_notify_seconds(
                 absl::ToDoubleSeconds(now - call->prefilled));
             if (!status.ok()) {
-              Answer(call,
-                     Annotate(status, absl::StrCat("decode worker ",
-                                                   call->decode_address,
-                                                   " did not accept the KV of "
-                                                   "request ",
-                                                   call->id)));
+              absl::Status why = Annotate(
+                  status,
+                  absl::StrCat("decode worker ", call->decode_address,
+                               " did not accept the KV of request ", call->id));
+              // The group did its part; its destination is down or frozen.
+              // Not UNAVAILABLE: the router would take this group out of
+              // rotation for the decode worker's fault (every request then
+              // fails "no healthy prefill worker" while one decode worker
+              // of several is frozen). ABORTED: retried elsewhere.
+              if (absl::IsUnavailable(why) || absl::IsDeadlineExceeded(why)) {
+                why = absl::AbortedError(
+                    absl::StrCat(why.message(), " (",
+                                 absl::StatusCodeToString(why.code()), ")"));
+              }
+              Answer(call, why);
               return;
             }
             call->response->set_decode_notified(true);

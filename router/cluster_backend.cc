@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "router/cluster_request.h"
 #include "rpc/auth.h"
+#include "rpc/status_conversion.h"
 
 namespace pdserve::router {
 
@@ -118,6 +119,18 @@ ClusterBackendStats ClusterBackend::stats() const {
   return book_->stats;
 }
 
+absl::Status ClusterBackend::SendAbort(const std::string& address,
+                                       uint64_t id) {
+  auto stub = v1::DecodeWorker::NewStub(ChannelFor(address));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(
+      absl::Now() + std::min(options_.rpc_timeout, absl::Seconds(2))));
+  v1::AbortRequest abort;
+  abort.set_request_id(id);
+  v1::AbortResponse ignored;
+  return rpc::FromGrpcStatus(stub->Abort(&context, abort, &ignored));
+}
+
 std::shared_ptr<grpc::Channel> ClusterBackend::ChannelFor(
     const std::string& address) {
   absl::MutexLock lock(&channels_mu_);
@@ -210,7 +223,8 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
           *decode_policy_,
           [this](const std::string& address) { return ChannelFor(address); },
           *book,
-          queue_};
+          queue_,
+          &abort_retrier_};
       ClusterRequest(services, cancellation, std::move(request), std::move(ids),
                      observer)
           .Run();

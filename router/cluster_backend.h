@@ -38,6 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
+#include "router/abort_retrier.h"
 #include "router/admission_queue.h"
 #include "router/assignment_policy.h"
 #include "router/generation_backend.h"
@@ -115,6 +116,8 @@ class ClusterBackend final : public GenerationBackend {
                  std::unique_ptr<AssignmentPolicy> decode_policy);
 
   std::shared_ptr<grpc::Channel> ChannelFor(const std::string& address);
+  // One Abort of `id` at the decode worker `address` (AbortRetrier's send).
+  absl::Status SendAbort(const std::string& address, uint64_t id);
 
   const ClusterBackendOptions options_;
   const tokenizer::Tokenizer* const tokenizer_;
@@ -130,6 +133,10 @@ class ClusterBackend final : public GenerationBackend {
   absl::Mutex channels_mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
       ABSL_GUARDED_BY(channels_mu_);
+  // Last: its thread sends through channels_, so it stops first.
+  AbortRetrier abort_retrier_{[this](const std::string& address, uint64_t id) {
+    return SendAbort(address, id);
+  }};
 };
 
 }  // namespace pdserve::router

@@ -502,7 +502,11 @@ void ClusterRequest::AbortDecode(const Attempt& a) {
   v1::AbortRequest abort;
   abort.set_request_id(a.wire_id);
   v1::AbortResponse ignored;
-  (void)a.decode->Abort(&context, abort, &ignored);
+  const absl::Status s =
+      rpc::FromGrpcStatus(a.decode->Abort(&context, abort, &ignored));
+  if (services_.abort_retrier != nullptr && AbortRetrier::WorthRetrying(s)) {
+    services_.abort_retrier->Add(a.decode_address, a.wire_id);
+  }
 }
 
 void ClusterRequest::ResetEcho() {

@@ -37,6 +37,7 @@
 #include "grpcpp/client_context.h"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "pdserve/v1/prefill.grpc.pb.h"
+#include "router/abort_retrier.h"
 #include "router/admission_queue.h"
 #include "router/cluster_backend.h"
 
@@ -81,6 +82,8 @@ struct ClusterServices {
   std::function<std::shared_ptr<grpc::Channel>(const std::string&)> channel_for;
   RequestBook& book;
   AdmissionQueue& queue;
+  // Aborts the decode worker did not answer, sent again (may be null).
+  AbortRetrier* abort_retrier = nullptr;
 };
 
 // Which workers a request needs, decided once from the request and the
