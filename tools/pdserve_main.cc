@@ -22,11 +22,13 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/command_line_flags.h"
 #include "common/status_macros.h"
 #include "engine/backend_flags.h"
@@ -90,6 +92,11 @@ absl::Status Generate(int argc, char** argv) {
   int max_tokens = flags.Num<int>(
       "max-tokens", 64,
       "Most tokens to generate (fewer if the context ends first).");
+  const std::string output = flags.Str(
+      "output", "text",
+      "What stdout gets: text (the prompt and its continuation, streamed), "
+      "ids (the generated token ids, one line), json (one object: prompt_ids, "
+      "ids, text, finish_reason, timings) for scripts.");
   flags.Group("Sampling");
   engine::SamplingParams sampling;
   sampling.temperature =
@@ -116,6 +123,11 @@ absl::Status Generate(int argc, char** argv) {
   PDS_ASSIGN_OR_RETURN(const std::optional<kv::KvDType> kv_dtype,
                        engine::ParseKvDTypeFlag(kv_dtype_name));
   PDS_RETURN_IF_ERROR(sampling.Validate());
+  if (output != "text" && output != "ids" && output != "json") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--output must be text, ids or json, not '", output, "'"));
+  }
+  const bool text_output = output == "text";
   if (max_tokens <= 0)
     return absl::InvalidArgumentError("--max-tokens must be positive");
 
@@ -154,7 +166,10 @@ absl::Status Generate(int argc, char** argv) {
 
   tokenizer::IncrementalDetokenizer detokenizer(*tokenizer,
                                                 /*at_text_start=*/false);
-  std::cout << prompt << std::flush;
+  if (text_output) std::cout << prompt << std::flush;
+  std::vector<int32_t> generated_ids;
+  std::string generated_text;
+  const char* finish_reason = "length";
   auto start = std::chrono::steady_clock::now();
   double first_token_seconds = 0;
   std::vector<int32_t> step_tokens = prompt_ids;
@@ -179,15 +194,40 @@ absl::Status Generate(int argc, char** argv) {
                                 .count();
     }
     ++generated;
-    if (tokenizer->IsEos(next)) break;
+    // Any of the model's end tokens (Llama 3 lists several).
+    if (tokenizer->IsEos(next) || config.IsEos(next)) {
+      finish_reason = "stop";
+      break;
+    }
+    generated_ids.push_back(next);
     PDS_ASSIGN_OR_RETURN(std::string delta, detokenizer.Push(next));
-    std::cout << delta << std::flush;
+    generated_text += delta;
+    if (text_output) std::cout << delta << std::flush;
     step_tokens = {next};
   }
-  std::cout << detokenizer.Finish() << std::endl;
+  const std::string tail = detokenizer.Finish();
+  generated_text += tail;
   double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
           .count();
+  if (output == "ids") {
+    std::cout << absl::StrJoin(generated_ids, " ") << std::endl;
+  } else if (output == "json") {
+    nlohmann::json out = {{"prompt_ids", prompt_ids},
+                          {"ids", generated_ids},
+                          {"text", generated_text},
+                          {"finish_reason", finish_reason},
+                          {"first_token_ms", first_token_seconds * 1e3},
+                          {"tokens_per_second", generated / seconds}};
+    // Invalid UTF-8 cannot occur (the detokenizer replaces it), but a dump
+    // must never throw in a tool people pipe into scripts.
+    std::cout << out.dump(-1, ' ', false,
+                          nlohmann::json::error_handler_t::replace)
+              << std::endl;
+    return absl::OkStatus();
+  } else {
+    std::cout << tail << std::endl;
+  }
   std::fprintf(
       stderr,
       "[%d prompt tokens, %d generated, first token %.1f ms, %.1f tokens/s]\n",

@@ -4,6 +4,8 @@
 
 #include <array>
 #include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "testing/golden.h"
@@ -51,6 +53,36 @@ TEST(PdserveGenerateTest, StreamsGoldenTextForBothLayouts) {
           << result.out;
     }
   }
+}
+
+// For scripts: the generated ids alone, or one JSON object.
+TEST(PdserveGenerateTest, IdsAndJsonOutputForScripts) {
+  const auto golden = pdserve::testing::LoadGoldenCases().front();
+  const std::string base =
+      "generate --model " + Quote(pdserve::testing::Stories260KDir()) +
+      " --prompt " + Quote(golden.prompt) + " --max-tokens " +
+      std::to_string(golden.max_new_tokens);
+  auto ids = RunPdserve(base + " --output ids 2>/dev/null");
+  ASSERT_EQ(ids.exit_code, 0) << ids.out;
+  std::vector<int32_t> parsed;
+  std::istringstream in(ids.out);
+  for (int32_t id; in >> id;) parsed.push_back(id);
+  EXPECT_EQ(parsed, golden.greedy_ids) << ids.out;
+
+  auto json_run = RunPdserve(base + " --output json 2>/dev/null");
+  ASSERT_EQ(json_run.exit_code, 0) << json_run.out;
+  const nlohmann::json out = nlohmann::json::parse(json_run.out);
+  EXPECT_EQ(out["prompt_ids"].get<std::vector<int32_t>>(), golden.prompt_ids);
+  EXPECT_EQ(out["ids"].get<std::vector<int32_t>>(), golden.greedy_ids);
+  EXPECT_EQ(out["text"], golden.text);
+  EXPECT_EQ(out["finish_reason"], "length");
+  EXPECT_TRUE(out["tokens_per_second"].is_number());
+
+  auto bad = RunPdserve(base + " --output yaml");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.out.find("--output must be text, ids or json"),
+            std::string::npos)
+      << bad.out;
 }
 
 TEST(PdserveGenerateTest, ClearErrorsForBadInput) {
