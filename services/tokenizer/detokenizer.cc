@@ -2,6 +2,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "tokenizer/tokenizer_internal.h"
 
 namespace pdserve::tokenizer {
@@ -181,10 +182,8 @@ size_t IncrementalDetokenizer::pending_bytes() const {
 
 absl::StatusOr<std::string> IncrementalDetokenizer::Push(int32_t id) {
   const internal::TokenizerImpl& impl = *tokenizer_.impl_;
-  if (id < 0 || id >= impl.vocab_size) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "token id ", id, " is outside the vocabulary of ", impl.vocab_size));
-  }
+  PDS_RETURN_IF_ERROR(tokenizer_.CheckId(id));
+  if (id >= impl.vocab_size) return std::string();  // the model's padding
   return stream_->Push(id);
 }
 

@@ -1,5 +1,6 @@
 #include "tokenizer/tokenizer.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -151,14 +152,27 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
 
 absl::StatusOr<std::string> Tokenizer::Decode(
     std::span<const int32_t> ids) const {
+  const int32_t limit = std::max(impl_->vocab_size, impl_->model_vocab_size);
+  bool padded = false;
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] >= impl_->vocab_size) {
+    if (ids[i] < 0 || ids[i] >= limit) {
       return absl::OutOfRangeError(
           absl::StrCat("token id ", ids[i], " at position ", i,
-                       " is outside the vocabulary of ", impl_->vocab_size));
+                       " is outside the vocabulary of ", limit));
     }
+    padded |= ids[i] >= impl_->vocab_size;
   }
-  return impl_->Decode(ids);
+  if (!padded) return impl_->Decode(ids);
+  // A model's padding ids stand for no text.
+  std::vector<int32_t> text_ids;
+  for (int32_t id : ids) {
+    if (id < impl_->vocab_size) text_ids.push_back(id);
+  }
+  return impl_->Decode(text_ids);
+}
+
+bool Tokenizer::IsPadding(int32_t id) const {
+  return id >= impl_->vocab_size && id < impl_->model_vocab_size;
 }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
@@ -167,25 +181,28 @@ int32_t Tokenizer::eos_id() const { return impl_->eos_id; }
 int32_t Tokenizer::unk_id() const { return impl_->unk_id; }
 
 absl::Status Tokenizer::CheckId(int32_t id) const {
-  if (id < 0 || id >= impl_->vocab_size) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "token id ", id, " is outside the vocabulary of ", impl_->vocab_size));
+  const int32_t limit = std::max(impl_->vocab_size, impl_->model_vocab_size);
+  if (id < 0 || id >= limit) {
+    return absl::OutOfRangeError(
+        absl::StrCat("token id ", id, " is outside the vocabulary of ", limit));
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string_view> Tokenizer::IdToPiece(int32_t id) const {
   PDS_RETURN_IF_ERROR(CheckId(id));
+  if (IsPadding(id)) return std::string_view();
   return impl_->IdToPiece(id);
 }
 
 absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
   PDS_RETURN_IF_ERROR(CheckId(id));
+  if (IsPadding(id)) return std::string();
   return impl_->TokenBytes(id);
 }
 
 bool Tokenizer::IsControl(int32_t id) const {
-  return CheckId(id).ok() && impl_->IsControl(id);
+  return CheckId(id).ok() && !IsPadding(id) && impl_->IsControl(id);
 }
 
 // ---------------------------------------------------------------------------
@@ -237,10 +254,17 @@ bool SentencePieceImpl::IsControl(int32_t id) const {
 }  // namespace internal
 
 absl::Status Tokenizer::CheckCompatibleWith(int model_vocab_size) const {
-  if (model_vocab_size != impl_->vocab_size) {
+  // Models pad their embedding to a round size (Qwen3: +267 rows, Phi-3:
+  // +53); a larger gap means another tokenizer.
+  if (model_vocab_size < impl_->vocab_size ||
+      model_vocab_size > impl_->vocab_size + kMaxVocabPadding) {
     return absl::FailedPreconditionError(absl::StrCat(
         "tokenizer vocabulary size ", impl_->vocab_size,
-        " does not match the model's vocab_size ", model_vocab_size));
+        " does not match the model's vocab_size ", model_vocab_size,
+        model_vocab_size < impl_->vocab_size
+            ? " (the model has no embedding for the tokenizer's last ids)"
+            : absl::StrCat(" (more than ", kMaxVocabPadding,
+                           " padding rows: another tokenizer?)")));
   }
   return absl::OkStatus();
 }
@@ -261,6 +285,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerForModel(
     return absl::FailedPreconditionError(
         absl::StrCat(source.description(), ": ", compatible.message()));
   }
+  // Not shared yet: the only change after Create.
+  (*tokenizer)->impl_->model_vocab_size = source.config().vocab_size;
   return tokenizer;
 }
 

@@ -92,12 +92,19 @@ class Tokenizer {
   [[nodiscard]] absl::StatusOr<std::string> TokenBytes(int32_t id) const;
 
   // FAILED_PRECONDITION naming both sizes unless the model's embedding/lm_head
-  // vocabulary equals ours: a larger model vocabulary could sample ids we
-  // cannot decode, a smaller one would be fed ids it has no embedding for.
+  // vocabulary is ours or ours plus at most kMaxVocabPadding padding rows (a
+  // smaller one would be fed ids it has no embedding for; a much larger one
+  // belongs to another tokenizer). LoadTokenizerForModel then accepts the
+  // padding ids: they decode to no text (IsPadding).
+  static constexpr int kMaxVocabPadding = 1024;
   [[nodiscard]] absl::Status CheckCompatibleWith(int model_vocab_size) const;
+  // An id of the model's padding rows (only after LoadTokenizerForModel).
+  bool IsPadding(int32_t id) const;
 
  private:
   friend class IncrementalDetokenizer;
+  friend absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizerForModel(
+      const model::WeightSource& source);
   // OUT_OF_RANGE unless 0 <= id < vocab_size().
   absl::Status CheckId(int32_t id) const;
   explicit Tokenizer(std::unique_ptr<internal::TokenizerImpl> impl);

@@ -41,6 +41,10 @@ class TokenizerImpl {
       bool at_text_start) const = 0;
 
   int32_t vocab_size = 0;
+  // The model's vocabulary when it pads the tokenizer's (Qwen3: 151,936
+  // rows for 151,669 ids): ids in [vocab_size, model_vocab_size) are valid
+  // and stand for no text. 0 until a model adopts the tokenizer.
+  int32_t model_vocab_size = 0;
   int32_t bos_id = -1;
   int32_t eos_id = -1;
   int32_t unk_id = -1;

@@ -195,6 +195,17 @@ TEST(TokenizerBadInputTest, VocabMismatchWithModel) {
   EXPECT_EQ((*tok)->CheckCompatibleWith(511).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE((*tok)->CheckCompatibleWith(512).ok());
+  // A model that pads its embedding to a round size (Qwen3: +267 rows).
+  EXPECT_TRUE((*tok)->CheckCompatibleWith(512 + 267).ok());
+  EXPECT_TRUE(
+      (*tok)->CheckCompatibleWith(512 + Tokenizer::kMaxVocabPadding).ok());
+  EXPECT_EQ(
+      (*tok)->CheckCompatibleWith(512 + Tokenizer::kMaxVocabPadding + 1).code(),
+      absl::StatusCode::kFailedPrecondition);
+  // Until a model adopts it, the padding ids are outside the vocabulary.
+  EXPECT_FALSE((*tok)->IsPadding(600));
+  EXPECT_EQ((*tok)->Decode(std::vector<int32_t>{600}).status().code(),
+            absl::StatusCode::kOutOfRange);
 }
 
 TEST(TokenizerBadInputTest, OutOfRangeIds) {
