@@ -145,14 +145,22 @@ absl::StatusOr<RenderedChat> ChatPrompt::Render(const ChatInput& input) const {
   context["add_generation_prompt"] = input.add_generation_prompt;
   context["bos_token"] = bos_token_;
   context["eos_token"] = eos_token_;
-  absl::StatusOr<std::string> text = chosen->Render(context);
+  // Real conversations take ~1e4 interpreted steps (a thousand turns ~1e6);
+  // the renderer's default of 1e7 is seconds of router CPU a client could
+  // ask for with one request.
+  chat_template::RenderOptions options;
+  options.limits.max_steps = 2'000'000;
+  absl::StatusOr<std::string> text = chosen->Render(context, options);
   if (!text.ok()) {
     if (chat_template::IsRaisedByTemplate(text.status())) {
       return absl::InvalidArgumentError(
           absl::StrCat("the model's chat template refused the conversation: ",
                        text.status().message()));
     }
-    return text.status();
+    // A render limit or a template error on this conversation: the request
+    // is the cause (RESOURCE_EXHAUSTED would be a 429 inviting a retry).
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rendering the model's chat template: ", text.status().message()));
   }
   out.text = *std::move(text);
   if (has_tools && (input.tool_choice.kind == ToolChoice::Kind::kRequired ||

@@ -102,6 +102,23 @@ TEST(ChatPromptTest, TemplateRefusalIsA400WithItsMessage) {
       << r.status();
 }
 
+// A conversation that would cost the template too much work is the
+// request's fault: a 400, never a 429 that invites a retry.
+TEST(ChatPromptTest, RenderLimitsAreA400) {
+  absl::StatusOr<std::unique_ptr<ChatPrompt>> prompt = ChatPrompt::FromSource(
+      "{% for m in messages %}{% for a in range(1000) %}{% for b in "
+      "range(1000) %}x{% endfor %}{% endfor %}{% endfor %}",
+      "heavy template", "", "");
+  ASSERT_TRUE(prompt.ok()) << prompt.status();
+  absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+      OpenAiEndpoint::kChatCompletions,
+      R"({"messages": [{"role": "user", "content": "x"}]})", prompt->get());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(HttpStatusFor(r.status()), 400) << r.status();
+  EXPECT_NE(r.status().message().find("chat template"), std::string::npos)
+      << r.status();
+}
+
 TEST(ChatPromptTest, ForcedToolChoiceOpensTheCallInThePrompt) {
   auto prompt = Hermes();
   ASSERT_NE(prompt, nullptr);
