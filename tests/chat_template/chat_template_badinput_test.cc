@@ -23,6 +23,7 @@
 #include "chat_template/chat_template.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "testing/shell.h"
 
 namespace pdserve::chat_template {
 namespace {
@@ -32,27 +33,22 @@ using Json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
 const std::string kSource = PDSERVE_SOURCE_DIR;
+
+using ::pdserve::testing::CommandResult;
+CommandResult Shell(const std::string& command) {
+  return ::pdserve::testing::RunShell(command, kSource);
+}
+std::string Slurp(const std::string& path) {
+  return ::pdserve::testing::ReadFileOrEmpty(path);
+}
+int Shell(const std::string& command, std::string* output) {
+  CommandResult r = Shell(command);
+  *output = std::move(r.output);
+  return r.code;
+}
 const std::string kBinary = PDSERVE_BINARY_DIR;
 // Generous for ASan; a release build takes milliseconds per case.
 constexpr double kMaxSecondsPerCase = 5.0;
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-int Shell(const std::string& command, std::string* output) {
-  const std::string out = fs::temp_directory_path() /
-                          absl::StrCat("chat_template_bad.", getpid(), ".out");
-  const int status = std::system(
-      absl::StrCat("cd '", kSource, "' && (", command, ") > '", out, "' 2>&1")
-          .c_str());
-  *output = Slurp(out);
-  fs::remove(out);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 // The real templates: llama3 and qwen3 from the npm packages.
 std::vector<std::pair<std::string, std::string>> RealTemplates() {

@@ -19,6 +19,7 @@
 #include "chat_template/chat_template.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "testing/shell.h"
 
 namespace pdserve::chat_template {
 namespace {
@@ -27,34 +28,15 @@ namespace fs = std::filesystem;
 using Json = nlohmann::ordered_json;
 
 const std::string kSource = PDSERVE_SOURCE_DIR;
-const std::string kBinary = PDSERVE_BINARY_DIR;
 
-struct CommandResult {
-  int code = -1;
-  std::string output;
-};
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Runs a shell command from the source tree; its exit code and output.
+using ::pdserve::testing::CommandResult;
 CommandResult Shell(const std::string& command) {
-  const std::string out =
-      fs::temp_directory_path() /
-      absl::StrCat("chat_template_parity.", getpid(), ".out");
-  const std::string full =
-      absl::StrCat("cd '", kSource, "' && (", command, ") > '", out, "' 2>&1");
-  const int status = std::system(full.c_str());
-  CommandResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.output = Slurp(out);
-  fs::remove(out);
-  return r;
+  return ::pdserve::testing::RunShell(command, kSource);
 }
+std::string Slurp(const std::string& path) {
+  return ::pdserve::testing::ReadFileOrEmpty(path);
+}
+const std::string kBinary = PDSERVE_BINARY_DIR;
 
 std::string Escape(std::string_view s) {
   std::string out;

@@ -344,6 +344,7 @@ TEST(ChaosTest, KilledProcessesAreRestartedAndServeAgain) {
   o.decode_blocks = 512;
   o.prefill_blocks = 256;
   o.refresh_ms = 100;
+  // CHAOS_WORK_DIR keeps the processes' logs for a failure's post-mortem.
   if (const char* dir = std::getenv("CHAOS_WORK_DIR")) o.work_dir = dir;
   absl::StatusOr<std::unique_ptr<LocalCluster>> started =
       LocalCluster::Start(o);

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "testing/shell.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/local_cluster.h"
 
@@ -33,33 +34,15 @@ using tools::LocalClusterOptions;
 
 const std::string kBinary = PDSERVE_BINARY_DIR;
 const std::string kSource = PDSERVE_SOURCE_DIR;
-const std::string kRefsDir = kBinary + "/tokenizer-refs";
 
-struct CommandResult {
-  int code = -1;
-  std::string output;
-};
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
+using ::pdserve::testing::CommandResult;
 CommandResult Shell(const std::string& command) {
-  const std::string out = fs::temp_directory_path() /
-                          ("hf_chat_" + std::to_string(::getpid()) + ".out");
-  // Scripts are named from the source tree (ctest runs in the build tree).
-  const int status = std::system(
-      absl::StrCat("cd '", kSource, "' && ", command, " > '", out, "' 2>&1")
-          .c_str());
-  CommandResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.output = Slurp(out);
-  fs::remove(out);
-  return r;
+  return ::pdserve::testing::RunShell(command, kSource);
 }
+std::string Slurp(const std::string& path) {
+  return ::pdserve::testing::ReadFileOrEmpty(path);
+}
+const std::string kRefsDir = kBinary + "/tokenizer-refs";
 
 void Write(const fs::path& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary);

@@ -27,6 +27,7 @@
 #include "pdserve/v1/generate.grpc.pb.h"
 #include "rpc/auth.h"
 #include "testing/golden.h"
+#include "testing/shell.h"
 
 namespace pdserve::metrics {
 namespace {
@@ -37,23 +38,9 @@ using testing::Slurp;
 
 const std::string kSource = PDSERVE_SOURCE_DIR;
 
-struct CommandResult {
-  int code = -1;
-  std::string output;
-};
-
-// Runs a shell command from the source tree; its exit code and output.
+using ::pdserve::testing::CommandResult;
 CommandResult Shell(const std::string& command) {
-  const std::string out = fs::temp_directory_path() /
-                          absl::StrCat("deploy_test.", getpid(), ".out");
-  const std::string full =
-      absl::StrCat("cd '", kSource, "' && (", command, ") > '", out, "' 2>&1");
-  const int status = std::system(full.c_str());
-  CommandResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.output = Slurp(out);
-  fs::remove(out);
-  return r;
+  return ::pdserve::testing::RunShell(command, kSource);
 }
 
 std::string TempDir() {

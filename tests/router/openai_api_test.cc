@@ -276,20 +276,25 @@ TEST(OpenAiApiTest, EveryKnownFieldIsHonouredOrRefusedByName) {
       {"store", "true", false},
       {"service_tier", R"("default")", false},
   };
-  for (const Field& f : completions) {
-    SCOPED_TRACE(f.name);
-    const std::string body =
-        absl::StrCat(R"({"prompt": "a", ")", f.name, R"(": )", f.value, "}");
-    absl::StatusOr<OpenAiRequest> r = Completion(body);
-    if (f.honoured) {
-      EXPECT_TRUE(r.ok()) << r.status();
-      continue;
+  // Each field alone on a minimal request of its endpoint.
+  auto check = [](OpenAiEndpoint endpoint, const std::string& base,
+                  const std::vector<Field>& fields) {
+    for (const Field& f : fields) {
+      SCOPED_TRACE(f.name);
+      absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+          endpoint,
+          absl::StrCat(base, R"(, ")", f.name, R"(": )", f.value, "}"));
+      if (f.honoured) {
+        EXPECT_TRUE(r.ok()) << r.status();
+        continue;
+      }
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(HttpStatusFor(r.status()), 400);
+      EXPECT_NE(r.status().message().find(f.name), std::string::npos)
+          << r.status();
     }
-    ASSERT_FALSE(r.ok());
-    EXPECT_EQ(HttpStatusFor(r.status()), 400);
-    EXPECT_NE(r.status().message().find(f.name), std::string::npos)
-        << r.status();
-  }
+  };
+  check(OpenAiEndpoint::kCompletions, R"({"prompt": "a")", completions);
   const std::vector<Field> chat = {
       {"max_completion_tokens", "3", true},
       {"logprobs", "true", true},
@@ -309,21 +314,8 @@ TEST(OpenAiApiTest, EveryKnownFieldIsHonouredOrRefusedByName) {
       {"continue_final_message", "true", false},
       {"documents", "[]", false},
   };
-  for (const Field& f : chat) {
-    SCOPED_TRACE(f.name);
-    const std::string body =
-        absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], ")",
-                     f.name, R"(": )", f.value, "}");
-    absl::StatusOr<OpenAiRequest> r = Chat(body);
-    if (f.honoured) {
-      EXPECT_TRUE(r.ok()) << r.status();
-      continue;
-    }
-    ASSERT_FALSE(r.ok());
-    EXPECT_EQ(HttpStatusFor(r.status()), 400);
-    EXPECT_NE(r.status().message().find(f.name), std::string::npos)
-        << r.status();
-  }
+  check(OpenAiEndpoint::kChatCompletions,
+        R"({"messages": [{"role": "user", "content": "x"}])", chat);
   // A null value is the same as leaving the field out.
   EXPECT_TRUE(Completion(R"({"prompt": "a", "response_format": null})").ok());
 }

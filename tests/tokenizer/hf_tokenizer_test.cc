@@ -24,6 +24,7 @@
 #include "model/weight_source.h"
 #include "model_test_util.h"
 #include "nlohmann/json.hpp"
+#include "testing/shell.h"
 #include "tokenizer/detokenizer.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -36,34 +37,17 @@ using Json = nlohmann::json;
 using ::testing::HasSubstr;
 
 const std::string kSource = PDSERVE_SOURCE_DIR;
+
+using ::pdserve::testing::CommandResult;
+CommandResult Shell(const std::string& command) {
+  return ::pdserve::testing::RunShell(command, kSource);
+}
+std::string Slurp(const std::string& path) {
+  return ::pdserve::testing::ReadFileOrEmpty(path);
+}
 const std::string kBinary = PDSERVE_BINARY_DIR;
 const std::string kRefsDir = kBinary + "/tokenizer-refs";
 const std::string kRefsJson = kBinary + "/hf_parity_refs.json";
-
-std::string Slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-struct CommandResult {
-  int code = -1;
-  std::string output;
-};
-
-CommandResult Shell(const std::string& command) {
-  const std::string out = fs::temp_directory_path() /
-                          absl::StrCat("hf_tokenizer_test.", getpid(), ".out");
-  const std::string full =
-      absl::StrCat("cd '", kSource, "' && (", command, ") > '", out, "' 2>&1");
-  const int status = std::system(full.c_str());
-  CommandResult r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.output = Slurp(out);
-  fs::remove(out);
-  return r;
-}
 
 std::string FromHex(const std::string& hex) {
   return absl::HexStringToBytes(hex);
