@@ -70,6 +70,40 @@ bool GetLogprobs(transport::ByteReader& r, engine::TokenLogprobs* l) {
   return true;
 }
 
+void PutSampling(transport::ByteWriter& w, const engine::SamplingParams& s) {
+  w.Put<float>(s.temperature);
+  w.Put<int32_t>(s.top_k);
+  w.Put<float>(s.top_p);
+  w.Put<uint64_t>(s.seed);
+  w.Put<float>(s.min_p);
+  w.Put<float>(s.presence_penalty);
+  w.Put<float>(s.frequency_penalty);
+  w.Put<float>(s.repetition_penalty);
+  w.Put<int32_t>(s.min_tokens);
+  w.Put<uint32_t>(static_cast<uint32_t>(s.logit_bias.size()));
+  for (const engine::LogitBias& b : s.logit_bias) {
+    w.Put<int32_t>(b.token);
+    w.Put<float>(b.bias);
+  }
+}
+
+// The values are checked where the chunk is used (SamplingParams::Validate).
+bool GetSampling(transport::ByteReader& r, engine::SamplingParams* s) {
+  uint32_t biases = 0;
+  if (!r.Get(&s->temperature) || !r.Get(&s->top_k) || !r.Get(&s->top_p) ||
+      !r.Get(&s->seed) || !r.Get(&s->min_p) || !r.Get(&s->presence_penalty) ||
+      !r.Get(&s->frequency_penalty) || !r.Get(&s->repetition_penalty) ||
+      !r.Get(&s->min_tokens) || !r.Get(&biases) ||
+      biases > static_cast<uint32_t>(engine::kMaxLogitBiasEntries)) {
+    return false;
+  }
+  s->logit_bias.resize(biases);
+  for (engine::LogitBias& b : s->logit_bias) {
+    if (!r.Get(&b.token) || !r.Get(&b.bias)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 std::string EncodeStageMessage(const StageMessage& message) {
@@ -87,10 +121,8 @@ std::string EncodeStageMessage(const StageMessage& message) {
     w.Put<uint8_t>(c.final_chunk ? 1 : 0);
     PutVector(w, c.tokens);
     PutVector(w, c.block_table);
-    w.Put<float>(c.sampling.temperature);
-    w.Put<int32_t>(c.sampling.top_k);
-    w.Put<float>(c.sampling.top_p);
-    w.Put<uint64_t>(c.sampling.seed);
+    PutSampling(w, c.sampling);
+    PutVector(w, c.penalized_prompt_tokens);
     w.Put<int32_t>(c.top_logprobs);
     w.Put<uint8_t>((c.prompt_logprobs ? kScorePrompt : 0) |
                    (c.write_kv ? kWriteKv : 0));
@@ -135,8 +167,8 @@ absl::StatusOr<StageMessage> DecodeStageMessage(std::string_view blob) {
         !r.Get(&c.kv_dst_offset) || !r.Get(&final_chunk) ||
         !GetVector(r, &c.tokens, kMaxItems) ||
         !GetVector(r, &c.block_table, kMaxItems) ||
-        !r.Get(&c.sampling.temperature) || !r.Get(&c.sampling.top_k) ||
-        !r.Get(&c.sampling.top_p) || !r.Get(&c.sampling.seed) ||
+        !GetSampling(r, &c.sampling) ||
+        !GetVector(r, &c.penalized_prompt_tokens, kMaxItems) ||
         !r.Get(&c.top_logprobs) || !r.Get(&flags) || !r.Get(&c.next_token) ||
         !r.Get(&grants) || grants > blob.size()) {
       return Malformed(absl::StrCat("chunk ", i, " is truncated"));

@@ -152,6 +152,11 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
     return absl::NotFoundError(
         absl::StrCat("model '", request.model, "' is not served here"));
   }
+  if (absl::Status s = rpc::ToEngine(request.sampling)
+                           .ValidateForVocab(options_.model.vocab_size);
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling: ", s.message()));
+  }
   std::vector<int32_t> ids;
   if (request.prompt_ids.has_value()) {
     ids = *request.prompt_ids;

@@ -496,9 +496,14 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   const bool logprobs = generation.logprobs;
   const int32_t top_logprobs = generation.top_logprobs;
   const int n = parsed->n;
-  // A completions batch: every prompt gets its n choices.
+  // best_of > n: every prompt gets best_of candidates, generated with
+  // logprobs whatever the client asked, and the n best are returned.
+  const int candidates = parsed->best_of;
+  const bool pick_best = candidates > n;
+  if (pick_best) generation.logprobs = true;
+  // A completions batch: every prompt gets its candidates.
   const int num_prompts = std::max<int>(1, parsed->prompts.size());
-  const int num_choices = num_prompts * n;
+  const int num_choices = num_prompts * candidates;
   generation.api = api;
   generation.model = model->name;
   generation.request_id = NewRequestId();
@@ -508,19 +513,19 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
       endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-",
       generation.request_id);
   const int64_t created = NowUnixSeconds();
-  // Choice p * n + i: prompt p's i-th, its own request (id suffix) with
-  // seed + i, so n sampled choices differ and a fixed seed reproduces all of
-  // them.
+  // Choice p * candidates + i: prompt p's i-th, its own request (id suffix)
+  // with seed + i, so sampled choices differ and a fixed seed reproduces all
+  // of them.
   std::vector<GenerationRequest> choices;
   for (int p = 0; p < num_prompts; ++p) {
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < candidates; ++i) {
       GenerationRequest& choice = choices.emplace_back(generation);
       if (p > 0) {
         choice.prompt_text = parsed->prompts[p].text;
         choice.prompt_ids = parsed->prompts[p].ids;
       }
       if (num_choices > 1) {
-        absl::StrAppend(&choice.request_id, "-", p * n + i);
+        absl::StrAppend(&choice.request_id, "-", p * candidates + i);
       }
       choice.sampling.seed += static_cast<uint64_t>(i);
     }
@@ -529,9 +534,9 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   auto buffer = std::make_shared<StreamBuffer>();
   // The stagger shares one prompt's prefill among its choices; a batch of
   // prompts starts at once.
-  if (absl::Status started =
-          buffer->Start(backend_, std::move(choices),
-                        options_.stagger_choices && n > 1 && num_prompts == 1);
+  if (absl::Status started = buffer->Start(
+          backend_, std::move(choices),
+          options_.stagger_choices && candidates > 1 && num_prompts == 1);
       !started.ok()) {
     return SendError(res, started);
   }
@@ -586,6 +591,9 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
         }
       }
       if (open > 0) event = NextEvent(*buffer, deadline + kDeadlineGrace);
+    }
+    if (pick_best) {
+      outcomes = BestCandidates(std::move(outcomes), candidates, n, logprobs);
     }
     if (parsed->tool_format != ToolCallFormat::kNone) {
       for (CompletionOutcome& outcome : outcomes) {

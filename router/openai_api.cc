@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
@@ -435,6 +436,9 @@ absl::Status RejectUnknownFields(OpenAiEndpoint endpoint, const json& body) {
       "best_of",
       "frequency_penalty",
       "presence_penalty",
+      "repetition_penalty",
+      "min_p",
+      "min_tokens",
       "logit_bias",
       "tools",
       "functions",
@@ -461,26 +465,114 @@ absl::Status RejectUnknownFields(OpenAiEndpoint endpoint, const json& body) {
 // Options we cannot honour are refused rather than silently ignored, unless
 // they are at their neutral value.
 absl::Status RejectUnsupported(const json& body) {
-  for (const char* field : {"frequency_penalty", "presence_penalty"}) {
-    double v = 0;
-    if (absl::Status s = ReadNumber(body, field, &v); !s.ok()) return s;
-    if (v != 0) return FieldError(field, "is not supported (must be 0)");
-  }
-  for (const char* field : {"suffix", "logit_bias", "functions"}) {
+  for (const char* field : {"suffix", "functions"}) {
     auto it = body.find(field);
     if (it == body.end() || it->is_null()) continue;
-    if ((it->is_boolean() && !it->get<bool>()) ||
-        (std::string_view(field) == "logit_bias" && it->is_object() &&
-         it->empty())) {
-      continue;
-    }
+    if (it->is_boolean() && !it->get<bool>()) continue;
     return FieldError(field, "is not supported");
   }
-  int64_t best_of = 1;
-  if (absl::Status s = ReadInteger(body, "best_of", &best_of); !s.ok()) {
+  return absl::OkStatus();
+}
+
+// A number field in [least, most] (absent: `*out` unchanged).
+absl::Status ReadBoundedNumber(const json& body, const char* field,
+                               double least, double most, double* out) {
+  if (absl::Status s = ReadNumber(body, field, out); !s.ok()) return s;
+  if (!(*out >= least && *out <= most)) {
+    return FieldError(field,
+                      absl::StrCat("must be in [", least, ", ", most, "]"));
+  }
+  return absl::OkStatus();
+}
+
+// The logit processors and min_p (engine/sampler.h), as OpenAI and vLLM
+// name them: presence_penalty, frequency_penalty, repetition_penalty, min_p,
+// min_tokens and logit_bias ({"token id": bias}).
+absl::Status ReadLogitProcessors(const json& body, int64_t max_tokens,
+                                 SamplingOptions* sampling) {
+  double presence = 0, frequency = 0, repetition = 1, min_p = 0;
+  if (absl::Status s =
+          ReadBoundedNumber(body, "presence_penalty", -engine::kMaxAbsPenalty,
+                            engine::kMaxAbsPenalty, &presence);
+      !s.ok()) {
     return s;
   }
-  if (best_of != 1) return FieldError("best_of", "must be 1");
+  if (absl::Status s =
+          ReadBoundedNumber(body, "frequency_penalty", -engine::kMaxAbsPenalty,
+                            engine::kMaxAbsPenalty, &frequency);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = ReadNumber(body, "repetition_penalty", &repetition);
+      !s.ok()) {
+    return s;
+  }
+  if (!(repetition > 0 && repetition <= engine::kMaxRepetitionPenalty)) {
+    return FieldError(
+        "repetition_penalty",
+        absl::StrCat("must be in (0, ", engine::kMaxRepetitionPenalty, "]"));
+  }
+  if (absl::Status s = ReadBoundedNumber(body, "min_p", 0, 1, &min_p);
+      !s.ok()) {
+    return s;
+  }
+  int64_t min_tokens = 0;
+  if (absl::Status s = ReadInteger(body, "min_tokens", &min_tokens); !s.ok()) {
+    return s;
+  }
+  if (min_tokens < 0 || min_tokens > max_tokens) {
+    return FieldError(
+        "min_tokens",
+        absl::StrCat("must be in [0, max_tokens = ", max_tokens, "]"));
+  }
+  sampling->presence_penalty = static_cast<float>(presence);
+  sampling->frequency_penalty = static_cast<float>(frequency);
+  sampling->repetition_penalty = static_cast<float>(repetition);
+  sampling->min_p = static_cast<float>(min_p);
+  sampling->min_tokens = static_cast<int32_t>(min_tokens);
+  auto it = body.find("logit_bias");
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_object()) {
+    return FieldError("logit_bias",
+                      "must be an object of token id strings to numbers");
+  }
+  if (it->size() > static_cast<size_t>(engine::kMaxLogitBiasEntries)) {
+    return FieldError("logit_bias",
+                      absl::StrCat("has ", it->size(), " entries; at most ",
+                                   engine::kMaxLogitBiasEntries));
+  }
+  for (const auto& [key, value] : it->items()) {
+    int32_t token = 0;
+    if (!absl::SimpleAtoi(key, &token) || token < 0) {
+      return FieldError("logit_bias",
+                        absl::StrCat("key \"", key,
+                                     "\" is not a token id (a non-negative "
+                                     "integer)"));
+    }
+    if (!value.is_number()) {
+      return FieldError("logit_bias", absl::StrCat("value for token ", token,
+                                                   " must be a number"));
+    }
+    const double bias = value.get<double>();
+    if (!(std::abs(bias) <= engine::kMaxAbsLogitBias)) {
+      return FieldError("logit_bias",
+                        absl::StrCat("value for token ", token,
+                                     " must be in [-", engine::kMaxAbsLogitBias,
+                                     ", ", engine::kMaxAbsLogitBias, "]"));
+    }
+    sampling->logit_bias.push_back({token, static_cast<float>(bias)});
+  }
+  std::sort(sampling->logit_bias.begin(), sampling->logit_bias.end(),
+            [](const engine::LogitBias& a, const engine::LogitBias& b) {
+              return a.token < b.token;
+            });
+  for (size_t i = 1; i < sampling->logit_bias.size(); ++i) {
+    if (sampling->logit_bias[i].token == sampling->logit_bias[i - 1].token) {
+      return FieldError("logit_bias",
+                        absl::StrCat("names token ",
+                                     sampling->logit_bias[i].token, " twice"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -771,6 +863,10 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
   gen.sampling.top_p = static_cast<float>(top_p);
   gen.sampling.top_k = static_cast<int32_t>(top_k);
   gen.sampling.seed = static_cast<uint64_t>(seed);
+  if (absl::Status s = ReadLogitProcessors(body, max_tokens, &gen.sampling);
+      !s.ok()) {
+    return s;
+  }
 
   int64_t n = 1;
   if (absl::Status s = ReadInteger(body, "n", &n); !s.ok()) return s;
@@ -778,10 +874,22 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
     return FieldError("n", absl::StrCat("must be in [1, ", kMaxChoices, "]"));
   }
   request.n = static_cast<int>(n);
-  if (request.prompts.size() * request.n > kMaxBatchChoices) {
+  // best_of: that many candidates per prompt, the n with the highest
+  // cumulative log-probability returned (OpenAI's completions option).
+  int64_t best_of = n;
+  if (absl::Status s = ReadInteger(body, "best_of", &best_of); !s.ok()) {
+    return s;
+  }
+  if (best_of < n || best_of > kMaxChoices) {
     return FieldError(
-        "n", absl::StrCat("times the ", request.prompts.size(),
-                          " prompts exceeds ", kMaxBatchChoices, " choices"));
+        "best_of", absl::StrCat("must be in [n = ", n, ", ", kMaxChoices, "]"));
+  }
+  request.best_of = static_cast<int>(best_of);
+  if (request.prompts.size() * request.best_of > kMaxBatchChoices) {
+    return FieldError(
+        request.best_of > request.n ? "best_of" : "n",
+        absl::StrCat("times the ", request.prompts.size(), " prompts exceeds ",
+                     kMaxBatchChoices, " choices"));
   }
 
   if (absl::Status s = ReadStop(body, &gen.stop); !s.ok()) return s;
@@ -792,6 +900,10 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
   }
   if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
     return s;
+  }
+  if (request.stream && request.best_of > request.n) {
+    // Which candidates win is known only once all have finished.
+    return FieldError("best_of", "cannot exceed n when streaming");
   }
   if (auto it = body.find("stream_options");
       it != body.end() && !it->is_null()) {
@@ -939,6 +1051,39 @@ json ToolCallsJson(const std::vector<ToolCall>& calls, bool indexed) {
 }
 
 }  // namespace
+
+std::vector<CompletionOutcome> BestCandidates(
+    std::vector<CompletionOutcome> candidates, int per_prompt, int n,
+    bool keep_logprobs) {
+  std::vector<CompletionOutcome> best;
+  if (per_prompt <= 0) return best;
+  const size_t prompts = candidates.size() / per_prompt;
+  for (size_t p = 0; p < prompts; ++p) {
+    std::vector<std::pair<double, int>> ranked;  // (-cumulative, index)
+    for (int i = 0; i < per_prompt; ++i) {
+      const CompletionOutcome& c = candidates[p * per_prompt + i];
+      double cumulative = 0;
+      for (const TokenLogprob& t : c.logprobs.tokens) {
+        cumulative += t.chosen.logprob;
+      }
+      ranked.push_back({-cumulative, i});
+    }
+    std::sort(ranked.begin(), ranked.end());
+    int32_t dropped_tokens = 0;
+    for (int k = std::min(n, per_prompt); k < per_prompt; ++k) {
+      dropped_tokens +=
+          candidates[p * per_prompt + ranked[k].second].usage.completion_tokens;
+    }
+    for (int k = 0; k < std::min(n, per_prompt); ++k) {
+      CompletionOutcome& c = candidates[p * per_prompt + ranked[k].second];
+      if (k == 0) c.usage.completion_tokens += dropped_tokens;
+      if (!keep_logprobs) c.logprobs.tokens.clear();
+      c.logprobs.requested = keep_logprobs;
+      best.push_back(std::move(c));
+    }
+  }
+  return best;
+}
 
 std::string CompletionBody(OpenAiEndpoint endpoint, std::string_view id,
                            int64_t created, std::string_view model,

@@ -50,6 +50,9 @@ struct OpenAiRequest {
   // Choices to generate (OpenAI's `n`), each an independent request with
   // seed generation.sampling.seed + index.
   int n = 1;
+  // Candidates per prompt (best_of >= n); when more than n, the n with the
+  // highest cumulative log-probability are returned (never streamed).
+  int best_of = 1;
 };
 
 // The most choices one request may ask for (`n`), and the most prompts times
@@ -59,11 +62,11 @@ inline constexpr int kMaxChoices = 16;
 inline constexpr int kMaxBatchChoices = 64;
 
 // Parses and validates a request body (INVALID_ARGUMENT naming the field for
-// malformed JSON, wrong types, n outside [1, kMaxChoices], best_of != 1 and
-// other unsupported options, out-of-range values, and any field the server
-// does not honour). Chat messages are rendered with `chat_prompt` (the
-// model's template; null: the base-model fallback), whose refusals (a
-// template's raise_exception, tools it cannot express) come back as
+// malformed JSON, wrong types, n outside [1, kMaxChoices], best_of outside [n,
+// kMaxChoices] and other unsupported options, out-of-range values, and any
+// field the server does not honour). Chat messages are rendered with
+// `chat_prompt` (the model's template; null: the base-model fallback), whose
+// refusals (a template's raise_exception, tools it cannot express) come back as
 // INVALID_ARGUMENT.
 [[nodiscard]] absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
     OpenAiEndpoint endpoint, std::string_view body,
@@ -127,6 +130,17 @@ struct CompletionOutcome {
   LogprobsOutput logprobs;
   std::vector<ToolCall> tool_calls;  // chat only
 };
+
+// best_of: from `candidates` (per_prompt consecutive outcomes per prompt, each
+// with its tokens' logprobs) the n of each prompt with the highest cumulative
+// log-probability (sum of the chosen tokens' raw logprobs; ties: lower
+// index), in that order. The dropped candidates' completion tokens stay in the
+// usage (added to the prompt's first kept choice: CombinedUsage sums them), as
+// OpenAI bills every candidate. Without `keep_logprobs` the logprobs are
+// removed (the client did not ask for them).
+std::vector<CompletionOutcome> BestCandidates(
+    std::vector<CompletionOutcome> candidates, int per_prompt, int n,
+    bool keep_logprobs);
 
 // "stop" or "length" for OpenAI (cancelled/error are not OpenAI reasons and
 // map to null).

@@ -93,7 +93,7 @@ absl::Status ValidateRequest(const std::vector<int32_t>& prompt,
           "prompt token ", i, " is ", prompt[i],
           ", outside the vocabulary [0, ", config.vocab_size, ")"));
   }
-  PDS_RETURN_IF_ERROR(params.sampling.Validate());
+  PDS_RETURN_IF_ERROR(params.sampling.ValidateForVocab(config.vocab_size));
   if (params.top_logprobs < 0 || params.top_logprobs > engine::kMaxTopLogprobs)
     return absl::InvalidArgumentError(
         absl::StrCat("top_logprobs must be in [0, ", engine::kMaxTopLogprobs,
@@ -165,12 +165,17 @@ size_t StopHoldback(const std::string& text,
 struct DecodeWorker::Impl {
   Impl(const model::WeightSource& w, const tokenizer::Tokenizer* t,
        const DecodeWorkerOptions& o)
-      : weights(w), tok(t), options(o), config(w.config()) {}
+      : weights(w),
+        tok(t),
+        options(o),
+        config(w.config()),
+        end_tokens(config.EndTokenIds()) {}
 
   const model::WeightSource& weights;
   const tokenizer::Tokenizer* tok;  // may be null: no text
   const DecodeWorkerOptions options;
   const model::ModelConfig config;
+  const std::vector<int32_t> end_tokens;  // held back before min_tokens
   std::unique_ptr<comm::InProcessGroup> group;
   // How the TP ranks reduce: "none" (tp 1), "host" or "nccl".
   std::string tp_communicator = "none";
@@ -658,9 +663,12 @@ void DecodeWorker::Impl::ApplyPlanned(Planned& p, StepContext& step,
   } else {
     rows_logits =
         std::span<const float>(step.logits.data() + *row * vocab, rows * vocab);
+    const std::span<const int32_t> history(r->history);
     outcome =
         speculative::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
-                                 r->params.sampling, r->generated, step.verify);
+                                 r->params.sampling, r->generated, step.verify,
+                                 {history.first(r->prompt_len),
+                                  history.subspan(r->prompt_len), end_tokens});
   }
   *row += rows;
   if (!outcome.ok()) {
@@ -726,7 +734,9 @@ bool DecodeWorker::Impl::AppendTokens(
     }
     const size_t before = r->text.size();
     r->text += *piece;
-    if (max_stop > 0 && !piece->empty()) {
+    // Stop strings, like EOS, cannot end the output before min_tokens.
+    if (max_stop > 0 && !piece->empty() &&
+        r->generated > r->params.sampling.min_tokens) {
       const size_t from = before >= max_stop - 1 ? before - (max_stop - 1) : 0;
       size_t cut = std::string::npos;
       for (const auto& s : r->params.stop)

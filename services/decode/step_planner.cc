@@ -125,8 +125,11 @@ std::shared_ptr<StepWork> BuildStepWork(const std::vector<Planned>& plan,
       }
     }
     work->batch.sequences.push_back(std::move(step));
-    if (p.score_rows > 0 || (p.wants_logits && (!r->params.sampling.greedy() ||
-                                                r->params.wants_logprobs()))) {
+    // Logit processors change the greedy choice: the raw arg-max is not it.
+    const engine::SamplingParams& sampling = r->params.sampling;
+    if (p.score_rows > 0 ||
+        (p.wants_logits && (!sampling.greedy() || sampling.processes_logits() ||
+                            r->params.wants_logprobs()))) {
       argmax_only = false;
     }
   }

@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "engine/matmul.h"
 
@@ -24,19 +27,49 @@ bool Better(const TopLogprob& a, const TopLogprob& b) {
 
 }  // namespace
 
-absl::Status SamplingParams::Validate() const {
-  if (!std::isfinite(temperature) || temperature < 0.0f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "temperature must be a finite number >= 0, got ", temperature));
+void ApplyLogitProcessors(std::span<float> logits, const SamplingParams& params,
+                          const SamplingHistory& history, uint64_t index) {
+  if (!params.processes_logits()) return;
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  auto in_vocab = [vocab](int32_t t) { return t >= 0 && t < vocab; };
+  if (index < static_cast<uint64_t>(std::max(params.min_tokens, 0))) {
+    for (int32_t t : history.end_tokens) {
+      if (in_vocab(t)) logits[t] = -std::numeric_limits<float>::infinity();
+    }
   }
-  if (top_k < 0)
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k must be >= 0, got ", top_k));
-  if (!(top_p > 0.0f && top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1], got ", top_p));
+  for (const LogitBias& b : params.logit_bias) {
+    if (in_vocab(b.token)) logits[b.token] += b.bias;
   }
-  return absl::OkStatus();
+  const float r = params.repetition_penalty;
+  const bool count_output =
+      params.frequency_penalty != 0.0f || params.presence_penalty != 0.0f;
+  if (r == 1.0f && !count_output) return;
+  // Output counts; the prompt only adds membership for repetition_penalty.
+  absl::flat_hash_map<int32_t, int32_t> output_count;
+  output_count.reserve(history.output.size());
+  for (int32_t t : history.output) {
+    if (in_vocab(t)) ++output_count[t];
+  }
+  if (r != 1.0f) {
+    auto penalize = [&](int32_t t) {
+      float& l = logits[t];
+      l = l > 0.0f ? l / r : l * r;
+    };
+    absl::flat_hash_set<int32_t> seen;  // each token penalized once
+    seen.reserve(history.prompt.size() + output_count.size());
+    for (int32_t t : history.prompt) {
+      if (in_vocab(t) && seen.insert(t).second) penalize(t);
+    }
+    for (const auto& [t, count] : output_count) {
+      if (seen.insert(t).second) penalize(t);
+    }
+  }
+  if (count_output) {
+    for (const auto& [t, count] : output_count) {
+      logits[t] -= params.frequency_penalty * static_cast<float>(count) +
+                   params.presence_penalty;
+    }
+  }
 }
 
 double UniformForRequest(uint64_t seed, uint64_t index, uint64_t stream) {
@@ -77,6 +110,17 @@ void SamplingDistribution(std::span<const float> logits,
     sum += p;
   }
   for (float& p : *probs) p = static_cast<float>(p / sum);
+  if (params.min_p > 0.0f) {
+    // Relative to the most likely token; renormalized with the cuts below.
+    const float max_p = *std::max_element(probs->begin(), probs->end());
+    const float floor = params.min_p * max_p;
+    double kept = 0;
+    for (float& p : *probs) {
+      if (p < floor) p = 0.0f;
+      kept += p;
+    }
+    for (float& p : *probs) p = static_cast<float>(p / kept);
+  }
   const bool use_top_k =
       params.top_k > 0 && static_cast<size_t>(params.top_k) < vocab;
   const bool use_top_p = params.top_p < 1.0f;
@@ -161,8 +205,28 @@ TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
   return out;
 }
 
+void ProcessedDistribution(std::span<const float> logits,
+                           const SamplingParams& params,
+                           const SamplingHistory& history, uint64_t index,
+                           std::vector<float>* probs) {
+  if (!params.processes_logits()) {
+    SamplingDistribution(logits, params, probs);
+    return;
+  }
+  std::vector<float> processed(logits.begin(), logits.end());
+  ApplyLogitProcessors(processed, params, history, index);
+  SamplingDistribution(processed, params, probs);
+}
+
 int32_t DrawToken(std::span<const float> logits, const SamplingParams& params,
-                  uint64_t index) {
+                  uint64_t index, const SamplingHistory& history) {
+  if (params.greedy() && !params.processes_logits()) return ArgMax(logits);
+  std::vector<float> processed;
+  if (params.processes_logits()) {
+    processed.assign(logits.begin(), logits.end());
+    ApplyLogitProcessors(processed, params, history, index);
+    logits = processed;
+  }
   if (params.greedy()) return ArgMax(logits);
   std::vector<float> probs;
   SamplingDistribution(logits, params, &probs);
@@ -170,9 +234,10 @@ int32_t DrawToken(std::span<const float> logits, const SamplingParams& params,
 }
 
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
-                    uint64_t index, int top_logprobs) {
+                    uint64_t index, int top_logprobs,
+                    const SamplingHistory& history) {
   SampledToken out;
-  out.token = DrawToken(logits, params, index);
+  out.token = DrawToken(logits, params, index, history);
   TokenLogprobs logprobs =
       ComputeTokenLogprobs(logits, out.token, top_logprobs);
   out.logprob = logprobs.logprob;

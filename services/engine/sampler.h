@@ -1,4 +1,13 @@
-// Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+// Token sampling: greedy, temperature, min-p, top-k, top-p, with a
+// per-request seed, after the logit processors a request asks for: logit
+// bias, min_tokens, and the repetition, frequency and presence penalties.
+//
+// The processed distribution is a pure function of (logits, params, the
+// request's prompt and output tokens, output index). The decode worker, the
+// last prefill stage and the speculative verifier all compute it through
+// ProcessedDistribution / DrawToken, so speculation stays lossless under every
+// control: a verify row i sees the output extended by drafts 1..i, exactly
+// the history it would have had without speculation.
 //
 // Randomness is counter-based: the uniform draw for output token i of a
 // request is a pure function of (seed, i). Whichever process samples token i
@@ -12,20 +21,23 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/sampling_params.h"
 
 namespace pdserve::engine {
 
-struct SamplingParams {
-  float temperature = 0.0f;  // 0 = greedy
-  int top_k = 0;             // 0 = off
-  float top_p = 1.0f;        // 1 = off
-  uint64_t seed = 0;
-
-  bool greedy() const { return temperature <= 0.0f || top_k == 1; }
-  // INVALID_ARGUMENT naming the field: temperature < 0 or not finite,
-  // top_k < 0, top_p outside (0, 1].
-  [[nodiscard]] absl::Status Validate() const;
+// The request's tokens the logit processors read. Spans must outlive the call.
+struct SamplingHistory {
+  std::span<const int32_t> prompt;  // read by repetition_penalty only
+  std::span<const int32_t> output;  // tokens generated before this one
+  // The ids min_tokens holds back (the model's EOS ids).
+  std::span<const int32_t> end_tokens;
 };
+
+// Applies the logit processors of `params` to `logits` in place, for output
+// index `index` (the number of tokens generated before this one; min_tokens
+// compares against it).
+void ApplyLogitProcessors(std::span<float> logits, const SamplingParams& params,
+                          const SamplingHistory& history, uint64_t index);
 
 // One of a position's most likely tokens and its log-probability.
 struct TopLogprob {
@@ -63,25 +75,38 @@ TokenLogprobs ComputeTokenLogprobs(std::span<const float> logits, int32_t token,
 // Uniform in [0, 1) for draw `stream` of output index `index` of a request.
 double UniformForRequest(uint64_t seed, uint64_t index, uint64_t stream = 0);
 
-// The distribution sampling draws from: softmax(logits / T) restricted to
-// top-k and then the top-p nucleus, renormalized. Greedy params give a one-hot
-// on the arg-max (lowest id on ties). `probs` is resized to logits.size().
+// The distribution sampling draws from, given already processed logits:
+// softmax(logits / T), then the min-p filter, then top-k, then the top-p
+// nucleus, renormalized. Greedy params give a one-hot on the arg-max (lowest
+// id on ties). `probs` is resized to logits.size(). Logit processors are not
+// applied here (see ProcessedDistribution).
 void SamplingDistribution(std::span<const float> logits,
                           const SamplingParams& params,
                           std::vector<float>* probs);
+
+// The distribution output token `index` is drawn from: the logit processors
+// on a copy of the raw `logits`, then SamplingDistribution.
+void ProcessedDistribution(std::span<const float> logits,
+                           const SamplingParams& params,
+                           const SamplingHistory& history, uint64_t index,
+                           std::vector<float>* probs);
 
 // Inverse-CDF draw from `probs` (need not be normalized) with uniform `u`.
 int32_t DrawFromDistribution(std::span<const float> probs, double u);
 
 // Picks output token `index` of a request from its logits, nothing else (no
 // log-softmax pass: what a verifier or a plain decode loop needs).
+// `history` feeds the logit processors (ignored when none is on).
 int32_t DrawToken(std::span<const float> logits, const SamplingParams& params,
-                  uint64_t index);
+                  uint64_t index, const SamplingHistory& history = {});
 
 // DrawToken plus the token's log-probability; with
-// `top_logprobs` > 0 also reports that many most likely alternatives.
+// `top_logprobs` > 0 also reports that many most likely alternatives. The
+// log-probabilities are of the raw logits (TokenLogprobs), whatever the
+// processors did.
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
-                    uint64_t index, int top_logprobs = 0);
+                    uint64_t index, int top_logprobs = 0,
+                    const SamplingHistory& history = {});
 
 // Arg-max, lowest id on ties.
 int32_t ArgMax(std::span<const float> logits);

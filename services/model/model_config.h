@@ -17,6 +17,15 @@ std::string_view DTypeName(DType dtype);
 size_t DTypeSize(DType dtype);
 
 struct ModelConfig {
+ private:
+  static bool IsEosListed(const std::vector<int32_t>& ids, int id) {
+    for (int32_t x : ids) {
+      if (x == id) return true;
+    }
+    return false;
+  }
+
+ public:
   std::string architecture = "llama";  // only "llama" is supported
   int hidden_size = 0;
   int intermediate_size = 0;
@@ -41,6 +50,15 @@ struct ModelConfig {
       if (id == token) return true;
     }
     return false;
+  }
+  // eos_token_id and eos_token_ids, without repeats (what min_tokens holds
+  // back).
+  std::vector<int32_t> EndTokenIds() const {
+    std::vector<int32_t> ids = {eos_token_id};
+    for (int id : eos_token_ids) {
+      if (!IsEosListed(ids, id)) ids.push_back(id);
+    }
+    return ids;
   }
   DType dtype = DType::kF32;  // storage dtype declared by the model
 

@@ -222,8 +222,10 @@ void PipelineStage::Process(StageMessage message) {
       token.request_id = chunk.request_id;
       // Output index 0: the same counter-based draw the decode worker would
       // use for this request's first token.
+      const std::vector<int32_t> end_tokens = engine_->config().EndTokenIds();
       token.token =
-          engine::Sample(logits, chunk.sampling, 0, chunk.top_logprobs);
+          engine::Sample(logits, chunk.sampling, 0, chunk.top_logprobs,
+                         {chunk.penalized_prompt_tokens, {}, end_tokens});
       events_->Report(std::move(token));
     }
   }

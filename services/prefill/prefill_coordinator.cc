@@ -331,6 +331,15 @@ void PrefillCoordinator::Launch() {
       header.block_table.assign(state.block_table.begin(),
                                 state.block_table.begin() + blocks);
       header.sampling = state.request.sampling;
+      if (chunk.final_chunk && header.sampling.repetition_penalty != 1.0f) {
+        header.penalized_prompt_tokens = state.request.prompt;
+        std::sort(header.penalized_prompt_tokens.begin(),
+                  header.penalized_prompt_tokens.end());
+        header.penalized_prompt_tokens.erase(
+            std::unique(header.penalized_prompt_tokens.begin(),
+                        header.penalized_prompt_tokens.end()),
+            header.penalized_prompt_tokens.end());
+      }
       header.top_logprobs = state.request.top_logprobs;
       header.prompt_logprobs = state.request.prompt_logprobs;
       header.next_token =

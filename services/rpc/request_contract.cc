@@ -1,5 +1,6 @@
 #include "rpc/request_contract.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -21,6 +22,11 @@ absl::Status CheckSampling(const Sampling& s) {
   if (s.top_k < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("sampling: top_k must be >= 0 (got ", s.top_k, ")"));
+  }
+  // The processors' bounds are the engine's own (one definition).
+  if (absl::Status status = ToEngine(s).Validate(); !status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: ", status.message()));
   }
   return absl::OkStatus();
 }
@@ -68,6 +74,21 @@ Sampling SamplingFromWire(const v1::SamplingParams& wire,
   s.top_p = wire.top_p() == 0 ? 1.0f : wire.top_p();
   s.top_k = wire.top_k();
   s.seed = wire.has_seed() ? wire.seed() : seed_if_unset;
+  s.min_p = wire.min_p();
+  s.presence_penalty = wire.presence_penalty();
+  s.frequency_penalty = wire.frequency_penalty();
+  s.repetition_penalty =
+      wire.repetition_penalty() == 0 ? 1.0f : wire.repetition_penalty();
+  s.min_tokens = wire.min_tokens();
+  s.logit_bias.reserve(wire.logit_bias_size());
+  for (const auto& [token, bias] : wire.logit_bias()) {
+    s.logit_bias.push_back({token, bias});
+  }
+  // A proto map has no order; the engine wants tokens sorted.
+  std::sort(s.logit_bias.begin(), s.logit_bias.end(),
+            [](const engine::LogitBias& a, const engine::LogitBias& b) {
+              return a.token < b.token;
+            });
   return s;
 }
 
@@ -76,6 +97,14 @@ void SamplingToWire(const Sampling& s, v1::SamplingParams* wire) {
   wire->set_top_p(s.top_p);
   wire->set_top_k(s.top_k);
   wire->set_seed(s.seed);
+  wire->set_min_p(s.min_p);
+  wire->set_presence_penalty(s.presence_penalty);
+  wire->set_frequency_penalty(s.frequency_penalty);
+  wire->set_repetition_penalty(s.repetition_penalty);
+  wire->set_min_tokens(s.min_tokens);
+  for (const engine::LogitBias& b : s.logit_bias) {
+    (*wire->mutable_logit_bias())[b.token] = b.bias;
+  }
 }
 
 void AlternativesToWire(

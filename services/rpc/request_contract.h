@@ -35,10 +35,19 @@ struct Sampling {
   float top_p = 1.0f;        // 1 = off
   int32_t top_k = 0;         // 0 = off
   uint64_t seed = 0;
+  // engine::SamplingParams's logit processors and min-p, same meaning.
+  float min_p = 0.0f;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;
+  int32_t min_tokens = 0;
+  std::vector<engine::LogitBias> logit_bias;  // sorted by token, unique
 };
 
 // INVALID_ARGUMENT "sampling: <field> ...": temperature outside [0,
-// kMaxTemperature] or not finite, top_p outside (0, 1], top_k < 0.
+// kMaxTemperature] or not finite, top_p outside (0, 1], top_k < 0, and the
+// processors' bounds (engine::SamplingParams::Validate). Token ids of
+// logit_bias are checked against the vocabulary where it is known.
 [[nodiscard]] absl::Status CheckSampling(const Sampling& sampling);
 
 // max_tokens >= 1, or >= 0 with echo (0 = score or return the prompt only),
@@ -65,6 +74,12 @@ inline engine::SamplingParams ToEngine(const Sampling& s) {
   out.top_p = s.top_p;
   out.top_k = s.top_k;
   out.seed = s.seed;
+  out.min_p = s.min_p;
+  out.presence_penalty = s.presence_penalty;
+  out.frequency_penalty = s.frequency_penalty;
+  out.repetition_penalty = s.repetition_penalty;
+  out.min_tokens = s.min_tokens;
+  out.logit_bias = s.logit_bias;
   return out;
 }
 

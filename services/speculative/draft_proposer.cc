@@ -71,6 +71,9 @@ class DraftModelProposer final : public Proposer {
     }
     const int vocab = engine_->config().vocab_size;
     std::vector<float> q;
+    std::vector<float> processed;
+    std::vector<int32_t> output;
+    const std::vector<int32_t> end_tokens = engine_->config().EndTokenIds();
     while (!active.empty()) {
       engine::ForwardBatch batch;
       std::vector<std::vector<int32_t>> tables(active.size());
@@ -90,7 +93,10 @@ class DraftModelProposer final : public Proposer {
       // copying its logits).
       batch.argmax_only = true;
       for (const Active& a : active) {
-        if (!requests[a.index].sampling.greedy()) batch.argmax_only = false;
+        const engine::SamplingParams& sampling = requests[a.index].sampling;
+        if (!sampling.greedy() || sampling.processes_logits()) {
+          batch.argmax_only = false;
+        }
       }
       engine::ForwardResult result;
       PDS_RETURN_IF_ERROR(engine_->Forward(batch, *pool_, &result));
@@ -102,17 +108,34 @@ class DraftModelProposer final : public Proposer {
         a.state->tokens.insert(a.state->tokens.end(), a.feed.begin(),
                                a.feed.end());
         int32_t token;
-        if (r.sampling.greedy()) {
+        const uint64_t index = r.first_output_index + p.tokens.size();
+        if (r.sampling.greedy() && !r.sampling.processes_logits()) {
           token = result.argmax[k];
         } else {
           std::span<const float> logits(result.logits.data() + k * vocab,
                                         vocab);
-          engine::SamplingDistribution(logits, r.sampling, &q);
-          token = engine::DrawFromDistribution(
-              q, engine::UniformForRequest(
-                     r.sampling.seed, r.first_output_index + p.tokens.size(),
-                     kDraftStream));
-          p.probs.push_back(q);
+          if (r.sampling.processes_logits()) {
+            // The draft follows the target's logit processors (same history,
+            // drafts so far included) so that its guesses survive them;
+            // losslessness does not depend on it (q is reported as drawn).
+            const size_t prompt_len = r.history.size() - r.first_output_index;
+            output.assign(r.history.begin() + prompt_len, r.history.end());
+            output.insert(output.end(), p.tokens.begin(), p.tokens.end());
+            processed.assign(logits.begin(), logits.end());
+            engine::ApplyLogitProcessors(
+                processed, r.sampling,
+                {r.history.first(prompt_len), output, end_tokens}, index);
+            logits = processed;
+          }
+          if (r.sampling.greedy()) {
+            token = engine::ArgMax(logits);
+          } else {
+            engine::SamplingDistribution(logits, r.sampling, &q);
+            token = engine::DrawFromDistribution(
+                q, engine::UniformForRequest(r.sampling.seed, index,
+                                             kDraftStream));
+            p.probs.push_back(q);
+          }
         }
         p.tokens.push_back(token);
         if (static_cast<int>(p.tokens.size()) < a.gamma) {

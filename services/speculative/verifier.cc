@@ -9,7 +9,7 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
     std::span<const float> logits, int vocab, std::span<const int32_t> draft,
     std::span<const std::vector<float>> draft_probs,
     const engine::SamplingParams& params, uint64_t first_output_index,
-    const VerifyOptions& options) {
+    const VerifyOptions& options, const engine::SamplingHistory& history) {
   const size_t gamma = draft.size();
   if (vocab <= 0 || logits.size() != (gamma + 1) * static_cast<size_t>(vocab))
     return absl::InvalidArgumentError(
@@ -31,6 +31,30 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
   auto row = [&](size_t i) {
     return logits.subspan(i * static_cast<size_t>(vocab), vocab);
   };
+  // Row i's history: the output so far plus the drafts before it.
+  const bool processes = params.processes_logits();
+  std::vector<int32_t> output;
+  if (processes) {
+    output.reserve(history.output.size() + gamma);
+    output.assign(history.output.begin(), history.output.end());
+  }
+  auto history_at = [&](size_t i) {
+    engine::SamplingHistory h = history;
+    if (processes)
+      h.output =
+          std::span<const int32_t>(output).first(history.output.size() + i);
+    return h;
+  };
+  if (processes) output.insert(output.end(), draft.begin(), draft.end());
+  std::vector<float> processed_row;
+  // Row i as the sampler sees it: raw, or through the logit processors.
+  auto target_row = [&](size_t i) -> std::span<const float> {
+    if (!processes) return row(i);
+    processed_row.assign(row(i).begin(), row(i).end());
+    engine::ApplyLogitProcessors(processed_row, params, history_at(i),
+                                 first_output_index + i);
+    return processed_row;
+  };
   VerifyOutcome out;
   std::vector<float> p;
   for (size_t i = 0; i < gamma; ++i) {
@@ -40,9 +64,9 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
     if (options.accept_all_for_test) {
       accept = true;
     } else if (params.greedy()) {
-      accept = engine::ArgMax(row(i)) == d;
+      accept = engine::ArgMax(target_row(i)) == d;
     } else {
-      engine::SamplingDistribution(row(i), params, &p);
+      engine::SamplingDistribution(target_row(i), params, &p);
       const double q = draft_probs.empty() ? 1.0 : draft_probs[i][d];
       const double u =
           engine::UniformForRequest(params.seed, index, kAcceptStream);
@@ -63,7 +87,7 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
         if (mass <= 0) {
           // p <= q everywhere yet d was rejected: only possible through
           // rounding; fall back to the target distribution itself.
-          engine::SamplingDistribution(row(i), params, &p);
+          engine::SamplingDistribution(target_row(i), params, &p);
         }
         out.tokens.push_back(engine::DrawFromDistribution(
             p, engine::UniformForRequest(params.seed, index, kResidualStream)));
@@ -72,14 +96,14 @@ absl::StatusOr<VerifyOutcome> VerifyDraft(
     }
     if (!accept) {
       // Greedy correction: the target's own choice at this position.
-      out.tokens.push_back(engine::ArgMax(row(i)));
+      out.tokens.push_back(engine::ArgMax(target_row(i)));
       return out;
     }
     out.tokens.push_back(d);
     ++out.accepted_drafts;
   }
-  out.tokens.push_back(
-      engine::DrawToken(row(gamma), params, first_output_index + gamma));
+  out.tokens.push_back(engine::DrawToken(
+      row(gamma), params, first_output_index + gamma, history_at(gamma)));
   return out;
 }
 

@@ -7,7 +7,8 @@
 //   greedy   — emit d_1..d_a while d_i == argmax(row i-1), then argmax of
 //              row a (the correction, or the bonus token when all agree);
 //   sampling — standard rejection sampling (Leviathan et al. / Chen et al.):
-//              p_i = SamplingDistribution(row i-1), q_i the draft's
+//              p_i = ProcessedDistribution(row i-1) with the output
+//              history extended by d_1..d_{i-1}, q_i the draft's
 //              distribution (one-hot for a deterministic proposer). Accept
 //              d_i iff u < min(1, p_i(d_i) / q_i(d_i)) with
 //              u = UniformForRequest(seed, k+i-1, kAcceptStream); on the
@@ -40,18 +41,23 @@ struct VerifyOptions {
 
 // `logits` holds draft.size()+1 rows of `vocab` floats; `draft_probs` is
 // empty (deterministic proposer) or one row of `vocab` per draft token.
+// `history` is the request's before the first draft (its output holds the
+// first_output_index generated tokens); row i's logit processors see that
+// output followed by drafts 1..i, as they would have without speculation.
 // INVALID_ARGUMENT on inconsistent sizes or a draft token outside the vocab.
 [[nodiscard]] absl::StatusOr<VerifyOutcome> VerifyDraft(
     std::span<const float> logits, int vocab, std::span<const int32_t> draft,
     std::span<const std::vector<float>> draft_probs,
     const engine::SamplingParams& params, uint64_t first_output_index,
-    const VerifyOptions& options = {});
+    const VerifyOptions& options = {},
+    const engine::SamplingHistory& history = {});
 
 // The greedy case of VerifyDraft from each row's argmax alone (what a GPU
 // engine returns without copying logits): drafts are accepted while they
 // equal the argmax of their row, then the first mismatch's argmax (or the
 // bonus row's, when every draft held) is appended. `argmax` holds
-// draft.size()+1 entries. Identical to VerifyDraft for greedy params.
+// draft.size()+1 entries. Identical to VerifyDraft for greedy params without
+// logit processors (with them the raw arg-max is not the greedy choice).
 [[nodiscard]] absl::StatusOr<VerifyOutcome> VerifyGreedyFromArgmax(
     std::span<const int32_t> argmax, std::span<const int32_t> draft);
 

@@ -4,8 +4,10 @@
 // accept-everything verifier is caught by the same test.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <span>
 
 #include "decode_test_util.h"
 #include "engine/llama_engine.h"
@@ -64,10 +66,85 @@ TEST(SamplingTest, FixedSeedReproducesAcrossRunsAndTpDegrees) {
   }
 }
 
-// Exact target probabilities: p(t0 | prompt) and p(t1 | prompt, t0).
+// Greedy decoding under penalties and a logit bias: the processed arg-max
+// chain is the same with speculation off, n-gram and draft, and at TP 1 and
+// 2; it is not plain greedy's, and a frequency penalty cuts repeats.
+TEST(SamplingTest, GreedyWithPenaltiesIsLayoutIndependentAndTakesEffect) {
+  auto golden = AllGoldenCases()[1];
+  auto run = [&](int tp, SpeculationMode mode, const RequestParams& params) {
+    auto worker = MakeWorker(Options(tp, mode));
+    Stream s;
+    EXPECT_TRUE(
+        worker->Submit(1, golden.prompt_ids, params, s.Callback()).ok());
+    EXPECT_TRUE(s.Wait());
+    ExpectNoLeak(*worker);
+    return s.tokens();
+  };
+  RequestParams plain;
+  plain.max_new_tokens = 48;
+  RequestParams penalized = plain;
+  penalized.sampling.frequency_penalty = 1.0f;
+  penalized.sampling.presence_penalty = 0.5f;
+  penalized.sampling.repetition_penalty = 1.2f;
+  penalized.sampling.logit_bias = {{golden.prompt_ids[1], 1.5f}};
+  const std::vector<int32_t> want = run(1, SpeculationMode::kOff, penalized);
+  for (auto mode : {SpeculationMode::kNgram, SpeculationMode::kDraft}) {
+    for (int tp : {1, 2}) EXPECT_EQ(run(tp, mode, penalized), want);
+  }
+  const std::vector<int32_t> greedy = run(1, SpeculationMode::kOff, plain);
+  EXPECT_NE(greedy, want);
+  auto repeats = [](const std::vector<int32_t>& t) {
+    std::map<int32_t, int> count;
+    int r = 0;
+    for (int32_t x : t) r += count[x]++ > 0;
+    return r;
+  };
+  EXPECT_LT(repeats(want), repeats(greedy));
+  // A bias of +100 makes a token the greedy choice at every step.
+  RequestParams forced = plain;
+  forced.max_new_tokens = 8;
+  forced.sampling.logit_bias = {{42, 100.0f}};
+  EXPECT_EQ(run(1, SpeculationMode::kNgram, forced),
+            std::vector<int32_t>(8, 42));
+}
+
+// min_tokens holds back EOS: with EOS biased to certainty a request ends at
+// once, and with min_tokens = 10 it ends exactly after 10 more tokens (EOS
+// is the greedy choice as soon as it is allowed).
+TEST(SamplingTest, MinTokensHoldsBackEos) {
+  auto golden = AllGoldenCases()[1];
+  const int32_t eos = Stories().weights->config().eos_token_id;
+  for (auto mode : {SpeculationMode::kOff, SpeculationMode::kNgram}) {
+    auto worker = MakeWorker(Options(1, mode));
+    RequestParams params;
+    params.max_new_tokens = 40;
+    params.sampling.logit_bias = {{eos, 100.0f}};
+    Stream plain;
+    ASSERT_TRUE(
+        worker->Submit(1, golden.prompt_ids, params, plain.Callback()).ok());
+    ASSERT_TRUE(plain.Wait());
+    EXPECT_EQ(plain.tokens(), std::vector<int32_t>{eos});
+    params.sampling.min_tokens = 10;
+    Stream held;
+    ASSERT_TRUE(
+        worker->Submit(2, golden.prompt_ids, params, held.Callback()).ok());
+    ASSERT_TRUE(held.Wait());
+    ASSERT_EQ(held.tokens().size(), 11u);
+    EXPECT_EQ(held.tokens().back(), eos);
+    for (size_t i = 0; i + 1 < held.tokens().size(); ++i) {
+      EXPECT_NE(held.tokens()[i], eos);
+    }
+    ExpectNoLeak(*worker);
+  }
+}
+
+// Exact target probabilities: p(t0 | prompt) and p(t1 | prompt, t0), through
+// the logit processors of `params` (tokens after the first prompt_len are the
+// output).
 class ExactTarget {
  public:
-  explicit ExactTarget(const engine::SamplingParams& params) : params_(params) {
+  ExactTarget(const engine::SamplingParams& params, size_t prompt_len)
+      : params_(params), prompt_len_(prompt_len) {
     engine::EngineOptions eo;
     eo.num_threads = 1;
     engine_ =
@@ -86,12 +163,18 @@ class ExactTarget {
     engine::ForwardResult result;
     EXPECT_TRUE(engine_->Forward(batch, *pool_, &result).ok());
     std::vector<float> p;
-    engine::SamplingDistribution(result.logits, params_, &p);
+    const std::span<const int32_t> history(tokens);
+    const std::vector<int32_t> end_tokens = engine_->config().EndTokenIds();
+    engine::ProcessedDistribution(
+        result.logits, params_,
+        {history.first(prompt_len_), history.subspan(prompt_len_), end_tokens},
+        tokens.size() - prompt_len_, &p);
     return p;
   }
 
  private:
   engine::SamplingParams params_;
+  size_t prompt_len_;
   std::unique_ptr<engine::LlamaEngine> engine_;
   std::unique_ptr<kv::KvPool> pool_;
 };
@@ -103,7 +186,7 @@ double JointChiSquareRatio(
     const std::map<std::pair<int32_t, int32_t>, int>& counts,
     const std::vector<int32_t>& prompt, const engine::SamplingParams& params,
     int n) {
-  ExactTarget target(params);
+  ExactTarget target(params, prompt.size());
   std::vector<float> p0 = target.Next(prompt);
   double stat = 0, pooled_e = 0, pooled_o = 0;
   int bins = 0;
@@ -189,6 +272,33 @@ TEST(SpeculativeSamplingTest, FirstTokensFollowTargetExactlyBiasedFails) {
   EXPECT_LT(JointChiSquareRatio(counts, prompt, params, n), 1.0);
   auto biased = SampleFirstTwo(true, prompt, params, n, &load);
   EXPECT_GT(JointChiSquareRatio(biased, prompt, params, n), 1.0);
+}
+
+// The same joint check with every logit processor on: token 1's
+// distribution depends on token 0 through the penalties, and the draft
+// model's verify must apply them with token 0 (and the draft) in the history.
+// Checked against the unprocessed target too, so a worker that dropped the
+// controls would fail.
+TEST(SpeculativeSamplingTest, LogitProcessorsKeepTheTargetExactly) {
+  const int n = 3000;
+  engine::SamplingParams params;
+  params.temperature = 1.0f;
+  params.min_p = 0.01f;
+  params.presence_penalty = 0.8f;
+  params.frequency_penalty = 0.6f;
+  params.repetition_penalty = 1.4f;
+  params.min_tokens = 2;
+  auto prompt = AllGoldenCases()[0].prompt_ids;
+  // Favour a token the prompt holds, so the penalties have mass to move.
+  params.logit_bias = {{prompt[2], 2.5f}};
+  LoadReport load;
+  auto counts = SampleFirstTwo(false, prompt, params, n, &load);
+  EXPECT_GT(load.spec_steps, n / 2);
+  EXPECT_GT(load.accepted_tokens, 0);
+  EXPECT_LT(JointChiSquareRatio(counts, prompt, params, n), 1.0);
+  engine::SamplingParams plain;
+  plain.temperature = 1.0f;
+  EXPECT_GT(JointChiSquareRatio(counts, prompt, plain, n), 1.0);
 }
 
 }  // namespace

@@ -246,6 +246,53 @@ void ExpectStaggeredChoicesReuseThePromptBlocks(const LocalCluster& cluster,
 // bf16 KV moves logits by up to ~2e-2 relative, so an unlikely token's
 // logprob (-8) may move by 0.15; f32 only by summation order. The tolerance
 // is `absolute + relative * |logprob|`.
+// Greedy decoding through the logit processors: the cluster's tokens (first
+// sampled on the last prefill stage, the rest on the decode worker, drafts
+// verified) equal the single-process engine's processed arg-max chain, over
+// gRPC (every processor) and HTTP; and they differ from plain greedy.
+void ExpectPenalizedGreedyMatchesTheEngine(const std::string& grpc_address,
+                                           const std::string& http_address,
+                                           const testing::GoldenCase& c) {
+  static const auto* weights =
+      engine::testing_util::OpenStories(/*gguf=*/false).release();
+  ASSERT_NE(weights, nullptr);
+  engine::SamplingParams processors;
+  processors.presence_penalty = 0.5f;
+  processors.frequency_penalty = 0.8f;
+  processors.repetition_penalty = 1.3f;
+  processors.min_tokens = 4;
+  processors.logit_bias = {{c.greedy_ids[3], -3.0f}};
+  auto engine = engine::testing_util::MakeEngine(*weights, {}, nullptr, 1);
+  const int64_t total =
+      static_cast<int64_t>(c.prompt_ids.size()) + c.max_new_tokens;
+  auto pool = engine::testing_util::MakePool(*engine, 16, (total + 15) / 16);
+  const std::vector<int32_t> want = engine::testing_util::GreedyGenerate(
+      *engine, *pool, c.prompt_ids, c.max_new_tokens, 0, nullptr, &processors);
+  ASSERT_NE(want, c.greedy_ids);
+  v1::GenerateRequest r = TextRequest(c.prompt, c.max_new_tokens);
+  v1::SamplingParams* s = r.mutable_sampling();
+  s->set_presence_penalty(processors.presence_penalty);
+  s->set_frequency_penalty(processors.frequency_penalty);
+  s->set_repetition_penalty(processors.repetition_penalty);
+  s->set_min_tokens(processors.min_tokens);
+  (*s->mutable_logit_bias())[c.greedy_ids[3]] = -3.0f;
+  Generated g = GrpcGenerate(grpc_address, r);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_EQ(g.ids, want);
+  const json body = {{"prompt", c.prompt},
+                     {"max_tokens", c.max_new_tokens},
+                     {"temperature", 0},
+                     {"presence_penalty", processors.presence_penalty},
+                     {"frequency_penalty", processors.frequency_penalty},
+                     {"repetition_penalty", processors.repetition_penalty},
+                     {"min_tokens", processors.min_tokens},
+                     {"logit_bias", {{std::to_string(c.greedy_ids[3]), -3}}},
+                     {"logprobs", 0}};
+  HttpReply reply = HttpPost(http_address, "/v1/completions", body.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  EXPECT_EQ(json::parse(reply.body)["choices"][0]["text"], g.text);
+}
+
 void ExpectLogprobsMatchTheEngine(const std::string& grpc_address,
                                   const std::string& http_address,
                                   const testing::GoldenCase& c, float absolute,
@@ -554,6 +601,10 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
   ExpectChoicesReproduceBySeed(cluster->grpc_address(), cluster->http_address(),
                                AllGoldens().front());
   ExpectStaggeredChoicesReuseThePromptBlocks(*cluster, AllGoldens().back());
+  if (layout.kv_dtype != "bf16") {
+    ExpectPenalizedGreedyMatchesTheEngine(
+        cluster->grpc_address(), cluster->http_address(), AllGoldens()[1]);
+  }
   ExpectLogprobsMatchTheEngine(cluster->grpc_address(), cluster->http_address(),
                                AllGoldens().back(),
                                layout.kv_dtype == "bf16" ? 2e-2f : 1e-3f,
@@ -1306,6 +1357,9 @@ TEST(ClusterTest, BadRequestsGetPreciseErrorsAndTheRouterKeepsServing) {
       {"{\"prompt\": \"Hi\", \"temperature\": -1}", 400, "temperature"},
       {"{\"prompt\": \"Hi\", \"model\": \"gpt-9\"}", 404, "gpt-9"},
       {"{\"prompt\": [1, 99999], \"max_tokens\": 4}", 400, "vocabulary"},
+      {"{\"prompt\": \"Hi\", \"logit_bias\": {\"99999\": 5}}", 400,
+       "logit_bias token 99999 is outside the vocabulary"},
+      {"{\"prompt\": \"Hi\", \"min_p\": 2}", 400, "min_p"},
       {"{\"prompt\": \"Hi\",", 400, ""},
       {absl::StrCat("{\"prompt\": \"", long_prompt, "\"}"), 400, "context"},
       // Refused before tokenizing: no token is this many bytes long.

@@ -68,6 +68,24 @@ for await (const chunk of stream) {
   for (const c of chunk.choices) streamed += c.delta?.content ?? "";
 }
 let models = await client.models.retrieve(args.model);
+// Sampling controls: a +100 bias makes one token the greedy choice at every
+// step (through the penalties, which only lower its lead), best_of 2 bills
+// both candidates.
+const forced = tok.encode(" Paris", { add_special_tokens: false }).ids[0];
+const penalized = await client.completions.create({
+  model: args.model,
+  prompt: "The capital of France is",
+  max_tokens: 5,
+  temperature: 0,
+  logit_bias: { [forced]: 100 },
+  frequency_penalty: 0.5,
+  presence_penalty: 0.5,
+  repetition_penalty: 1.1,
+  min_p: 0.05,
+  min_tokens: 5,
+  best_of: 2,
+  seed: 3,
+});
 console.log(JSON.stringify({
   ids, text,
   client: {
@@ -76,5 +94,9 @@ console.log(JSON.stringify({
     prompt_tokens: completion.usage.prompt_tokens,
     streamed, streamed_prompt_tokens: usage?.prompt_tokens ?? -1,
     model_id: models.id,
+    forced_token: forced,
+    forced_text: tok.decode(Array(5).fill(forced)),
+    penalized_text: penalized.choices[0].text,
+    penalized_completion_tokens: penalized.usage.completion_tokens,
   },
 }));

