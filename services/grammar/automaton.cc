@@ -1,0 +1,280 @@
+#include "grammar/automaton.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "grammar/grammar.h"
+
+namespace pdserve::grammar::internal {
+
+// ---------------------------------------------------------------------------
+// TokenTrie
+
+TokenTrie::TokenTrie(const std::vector<std::string_view>& token_bytes) {
+  std::vector<int32_t> order;
+  for (size_t id = 0; id < token_bytes.size(); ++id) {
+    if (!token_bytes[id].empty()) order.push_back(static_cast<int32_t>(id));
+  }
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return token_bytes[a] != token_bytes[b] ? token_bytes[a] < token_bytes[b]
+                                            : a < b;
+  });
+  // Root.
+  byte_.push_back(0);
+  depth_.push_back(0);
+  subtree_end_.push_back(0);
+  token_begin_.push_back(0);
+  std::vector<int32_t> path = {0};  // nodes of the current prefix
+  std::string_view previous;
+  for (int32_t id : order) {
+    const std::string_view s = token_bytes[id];
+    size_t common = 0;
+    while (common < s.size() && common < previous.size() &&
+           s[common] == previous[common]) {
+      ++common;
+    }
+    while (path.size() > common + 1) {
+      subtree_end_[path.back()] = num_nodes();
+      path.pop_back();
+    }
+    for (size_t k = common; k < s.size(); ++k) {
+      path.push_back(num_nodes());
+      byte_.push_back(static_cast<uint8_t>(s[k]));
+      depth_.push_back(static_cast<int32_t>(k + 1));
+      subtree_end_.push_back(0);
+      token_begin_.push_back(static_cast<int32_t>(tokens_.size()));
+    }
+    max_depth_ = std::max<int32_t>(max_depth_, static_cast<int32_t>(s.size()));
+    tokens_.push_back(id);
+    previous = s;
+  }
+  while (!path.empty()) {
+    subtree_end_[path.back()] = num_nodes();
+    path.pop_back();
+  }
+  token_begin_.push_back(static_cast<int32_t>(tokens_.size()));
+}
+
+// ---------------------------------------------------------------------------
+// GrammarAutomaton
+
+GrammarAutomaton::GrammarAutomaton(Grammar grammar,
+                                   const TokenVocabulary* vocabulary,
+                                   AutomatonLimits limits)
+    : grammar_(std::move(grammar)), vocabulary_(vocabulary), limits_(limits) {
+  // Bytes that every byte set treats alike share a class.
+  absl::flat_hash_map<std::string, uint8_t> classes;
+  for (int b = 0; b < 256; ++b) {
+    std::string signature(grammar_.byte_sets.size(), '0');
+    for (size_t i = 0; i < grammar_.byte_sets.size(); ++i) {
+      if (grammar_.byte_sets[i].test(b)) signature[i] = '1';
+    }
+    auto [it, inserted] =
+        classes.try_emplace(signature, static_cast<uint8_t>(classes.size()));
+    if (inserted) class_representative_.push_back(static_cast<uint8_t>(b));
+    class_of_[b] = it->second;
+  }
+  num_classes_ = static_cast<int>(class_representative_.size());
+}
+
+absl::Status GrammarAutomaton::Init() {
+  absl::MutexLock lock(&mu_);
+  nodes_.push_back({-1, -1});  // kAcceptNode
+  seeds_.clear();
+  for (int32_t alt : grammar_.rule_alternatives[grammar_.root]) {
+    PDS_ASSIGN_OR_RETURN(int32_t node, InternNode(alt, kAcceptNode));
+    seeds_.push_back(node);
+  }
+  PDS_ASSIGN_OR_RETURN(start_, Close());
+  if (start_ == kDead) {
+    return absl::InvalidArgumentError("the grammar matches no string at all");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> GrammarAutomaton::InternNode(int32_t pos,
+                                                     int32_t parent) {
+  const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(pos)) << 32) |
+                       static_cast<uint32_t>(parent);
+  auto [it, inserted] =
+      node_ids_.try_emplace(key, static_cast<int32_t>(nodes_.size()));
+  if (inserted) {
+    if (static_cast<int64_t>(nodes_.size()) >= limits_.max_nodes) {
+      node_ids_.erase(it);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "grammar automaton reached its limit of ", limits_.max_nodes,
+          " parser stack nodes (output nested too deep or grammar too "
+          "ambiguous)"));
+    }
+    nodes_.push_back({pos, parent});
+  }
+  return it->second;
+}
+
+absl::StatusOr<int32_t> GrammarAutomaton::Close() {
+  scratch_stacks_.clear();
+  visited_.clear();
+  bool accepting = false;
+  while (!seeds_.empty()) {
+    const int32_t n = seeds_.back();
+    seeds_.pop_back();
+    if (!visited_.insert(n).second) continue;
+    if (n == kAcceptNode) {
+      accepting = true;
+      continue;
+    }
+    const Node node = nodes_[n];
+    const Element& e = grammar_.elements[node.pos];
+    switch (e.kind) {
+      case Element::Kind::kBytes:
+        scratch_stacks_.push_back(n);
+        if (static_cast<int64_t>(scratch_stacks_.size()) >
+            limits_.max_stacks_per_state) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "grammar automaton state exceeds ", limits_.max_stacks_per_state,
+              " parser stacks (the grammar is too ambiguous)"));
+        }
+        break;
+      case Element::Kind::kEnd:
+        seeds_.push_back(node.parent);
+        break;
+      case Element::Kind::kRule: {
+        // A rule in tail position continues straight with our parent: loops
+        // written as right recursion keep the stack flat.
+        int32_t continuation = node.parent;
+        if (grammar_.elements[node.pos + 1].kind != Element::Kind::kEnd) {
+          PDS_ASSIGN_OR_RETURN(continuation,
+                               InternNode(node.pos + 1, node.parent));
+        }
+        for (int32_t alt : grammar_.rule_alternatives[e.index]) {
+          PDS_ASSIGN_OR_RETURN(int32_t child, InternNode(alt, continuation));
+          seeds_.push_back(child);
+        }
+        break;
+      }
+    }
+  }
+  if (scratch_stacks_.empty() && !accepting) return kDead;
+  std::sort(scratch_stacks_.begin(), scratch_stacks_.end());
+  std::vector<int32_t> key = scratch_stacks_;
+  if (accepting) key.push_back(-1);
+  auto [it, inserted] =
+      state_ids_.try_emplace(std::move(key), static_cast<int32_t>(states_.size()));
+  if (inserted) {
+    if (static_cast<int64_t>(states_.size()) >= limits_.max_states) {
+      state_ids_.erase(it);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("grammar automaton reached its limit of ",
+                       limits_.max_states, " states"));
+    }
+    states_.push_back({scratch_stacks_, accepting});
+    next_.resize(next_.size() + num_classes_, kUnknown);
+    masks_.emplace_back();
+  }
+  return it->second;
+}
+
+absl::StatusOr<int32_t> GrammarAutomaton::Next(int32_t state, int byte_class) {
+  const size_t slot = static_cast<size_t>(state) * num_classes_ + byte_class;
+  if (next_[slot] != kUnknown) return next_[slot];
+  const uint8_t byte = class_representative_[byte_class];
+  seeds_.clear();
+  for (int32_t n : states_[state].stacks) {
+    const Node node = nodes_[n];
+    if (grammar_.byte_sets[grammar_.elements[node.pos].index].test(byte)) {
+      PDS_ASSIGN_OR_RETURN(int32_t advanced,
+                           InternNode(node.pos + 1, node.parent));
+      seeds_.push_back(advanced);
+    }
+  }
+  int32_t result = kDead;
+  if (!seeds_.empty()) {
+    PDS_ASSIGN_OR_RETURN(result, Close());
+  }
+  next_[slot] = result;
+  return result;
+}
+
+absl::StatusOr<int32_t> GrammarAutomaton::Walk(int32_t state,
+                                               std::string_view bytes) {
+  absl::MutexLock lock(&mu_);
+  for (char c : bytes) {
+    PDS_ASSIGN_OR_RETURN(state, Next(state, class_of_[static_cast<uint8_t>(c)]));
+    if (state == kDead) return kDead;
+  }
+  return state;
+}
+
+bool GrammarAutomaton::IsAccepting(int32_t state) {
+  absl::MutexLock lock(&mu_);
+  return states_[state].accepting;
+}
+
+int64_t GrammarAutomaton::num_states() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(states_.size());
+}
+
+absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
+                                           std::vector<uint32_t>* mask) {
+  mask->assign((vocabulary_->size() + 31) / 32, 0);
+  walk_states_.resize(trie.max_depth() + 1);
+  walk_states_[0] = state;
+  const int32_t n = trie.num_nodes();
+  const uint8_t* bytes = trie.byte_.data();
+  const int32_t* depths = trie.depth_.data();
+  const int32_t* ends = trie.subtree_end_.data();
+  const int32_t* token_begin = trie.token_begin_.data();
+  const int32_t* tokens = trie.tokens_.data();
+  uint32_t* out = mask->data();
+  for (int32_t i = 1; i < n;) {
+    const int32_t from = walk_states_[depths[i] - 1];
+    const int byte_class = class_of_[bytes[i]];
+    int32_t to = next_[static_cast<size_t>(from) * num_classes_ + byte_class];
+    if (to == kUnknown) {
+      PDS_ASSIGN_OR_RETURN(to, Next(from, byte_class));
+    }
+    if (to == kDead) {
+      i = ends[i];
+      continue;
+    }
+    walk_states_[depths[i]] = to;
+    for (int32_t k = token_begin[i]; k < token_begin[i + 1]; ++k) {
+      out[tokens[k] >> 5] |= 1u << (tokens[k] & 31);
+    }
+    ++i;
+  }
+  if (states_[state].accepting) {
+    for (int32_t eos : vocabulary_->eos_ids()) out[eos >> 5] |= 1u << (eos & 31);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GrammarAutomaton::FillMask(int32_t state, bool first_token,
+                                        std::span<uint32_t> mask) {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint32_t>* cached =
+      first_token ? &first_token_mask_ : &masks_[state];
+  if (cached->empty()) {
+    const TokenTrie& trie = first_token ? vocabulary_->first_token_trie()
+                                        : vocabulary_->trie();
+    std::vector<uint32_t> computed;
+    PDS_RETURN_IF_ERROR(ComputeMask(state, trie, &computed));
+    const int64_t bytes = static_cast<int64_t>(computed.size()) * 4;
+    if (mask_bytes_ + bytes > limits_.max_mask_cache_bytes) {
+      // Simple bound: start the cache over.
+      for (auto& m : masks_) std::vector<uint32_t>().swap(m);
+      mask_bytes_ = static_cast<int64_t>(first_token_mask_.size()) * 4;
+    }
+    mask_bytes_ += bytes;
+    cached = first_token ? &first_token_mask_ : &masks_[state];
+    *cached = std::move(computed);
+  }
+  std::memcpy(mask.data(), cached->data(), cached->size() * sizeof(uint32_t));
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::grammar::internal
