@@ -16,6 +16,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_format.h"
@@ -160,10 +161,6 @@ int main(int argc, char** argv) {
                        result.status().ToString().c_str());
           return 1;
         }
-        if (!result->finished && getenv("GRAMMAR_BENCH_DEBUG") != nullptr) {
-          std::fprintf(stderr, "unfinished %s: %s\n", c.name.c_str(),
-                       result->text.substr(0, 300).c_str());
-        }
         micros.insert(micros.end(), result->mask_micros.begin(),
                       result->mask_micros.end());
       }
@@ -190,6 +187,40 @@ int main(int argc, char** argv) {
           name.c_str(), decode_step_ms, Percentile(all, 0.5) / 1e3 / decode_step_ms,
           Percentile(all, 0.99) / 1e3 / decode_step_ms, mean / 1e3 / decode_step_ms,
           *std::max_element(all.begin(), all.end()) / 1e3 / decode_step_ms);
+    }
+    // One state's mask computed from scratch (a fresh grammar each time): the
+    // cost a state pays once per compiled grammar, inside a free string (most
+    // tokens allowed) and between object members (few allowed).
+    for (const auto& [label, schema, prefix] :
+         std::vector<std::tuple<std::string, std::string, std::string>>{
+             {"cold: inside a free string", R"({"type":"object","properties":{"s":{"type":"string"}},"required":["s"]})", "{\"s\":\"ab"},
+             {"cold: inside a maxLength 64 string", R"({"type":"object","properties":{"s":{"type":"string","maxLength":64}},"required":["s"]})", "{\"s\":\"ab"},
+             {"cold: after a member", R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"boolean"}}})", "{\"a\":12"},
+             {"cold: json_object, value position", "", "{\"k\":"}}) {
+      std::vector<double> cold;
+      for (int rep = 0; rep < 9; ++rep) {
+        auto compiled = grammar::CompiledGrammar::Compile(
+            schema.empty() ? grammar::GrammarSpec::JsonObject()
+                           : grammar::GrammarSpec::JsonSchema(schema),
+            *vocab);
+        if (!compiled.ok()) return 1;
+        grammar::GrammarMatcher m(*compiled);
+        for (char ch : prefix) {
+          auto ids = (*tok)->Encode(std::string(1, ch), false);
+          if (!ids.ok() || ids->size() != 1 || !m.Accept((*ids)[0]).ok()) {
+            std::fprintf(stderr, "cannot feed '%c'\n", ch);
+            return 1;
+          }
+        }
+        std::vector<uint32_t> mask(m.BitmaskWords());
+        t0 = std::chrono::steady_clock::now();
+        if (!m.FillNextTokenBitmask(mask).ok()) return 1;
+        cold.push_back(Seconds(t0) * 1e6);
+      }
+      std::printf("| %s | %d | | %s | | %zu | %.1f | %.1f | | %.1f |\n",
+                  name.c_str(), (*vocab)->size(), label.c_str(), cold.size(),
+                  Percentile(cold, 0.5), Percentile(cold, 0.99),
+                  *std::max_element(cold.begin(), cold.end()));
     }
     std::fflush(stdout);
   }

@@ -9,6 +9,14 @@
 #include "grammar/grammar.h"
 
 namespace pdserve::grammar::internal {
+namespace {
+
+constexpr uint64_t kLoopUnknown = ~0ull;
+// Subtrees smaller than this are walked node by node: asking whether a state
+// loops costs a transition per byte class.
+constexpr int32_t kMinSkippedSubtree = 2;
+
+}  // namespace
 
 // ---------------------------------------------------------------------------
 // TokenTrie
@@ -24,6 +32,7 @@ TokenTrie::TokenTrie(const std::vector<std::string_view>& token_bytes) {
   });
   // Root.
   byte_.push_back(0);
+  parent_.push_back(-1);
   depth_.push_back(0);
   subtree_end_.push_back(0);
   token_begin_.push_back(0);
@@ -41,6 +50,7 @@ TokenTrie::TokenTrie(const std::vector<std::string_view>& token_bytes) {
       path.pop_back();
     }
     for (size_t k = common; k < s.size(); ++k) {
+      parent_.push_back(path.back());
       path.push_back(num_nodes());
       byte_.push_back(static_cast<uint8_t>(s[k]));
       depth_.push_back(static_cast<int32_t>(k + 1));
@@ -89,6 +99,10 @@ absl::Status GrammarAutomaton::Init() {
     seeds_.push_back(node);
   }
   PDS_ASSIGN_OR_RETURN(start_, Close());
+  if (num_classes_ <= 64) {  // at compile time, not on the first mask
+    SubtreeClasses(vocabulary_->trie());
+    SubtreeClasses(vocabulary_->first_token_trie());
+  }
   if (start_ == kDead) {
     return absl::InvalidArgumentError("the grammar matches no string at all");
   }
@@ -173,6 +187,7 @@ absl::StatusOr<int32_t> GrammarAutomaton::Close() {
     states_.push_back({scratch_stacks_, accepting});
     next_.resize(next_.size() + num_classes_, kUnknown);
     masks_.emplace_back();
+    loop_classes_.push_back(kLoopUnknown);
   }
   return it->second;
 }
@@ -218,6 +233,32 @@ int64_t GrammarAutomaton::num_states() {
   return static_cast<int64_t>(states_.size());
 }
 
+absl::StatusOr<uint64_t> GrammarAutomaton::LoopClasses(int32_t state) {
+  if (loop_classes_[state] != kLoopUnknown) return loop_classes_[state];
+  uint64_t loop = 0;
+  for (int c = 0; c < num_classes_; ++c) {
+    PDS_ASSIGN_OR_RETURN(int32_t to, Next(state, c));
+    if (to == state) loop |= 1ull << c;
+  }
+  loop_classes_[state] = loop;
+  return loop;
+}
+
+const std::vector<uint64_t>& GrammarAutomaton::SubtreeClasses(
+    const TokenTrie& trie) {
+  const int slot = subtree_trie_[0] == nullptr || subtree_trie_[0] == &trie ? 0 : 1;
+  if (subtree_trie_[slot] != &trie) {
+    subtree_trie_[slot] = &trie;
+    std::vector<uint64_t>& classes = subtree_classes_[slot];
+    classes.assign(trie.num_nodes(), 0);
+    for (int32_t i = trie.num_nodes() - 1; i >= 1; --i) {
+      classes[i] |= 1ull << class_of_[trie.byte_[i]];
+      classes[trie.parent_[i]] |= classes[i];
+    }
+  }
+  return subtree_classes_[slot];
+}
+
 absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
                                            std::vector<uint32_t>* mask) {
   mask->assign((vocabulary_->size() + 31) / 32, 0);
@@ -230,8 +271,23 @@ absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
   const int32_t* token_begin = trie.token_begin_.data();
   const int32_t* tokens = trie.tokens_.data();
   uint32_t* out = mask->data();
+  // A subtree whose bytes all lead from the current state back to it is
+  // accepted whole without walking it (text inside a JSON string, say).
+  const bool can_skip = num_classes_ <= 64;
+  const uint64_t* subtree_classes =
+      can_skip ? SubtreeClasses(trie).data() : nullptr;
   for (int32_t i = 1; i < n;) {
     const int32_t from = walk_states_[depths[i] - 1];
+    if (can_skip && ends[i] - i >= kMinSkippedSubtree) {
+      PDS_ASSIGN_OR_RETURN(uint64_t loop, LoopClasses(from));
+      if ((subtree_classes[i] & ~loop) == 0) {
+        for (int32_t k = token_begin[i]; k < token_begin[ends[i]]; ++k) {
+          out[tokens[k] >> 5] |= 1u << (tokens[k] & 31);
+        }
+        i = ends[i];
+        continue;
+      }
+    }
     const int byte_class = class_of_[bytes[i]];
     int32_t to = next_[static_cast<size_t>(from) * num_classes_ + byte_class];
     if (to == kUnknown) {

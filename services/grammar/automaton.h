@@ -47,6 +47,7 @@ class TokenTrie {
   int32_t max_depth() const { return max_depth_; }
 
   std::vector<uint8_t> byte_;
+  std::vector<int32_t> parent_;
   std::vector<int32_t> depth_;
   std::vector<int32_t> subtree_end_;
   std::vector<int32_t> token_begin_;  // num_nodes + 1 entries
@@ -107,6 +108,13 @@ class GrammarAutomaton {
   absl::Status ComputeMask(int32_t state, const TokenTrie& trie,
                            std::vector<uint32_t>* mask)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The byte classes that lead from `state` back to itself (bit c), computed
+  // on first use.
+  absl::StatusOr<uint64_t> LoopClasses(int32_t state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per trie node, the byte classes of its subtree (itself included).
+  const std::vector<uint64_t>& SubtreeClasses(const TokenTrie& trie)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Grammar grammar_;
   const TokenVocabulary* vocabulary_;
@@ -124,6 +132,11 @@ class GrammarAutomaton {
       ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> next_ ABSL_GUARDED_BY(mu_);  // state * classes + class
   std::vector<std::vector<uint32_t>> masks_ ABSL_GUARDED_BY(mu_);
+  // LoopClasses per state; kLoopUnknown until computed.
+  std::vector<uint64_t> loop_classes_ ABSL_GUARDED_BY(mu_);
+  // SubtreeClasses for the vocabulary's trie and first-token trie.
+  const TokenTrie* subtree_trie_[2] ABSL_GUARDED_BY(mu_) = {nullptr, nullptr};
+  std::vector<uint64_t> subtree_classes_[2] ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> first_token_mask_ ABSL_GUARDED_BY(mu_);
   int64_t mask_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Scratch of Close().

@@ -390,6 +390,7 @@ class RegexParser {
       Fail("trailing backslash");
       return false;
     }
+    const size_t start = pos_ - 1;  // the backslash: errors point at it
     const uint32_t c = Peek();
     ++pos_;
     switch (c) {
@@ -428,7 +429,7 @@ class RegexParser {
         return true;
       case '0':
         if (!AtEnd() && Peek() >= '0' && Peek() <= '9') {
-          --pos_;
+          pos_ = start;
           Fail("octal escapes are not supported");
           return false;
         }
@@ -486,29 +487,29 @@ class RegexParser {
           *literal = '\b';
           return true;
         }
-        --pos_;
+        pos_ = start;
         Fail("word boundaries (\\b) are not supported");
         return false;
       case 'B':
-        --pos_;
+        pos_ = start;
         Fail("word boundaries (\\B) are not supported");
         return false;
       case 'p':
       case 'P':
-        --pos_;
+        pos_ = start;
         Fail("Unicode property escapes (\\p{…}) are not supported");
         return false;
       case 'k':
-        --pos_;
+        pos_ = start;
         Fail("backreferences are not supported");
         return false;
       case 'c':
-        --pos_;
+        pos_ = start;
         Fail("control escapes (\\cX) are not supported");
         return false;
       default:
         if (c >= '1' && c <= '9') {
-          --pos_;
+          pos_ = start;
           Fail("backreferences are not supported");
           return false;
         }
@@ -516,7 +517,7 @@ class RegexParser {
           *literal = c;
           return true;
         }
-        --pos_;
+        pos_ = start;
         Fail("unknown escape");
         return false;
     }
