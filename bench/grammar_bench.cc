@@ -225,8 +225,13 @@ int main(int argc, char** argv) {
         if (!compiled.ok()) return 1;
         grammar::GrammarMatcher m(*compiled);
         for (char ch : prefix) {
-          auto ids = (*tok)->Encode(std::string(1, ch), false);
-          if (!ids.ok() || ids->size() != 1 || !m.Accept((*ids)[0]).ok()) {
+          // The single-byte token of `ch` (the first token of Llama 2 style
+          // vocabularies loses a leading space: a bare "{" still matches).
+          int32_t id = -1;
+          for (int32_t t = 0; t < (*vocab)->size() && id < 0; ++t) {
+            if ((*vocab)->token_bytes(t) == std::string(1, ch)) id = t;
+          }
+          if (id < 0 || !m.Accept(id).ok()) {
             std::fprintf(stderr, "cannot feed '%c'\n", ch);
             return 1;
           }

@@ -11,10 +11,9 @@
 namespace pdserve::grammar::internal {
 namespace {
 
-constexpr uint64_t kLoopUnknown = ~0ull;
 // Subtrees smaller than this are walked node by node: asking whether a state
 // loops costs a transition per byte class.
-constexpr int32_t kMinSkippedSubtree = 2;
+constexpr int32_t kMinSkippedSubtree = 8;
 
 }  // namespace
 
@@ -65,6 +64,10 @@ TokenTrie::TokenTrie(const std::vector<std::string_view>& token_bytes) {
     subtree_end_[path.back()] = num_nodes();
     path.pop_back();
   }
+  height_.assign(num_nodes(), 1);
+  for (int32_t i = num_nodes() - 1; i >= 1; --i) {
+    height_[parent_[i]] = std::max(height_[parent_[i]], height_[i] + 1);
+  }
   token_begin_.push_back(static_cast<int32_t>(tokens_.size()));
 }
 
@@ -88,6 +91,8 @@ GrammarAutomaton::GrammarAutomaton(Grammar grammar,
     class_of_[b] = it->second;
   }
   num_classes_ = static_cast<int>(class_representative_.size());
+  class_size_.assign(num_classes_, 0);
+  for (int b = 0; b < 256; ++b) ++class_size_[class_of_[b]];
 }
 
 absl::Status GrammarAutomaton::Init() {
@@ -130,12 +135,19 @@ absl::StatusOr<int32_t> GrammarAutomaton::InternNode(int32_t pos,
 
 absl::StatusOr<int32_t> GrammarAutomaton::Close() {
   scratch_stacks_.clear();
-  visited_.clear();
+  if (++epoch_ == 0) {  // wrapped: forget every old mark
+    std::fill(visited_epoch_.begin(), visited_epoch_.end(), 0);
+    epoch_ = 1;
+  }
   bool accepting = false;
   while (!seeds_.empty()) {
     const int32_t n = seeds_.back();
     seeds_.pop_back();
-    if (!visited_.insert(n).second) continue;
+    if (static_cast<size_t>(n) >= visited_epoch_.size()) {
+      visited_epoch_.resize(std::max<size_t>(2 * visited_epoch_.size(), n + 1024), 0);
+    }
+    if (visited_epoch_[n] == epoch_) continue;
+    visited_epoch_[n] = epoch_;
     if (n == kAcceptNode) {
       accepting = true;
       continue;
@@ -187,7 +199,7 @@ absl::StatusOr<int32_t> GrammarAutomaton::Close() {
     states_.push_back({scratch_stacks_, accepting});
     next_.resize(next_.size() + num_classes_, kUnknown);
     masks_.emplace_back();
-    loop_classes_.push_back(kLoopUnknown);
+    uniform_.emplace_back();
   }
   return it->second;
 }
@@ -233,15 +245,56 @@ int64_t GrammarAutomaton::num_states() {
   return static_cast<int64_t>(states_.size());
 }
 
-absl::StatusOr<uint64_t> GrammarAutomaton::LoopClasses(int32_t state) {
-  if (loop_classes_[state] != kLoopUnknown) return loop_classes_[state];
-  uint64_t loop = 0;
-  for (int c = 0; c < num_classes_; ++c) {
-    PDS_ASSIGN_OR_RETURN(int32_t to, Next(state, c));
-    if (to == state) loop |= 1ull << c;
+absl::Status GrammarAutomaton::ComputeUniformStep(int32_t state) {
+  if (uniform_[state].next != -1 || uniform_[state].run == 0) {
+    return absl::OkStatus();
   }
-  loop_classes_[state] = loop;
-  return loop;
+  std::vector<int32_t> targets(num_classes_);
+  for (int c = 0; c < num_classes_; ++c) {
+    PDS_ASSIGN_OR_RETURN(targets[c], Next(state, c));
+  }
+  // The target most bytes lead to.
+  absl::flat_hash_map<int32_t, int32_t> bytes_to;
+  int32_t best = kDead, best_bytes = 0;
+  for (int c = 0; c < num_classes_; ++c) {
+    if (targets[c] == kDead) continue;
+    const int32_t b = (bytes_to[targets[c]] += class_size_[c]);
+    if (b > best_bytes) best = targets[c], best_bytes = b;
+  }
+  UniformStep& step = uniform_[state];
+  step.next = best;
+  step.classes = 0;
+  if (best == kDead) {
+    step.run = 0;
+    return absl::OkStatus();
+  }
+  for (int c = 0; c < num_classes_; ++c) {
+    if (targets[c] == best) step.classes |= 1ull << c;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> GrammarAutomaton::UniformRun(int32_t state,
+                                                     int32_t cap) {
+  PDS_RETURN_IF_ERROR(ComputeUniformStep(state));
+  if (uniform_[state].run >= 0) return uniform_[state].run;
+  const uint64_t classes = uniform_[state].classes;
+  int32_t run = 0;
+  int32_t u = state;
+  while (run < cap) {
+    PDS_RETURN_IF_ERROR(ComputeUniformStep(u));
+    const UniformStep& step = uniform_[u];
+    if (step.next == kDead || (step.classes & classes) != classes) break;
+    ++run;
+    if (step.next == u) {
+      run = kForever;
+      break;
+    }
+    u = step.next;
+  }
+  // A run cut short by `cap` is stored as is: callers pass the same cap.
+  uniform_[state].run = run;
+  return run;
 }
 
 const std::vector<uint64_t>& GrammarAutomaton::SubtreeClasses(
@@ -268,6 +321,7 @@ absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
   const uint8_t* bytes = trie.byte_.data();
   const int32_t* depths = trie.depth_.data();
   const int32_t* ends = trie.subtree_end_.data();
+  const int32_t* heights = trie.height_.data();
   const int32_t* token_begin = trie.token_begin_.data();
   const int32_t* tokens = trie.tokens_.data();
   uint32_t* out = mask->data();
@@ -279,8 +333,15 @@ absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
   for (int32_t i = 1; i < n;) {
     const int32_t from = walk_states_[depths[i] - 1];
     if (can_skip && ends[i] - i >= kMinSkippedSubtree) {
-      PDS_ASSIGN_OR_RETURN(uint64_t loop, LoopClasses(from));
-      if ((subtree_classes[i] & ~loop) == 0) {
+      // Every byte of the subtree steps uniformly for as deep as it goes:
+      // every token in it is accepted (inside a string, also a length-bounded
+      // one, where each remaining length is its own state).
+      int32_t run = uniform_[from].run;
+      if (run < 0) {
+        PDS_ASSIGN_OR_RETURN(run, UniformRun(from, trie.max_depth()));
+      }
+      if ((subtree_classes[i] & ~uniform_[from].classes) == 0 &&
+          heights[i] <= run) {
         for (int32_t k = token_begin[i]; k < token_begin[ends[i]]; ++k) {
           out[tokens[k] >> 5] |= 1u << (tokens[k] & 31);
         }

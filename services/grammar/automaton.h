@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -50,6 +49,7 @@ class TokenTrie {
   std::vector<int32_t> parent_;
   std::vector<int32_t> depth_;
   std::vector<int32_t> subtree_end_;
+  std::vector<int32_t> height_;  // bytes from a node to its deepest descendant, +1
   std::vector<int32_t> token_begin_;  // num_nodes + 1 entries
   std::vector<int32_t> tokens_;
   int32_t max_depth_ = 0;
@@ -108,9 +108,19 @@ class GrammarAutomaton {
   absl::Status ComputeMask(int32_t state, const TokenTrie& trie,
                            std::vector<uint32_t>* mask)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The byte classes that lead from `state` back to itself (bit c), computed
-  // on first use.
-  absl::StatusOr<uint64_t> LoopClasses(int32_t state)
+  // A state's uniform step: the byte classes (bit c) that all lead to one
+  // state `next` (the most bytes' target; itself for a loop), and `run`: for
+  // how many bytes in a row those classes keep stepping uniformly, following
+  // next, next's next, ... (kForever for a loop). Computed on first use.
+  struct UniformStep {
+    uint64_t classes = 0;
+    int32_t next = -1;
+    int32_t run = -1;  // -1: not computed yet
+  };
+  static constexpr int32_t kForever = 1 << 30;
+  absl::Status ComputeUniformStep(int32_t state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int32_t> UniformRun(int32_t state, int32_t cap)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Per trie node, the byte classes of its subtree (itself included).
   const std::vector<uint64_t>& SubtreeClasses(const TokenTrie& trie)
@@ -132,8 +142,8 @@ class GrammarAutomaton {
       ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> next_ ABSL_GUARDED_BY(mu_);  // state * classes + class
   std::vector<std::vector<uint32_t>> masks_ ABSL_GUARDED_BY(mu_);
-  // LoopClasses per state; kLoopUnknown until computed.
-  std::vector<uint64_t> loop_classes_ ABSL_GUARDED_BY(mu_);
+  std::vector<UniformStep> uniform_ ABSL_GUARDED_BY(mu_);  // per state
+  std::vector<int32_t> class_size_;  // bytes per class
   // SubtreeClasses for the vocabulary's trie and first-token trie.
   const TokenTrie* subtree_trie_[2] ABSL_GUARDED_BY(mu_) = {nullptr, nullptr};
   std::vector<uint64_t> subtree_classes_[2] ABSL_GUARDED_BY(mu_);
@@ -142,7 +152,9 @@ class GrammarAutomaton {
   // Scratch of Close().
   std::vector<int32_t> seeds_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> scratch_stacks_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<int32_t> visited_ ABSL_GUARDED_BY(mu_);
+  // visited_epoch_[node] == epoch_: node seen by the current Close().
+  std::vector<uint32_t> visited_epoch_ ABSL_GUARDED_BY(mu_);
+  uint32_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int32_t> walk_states_ ABSL_GUARDED_BY(mu_);
 };
 
