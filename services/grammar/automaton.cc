@@ -58,16 +58,56 @@ TokenTrie::TokenTrie(const std::vector<std::string_view>& token_bytes) {
     }
     max_depth_ = std::max<int32_t>(max_depth_, static_cast<int32_t>(s.size()));
     tokens_.push_back(id);
+    text_from_here_.resize(num_nodes(), 1);
+    max_chars_.resize(num_nodes(), 0);
+    has_non_ascii_.resize(num_nodes(), 0);
+    // From each offset of s: valid UTF-8 (a cut-off last character allowed)
+    // and how many characters.
+    std::vector<uint8_t> valid(s.size() + 1, 1);
+    std::vector<int32_t> chars(s.size() + 1, 0);
+    for (size_t p = s.size(); p-- > 0;) {
+      const uint8_t b = static_cast<uint8_t>(s[p]);
+      size_t length = 0;
+      uint8_t lo = 0x80, hi = 0xBF;  // the second byte's range
+      if (b < 0x80) {
+        length = 1;
+      } else if (b >= 0xC2 && b <= 0xDF) {
+        length = 2;
+      } else if (b >= 0xE0 && b <= 0xEF) {
+        length = 3;
+        if (b == 0xE0) lo = 0xA0;
+        if (b == 0xED) hi = 0x9F;
+      } else if (b >= 0xF0 && b <= 0xF4) {
+        length = 4;
+        if (b == 0xF0) lo = 0x90;
+        if (b == 0xF4) hi = 0x8F;
+      }
+      bool ok = length > 0;
+      for (size_t k = 1; ok && k < length && p + k < s.size(); ++k) {
+        const uint8_t c = static_cast<uint8_t>(s[p + k]);
+        ok = k == 1 ? (c >= lo && c <= hi) : (c >= 0x80 && c <= 0xBF);
+      }
+      const size_t next = std::min(p + std::max<size_t>(length, 1), s.size());
+      valid[p] = ok && valid[next];
+      chars[p] = std::min(255, 1 + chars[next]);
+    }
+    bool non_ascii = false;
+    for (size_t p = s.size(); p-- > 0;) {
+      const int32_t node = path[p + 1];
+      non_ascii = non_ascii || static_cast<uint8_t>(s[p]) >= 0x80;
+      text_from_here_[node] &= valid[p];
+      max_chars_[node] = std::max<uint8_t>(max_chars_[node], chars[p]);
+      if (non_ascii) has_non_ascii_[node] = 1;
+    }
     previous = s;
   }
   while (!path.empty()) {
     subtree_end_[path.back()] = num_nodes();
     path.pop_back();
   }
-  height_.assign(num_nodes(), 1);
-  for (int32_t i = num_nodes() - 1; i >= 1; --i) {
-    height_[parent_[i]] = std::max(height_[parent_[i]], height_[i] + 1);
-  }
+  text_from_here_.resize(num_nodes(), 1);
+  max_chars_.resize(num_nodes(), 0);
+  has_non_ascii_.resize(num_nodes(), 0);
   token_begin_.push_back(static_cast<int32_t>(tokens_.size()));
 }
 
@@ -91,8 +131,22 @@ GrammarAutomaton::GrammarAutomaton(Grammar grammar,
     class_of_[b] = it->second;
   }
   num_classes_ = static_cast<int>(class_representative_.size());
-  class_size_.assign(num_classes_, 0);
-  for (int b = 0; b < 256; ++b) ++class_size_[class_of_[b]];
+  ascii_class_size_.assign(num_classes_, 0);
+  for (int b = 0; b < 0x80; ++b) ++ascii_class_size_[class_of_[b]];
+  for (const auto& sequence : Utf8RangeSequences(0x80, 0x10FFFF)) {
+    std::vector<std::vector<int>> path;
+    for (const auto& [lo, hi] : sequence) {
+      std::vector<int> classes;
+      for (int b = lo; b <= hi; ++b) {
+        if (std::find(classes.begin(), classes.end(), class_of_[b]) ==
+            classes.end()) {
+          classes.push_back(class_of_[b]);
+        }
+      }
+      path.push_back(std::move(classes));
+    }
+    non_ascii_paths_.push_back(std::move(path));
+  }
 }
 
 absl::Status GrammarAutomaton::Init() {
@@ -185,23 +239,26 @@ absl::StatusOr<int32_t> GrammarAutomaton::Close() {
   }
   if (scratch_stacks_.empty() && !accepting) return kDead;
   std::sort(scratch_stacks_.begin(), scratch_stacks_.end());
-  std::vector<int32_t> key = scratch_stacks_;
-  if (accepting) key.push_back(-1);
-  auto [it, inserted] =
-      state_ids_.try_emplace(std::move(key), static_cast<int32_t>(states_.size()));
-  if (inserted) {
-    if (static_cast<int64_t>(states_.size()) >= limits_.max_states) {
-      state_ids_.erase(it);
-      return absl::ResourceExhaustedError(
-          absl::StrCat("grammar automaton reached its limit of ",
-                       limits_.max_states, " states"));
-    }
-    states_.push_back({scratch_stacks_, accepting});
-    next_.resize(next_.size() + num_classes_, kUnknown);
-    masks_.emplace_back();
-    uniform_.emplace_back();
+  const size_t stacks = scratch_stacks_.size();
+  if (accepting) scratch_stacks_.push_back(-1);
+  const absl::Span<const int32_t> key(scratch_stacks_);
+  auto found = state_ids_.find(key);
+  if (found != state_ids_.end()) return found->second;
+  if (static_cast<int64_t>(states_.size()) >= limits_.max_states) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("grammar automaton reached its limit of ",
+                     limits_.max_states, " states"));
   }
-  return it->second;
+  const int32_t id = static_cast<int32_t>(states_.size());
+  state_ids_.emplace(std::vector<int32_t>(key.begin(), key.end()), id);
+  states_.push_back(
+      {std::vector<int32_t>(scratch_stacks_.begin(),
+                            scratch_stacks_.begin() + stacks),
+       accepting});
+  next_.resize(next_.size() + num_classes_, kUnknown);
+  masks_.emplace_back();
+  uniform_.emplace_back();
+  return id;
 }
 
 absl::StatusOr<int32_t> GrammarAutomaton::Next(int32_t state, int byte_class) {
@@ -246,45 +303,76 @@ int64_t GrammarAutomaton::num_states() {
 }
 
 absl::Status GrammarAutomaton::ComputeUniformStep(int32_t state) {
-  if (uniform_[state].next != -1 || uniform_[state].run == 0) {
-    return absl::OkStatus();
-  }
-  std::vector<int32_t> targets(num_classes_);
-  for (int c = 0; c < num_classes_; ++c) {
-    PDS_ASSIGN_OR_RETURN(targets[c], Next(state, c));
-  }
-  // The target most bytes lead to.
+  if (uniform_[state].computed) return absl::OkStatus();
+  // The target most ASCII bytes lead to.
+  std::vector<int32_t> targets(num_classes_, kDead);
   absl::flat_hash_map<int32_t, int32_t> bytes_to;
   int32_t best = kDead, best_bytes = 0;
   for (int c = 0; c < num_classes_; ++c) {
+    if (ascii_class_size_[c] == 0) continue;
+    PDS_ASSIGN_OR_RETURN(targets[c], Next(state, c));
     if (targets[c] == kDead) continue;
-    const int32_t b = (bytes_to[targets[c]] += class_size_[c]);
+    const int32_t b = (bytes_to[targets[c]] += ascii_class_size_[c]);
     if (b > best_bytes) best = targets[c], best_bytes = b;
   }
+  uint64_t ascii_classes = 0;
+  if (best != kDead) {
+    for (int c = 0; c < num_classes_; ++c) {
+      if (ascii_class_size_[c] > 0 && targets[c] == best) {
+        ascii_classes |= 1ull << c;
+      }
+    }
+  }
   UniformStep& step = uniform_[state];
+  step.computed = true;
   step.next = best;
-  step.classes = 0;
-  if (best == kDead) {
-    step.run = 0;
-    return absl::OkStatus();
-  }
-  for (int c = 0; c < num_classes_; ++c) {
-    if (targets[c] == best) step.classes |= 1ull << c;
-  }
+  step.ascii_classes = ascii_classes;
   return absl::OkStatus();
 }
 
-absl::StatusOr<int32_t> GrammarAutomaton::UniformRun(int32_t state,
-                                                     int32_t cap) {
+absl::StatusOr<bool> GrammarAutomaton::NonAsciiLoops(int32_t state) {
+  const int32_t best = state;
+  bool non_ascii = true;
+  // Every class path of every non-ASCII UTF-8 shape must stay alive and end
+  // back at `state` (bounded: give up past a few thousand paths).
+  int budget = 4096;
+  std::vector<std::pair<int32_t, size_t>> stack;
+  for (const auto& shape : non_ascii_paths_) {
+    stack.assign(1, {state, 0});
+    while (non_ascii && !stack.empty()) {
+      const auto [at, position] = stack.back();
+      stack.pop_back();
+      if (position == shape.size()) {
+        non_ascii = at == best;
+        continue;
+      }
+      for (int c : shape[position]) {
+        if (--budget < 0) {
+          non_ascii = false;
+          break;
+        }
+        PDS_ASSIGN_OR_RETURN(int32_t to, Next(at, c));
+        if (to == kDead) {
+          non_ascii = false;
+          break;
+        }
+        stack.push_back({to, position + 1});
+      }
+    }
+    if (!non_ascii) break;
+  }
+  return non_ascii;
+}
+
+absl::Status GrammarAutomaton::ComputeUniformRuns(int32_t state, int32_t cap) {
   PDS_RETURN_IF_ERROR(ComputeUniformStep(state));
-  if (uniform_[state].run >= 0) return uniform_[state].run;
-  const uint64_t classes = uniform_[state].classes;
+  const uint64_t classes = uniform_[state].ascii_classes;
   int32_t run = 0;
   int32_t u = state;
   while (run < cap) {
     PDS_RETURN_IF_ERROR(ComputeUniformStep(u));
     const UniformStep& step = uniform_[u];
-    if (step.next == kDead || (step.classes & classes) != classes) break;
+    if (step.next == kDead || (step.ascii_classes & classes) != classes) break;
     ++run;
     if (step.next == u) {
       run = kForever;
@@ -293,8 +381,17 @@ absl::StatusOr<int32_t> GrammarAutomaton::UniformRun(int32_t state,
     u = step.next;
   }
   // A run cut short by `cap` is stored as is: callers pass the same cap.
-  uniform_[state].run = run;
-  return run;
+  uniform_[state].ascii_run = run;
+  // Non-ASCII characters are followed only around a loop (free text): along
+  // a chain of length-counting states every count would need its own
+  // mid-character states built up front.
+  bool non_ascii = false;
+  if (run == kForever) {
+    PDS_ASSIGN_OR_RETURN(non_ascii, NonAsciiLoops(state));
+  }
+  uniform_[state].non_ascii = non_ascii;
+  uniform_[state].text_run = non_ascii ? kForever : 0;
+  return absl::OkStatus();
 }
 
 const std::vector<uint64_t>& GrammarAutomaton::SubtreeClasses(
@@ -305,7 +402,7 @@ const std::vector<uint64_t>& GrammarAutomaton::SubtreeClasses(
     std::vector<uint64_t>& classes = subtree_classes_[slot];
     classes.assign(trie.num_nodes(), 0);
     for (int32_t i = trie.num_nodes() - 1; i >= 1; --i) {
-      classes[i] |= 1ull << class_of_[trie.byte_[i]];
+      if (trie.byte_[i] < 0x80) classes[i] |= 1ull << class_of_[trie.byte_[i]];
       classes[trie.parent_[i]] |= classes[i];
     }
   }
@@ -321,7 +418,9 @@ absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
   const uint8_t* bytes = trie.byte_.data();
   const int32_t* depths = trie.depth_.data();
   const int32_t* ends = trie.subtree_end_.data();
-  const int32_t* heights = trie.height_.data();
+  const uint8_t* text_from_here = trie.text_from_here_.data();
+  const uint8_t* max_chars = trie.max_chars_.data();
+  const uint8_t* non_ascii = trie.has_non_ascii_.data();
   const int32_t* token_begin = trie.token_begin_.data();
   const int32_t* tokens = trie.tokens_.data();
   uint32_t* out = mask->data();
@@ -332,16 +431,18 @@ absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
       can_skip ? SubtreeClasses(trie).data() : nullptr;
   for (int32_t i = 1; i < n;) {
     const int32_t from = walk_states_[depths[i] - 1];
-    if (can_skip && ends[i] - i >= kMinSkippedSubtree) {
-      // Every byte of the subtree steps uniformly for as deep as it goes:
-      // every token in it is accepted (inside a string, also a length-bounded
-      // one, where each remaining length is its own state).
-      int32_t run = uniform_[from].run;
-      if (run < 0) {
-        PDS_ASSIGN_OR_RETURN(run, UniformRun(from, trie.max_depth()));
+    if (can_skip && ends[i] - i >= kMinSkippedSubtree && text_from_here[i]) {
+      // Every token of the subtree is text (valid UTF-8 from here) whose
+      // characters all step uniformly for as many characters as it has: all
+      // accepted (inside a string, also a length-bounded one, where each
+      // remaining length is its own state).
+      if (uniform_[from].ascii_run < 0) {
+        PDS_RETURN_IF_ERROR(ComputeUniformRuns(from, trie.max_depth()));
       }
-      if ((subtree_classes[i] & ~uniform_[from].classes) == 0 &&
-          heights[i] <= run) {
+      const UniformStep& step = uniform_[from];
+      const int32_t run = non_ascii[i] ? step.text_run : step.ascii_run;
+      if ((subtree_classes[i] & ~step.ascii_classes) == 0 &&
+          max_chars[i] <= run) {
         for (int32_t k = token_begin[i]; k < token_begin[ends[i]]; ++k) {
           out[tokens[k] >> 5] |= 1u << (tokens[k] & 31);
         }

@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/hash/hash.h"
+#include "absl/types/span.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -49,7 +51,12 @@ class TokenTrie {
   std::vector<int32_t> parent_;
   std::vector<int32_t> depth_;
   std::vector<int32_t> subtree_end_;
-  std::vector<int32_t> height_;  // bytes from a node to its deepest descendant, +1
+  // For every token through a node, the bytes from the node on: whether they
+  // are valid UTF-8 (a character cut off by the token's end allowed) and how
+  // many characters they hold (a cut-off one counted), at most 255.
+  std::vector<uint8_t> text_from_here_;
+  std::vector<uint8_t> max_chars_;
+  std::vector<uint8_t> has_non_ascii_;  // a byte >= 0x80 in the subtree
   std::vector<int32_t> token_begin_;  // num_nodes + 1 entries
   std::vector<int32_t> tokens_;
   int32_t max_depth_ = 0;
@@ -108,21 +115,31 @@ class GrammarAutomaton {
   absl::Status ComputeMask(int32_t state, const TokenTrie& trie,
                            std::vector<uint32_t>* mask)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A state's uniform step: the byte classes (bit c) that all lead to one
-  // state `next` (the most bytes' target; itself for a loop), and `run`: for
-  // how many bytes in a row those classes keep stepping uniformly, following
-  // next, next's next, ... (kForever for a loop). Computed on first use.
+  // A state's uniform character step: `next` is where most ASCII bytes lead
+  // (itself for a loop), `ascii_classes` the classes of ASCII bytes that lead
+  // there. `ascii_run`: for how many ASCII characters of ascii_classes in a
+  // row the steps stay uniform, following next, next's next, ... (kForever
+  // for a loop). `text_run`: the same for any character, non-ASCII ones too
+  // (any UTF-8 sequence of U+0080..U+10FFFF, every prefix alive) — only
+  // looked for around loops (`non_ascii`); 0 otherwise.
   struct UniformStep {
-    uint64_t classes = 0;
+    bool computed = false;
+    uint64_t ascii_classes = 0;
+    bool non_ascii = false;
     int32_t next = -1;
-    int32_t run = -1;  // -1: not computed yet
+    int32_t ascii_run = -1;  // -1: not computed yet
+    int32_t text_run = -1;
   };
   static constexpr int32_t kForever = 1 << 30;
   absl::Status ComputeUniformStep(int32_t state)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<int32_t> UniformRun(int32_t state, int32_t cap)
+  absl::Status ComputeUniformRuns(int32_t state, int32_t cap)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Per trie node, the byte classes of its subtree (itself included).
+  // Whether every non-ASCII character leads from `state` back to it.
+  absl::StatusOr<bool> NonAsciiLoops(int32_t state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per trie node, the classes of the ASCII bytes of its subtree (itself
+  // included).
   const std::vector<uint64_t>& SubtreeClasses(const TokenTrie& trie)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -138,12 +155,30 @@ class GrammarAutomaton {
   std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int32_t> node_ids_ ABSL_GUARDED_BY(mu_);
   std::vector<State> states_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::vector<int32_t>, int32_t> state_ids_
-      ABSL_GUARDED_BY(mu_);
+  // Looked up by span, so finding an existing state allocates nothing.
+  struct StacksHash {
+    using is_transparent = void;
+    size_t operator()(absl::Span<const int32_t> s) const {
+      return absl::Hash<absl::Span<const int32_t>>()(s);
+    }
+  };
+  struct StacksEq {
+    using is_transparent = void;
+    bool operator()(absl::Span<const int32_t> a,
+                    absl::Span<const int32_t> b) const {
+      return a == b;
+    }
+  };
+  // Key: the state's sorted stacks, then -1 when accepting.
+  absl::flat_hash_map<std::vector<int32_t>, int32_t, StacksHash, StacksEq>
+      state_ids_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> next_ ABSL_GUARDED_BY(mu_);  // state * classes + class
   std::vector<std::vector<uint32_t>> masks_ ABSL_GUARDED_BY(mu_);
   std::vector<UniformStep> uniform_ ABSL_GUARDED_BY(mu_);  // per state
-  std::vector<int32_t> class_size_;  // bytes per class
+  std::vector<int32_t> ascii_class_size_;  // ASCII bytes per class
+  // The classes each byte of every UTF-8 sequence of U+0080..U+10FFFF can
+  // fall in: one list of per-position class lists per sequence shape.
+  std::vector<std::vector<std::vector<int>>> non_ascii_paths_;
   // SubtreeClasses for the vocabulary's trie and first-token trie.
   const TokenTrie* subtree_trie_[2] ABSL_GUARDED_BY(mu_) = {nullptr, nullptr};
   std::vector<uint64_t> subtree_classes_[2] ABSL_GUARDED_BY(mu_);

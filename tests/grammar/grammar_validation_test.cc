@@ -177,6 +177,51 @@ TEST_F(GrammarValidationTest, Llama3OutputsParseAndValidate) {
   EXPECT_GE(checked, 300);
 }
 
+// The mask (a trie walk that accepts whole subtrees of text at once) equals
+// checking every token of the real vocabulary on its own (IsTokenAllowed
+// walks the token's bytes), at states along generated outputs.
+TEST_F(GrammarValidationTest, MaskEqualsPerTokenCheckOnLlama3) {
+  Loaded loaded = Load("llama3");
+  ASSERT_NE(loaded.vocab, nullptr);
+  const std::vector<GrammarSpec> specs = {
+      GrammarSpec::JsonObject(),
+      GrammarSpec::JsonSchema(
+          R"({"type":"object","properties":{"s":{"type":"string","maxLength":40},
+              "t":{"type":"string"},"u":{"type":"string","pattern":"^[α-ω a-f0-9\\-]{2,30}$"},
+              "n":{"type":"array","items":{"type":"number"}}},
+              "required":["s","t","u","n"],"additionalProperties":false})"),
+      GrammarSpec::Regex("[^\\n]{1,30}\\n"),
+      GrammarSpec::Regex("(\\w+ ){2,5}[.!?]")};
+  std::mt19937_64 rng(7);
+  int states_checked = 0;
+  for (const GrammarSpec& spec : specs) {
+    auto grammar = CompiledGrammar::Compile(spec, loaded.vocab);
+    ASSERT_TRUE(grammar.ok()) << grammar.status();
+    testing::GenerationOptions options;
+    options.free_tokens = 40;
+    options.single_byte_bonus = 2;
+    auto result = testing::GenerateRandom(*grammar, options, rng);
+    ASSERT_TRUE(result.ok()) << result.status();
+    GrammarMatcher m(*grammar);
+    std::vector<uint32_t> mask(m.BitmaskWords());
+    for (size_t step = 0; step < result->ids.size(); ++step) {
+      if (step % 3 == 0) {
+        ASSERT_TRUE(m.FillNextTokenBitmask(mask).ok());
+        for (int32_t id = 0; id < loaded.vocab->size(); ++id) {
+          auto allowed = m.IsTokenAllowed(id);
+          ASSERT_TRUE(allowed.ok());
+          ASSERT_EQ(((mask[id >> 5] >> (id & 31)) & 1u) != 0, *allowed)
+              << "token " << id << " '" << loaded.vocab->token_bytes(id)
+              << "' after '" << m.text() << "'";
+        }
+        ++states_checked;
+      }
+      ASSERT_TRUE(m.Accept(result->ids[step]).ok());
+    }
+  }
+  EXPECT_GE(states_checked, 20);
+}
+
 TEST_F(GrammarValidationTest, Llama2SentencePieceStyleOutputsValidate) {
   // Llama 2's tokenizer.json decodes the first token without its leading
   // space: the grammar sees the text the user will get.
