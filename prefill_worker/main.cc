@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
 #include "engine/backend_flags.h"
+#include "grammar/structured_output.h"
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
 #include "prefill/chunk_policy.h"
@@ -43,6 +44,7 @@
 #include "process/port_file.h"
 #include "rpc/auth.h"
 #include "rpc/server.h"
+#include "tokenizer/tokenizer.h"
 #include "transport/net_device.h"
 
 namespace pdserve::prefill {
@@ -329,6 +331,21 @@ int Main(int argc, char** argv) {
         metrics::Layout{"prefill", worker_id, stage, stages, 1});
     stage_metrics = std::make_unique<PrefillStageMetrics>(*registry);
     stage_options.observer = stage_metrics->Observer();
+  }
+  // The last stage samples first tokens, under a grammar for structured
+  // output: it needs the model's tokenizer (none: such requests fail with a
+  // precise error; plain ones are served).
+  std::unique_ptr<tokenizer::Tokenizer> loaded_tokenizer;
+  std::unique_ptr<grammar::StructuredOutputCompiler> structured_output;
+  if (stage + 1 == stages) {
+    if ((*weights)->tokenizer_spec().ok()) {
+      auto loaded = tokenizer::LoadTokenizerForModel(**weights);
+      if (!loaded.ok()) return Fail(loaded.status());
+      loaded_tokenizer = *std::move(loaded);
+    }
+    structured_output = std::make_unique<grammar::StructuredOutputCompiler>(
+        loaded_tokenizer.get(), config.EndTokenIds());
+    stage_options.structured_output = structured_output.get();
   }
   auto process = StageProcess::Create(**weights, stage_options);
   if (!process.ok()) return Fail(process.status());

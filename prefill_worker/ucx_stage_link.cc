@@ -42,6 +42,8 @@ bool GetVector(transport::ByteReader& r, std::vector<T>* v,
 }
 
 constexpr uint64_t kMaxItems = uint64_t{1} << 31;
+// The grammar library refuses more (10,000); this only bounds the allocation.
+constexpr uint32_t kMaxStructuredChoices = 1 << 20;
 
 // ChunkHeader flag bits on the wire.
 constexpr uint8_t kScorePrompt = 1;
@@ -85,6 +87,11 @@ void PutSampling(transport::ByteWriter& w, const engine::SamplingParams& s) {
     w.Put<int32_t>(b.token);
     w.Put<float>(b.bias);
   }
+  const engine::StructuredOutput& so = s.structured_output;
+  w.Put<uint8_t>(static_cast<uint8_t>(so.kind));
+  w.PutBytes(so.text);
+  w.Put<uint32_t>(static_cast<uint32_t>(so.choices.size()));
+  for (const std::string& c : so.choices) w.PutBytes(c);
 }
 
 // The values are checked where the chunk is used (SamplingParams::Validate).
@@ -100,6 +107,19 @@ bool GetSampling(transport::ByteReader& r, engine::SamplingParams* s) {
   s->logit_bias.resize(biases);
   for (engine::LogitBias& b : s->logit_bias) {
     if (!r.Get(&b.token) || !r.Get(&b.bias)) return false;
+  }
+  uint8_t kind = 0;
+  uint32_t choices = 0;
+  if (!r.Get(&kind) ||
+      kind > static_cast<uint8_t>(engine::StructuredOutput::Kind::kChoice) ||
+      !r.GetBytes(&s->structured_output.text) || !r.Get(&choices) ||
+      choices > kMaxStructuredChoices) {
+    return false;
+  }
+  s->structured_output.kind = static_cast<engine::StructuredOutput::Kind>(kind);
+  s->structured_output.choices.resize(choices);
+  for (std::string& c : s->structured_output.choices) {
+    if (!r.GetBytes(&c)) return false;
   }
   return true;
 }

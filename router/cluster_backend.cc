@@ -71,6 +71,10 @@ ClusterBackend::ClusterBackend(ClusterBackendOptions options,
                                std::unique_ptr<AssignmentPolicy> decode_policy)
     : options_(std::move(options)),
       tokenizer_(tokenizer),
+      structured_output_(tokenizer,
+                         {tokenizer != nullptr && tokenizer->eos_id() >= 0
+                              ? tokenizer->eos_id()
+                              : 0}),
       registry_(registry),
       prefill_policy_(std::move(prefill_policy)),
       decode_policy_(std::move(decode_policy)),
@@ -156,6 +160,15 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
                            .ValidateForVocab(options_.model.vocab_size);
       !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling: ", s.message()));
+  }
+  if (request.sampling.structured_output.enabled()) {
+    absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> checked =
+        structured_output_.NewConstraint(request.sampling.structured_output);
+    if (!checked.ok()) {
+      // A schema we cannot compile, or no tokenizer: the request's fault or
+      // a deployment without one, never worth a retry.
+      return absl::InvalidArgumentError(checked.status().message());
+    }
   }
   std::vector<int32_t> ids;
   if (request.prompt_ids.has_value()) {

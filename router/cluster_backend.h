@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grammar/structured_output.h"
 #include "grpcpp/channel.h"
 #include "router/abort_retrier.h"
 #include "router/admission_queue.h"
@@ -121,6 +122,9 @@ class ClusterBackend final : public GenerationBackend {
 
   const ClusterBackendOptions options_;
   const tokenizer::Tokenizer* const tokenizer_;
+  // Structured output is compiled here first, so that a bad schema is a 400
+  // before any worker spends a prefill on it (workers compile again, cached).
+  grammar::StructuredOutputCompiler structured_output_;
   WorkerRegistry* const registry_;
   const std::unique_ptr<AssignmentPolicy> prefill_policy_;
   const std::unique_ptr<AssignmentPolicy> decode_policy_;

@@ -440,6 +440,10 @@ absl::Status RejectUnknownFields(OpenAiEndpoint endpoint, const json& body) {
       "min_p",
       "min_tokens",
       "logit_bias",
+      "response_format",
+      "guided_json",
+      "guided_regex",
+      "guided_choice",
       "tools",
       "functions",
       "echo"};
@@ -471,6 +475,94 @@ absl::Status RejectUnsupported(const json& body) {
     if (it->is_boolean() && !it->get<bool>()) continue;
     return FieldError(field, "is not supported");
   }
+  return absl::OkStatus();
+}
+
+// Structured output, as OpenAI (`response_format`: text, json_object,
+// json_schema with its `schema`) and vLLM (`guided_json` as an object or a
+// string, `guided_regex`, `guided_choice`) spell it: at most one of them.
+// The spec is compiled later, against the model's vocabulary (errors there
+// are 400s too).
+// `body_text`: the schema is taken from it in its own key order (the parsed
+// `body` sorts keys, and properties are produced in their declared order).
+absl::Status ReadStructuredOutput(const json& body, std::string_view body_text,
+                                  engine::StructuredOutput* out) {
+  auto ordered_dump = [&](std::initializer_list<const char*> path) {
+    ojson node = ojson::parse(body_text, nullptr, false);
+    for (const char* key : path) node = ojson(node.at(key));
+    return node.dump();
+  };
+  using Kind = engine::StructuredOutput::Kind;
+  std::vector<std::string> named;
+  for (const char* field :
+       {"response_format", "guided_json", "guided_regex", "guided_choice"}) {
+    auto it = body.find(field);
+    if (it != body.end() && !it->is_null()) named.push_back(field);
+  }
+  if (named.empty()) return absl::OkStatus();
+  if (named.size() > 1) {
+    return FieldError(named[1],
+                      absl::StrCat("cannot be combined with ", named[0],
+                                   " (one format per "
+                                   "request)"));
+  }
+  const std::string& field = named[0];
+  const json& value = body.at(field);
+  if (field == "response_format") {
+    if (!value.is_object() || !value.contains("type") ||
+        !value["type"].is_string()) {
+      return FieldError(field, "must be an object with a string \"type\"");
+    }
+    const std::string type = value["type"];
+    if (type == "text") return absl::OkStatus();
+    if (type == "json_object") {
+      out->kind = Kind::kJsonObject;
+      return absl::OkStatus();
+    }
+    if (type != "json_schema") {
+      return FieldError(field, absl::StrCat("type \"", type,
+                                            "\" is not one of text, "
+                                            "json_object, json_schema"));
+    }
+    auto spec = value.find("json_schema");
+    if (spec == value.end() || !spec->is_object()) {
+      return FieldError(field,
+                        "json_schema must be an object holding \"schema\"");
+    }
+    auto schema = spec->find("schema");
+    if (schema == spec->end() ||
+        !(schema->is_object() || schema->is_boolean())) {
+      return FieldError(field, "json_schema.schema must be a JSON schema");
+    }
+    out->kind = Kind::kJsonSchema;
+    out->text = ordered_dump({"response_format", "json_schema", "schema"});
+    return absl::OkStatus();
+  }
+  if (field == "guided_json") {
+    if (value.is_string()) {
+      out->text = value.get<std::string>();
+    } else if (value.is_object() || value.is_boolean()) {
+      out->text = ordered_dump({"guided_json"});
+    } else {
+      return FieldError(field, "must be a JSON schema (an object or a string)");
+    }
+    out->kind = Kind::kJsonSchema;
+    return absl::OkStatus();
+  }
+  if (field == "guided_regex") {
+    if (!value.is_string()) return FieldError(field, "must be a string");
+    out->kind = Kind::kRegex;
+    out->text = value.get<std::string>();
+    return absl::OkStatus();
+  }
+  if (!value.is_array() || value.empty()) {
+    return FieldError(field, "must be a non-empty array of strings");
+  }
+  for (const json& c : value) {
+    if (!c.is_string()) return FieldError(field, "must hold strings");
+    out->choices.push_back(c.get<std::string>());
+  }
+  out->kind = Kind::kChoice;
   return absl::OkStatus();
 }
 
@@ -900,6 +992,30 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
   }
   if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
     return s;
+  }
+  if (absl::Status s = ReadStructuredOutput(body, body_text,
+                                            &gen.sampling.structured_output);
+      !s.ok()) {
+    return s;
+  }
+  if (gen.sampling.structured_output.enabled()) {
+    // A completed grammar allows only EOS: running past it, or holding EOS
+    // back, would leave no token to sample.
+    if (gen.ignore_eos) {
+      return FieldError("ignore_eos",
+                        "cannot be combined with structured "
+                        "output (the grammar ends the output)");
+    }
+    if (gen.sampling.min_tokens > 0) {
+      return FieldError("min_tokens",
+                        "cannot be combined with structured "
+                        "output (the grammar ends the output)");
+    }
+    if (request.tool_format != ToolCallFormat::kNone) {
+      return FieldError("tools",
+                        "cannot be combined with structured output "
+                        "(tool calls have their own format)");
+    }
   }
   if (request.stream && request.best_of > request.n) {
     // Which candidates win is known only once all have finished.

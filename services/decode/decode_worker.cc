@@ -17,6 +17,7 @@
 #include "decode/step_planner.h"
 #include "engine/engine_backend.h"
 #include "engine/llama_engine.h"
+#include "grammar/structured_output.h"
 #include "kv/sequence_blocks.h"
 #include "speculative/adaptive_gamma.h"
 #include "speculative/draft_proposer.h"
@@ -169,13 +170,16 @@ struct DecodeWorker::Impl {
         tok(t),
         options(o),
         config(w.config()),
-        end_tokens(config.EndTokenIds()) {}
+        end_tokens(config.EndTokenIds()),
+        structured_output(t, end_tokens) {}
 
   const model::WeightSource& weights;
   const tokenizer::Tokenizer* tok;  // may be null: no text
   const DecodeWorkerOptions options;
   const model::ModelConfig config;
   const std::vector<int32_t> end_tokens;  // held back before min_tokens
+  // Compiles each structured-output spec once against the tokenizer.
+  grammar::StructuredOutputCompiler structured_output;
   std::unique_ptr<comm::InProcessGroup> group;
   // How the TP ranks reduce: "none" (tp 1), "host" or "nccl".
   std::string tp_communicator = "none";
@@ -207,6 +211,14 @@ struct DecodeWorker::Impl {
   void Shutdown();
   void RankLoop(int r);
   void SchedulerLoop();
+  // The request's structured-output matcher (null without one).
+  absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> NewConstraint(
+      const RequestParams& params) {
+    if (!params.sampling.structured_output.enabled()) {
+      return std::unique_ptr<engine::TokenConstraint>();
+    }
+    return structured_output.NewConstraint(params.sampling.structured_output);
+  }
   std::unique_ptr<Request> NewRequest(uint64_t id, std::vector<int32_t> prompt,
                                       const RequestParams& params,
                                       StreamCallback callback);
@@ -668,7 +680,8 @@ void DecodeWorker::Impl::ApplyPlanned(Planned& p, StepContext& step,
         speculative::VerifyDraft(rows_logits, vocab, p.drafts, p.draft_probs,
                                  r->params.sampling, r->generated, step.verify,
                                  {history.first(r->prompt_len),
-                                  history.subspan(r->prompt_len), end_tokens});
+                                  history.subspan(r->prompt_len), end_tokens},
+                                 r->constraint.get());
   }
   *row += rows;
   if (!outcome.ok()) {
@@ -721,6 +734,15 @@ bool DecodeWorker::Impl::AppendTokens(
   for (const auto& s : r->params.stop) max_stop = std::max(max_stop, s.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int32_t t = tokens[i];
+    if (r->constraint != nullptr) {
+      // Sampling was masked by this same state, so this fails only for a
+      // first token a prefill group sampled against another grammar.
+      if (absl::Status s = r->constraint->Accept(t); !s.ok()) {
+        Finish(r, FinishReason::kError, s, std::move(delta.tokens),
+               std::move(delta.logprobs), std::move(delta.prompt_logprobs));
+        return true;
+      }
+    }
     r->history.push_back(t);
     ++r->generated;
     delta.tokens.push_back(t);
@@ -876,6 +898,9 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
   Impl& m = *impl_;
   PDS_RETURN_IF_ERROR(
       ValidateRequest(prompt, params, m.config, m.options, m.tok != nullptr));
+  absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> constraint =
+      m.NewConstraint(params);
+  if (!constraint.ok()) return constraint.status();
   if (params.prompt_logprobs) {
     return absl::InvalidArgumentError(
         "prompt logprobs of a remotely prefilled request come from its "
@@ -902,6 +927,7 @@ absl::StatusOr<AdmitResult> DecodeWorker::Admit(uint64_t request_id,
   result.cached_tokens = start.cached_tokens;
   auto r =
       m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
+  r->constraint = *std::move(constraint);
   r->AwaitRemoteKv(std::move(start.sequence), start.cached_tokens);
   r->phase = Phase::kAwaitingKv;
   r->lease_deadline = absl::Now() + m.options.kv_lease;
@@ -951,8 +977,12 @@ absl::Status DecodeWorker::Submit(uint64_t request_id,
   Impl& m = *impl_;
   PDS_RETURN_IF_ERROR(
       ValidateRequest(prompt, params, m.config, m.options, m.tok != nullptr));
+  absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> constraint =
+      m.NewConstraint(params);
+  if (!constraint.ok()) return constraint.status();
   auto r =
       m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
+  r->constraint = *std::move(constraint);
   absl::MutexLock lock(&m.mu);
   if (m.stop) return absl::UnavailableError("decode worker shutting down");
   if (!m.ids.try_emplace(request_id, Impl::IdState::kActive).second)

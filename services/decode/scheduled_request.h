@@ -46,6 +46,9 @@ struct ScheduledRequest {
   // complete at prompt_len - 1 entries, handed to the first delta.
   std::vector<engine::TokenLogprobs> prompt_scores;
   bool prompt_scores_sent = false;
+  // Structured output: the grammar's state after the generated tokens (null
+  // without). Every emitted token is Accepted; verification masks by it.
+  std::unique_ptr<engine::TokenConstraint> constraint;
 
   bool scoring() const {
     return params.prompt_logprobs && !prompt_scores_sent &&

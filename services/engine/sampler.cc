@@ -245,4 +245,38 @@ SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
   return out;
 }
 
+absl::StatusOr<SampledToken> SampleWithConstraint(
+    std::span<const float> logits, const SamplingParams& params, uint64_t index,
+    int top_logprobs, const SamplingHistory& history,
+    TokenConstraint* constraint) {
+  if (constraint == nullptr) {
+    return Sample(logits, params, index, top_logprobs, history);
+  }
+  std::vector<float> processed(logits.begin(), logits.end());
+  ApplyLogitProcessors(processed, params, history, index);
+  if (absl::Status s = constraint->MaskLogits(processed); !s.ok()) return s;
+  const bool any = std::any_of(processed.begin(), processed.end(), [](float l) {
+    return l != -std::numeric_limits<float>::infinity();
+  });
+  if (!any) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "structured output: no token is allowed at output position ", index,
+        " (the grammar and the logit processors exclude every token)"));
+  }
+  SampledToken out;
+  if (params.greedy()) {
+    out.token = ArgMax(processed);
+  } else {
+    std::vector<float> probs;
+    SamplingDistribution(processed, params, &probs);
+    out.token =
+        DrawFromDistribution(probs, UniformForRequest(params.seed, index));
+  }
+  TokenLogprobs logprobs =
+      ComputeTokenLogprobs(logits, out.token, top_logprobs);
+  out.logprob = logprobs.logprob;
+  out.top = std::move(logprobs.top);
+  return out;
+}
+
 }  // namespace pdserve::engine

@@ -21,9 +21,24 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "engine/sampling_params.h"
 
 namespace pdserve::engine {
+
+// A request's structured-output state (services/grammar's matcher behind it):
+// which tokens may come next, advanced token by token and rewound when a
+// speculative verify backs out of drafts.
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  // Sets every token the constraint forbids now to -infinity.
+  [[nodiscard]] virtual absl::Status MaskLogits(std::span<float> logits) = 0;
+  // Advances by `token` (INVALID_ARGUMENT if it is forbidden).
+  [[nodiscard]] virtual absl::Status Accept(int32_t token) = 0;
+  // Undoes the last `count` Accepts.
+  [[nodiscard]] virtual absl::Status Rollback(int count) = 0;
+};
 
 // The request's tokens the logit processors read. Spans must outlive the call.
 struct SamplingHistory {
@@ -107,6 +122,16 @@ int32_t DrawToken(std::span<const float> logits, const SamplingParams& params,
 SampledToken Sample(std::span<const float> logits, const SamplingParams& params,
                     uint64_t index, int top_logprobs = 0,
                     const SamplingHistory& history = {});
+
+// Sample with a structured-output constraint (null: plain Sample): the
+// processors, then the constraint's mask, then temperature / min-p / top-k /
+// top-p over what is left. Log-probabilities stay those of the raw logits.
+// FAILED_PRECONDITION when no token is allowed; the constraint's own errors.
+// The constraint is not advanced (the caller Accepts the token it keeps).
+[[nodiscard]] absl::StatusOr<SampledToken> SampleWithConstraint(
+    std::span<const float> logits, const SamplingParams& params, uint64_t index,
+    int top_logprobs, const SamplingHistory& history,
+    TokenConstraint* constraint);
 
 // Arg-max, lowest id on ties.
 int32_t ArgMax(std::span<const float> logits);

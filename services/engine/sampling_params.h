@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,6 +23,24 @@ inline constexpr float kMaxAbsPenalty = 2.0f;  // presence, frequency
 inline constexpr float kMaxRepetitionPenalty = 10.0f;
 inline constexpr float kMaxAbsLogitBias = 100.0f;
 inline constexpr int kMaxLogitBiasEntries = 1024;
+
+// Structured output: what the whole output must be (services/grammar compiles
+// it against the model's vocabulary; the sampler masks every token that would
+// leave the language). Plain data so every layer can carry it.
+struct StructuredOutput {
+  enum class Kind {
+    kNone,
+    kJsonObject,  // any JSON object (OpenAI response_format json_object)
+    kJsonSchema,  // `text` is a JSON schema (json_schema, guided_json)
+    kRegex,       // `text` is a regular expression (guided_regex)
+    kChoice,      // exactly one of `choices` (guided_choice)
+  };
+  Kind kind = Kind::kNone;
+  std::string text;
+  std::vector<std::string> choices;
+  bool enabled() const { return kind != Kind::kNone; }
+  bool operator==(const StructuredOutput&) const = default;
+};
 
 struct SamplingParams {
   float temperature = 0.0f;  // 0 = greedy
@@ -46,13 +65,17 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;
   int32_t min_tokens = 0;
   std::vector<LogitBias> logit_bias;  // sorted by token, no repeats
+  // Applied last, after the processors above, by whoever samples through a
+  // TokenConstraint (engine/sampler.h).
+  StructuredOutput structured_output;
 
   bool greedy() const { return temperature <= 0.0f || top_k == 1; }
   // Whether any logit processor is on (then the arg-max of the raw logits is
   // not the greedy choice, and the distribution depends on the history).
   bool processes_logits() const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f ||
-           repetition_penalty != 1.0f || min_tokens > 0 || !logit_bias.empty();
+           repetition_penalty != 1.0f || min_tokens > 0 ||
+           !logit_bias.empty() || structured_output.enabled();
   }
   // INVALID_ARGUMENT naming the field: temperature < 0 or not finite,
   // top_k < 0, top_p outside (0, 1], min_p outside [0, 1], a penalty outside

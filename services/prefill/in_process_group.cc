@@ -56,6 +56,7 @@ InProcessPrefillGroup::Create(const model::WeightSource& weights,
                    options.scheduler.chunk_policy.chunk_tokens);
     }
     stage_options.kv_dtype = options.kv_dtype;
+    stage_options.structured_output = options.structured_output;
     StageSender* out =
         i + 1 < num_stages ? group->links_[i + 1].get() : nullptr;
     PDS_ASSIGN_OR_RETURN(

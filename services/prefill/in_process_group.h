@@ -26,6 +26,8 @@ struct PrefillGroupOptions {
   engine::Backend backend = engine::Backend::kCpu;
   engine::CudaOptions cuda;
   std::optional<kv::KvDType> kv_dtype;  // unset = the backend's own
+  // The last stage's structured-output grammars (not owned; may be null).
+  grammar::StructuredOutputCompiler* structured_output = nullptr;
   // Optional: the KV output of stage i, made once its pool exists (overrides
   // the `kv_out` given to Create). The outputs are not owned.
   std::function<absl::StatusOr<StageKvOutput*>(int stage, kv::KvPool* pool)>

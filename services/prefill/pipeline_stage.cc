@@ -223,9 +223,33 @@ void PipelineStage::Process(StageMessage message) {
       // Output index 0: the same counter-based draw the decode worker would
       // use for this request's first token.
       const std::vector<int32_t> end_tokens = engine_->config().EndTokenIds();
-      token.token =
-          engine::Sample(logits, chunk.sampling, 0, chunk.top_logprobs,
-                         {chunk.penalized_prompt_tokens, {}, end_tokens});
+      const engine::SamplingHistory history{
+          chunk.penalized_prompt_tokens, {}, end_tokens};
+      std::unique_ptr<engine::TokenConstraint> constraint;
+      if (chunk.sampling.structured_output.enabled()) {
+        absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> made =
+            options_.structured_output != nullptr
+                ? options_.structured_output->NewConstraint(
+                      chunk.sampling.structured_output)
+                : absl::FailedPreconditionError(
+                      "structured output: this prefill stage has no "
+                      "tokenizer to compile the grammar against");
+        if (!made.ok()) {
+          token.status = made.status();
+          events_->Report(std::move(token));
+          continue;
+        }
+        constraint = *std::move(made);
+      }
+      absl::StatusOr<engine::SampledToken> sampled =
+          engine::SampleWithConstraint(logits, chunk.sampling, 0,
+                                       chunk.top_logprobs, history,
+                                       constraint.get());
+      if (sampled.ok()) {
+        token.token = *std::move(sampled);
+      } else {
+        token.status = sampled.status();
+      }
       events_->Report(std::move(token));
     }
   }

@@ -35,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/llama_engine.h"
+#include "grammar/structured_output.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
 #include "prefill/kv_output.h"
@@ -67,6 +68,10 @@ struct PipelineStageOptions {
   engine::CudaOptions cuda;
   // KV element type (EngineOptions::kv_dtype); unset = the backend's own.
   std::optional<kv::KvDType> kv_dtype;
+  // The last stage samples each request's first token: with structured
+  // output through a grammar compiled here (null: such requests fail with
+  // FAILED_PRECONDITION). Not owned; outlives the stage.
+  grammar::StructuredOutputCompiler* structured_output = nullptr;
 };
 
 // Counters for metrics (names settled by the observability issue).

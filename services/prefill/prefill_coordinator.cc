@@ -405,6 +405,11 @@ void PrefillCoordinator::Handle(const StageEvent& event) {
     case StageEvent::Kind::kFirstToken: {
       auto it = requests_.find(event.request_id);
       if (it == requests_.end()) return;
+      if (!event.status.ok()) {
+        // The first token could not be sampled (structured output's grammar).
+        Fail(event.request_id, event.status);
+        return;
+      }
       it->second->first_token_received = true;
       it->second->first_token = event.token;
       MaybeFinish(event.request_id);

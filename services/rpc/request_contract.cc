@@ -84,6 +84,28 @@ Sampling SamplingFromWire(const v1::SamplingParams& wire,
   for (const auto& [token, bias] : wire.logit_bias()) {
     s.logit_bias.push_back({token, bias});
   }
+  using Kind = engine::StructuredOutput::Kind;
+  const v1::StructuredOutput& so = wire.structured_output();
+  switch (so.kind_case()) {
+    case v1::StructuredOutput::kJsonObject:
+      s.structured_output.kind = Kind::kJsonObject;
+      break;
+    case v1::StructuredOutput::kJsonSchema:
+      s.structured_output.kind = Kind::kJsonSchema;
+      s.structured_output.text = so.json_schema();
+      break;
+    case v1::StructuredOutput::kRegex:
+      s.structured_output.kind = Kind::kRegex;
+      s.structured_output.text = so.regex();
+      break;
+    case v1::StructuredOutput::kChoice:
+      s.structured_output.kind = Kind::kChoice;
+      s.structured_output.choices.assign(so.choice().choices().begin(),
+                                         so.choice().choices().end());
+      break;
+    case v1::StructuredOutput::KIND_NOT_SET:
+      break;
+  }
   // A proto map has no order; the engine wants tokens sorted.
   std::sort(s.logit_bias.begin(), s.logit_bias.end(),
             [](const engine::LogitBias& a, const engine::LogitBias& b) {
@@ -104,6 +126,26 @@ void SamplingToWire(const Sampling& s, v1::SamplingParams* wire) {
   wire->set_min_tokens(s.min_tokens);
   for (const engine::LogitBias& b : s.logit_bias) {
     (*wire->mutable_logit_bias())[b.token] = b.bias;
+  }
+  using Kind = engine::StructuredOutput::Kind;
+  const engine::StructuredOutput& so = s.structured_output;
+  switch (so.kind) {
+    case Kind::kJsonObject:
+      wire->mutable_structured_output()->mutable_json_object();
+      break;
+    case Kind::kJsonSchema:
+      wire->mutable_structured_output()->set_json_schema(so.text);
+      break;
+    case Kind::kRegex:
+      wire->mutable_structured_output()->set_regex(so.text);
+      break;
+    case Kind::kChoice:
+      for (const std::string& c : so.choices) {
+        wire->mutable_structured_output()->mutable_choice()->add_choices(c);
+      }
+      break;
+    case Kind::kNone:
+      break;
   }
 }
 

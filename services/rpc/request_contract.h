@@ -42,6 +42,7 @@ struct Sampling {
   float repetition_penalty = 1.0f;
   int32_t min_tokens = 0;
   std::vector<engine::LogitBias> logit_bias;  // sorted by token, unique
+  engine::StructuredOutput structured_output;
 };
 
 // INVALID_ARGUMENT "sampling: <field> ...": temperature outside [0,
@@ -80,6 +81,7 @@ inline engine::SamplingParams ToEngine(const Sampling& s) {
   out.repetition_penalty = s.repetition_penalty;
   out.min_tokens = s.min_tokens;
   out.logit_bias = s.logit_bias;
+  out.structured_output = s.structured_output;
   return out;
 }
 

@@ -44,13 +44,19 @@ struct VerifyOptions {
 // `history` is the request's before the first draft (its output holds the
 // first_output_index generated tokens); row i's logit processors see that
 // output followed by drafts 1..i, as they would have without speculation.
+// With a `constraint` (structured output) every row is masked by it, row i
+// in the state after drafts 1..i, after the logit processors: a draft the
+// grammar forbids has p = 0 and is rejected, and the output distribution is
+// the masked target's. The constraint is left as it was (the caller Accepts
+// the emitted tokens); a row with no allowed token is FAILED_PRECONDITION.
 // INVALID_ARGUMENT on inconsistent sizes or a draft token outside the vocab.
 [[nodiscard]] absl::StatusOr<VerifyOutcome> VerifyDraft(
     std::span<const float> logits, int vocab, std::span<const int32_t> draft,
     std::span<const std::vector<float>> draft_probs,
     const engine::SamplingParams& params, uint64_t first_output_index,
     const VerifyOptions& options = {},
-    const engine::SamplingHistory& history = {});
+    const engine::SamplingHistory& history = {},
+    engine::TokenConstraint* constraint = nullptr);
 
 // The greedy case of VerifyDraft from each row's argmax alone (what a GPU
 // engine returns without copying logits): drafts are accepted while they

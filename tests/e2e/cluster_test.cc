@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -291,6 +292,77 @@ void ExpectPenalizedGreedyMatchesTheEngine(const std::string& grpc_address,
   HttpReply reply = HttpPost(http_address, "/v1/completions", body.dump());
   ASSERT_EQ(reply.status, 200) << reply.body;
   EXPECT_EQ(json::parse(reply.body)["choices"][0]["text"], g.text);
+}
+
+// Structured output through the layout (the first token sampled under the
+// grammar on the last prefill stage, the rest on the decode worker, drafts
+// masked): OpenAI json_schema, vLLM guided_choice and guided_regex over HTTP,
+// a JSON schema over gRPC; every output is in its language. A schema the
+// grammar cannot compile is a 400 naming the keyword.
+void ExpectStructuredOutputIsInTheLanguage(const std::string& grpc_address,
+                                           const std::string& http_address) {
+  const json schema = json::parse(R"({"type": "object",
+      "properties": {"name": {"type": "string", "maxLength": 10},
+                     "friends": {"type": "array", "maxItems": 3,
+                                 "items": {"enum": ["Tim", "Lily", "Sue"]}},
+                     "happy": {"type": "boolean"}},
+      "required": ["name", "friends", "happy"], "additionalProperties": false})");
+  for (double temperature : {0.0, 1.0}) {
+    const json body = {
+        {"prompt", "Once upon a time"},
+        {"max_tokens", 450},
+        {"temperature", temperature},
+        {"seed", 5},
+        {"n", 2},
+        {"response_format",
+         {{"type", "json_schema"},
+          {"json_schema", {{"name", "kid"}, {"schema", schema}}}}}};
+    HttpReply reply = HttpPost(http_address, "/v1/completions", body.dump());
+    ASSERT_EQ(reply.status, 200) << reply.body;
+    for (const json& choice : json::parse(reply.body)["choices"]) {
+      const std::string text = choice["text"];
+      EXPECT_EQ(choice["finish_reason"], "stop") << text;
+      const json parsed = json::parse(text, nullptr, false);
+      ASSERT_FALSE(parsed.is_discarded()) << text;
+      EXPECT_TRUE(parsed["name"].is_string()) << text;
+      EXPECT_TRUE(parsed["friends"].is_array() && parsed["friends"].size() <= 3)
+          << text;
+      EXPECT_TRUE(parsed["happy"].is_boolean()) << text;
+      EXPECT_EQ(parsed.size(), 3u) << text;
+    }
+  }
+  const json choice_body = {{"prompt", "Lily was"},
+                            {"max_tokens", 20},
+                            {"temperature", 1.0},
+                            {"guided_choice", {"happy", "sad", "very tired"}}};
+  HttpReply reply =
+      HttpPost(http_address, "/v1/completions", choice_body.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const std::string picked = json::parse(reply.body)["choices"][0]["text"];
+  EXPECT_TRUE(picked == "happy" || picked == "sad" || picked == "very tired")
+      << picked;
+  const json regex_body = {{"prompt", "Tim is"},
+                           {"max_tokens", 20},
+                           {"guided_regex", "[0-9]{1,2} years old"}};
+  reply = HttpPost(http_address, "/v1/completions", regex_body.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const std::string age = json::parse(reply.body)["choices"][0]["text"];
+  EXPECT_TRUE(std::regex_match(age, std::regex("[0-9]{1,2} years old"))) << age;
+  v1::GenerateRequest r = TextRequest("Once upon a time", 450);
+  r.mutable_sampling()->mutable_structured_output()->set_json_schema(
+      R"({"type": "object", "properties": {"age": {"type": "integer"}},
+          "required": ["age"], "additionalProperties": false})");
+  Generated g = GrpcGenerate(grpc_address, r);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  const json object = json::parse(g.text, nullptr, false);
+  EXPECT_TRUE(object.is_object() && object["age"].is_number_integer())
+      << g.text;
+  const json bad = {
+      {"prompt", "Hi"},
+      {"guided_json", {{"type", "object"}, {"minProperties", 1}}}};
+  reply = HttpPost(http_address, "/v1/completions", bad.dump());
+  EXPECT_EQ(reply.status, 400) << reply.body;
+  EXPECT_NE(reply.body.find("minProperties"), std::string::npos) << reply.body;
 }
 
 void ExpectLogprobsMatchTheEngine(const std::string& grpc_address,
@@ -605,6 +677,8 @@ TEST_P(LayoutTest, GoldenTokensAndTextThroughGrpcAndHttp) {
     ExpectPenalizedGreedyMatchesTheEngine(
         cluster->grpc_address(), cluster->http_address(), AllGoldens()[1]);
   }
+  ExpectStructuredOutputIsInTheLanguage(cluster->grpc_address(),
+                                        cluster->http_address());
   ExpectLogprobsMatchTheEngine(cluster->grpc_address(), cluster->http_address(),
                                AllGoldens().back(),
                                layout.kv_dtype == "bf16" ? 2e-2f : 1e-3f,

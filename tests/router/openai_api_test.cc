@@ -207,6 +207,27 @@ INSTANTIATE_TEST_SUITE_P(
                 R"({"prompt": "a", "logit_bias": {"dog": 5}})", "logit_bias"},
         BadCase{"logit_bias_value", kC,
                 R"({"prompt": "a", "logit_bias": {"5": 101}})", "logit_bias"},
+        BadCase{"two_formats", kC,
+                R"({"prompt": "a", "guided_regex": "a+",
+                    "response_format": {"type": "json_object"}})",
+                "guided_regex"},
+        BadCase{"format_type", kC,
+                R"({"prompt": "a", "response_format": {"type": "yaml"}})",
+                "response_format"},
+        BadCase{"format_schema_missing", kC,
+                R"({"prompt": "a", "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "x"}}})",
+                "response_format"},
+        BadCase{"guided_choice_empty", kC,
+                R"({"prompt": "a", "guided_choice": []})", "guided_choice"},
+        BadCase{"guided_regex_number", kC,
+                R"({"prompt": "a", "guided_regex": 5})", "guided_regex"},
+        BadCase{"format_ignore_eos", kC,
+                R"({"prompt": "a", "guided_regex": "a+", "ignore_eos": true})",
+                "ignore_eos"},
+        BadCase{"format_min_tokens", kC,
+                R"({"prompt": "a", "guided_regex": "a+", "min_tokens": 2})",
+                "min_tokens"},
         BadCase{"logit_bias_array", kC, R"({"prompt": "a", "logit_bias": [5]})",
                 "logit_bias"},
         BadCase{"stream_string", kC, R"({"prompt": "a", "stream": "yes"})",
@@ -288,11 +309,11 @@ TEST(OpenAiApiTest, EveryKnownFieldIsHonouredOrRefusedByName) {
       {"prompt_logprobs", "1", false},
       {"allowed_token_ids", "[1, 2]", false},
       {"bad_words", R"(["x"])", false},
-      {"guided_json", R"({"type": "object"})", false},
-      {"guided_regex", R"("a+")", false},
-      {"guided_choice", R"(["a", "b"])", false},
+      {"guided_json", R"({"type": "object"})", true},
+      {"guided_regex", R"("a+")", true},
+      {"guided_choice", R"(["a", "b"])", true},
       {"guided_grammar", R"("root ::= [a-z]+")", false},
-      {"response_format", R"({"type": "json_object"})", false},
+      {"response_format", R"({"type": "json_object"})", true},
       {"priority", "1", false},
       {"metadata", R"({"k": "v"})", false},
       {"store", "true", false},
@@ -362,6 +383,36 @@ TEST(OpenAiApiTest, SamplingControlsReachTheRequest) {
             (std::vector<engine::LogitBias>{{3, 2.5f}, {12, -100.0f}}));
   EXPECT_EQ(r->n, 2);
   EXPECT_EQ(r->best_of, 5);
+  EXPECT_FALSE(s.structured_output.enabled());
+  // Structured output as OpenAI and vLLM spell it.
+  using Kind = engine::StructuredOutput::Kind;
+  auto format = [](const std::string& field) {
+    absl::StatusOr<OpenAiRequest> f = ParseOpenAiRequest(
+        OpenAiEndpoint::kChatCompletions,
+        absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                     field, "}"));
+    EXPECT_TRUE(f.ok()) << f.status();
+    return f.ok() ? f->generation.sampling.structured_output
+                  : engine::StructuredOutput{};
+  };
+  EXPECT_EQ(format(R"("response_format": {"type": "json_object"})").kind,
+            Kind::kJsonObject);
+  EXPECT_FALSE(format(R"("response_format": {"type": "text"})").enabled());
+  engine::StructuredOutput schema = format(
+      R"("response_format": {"type": "json_schema", "json_schema":
+          {"name": "p", "strict": true, "schema": {"type": "object"}}})");
+  EXPECT_EQ(schema.kind, Kind::kJsonSchema);
+  EXPECT_EQ(json::parse(schema.text), json::parse(R"({"type": "object"})"));
+  // Properties keep the order the client wrote (they are produced in it).
+  EXPECT_EQ(
+      format(R"("guided_json": {"properties": {"zeta": {}, "alpha": {}}})")
+          .text,
+      R"({"properties":{"zeta":{},"alpha":{}}})");
+  EXPECT_EQ(format(R"("guided_json": "{\"type\": \"integer\"}")").text,
+            R"({"type": "integer"})");
+  EXPECT_EQ(format(R"("guided_regex": "[ab]+")").kind, Kind::kRegex);
+  EXPECT_EQ(format(R"("guided_choice": ["x", "y"])").choices,
+            (std::vector<std::string>{"x", "y"}));
   absl::StatusOr<OpenAiRequest> plain = Completion(R"({"prompt": "a"})");
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ(plain->best_of, 1);
