@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <ctime>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -14,6 +15,12 @@ uint64_t SplitMix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
+}
+
+double ThreadCpuMicros() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
 }  // namespace
@@ -35,9 +42,11 @@ absl::StatusOr<GenerationResult> GenerateRandom(
   std::vector<int32_t> allowed;
   std::vector<double> cumulative;
   for (int step = 0; step < options.max_tokens; ++step) {
+    const double cpu0 = ThreadCpuMicros();
     const auto t0 = std::chrono::steady_clock::now();
     PDS_RETURN_IF_ERROR(matcher.FillNextTokenBitmask(mask));
     const auto t1 = std::chrono::steady_clock::now();
+    result.mask_cpu_micros.push_back(ThreadCpuMicros() - cpu0);
     result.mask_micros.push_back(
         std::chrono::duration<double, std::micro>(t1 - t0).count());
     allowed.clear();
