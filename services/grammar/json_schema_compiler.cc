@@ -21,9 +21,9 @@ using Json = nlohmann::ordered_json;
 // Keywords that only annotate: they never change which values validate.
 bool IsAnnotation(const std::string& key) {
   static const std::set<std::string> kAnnotations = {
-      "title",    "description", "$schema",  "$id",       "$comment",
-      "default",  "examples",    "deprecated", "readOnly", "writeOnly",
-      "$defs",    "definitions", "strict"};
+      "title",   "description", "$schema",    "$id",      "$comment",
+      "default", "examples",    "deprecated", "readOnly", "writeOnly",
+      "$defs",   "definitions", "strict"};
   return kAnnotations.contains(key);
 }
 
@@ -61,8 +61,8 @@ class JsonSchemaCompiler {
   absl::StatusOr<int32_t> CompileSchema(std::string_view text) {
     if (static_cast<int64_t>(text.size()) > options_.max_schema_bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("JSON schema is ", text.size(),
-                       " bytes; the limit is ", options_.max_schema_bytes));
+          absl::StrCat("JSON schema is ", text.size(), " bytes; the limit is ",
+                       options_.max_schema_bytes));
     }
     // nlohmann's parser recurses; bound the nesting before anything walks it.
     int depth = 0, max_depth = 0;
@@ -159,8 +159,8 @@ class JsonSchemaCompiler {
       Symbol digits = b_.Repeat(b_.ByteRange('0', '9'), 0, 15);
       Symbol magnitude = Symbol{
           true, b_.Choice({{b_.Byte('0')}, {b_.ByteRange('1', '9'), digits}})};
-      b_.AddAlternative(integer_rule_, {b_.Repeat(b_.Byte('-'), 0, 1),
-                                        magnitude});
+      b_.AddAlternative(integer_rule_,
+                        {b_.Repeat(b_.Byte('-'), 0, 1), magnitude});
     }
     return GrammarBuilder::Ref(integer_rule_);
   }
@@ -187,16 +187,16 @@ class JsonSchemaCompiler {
     any_object_rule_ = b_.NewRule();
     const Symbol member = b_.Wrap({String(0, -1), ws_, Lit(":"), ws_, v});
     b_.AddAlternative(any_object_rule_, {Lit("{"), ws_, Lit("}")});
-    b_.AddAlternative(
-        any_object_rule_,
-        {Lit("{"), ws_, member,
-         b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, member}), 0, -1), ws_,
-         Lit("}")});
+    b_.AddAlternative(any_object_rule_,
+                      {Lit("{"), ws_, member,
+                       b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, member}), 0, -1),
+                       ws_, Lit("}")});
     const int32_t array = b_.NewRule();
     b_.AddAlternative(array, {Lit("["), ws_, Lit("]")});
-    b_.AddAlternative(array, {Lit("["), ws_, v,
-                              b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, v}), 0, -1),
-                              ws_, Lit("]")});
+    b_.AddAlternative(
+        array,
+        {Lit("["), ws_, v, b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, v}), 0, -1),
+         ws_, Lit("]")});
     for (Symbol s :
          {GrammarBuilder::Ref(any_object_rule_), GrammarBuilder::Ref(array),
           String(0, -1), Number(), Lit("true"), Lit("false"), Lit("null")}) {
@@ -232,15 +232,37 @@ class JsonSchemaCompiler {
     if (schema.contains("$ref")) return Ref(schema, path, depth);
     ref_chain_.clear();  // content follows: a $ref cycle through here is fine
 
-    for (const char* unsupported :
-         {"oneOf", "not", "if", "then", "else", "dependentSchemas",
-          "dependentRequired", "patternProperties", "propertyNames",
-          "minProperties", "maxProperties", "unevaluatedProperties",
-          "unevaluatedItems", "prefixItems", "contains", "minContains",
-          "maxContains", "minimum", "maximum", "exclusiveMinimum",
-          "exclusiveMaximum", "multipleOf", "format", "contentEncoding",
-          "contentMediaType", "$anchor", "$dynamicRef", "$dynamicAnchor",
-          "$recursiveRef", "additionalItems", "dependencies"}) {
+    for (const char* unsupported : {"oneOf",
+                                    "not",
+                                    "if",
+                                    "then",
+                                    "else",
+                                    "dependentSchemas",
+                                    "dependentRequired",
+                                    "patternProperties",
+                                    "propertyNames",
+                                    "minProperties",
+                                    "maxProperties",
+                                    "unevaluatedProperties",
+                                    "unevaluatedItems",
+                                    "prefixItems",
+                                    "contains",
+                                    "minContains",
+                                    "maxContains",
+                                    "minimum",
+                                    "maximum",
+                                    "exclusiveMinimum",
+                                    "exclusiveMaximum",
+                                    "multipleOf",
+                                    "format",
+                                    "contentEncoding",
+                                    "contentMediaType",
+                                    "$anchor",
+                                    "$dynamicRef",
+                                    "$dynamicAnchor",
+                                    "$recursiveRef",
+                                    "additionalItems",
+                                    "dependencies"}) {
       if (schema.contains(unsupported)) return Unsupported(unsupported, path);
     }
     if (schema.contains("uniqueItems") &&
@@ -297,11 +319,16 @@ class JsonSchemaCompiler {
     }
     // Every keyword left must belong to one of the types.
     static const std::map<std::string, std::string> kKeywordType = {
-        {"properties", "object"}, {"required", "object"},
-        {"additionalProperties", "object"}, {"items", "array"},
-        {"minItems", "array"},    {"maxItems", "array"},
-        {"uniqueItems", "array"}, {"pattern", "string"},
-        {"minLength", "string"},  {"maxLength", "string"},
+        {"properties", "object"},
+        {"required", "object"},
+        {"additionalProperties", "object"},
+        {"items", "array"},
+        {"minItems", "array"},
+        {"maxItems", "array"},
+        {"uniqueItems", "array"},
+        {"pattern", "string"},
+        {"minLength", "string"},
+        {"maxLength", "string"},
         {"type", ""}};
     for (const auto& [key, unused] : schema.items()) {
       if (IsAnnotation(key)) continue;
@@ -393,9 +420,9 @@ class JsonSchemaCompiler {
     const int32_t rule = b_.NewRule();
     if (min == 0) b_.AddAlternative(rule, {Lit("["), ws_, Lit("]")});
     if (max != 0) {
-      Symbol more = b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, item}),
-                              std::max<int64_t>(min - 1, 0),
-                              max < 0 ? -1 : max - 1);
+      Symbol more =
+          b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, item}),
+                    std::max<int64_t>(min - 1, 0), max < 0 ? -1 : max - 1);
       b_.AddAlternative(rule, {Lit("["), ws_, item, more, ws_, Lit("]")});
     }
     return GrammarBuilder::Ref(rule);
@@ -420,10 +447,10 @@ class JsonSchemaCompiler {
         }
         if (!has_properties ||
             !schema["properties"].contains(name.get<std::string>())) {
-          return Invalid(ChildPath(path, "required"),
-                         absl::StrCat("required property '",
-                                      name.get<std::string>(),
-                                      "' is not in properties"));
+          return Invalid(
+              ChildPath(path, "required"),
+              absl::StrCat("required property '", name.get<std::string>(),
+                           "' is not in properties"));
         }
         required.insert(name.get<std::string>());
       }
@@ -477,9 +504,8 @@ class JsonSchemaCompiler {
             Symbol value,
             Value(property, ChildPath(properties_path, name), depth + 1));
         const std::string key = Json(name).dump();
-        members.push_back(
-            {b_.Wrap({Lit(key), ws_, Lit(":"), ws_, value}),
-             required.contains(name)});
+        members.push_back({b_.Wrap({Lit(key), ws_, Lit(":"), ws_, value}),
+                           required.contains(name)});
       }
     }
     // first[i]: members i.. when none was written yet; next[i]: after one.
@@ -502,8 +528,7 @@ class JsonSchemaCompiler {
         b_.AddAlternative(first[i], {GrammarBuilder::Ref(first[i + 1])});
       }
     }
-    return b_.Wrap(
-        {Lit("{"), GrammarBuilder::Ref(first[0]), ws_, Lit("}")});
+    return b_.Wrap({Lit("{"), GrammarBuilder::Ref(first[0]), ws_, Lit("}")});
   }
 
   absl::StatusOr<Symbol> AnyOf(const Json& schema, const std::string& path,
@@ -522,8 +547,8 @@ class JsonSchemaCompiler {
     std::vector<Sequence> alternatives;
     for (size_t i = 0; i < branches.size(); ++i) {
       PDS_ASSIGN_OR_RETURN(
-          Symbol s, Value(branches[i],
-                          absl::StrCat(path, ".anyOf[", i, "]"), depth + 1));
+          Symbol s,
+          Value(branches[i], absl::StrCat(path, ".anyOf[", i, "]"), depth + 1));
       alternatives.push_back({s});
     }
     return Symbol{true, b_.Choice(alternatives)};
@@ -581,9 +606,9 @@ class JsonSchemaCompiler {
                              int depth) {
     for (const auto& [key, unused] : schema.items()) {
       if (key != "$ref" && !IsAnnotation(key)) {
-        return Unsupported("$ref", path,
-                           absl::StrCat("not with the sibling keyword '", key,
-                                        "'"));
+        return Unsupported(
+            "$ref", path,
+            absl::StrCat("not with the sibling keyword '", key, "'"));
       }
     }
     const Json& ref = schema["$ref"];

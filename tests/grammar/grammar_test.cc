@@ -2,6 +2,8 @@
 // are exactly those keeping the output a prefix of an accepted string, EOS
 // only at completion, rollback and copies restore earlier states, and the
 // cache shares compiled grammars.
+#include "grammar/grammar.h"
+
 #include <random>
 #include <regex>
 #include <set>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "grammar/grammar.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -120,7 +121,8 @@ TEST(GrammarMatcherTest, RegexPrefixesMatchBruteForce) {
 
 TEST(GrammarMatcherTest, MultiByteTokensAndEosOnlyAtCompletion) {
   ToyVocab v = MakeVocab({"yes", "ye", "no", "nope", "yesno", "s"});
-  auto grammar = CompileOrDie(GrammarSpec::Choice({"yes", "no", "nope"}), v.vocab);
+  auto grammar =
+      CompileOrDie(GrammarSpec::Choice({"yes", "no", "nope"}), v.vocab);
   GrammarMatcher m(grammar);
   const int32_t yes = 256, ye = 257, no = 258, nope = 259, yesno = 260, s = 261;
   std::vector<uint32_t> mask = Mask(m);
@@ -225,10 +227,15 @@ TEST(GrammarMatcherTest, JsonSchemaAcceptsValidAndRefusesInvalid) {
             "v":{"type":"number"},"next":{"anyOf":[{"$ref":"#/$defs/node"},{"type":"null"}]}},
             "required":["v","next"],"additionalProperties":false}},
           "$ref":"#/$defs/node"})",
-       {R"({"v":1,"next":null})", R"({"v":-1.5e3,"next":{"v":0.25,"next":null}})"},
+       {R"({"v":1,"next":null})",
+        R"({"v":-1.5e3,"next":{"v":0.25,"next":null}})"},
        {R"({"v":1})", R"({"v":1,"next":{"v":2}})", R"({"v":.5,"next":null})"}},
-      {R"({"type":["integer","boolean"]})", {"7", "true", "-0"}, {"\"7\"", "1.0", "null"}},
-      {R"({"const":{"k":[1,"x"]}})", {R"({"k":[1,"x"]})"}, {R"({"k":[1]})", "{ \"k\":[1,\"x\"]}"}},
+      {R"({"type":["integer","boolean"]})",
+       {"7", "true", "-0"},
+       {"\"7\"", "1.0", "null"}},
+      {R"({"const":{"k":[1,"x"]}})",
+       {R"({"k":[1,"x"]})"},
+       {R"({"k":[1]})", "{ \"k\":[1,\"x\"]}"}},
   };
   for (const JsonCase& c : cases) {
     SCOPED_TRACE(c.schema);
@@ -251,7 +258,8 @@ TEST(GrammarMatcherTest, JsonObjectModeAndWhitespaceBound) {
   spec.max_json_whitespace = 4;
   auto grammar = CompileOrDie(spec, v.vocab);
   for (const std::string doc :
-       {"{}", R"({"a":[1,{"b":null},"c"],"d":{"e":{"f":[[]]}}})", " {\n  \"x\": true\n}\n"}) {
+       {"{}", R"({"a":[1,{"b":null},"c"],"d":{"e":{"f":[[]]}}})",
+        " {\n  \"x\": true\n}\n"}) {
     GrammarMatcher m(grammar);
     EXPECT_TRUE(FeedBytes(m, doc) && m.IsComplete()) << doc;
   }

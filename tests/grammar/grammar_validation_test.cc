@@ -58,9 +58,7 @@ class GrammarValidationTest : public ::testing::Test {
     delete setup_error_;
     setup_error_ = nullptr;
   }
-  void SetUp() override {
-    ASSERT_EQ(setup_error_, nullptr) << *setup_error_;
-  }
+  void SetUp() override { ASSERT_EQ(setup_error_, nullptr) << *setup_error_; }
 
   struct Loaded {
     std::unique_ptr<tokenizer::Tokenizer> tokenizer;
@@ -102,9 +100,9 @@ class GrammarValidationTest : public ::testing::Test {
     };
     std::vector<Item> items = {{"json_object", 0, GrammarSpec::JsonObject()}};
     for (size_t i = 0; i < cases["json_schemas"].size(); ++i) {
-      items.push_back({"json_schema", static_cast<int>(i),
-                       GrammarSpec::JsonSchema(
-                           cases["json_schemas"][i]["schema"].dump())});
+      items.push_back(
+          {"json_schema", static_cast<int>(i),
+           GrammarSpec::JsonSchema(cases["json_schemas"][i]["schema"].dump())});
     }
     for (size_t i = 0; i < cases["regexes"].size(); ++i) {
       items.push_back({"regex", static_cast<int>(i),
@@ -121,8 +119,8 @@ class GrammarValidationTest : public ::testing::Test {
     Json outputs = Json::array();
     for (const Item& item : items) {
       auto grammar = cache.Get(item.spec, loaded.vocab);
-      EXPECT_TRUE(grammar.ok()) << item.kind << " " << item.index << ": "
-                                << grammar.status();
+      EXPECT_TRUE(grammar.ok())
+          << item.kind << " " << item.index << ": " << grammar.status();
       if (!grammar.ok()) continue;
       for (int o = 0; o < per_case; ++o) {
         testing::GenerationOptions options;
@@ -148,16 +146,17 @@ class GrammarValidationTest : public ::testing::Test {
           EXPECT_FALSE(Json::parse(result->text, nullptr, false).is_discarded())
               << result->text;
         }
-        outputs.push_back(
-            {{"kind", item.kind}, {"index", item.index}, {"text", result->text}});
+        outputs.push_back({{"kind", item.kind},
+                           {"index", item.index},
+                           {"text", result->text}});
       }
     }
     const std::string path =
         absl::StrCat(kBinary, "/grammar_validation_", family, ".json");
     std::ofstream(path) << Json{{"cases", cases}, {"outputs", outputs}}.dump();
-    const auto node = Shell(absl::StrCat(
-        "node tests/grammar/validate_outputs.cjs --modules '", kBinary,
-        "/grammar-refs/node_modules' --in '", path, "'"));
+    const auto node = Shell(
+        absl::StrCat("node tests/grammar/validate_outputs.cjs --modules '",
+                     kBinary, "/grammar-refs/node_modules' --in '", path, "'"));
     EXPECT_EQ(node.code, 0) << node.output;
     const Json verdict = Json::parse(node.output, nullptr, false);
     EXPECT_FALSE(verdict.is_discarded()) << node.output;

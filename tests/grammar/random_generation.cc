@@ -72,13 +72,15 @@ absl::StatusOr<GenerationResult> GenerateRandom(
         const double u = (SplitMix64(salt ^ static_cast<uint64_t>(id)) >> 11) *
                          (1.0 / 9007199254740992.0);
         double logit = options.logit_scale * u;
-        if (vocab.token_bytes(id).size() == 1) logit += options.single_byte_bonus;
+        if (vocab.token_bytes(id).size() == 1)
+          logit += options.single_byte_bonus;
         total += std::exp(logit);
         cumulative[k] = total;
       }
       const double r = std::uniform_real_distribution<double>(0, total)(rng);
-      const size_t k = std::upper_bound(cumulative.begin(), cumulative.end(), r) -
-                       cumulative.begin();
+      const size_t k =
+          std::upper_bound(cumulative.begin(), cumulative.end(), r) -
+          cumulative.begin();
       chosen = allowed[std::min(k, allowed.size() - 1)];
     } else {
       for (int32_t eos : vocab.eos_ids()) {
@@ -108,7 +110,8 @@ absl::StatusOr<GenerationResult> GenerateRandom(
           if (vocab.token_bytes(id).size() == 1) single.push_back(id);
         }
         const std::vector<int32_t>& pool = single.empty() ? allowed : single;
-        chosen = pool[std::uniform_int_distribution<size_t>(0, pool.size() - 1)(rng)];
+        chosen = pool[std::uniform_int_distribution<size_t>(
+            0, pool.size() - 1)(rng)];
       }
     }
     PDS_RETURN_IF_ERROR(matcher.Accept(chosen));
