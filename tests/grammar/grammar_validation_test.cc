@@ -140,7 +140,9 @@ class GrammarValidationTest : public ::testing::Test {
         }
         auto decoded = loaded.tokenizer->Decode(text_ids);
         EXPECT_TRUE(decoded.ok());
-        if (decoded.ok()) EXPECT_EQ(*decoded, result->text);
+        if (decoded.ok()) {
+          EXPECT_EQ(*decoded, result->text);
+        }
         if (item.kind == "json_schema" || item.kind == "json_object") {
           // Our own parser too, before node sees it.
           EXPECT_FALSE(Json::parse(result->text, nullptr, false).is_discarded())
