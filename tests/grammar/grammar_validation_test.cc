@@ -230,6 +230,46 @@ TEST_F(GrammarValidationTest, Llama2SentencePieceStyleOutputsValidate) {
   EXPECT_GE(checked, 90);
 }
 
+// A SentencePiece tokenizer.model (stories260K, 512 pieces with byte
+// fallback): the dummy-prefix space is detected, and outputs decode to the
+// matcher's text.
+TEST_F(GrammarValidationTest, SentencePieceModelDecodesToMatcherText) {
+  model::TokenizerSpec spec;
+  spec.sentencepiece_model_path =
+      std::string(PDSERVE_MODELS_DIR) + "/stories260K/tokenizer.model";
+  auto tok = tokenizer::Tokenizer::Create(spec);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto vocab = TokenVocabulary::FromTokenizer(**tok, {(*tok)->eos_id()});
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  EXPECT_TRUE((*vocab)->first_token_strips_leading_space());
+  std::mt19937_64 rng(11);
+  int outputs = 0;
+  for (
+      const GrammarSpec& spec :
+      {GrammarSpec::JsonSchema(
+           R"({"type":"object","properties":{"name":{"type":"string","maxLength":12},
+                "n":{"type":"integer"}},"required":["name","n"],"additionalProperties":false})"),
+       GrammarSpec::Regex("(the|a) [a-z]{2,8} (ran|sat)\\."),
+       GrammarSpec::Choice({"Once upon a time", "The end"})}) {
+    auto grammar = CompiledGrammar::Compile(spec, *vocab);
+    ASSERT_TRUE(grammar.ok()) << grammar.status();
+    for (int o = 0; o < 5; ++o) {
+      testing::GenerationOptions options;
+      options.free_tokens = 4 + 6 * o;
+      auto result = testing::GenerateRandom(*grammar, options, rng);
+      ASSERT_TRUE(result.ok()) << result.status();
+      ASSERT_TRUE(result->finished) << result->text;
+      std::vector<int32_t> ids = result->ids;
+      ids.pop_back();  // EOS
+      auto decoded = (*tok)->Decode(ids);
+      ASSERT_TRUE(decoded.ok());
+      EXPECT_EQ(*decoded, result->text);
+      ++outputs;
+    }
+  }
+  EXPECT_EQ(outputs, 15);
+}
+
 TEST_F(GrammarValidationTest, Qwen3OutputsValidate) {
   const int checked = GenerateAndValidate("qwen3", 3, /*expect_strip=*/false);
   EXPECT_GE(checked, 90);
