@@ -1,6 +1,7 @@
 #include "grammar/json_schema_compiler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <string>
 #include <vector>
@@ -249,10 +250,6 @@ class JsonSchemaCompiler {
                                     "contains",
                                     "minContains",
                                     "maxContains",
-                                    "minimum",
-                                    "maximum",
-                                    "exclusiveMinimum",
-                                    "exclusiveMaximum",
                                     "multipleOf",
                                     "format",
                                     "contentEncoding",
@@ -316,6 +313,13 @@ class JsonSchemaCompiler {
           schema.contains("maxLength")) {
         types.push_back("string");
       }
+      // Numeric bounds alone: integers in range (a subset of the numbers
+      // they allow, so every output validates).
+      if (schema.contains("minimum") || schema.contains("maximum") ||
+          schema.contains("exclusiveMinimum") ||
+          schema.contains("exclusiveMaximum")) {
+        types.push_back("integer");
+      }
     }
     // Every keyword left must belong to one of the types.
     static const std::map<std::string, std::string> kKeywordType = {
@@ -329,11 +333,19 @@ class JsonSchemaCompiler {
         {"pattern", "string"},
         {"minLength", "string"},
         {"maxLength", "string"},
+        {"minimum", "integer"},
+        {"maximum", "integer"},
+        {"exclusiveMinimum", "integer"},
+        {"exclusiveMaximum", "integer"},
         {"type", ""}};
     for (const auto& [key, unused] : schema.items()) {
       if (IsAnnotation(key)) continue;
       auto it = kKeywordType.find(key);
       if (it == kKeywordType.end()) return Unsupported(key, path);
+      if (it->second == "integer" &&
+          std::find(types.begin(), types.end(), "number") != types.end()) {
+        return Unsupported(key, path, "only on type integer");
+      }
       if (!it->second.empty() &&
           std::find(types.begin(), types.end(), it->second) == types.end()) {
         return Invalid(path, absl::StrCat("keyword '", key, "' needs type '",
@@ -356,7 +368,7 @@ class JsonSchemaCompiler {
     if (type == "object") return Object(schema, path, depth);
     if (type == "array") return Array(schema, path, depth);
     if (type == "string") return StringSchema(schema, path);
-    if (type == "integer") return Integer();
+    if (type == "integer") return IntegerSchema(schema, path);
     if (type == "number") return Number();
     if (type == "boolean") {
       return Symbol{true, b_.Choice({{Lit("true")}, {Lit("false")}})};
@@ -364,6 +376,99 @@ class JsonSchemaCompiler {
     if (type == "null") return Lit("null");
     return Invalid(ChildPath(path, "type"),
                    absl::StrCat("unknown type '", type, "'"));
+  }
+
+  // Integers within minimum/maximum (exclusive ones too), at most 16 digits
+  // as every integer here.
+  absl::StatusOr<Symbol> IntegerSchema(const Json& schema,
+                                       const std::string& path) {
+    constexpr double kLimit = 9999999999999999.0;  // 16 digits
+    int64_t lo = -static_cast<int64_t>(kLimit),
+            hi = static_cast<int64_t>(kLimit);
+    bool bounded = false;
+    for (const char* key :
+         {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+      if (!schema.contains(key)) continue;
+      const Json& v = schema[key];
+      if (!v.is_number() || std::isnan(v.get<double>()) ||
+          std::abs(v.get<double>()) > kLimit) {
+        return Invalid(ChildPath(path, key),
+                       "must be a number of at most 16 integer digits");
+      }
+      bounded = true;
+      const double x = v.get<double>();
+      const std::string k = key;
+      if (k == "minimum") lo = std::max(lo, static_cast<int64_t>(std::ceil(x)));
+      if (k == "exclusiveMinimum") {
+        lo = std::max(lo, static_cast<int64_t>(std::floor(x)) + 1);
+      }
+      if (k == "maximum")
+        hi = std::min(hi, static_cast<int64_t>(std::floor(x)));
+      if (k == "exclusiveMaximum") {
+        hi = std::min(hi, static_cast<int64_t>(std::ceil(x)) - 1);
+      }
+    }
+    if (!bounded) return Integer();
+    if (lo > hi) return Invalid(path, "no integer satisfies the bounds");
+    std::vector<Sequence> alternatives;
+    if (lo < 0) {  // "-" and magnitudes max(1, -hi) .. -lo
+      std::vector<Sequence> magnitudes;
+      DigitRanges(std::max<int64_t>(1, hi < 0 ? -hi : 1), -lo, &magnitudes);
+      for (Sequence& m : magnitudes) {
+        m.insert(m.begin(), b_.Byte('-'));
+        alternatives.push_back(std::move(m));
+      }
+    }
+    if (hi >= 0) DigitRanges(std::max<int64_t>(lo, 0), hi, &alternatives);
+    return Symbol{true, b_.Choice(alternatives)};
+  }
+
+  // Decimal spellings (no leading zeros) of lo..hi, 0 <= lo <= hi, as
+  // sequences of digit ranges.
+  void DigitRanges(int64_t lo, int64_t hi, std::vector<Sequence>* out) {
+    int64_t power = 1;  // 10^(digits - 1)
+    for (int digits = 1; digits <= 16; ++digits, power *= 10) {
+      const int64_t first = digits == 1 ? 0 : power;
+      if (first > hi) break;
+      const int64_t last = power * 10 - 1;
+      const int64_t a = std::max(lo, first), z = std::min(hi, last);
+      if (a > z) continue;
+      SameLength(std::to_string(a), std::to_string(z), {}, out);
+    }
+  }
+  // Strings of a's length between a and z (same length), after `prefix`.
+  void SameLength(const std::string& a, const std::string& z, Sequence prefix,
+                  std::vector<Sequence>* out) {
+    if (a.empty()) {
+      out->push_back(std::move(prefix));
+      return;
+    }
+    if (a[0] == z[0]) {
+      prefix.push_back(b_.Byte(a[0]));
+      SameLength(a.substr(1), z.substr(1), std::move(prefix), out);
+      return;
+    }
+    const size_t rest = a.size() - 1;
+    const bool low_full = a.find_first_not_of('0', 1) == std::string::npos;
+    const bool high_full = z.find_first_not_of('9', 1) == std::string::npos;
+    if (!low_full) {
+      Sequence p = prefix;
+      p.push_back(b_.Byte(a[0]));
+      SameLength(a.substr(1), std::string(rest, '9'), std::move(p), out);
+    }
+    const char from = low_full ? a[0] : a[0] + 1;
+    const char to = high_full ? z[0] : z[0] - 1;
+    if (from <= to) {
+      Sequence p = prefix;
+      p.push_back(b_.ByteRange(from, to));
+      for (size_t k = 0; k < rest; ++k) p.push_back(b_.ByteRange('0', '9'));
+      out->push_back(std::move(p));
+    }
+    if (!high_full) {
+      Sequence p = prefix;
+      p.push_back(b_.Byte(z[0]));
+      SameLength(std::string(rest, '0'), z.substr(1), std::move(p), out);
+    }
   }
 
   absl::StatusOr<int64_t> Count(const Json& schema, const char* key,

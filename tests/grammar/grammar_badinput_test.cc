@@ -43,8 +43,14 @@ void ExpectInvalid(const GrammarSpec& spec,
 TEST(GrammarBadInputTest, UnsupportedKeywordsNameKeywordAndPath) {
   ExpectInvalid(
       GrammarSpec::JsonSchema(
-          R"({"type":"object","properties":{"a":{"type":"integer","minimum":3}}})"),
-      {"'minimum'", "$.properties.a"});
+          R"({"type":"object","properties":{"a":{"type":"number","minimum":3}}})"),
+      {"'minimum'", "$.properties.a", "only on type integer"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(R"({"type":"integer","minimum":1e300})"),
+      {"$.minimum", "16 integer digits"});
+  ExpectInvalid(GrammarSpec::JsonSchema(
+                    R"({"type":"integer","minimum":3,"maximum":2.5})"),
+                {"no integer satisfies"});
   ExpectInvalid(
       GrammarSpec::JsonSchema(
           R"({"type":"array","items":{"type":"string","format":"email"}})"),

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -251,6 +252,51 @@ TEST(GrammarMatcherTest, JsonSchemaAcceptsValidAndRefusesInvalid) {
       GrammarMatcher m(grammar);
       EXPECT_FALSE(FeedBytes(m, doc) && m.IsComplete()) << "accepted: " << doc;
     }
+  }
+}
+
+// Integer bounds: every spelling from lo - 150 to hi + 150 (and the extremes)
+// is accepted exactly when it lies in range.
+TEST(GrammarMatcherTest, IntegerBoundsMatchBruteForce) {
+  ToyVocab v = MakeVocab();
+  struct Bounds {
+    std::string keywords;
+    int64_t lo, hi;
+  };
+  const std::vector<Bounds> cases = {
+      {R"("minimum":0,"maximum":100)", 0, 100},
+      {R"("minimum":7,"maximum":1234)", 7, 1234},
+      {R"("minimum":-250,"maximum":-3)", -250, -3},
+      {R"("exclusiveMinimum":-10.5,"exclusiveMaximum":99)", -10, 98},
+      {R"("minimum":1.5,"maximum":1000)", 2, 1000},
+      {R"("minimum":-1,"maximum":0)", -1, 0},
+      {R"("minimum":190,"maximum":210)", 190, 210},
+      {R"("minimum":42)", 42, 9999999999999999},
+      {R"("maximum":-42)", -9999999999999999, -42}};
+  for (const Bounds& c : cases) {
+    SCOPED_TRACE(c.keywords);
+    auto grammar = CompileOrDie(GrammarSpec::JsonSchema(absl::StrCat(
+                                    R"({"type":"integer",)", c.keywords, "}")),
+                                v.vocab);
+    ASSERT_NE(grammar, nullptr);
+    std::vector<int64_t> probes;
+    for (int64_t x = std::max<int64_t>(c.lo, -2000) - 150;
+         x <= std::min<int64_t>(c.hi, 2000) + 150; ++x) {
+      probes.push_back(x);
+    }
+    for (int64_t x : {c.lo, c.hi, c.lo - 1, c.hi + 1, int64_t{0},
+                      int64_t{9999999999999999}, int64_t{-9999999999999999}}) {
+      probes.push_back(x);
+    }
+    for (int64_t x : probes) {
+      GrammarMatcher m(grammar);
+      const bool accepted = FeedBytes(m, std::to_string(x)) && m.IsComplete();
+      ASSERT_EQ(accepted, x >= c.lo && x <= c.hi) << x;
+    }
+    GrammarMatcher leading_zero(grammar);
+    EXPECT_FALSE(FeedBytes(leading_zero, "007") && leading_zero.IsComplete());
+    GrammarMatcher minus_zero(grammar);
+    EXPECT_FALSE(FeedBytes(minus_zero, "-0") && minus_zero.IsComplete());
   }
 }
 
