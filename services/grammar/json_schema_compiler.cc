@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -30,6 +31,33 @@ bool IsAnnotation(const std::string& key) {
 
 std::string ChildPath(const std::string& path, std::string_view key) {
   return absl::StrCat(path, ".", std::string(key));
+}
+
+// String formats as regexes: each produces a subset of what ajv-formats
+// ("full" mode) accepts — days valid in every year (no Feb 29), times with
+// an explicit zone, lowercase UUIDs, dotted e-mail domains.
+const std::string* FormatRegex(const std::string& format) {
+  static const auto* kFormats = new std::map<std::string, std::string>{
+      {"date",
+       "[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|"
+       "(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"},
+      {"time",
+       "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?"
+       "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"},
+      {"uuid", "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"},
+      {"email",
+       "[a-z0-9_+-]{1,20}(?:\\.[a-z0-9_+-]{1,20}){0,2}@"
+       "(?:[a-z0-9](?:[a-z0-9-]{0,20}[a-z0-9])?\\.){1,3}[a-z]{2,10}"},
+      {"ipv4",
+       "(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}"
+       "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}};
+  if (format == "date-time") {
+    static const std::string kDateTime =
+        kFormats->at("date") + "T" + kFormats->at("time");
+    return &kDateTime;
+  }
+  auto it = kFormats->find(format);
+  return it == kFormats->end() ? nullptr : &it->second;
 }
 
 bool ValueHasType(const Json& value, const std::string& type) {
@@ -251,7 +279,6 @@ class JsonSchemaCompiler {
                                     "minContains",
                                     "maxContains",
                                     "multipleOf",
-                                    "format",
                                     "contentEncoding",
                                     "contentMediaType",
                                     "$anchor",
@@ -333,6 +360,7 @@ class JsonSchemaCompiler {
         {"pattern", "string"},
         {"minLength", "string"},
         {"maxLength", "string"},
+        {"format", "string"},
         {"minimum", "integer"},
         {"maximum", "integer"},
         {"exclusiveMinimum", "integer"},
@@ -487,6 +515,28 @@ class JsonSchemaCompiler {
     PDS_ASSIGN_OR_RETURN(int64_t max, Count(schema, "maxLength", path, -1));
     if (max >= 0 && max < min) {
       return Invalid(path, "maxLength is smaller than minLength");
+    }
+    if (schema.contains("format")) {
+      if (schema.contains("pattern") || schema.contains("minLength") ||
+          schema.contains("maxLength")) {
+        return Unsupported("format", path,
+                           "not together with pattern/minLength/maxLength");
+      }
+      const Json& format = schema["format"];
+      const std::string* regex =
+          format.is_string() ? FormatRegex(format.get<std::string>()) : nullptr;
+      if (regex == nullptr) {
+        return Unsupported(
+            "format", path,
+            absl::StrCat("format ", format.dump(),
+                         "; supported: date-time, date, time, uuid, email, "
+                         "ipv4"));
+      }
+      RegexOptions regex_options;
+      regex_options.json_string_contents = true;
+      PDS_ASSIGN_OR_RETURN(Symbol body,
+                           CompileRegex(*regex, regex_options, &b_));
+      return b_.Wrap({Lit("\""), body, Lit("\"")});
     }
     if (schema.contains("pattern")) {
       if (schema.contains("minLength") || schema.contains("maxLength")) {

@@ -53,8 +53,8 @@ TEST(GrammarBadInputTest, UnsupportedKeywordsNameKeywordAndPath) {
                 {"no integer satisfies"});
   ExpectInvalid(
       GrammarSpec::JsonSchema(
-          R"({"type":"array","items":{"type":"string","format":"email"}})"),
-      {"'format'", "$.items"});
+          R"({"type":"array","items":{"type":"string","format":"hostname"}})"),
+      {"'format'", "$.items", "\"hostname\"", "supported: date-time"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"oneOf":[{"type":"string"}]})"),
                 {"'oneOf'", "at $"});
   ExpectInvalid(
