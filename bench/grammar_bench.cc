@@ -35,7 +35,8 @@ using Json = nlohmann::ordered_json;
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+  return v[std::min(v.size() - 1,
+                    static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
 double Mean(const std::vector<double>& v) {
@@ -118,9 +119,9 @@ int main(int argc, char** argv) {
   }
   k = 0;
   for (const Json& c : cases_json["choices"]) {
-    cases.push_back({absl::StrFormat("choice%d", k++),
-                     grammar::GrammarSpec::Choice(
-                         c.get<std::vector<std::string>>())});
+    cases.push_back(
+        {absl::StrFormat("choice%d", k++),
+         grammar::GrammarSpec::Choice(c.get<std::vector<std::string>>())});
   }
 
   std::printf(
@@ -140,19 +141,22 @@ int main(int argc, char** argv) {
       return 1;
     }
     auto t0 = std::chrono::steady_clock::now();
-    auto vocab = grammar::TokenVocabulary::FromTokenizer(**tok, {(*tok)->eos_id()});
+    auto vocab =
+        grammar::TokenVocabulary::FromTokenizer(**tok, {(*tok)->eos_id()});
     const double vocab_s = Seconds(t0);
     if (!vocab.ok()) {
       std::fprintf(stderr, "%s: %s\n", name.c_str(),
                    vocab.status().ToString().c_str());
       return 1;
     }
-    std::printf("| %s | (%d ids: TokenVocabulary built in %.0f ms) | | | | | | | | | |\n",
-                name.c_str(), (*vocab)->size(), vocab_s * 1e3);
+    std::printf(
+        "| %s | (%d ids: TokenVocabulary built in %.0f ms) | | | | | | | | | "
+        "|\n",
+        name.c_str(), (*vocab)->size(), vocab_s * 1e3);
     // Pass 0: the first `outputs` requests on a freshly compiled grammar (its
     // states and masks are built as they are met); pass 1: as many later
     // requests (new random outputs) on the same grammar.
-    std::vector<double> all[2];
+    std::vector<double> all[2], all_cpu[2];
     std::mt19937_64 rng(1234);
     for (const Case& c : cases) {
       t0 = std::chrono::steady_clock::now();
@@ -169,7 +173,8 @@ int main(int argc, char** argv) {
           grammar::testing::GenerationOptions options;
           options.free_tokens = 8 + 16 * o;
           options.single_byte_bonus = o % 2 == 0 ? 0 : 6;
-          auto result = grammar::testing::GenerateRandom(*compiled, options, rng);
+          auto result =
+              grammar::testing::GenerateRandom(*compiled, options, rng);
           if (!result.ok()) {
             std::fprintf(stderr, "%s/%s: %s\n", name.c_str(), c.name.c_str(),
                          result.status().ToString().c_str());
@@ -177,45 +182,73 @@ int main(int argc, char** argv) {
           }
           micros[pass].insert(micros[pass].end(), result->mask_micros.begin(),
                               result->mask_micros.end());
+          all_cpu[pass].insert(all_cpu[pass].end(),
+                               result->mask_cpu_micros.begin(),
+                               result->mask_cpu_micros.end());
         }
-        all[pass].insert(all[pass].end(), micros[pass].begin(), micros[pass].end());
+        all[pass].insert(all[pass].end(), micros[pass].begin(),
+                         micros[pass].end());
       }
       double max = 0;
       for (const auto& m : micros) {
         for (double v : m) max = std::max(max, v);
       }
-      std::printf("| %s | %s | %.1f ms | %zu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
-                  name.c_str(), c.name.c_str(), compile_s * 1e3,
-                  micros[0].size() + micros[1].size(), Percentile(micros[0], 0.5),
-                  Percentile(micros[0], 0.99), Mean(micros[0]),
-                  Percentile(micros[1], 0.5), Percentile(micros[1], 0.99),
-                  Mean(micros[1]), max);
+      std::printf(
+          "| %s | %s | %.1f ms | %zu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f "
+          "| %.1f |\n",
+          name.c_str(), c.name.c_str(), compile_s * 1e3,
+          micros[0].size() + micros[1].size(), Percentile(micros[0], 0.5),
+          Percentile(micros[0], 0.99), Mean(micros[0]),
+          Percentile(micros[1], 0.5), Percentile(micros[1], 0.99),
+          Mean(micros[1]), max);
     }
     double max = 0;
     for (const auto& m : all) {
       for (double v : m) max = std::max(max, v);
     }
-    std::printf("| %s | **all cases** | | %zu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
-                name.c_str(), all[0].size() + all[1].size(), Percentile(all[0], 0.5),
-                Percentile(all[0], 0.99), Mean(all[0]), Percentile(all[1], 0.5),
-                Percentile(all[1], 0.99), Mean(all[1]), max);
+    std::printf(
+        "| %s | **all cases** | | %zu | %.1f | %.1f | %.1f | %.1f | %.1f | "
+        "%.1f | %.1f |\n",
+        name.c_str(), all[0].size() + all[1].size(), Percentile(all[0], 0.5),
+        Percentile(all[0], 0.99), Mean(all[0]), Percentile(all[1], 0.5),
+        Percentile(all[1], 0.99), Mean(all[1]), max);
+    double max_cpu = 0;
+    for (const auto& m : all_cpu) {
+      for (double v : m) max_cpu = std::max(max_cpu, v);
+    }
+    std::printf(
+        "| %s | all cases, thread CPU time | | %zu | %.1f | %.1f | %.1f | %.1f "
+        "| %.1f | %.1f | %.1f |\n",
+        name.c_str(), all_cpu[0].size() + all_cpu[1].size(),
+        Percentile(all_cpu[0], 0.5), Percentile(all_cpu[0], 0.99),
+        Mean(all_cpu[0]), Percentile(all_cpu[1], 0.5),
+        Percentile(all_cpu[1], 0.99), Mean(all_cpu[1]), max_cpu);
     if (decode_step_ms > 0) {
       const double d = decode_step_ms * 1e3;
       std::printf(
-          "| %s | **÷ decode step (%.2f ms)** | | | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f |\n",
+          "| %s | **÷ decode step (%.2f ms)** | | | %.4f | %.4f | %.4f | %.4f "
+          "| %.4f | %.4f | %.4f |\n",
           name.c_str(), decode_step_ms, Percentile(all[0], 0.5) / d,
-          Percentile(all[0], 0.99) / d, Mean(all[0]) / d, Percentile(all[1], 0.5) / d,
-          Percentile(all[1], 0.99) / d, Mean(all[1]) / d, max / d);
+          Percentile(all[0], 0.99) / d, Mean(all[0]) / d,
+          Percentile(all[1], 0.5) / d, Percentile(all[1], 0.99) / d,
+          Mean(all[1]) / d, max / d);
     }
     // One state's mask computed from scratch (a fresh grammar each time): the
     // cost a state pays once per compiled grammar, inside a free string (most
     // tokens allowed) and between object members (few allowed).
-    for (const auto& [label, schema, prefix] :
-         std::vector<std::tuple<std::string, std::string, std::string>>{
-             {"cold: inside a free string", R"({"type":"object","properties":{"s":{"type":"string"}},"required":["s"]})", "{\"s\":\"ab"},
-             {"cold: inside a maxLength 64 string", R"({"type":"object","properties":{"s":{"type":"string","maxLength":64}},"required":["s"]})", "{\"s\":\"ab"},
-             {"cold: after a member", R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"boolean"}}})", "{\"a\":12"},
-             {"cold: json_object, value position", "", "{\"k\":"}}) {
+    for (
+        const auto& [label, schema, prefix] :
+        std::vector<std::tuple<std::string, std::string, std::string>>{
+            {"cold: inside a free string",
+             R"({"type":"object","properties":{"s":{"type":"string"}},"required":["s"]})",
+             "{\"s\":\"ab"},
+            {"cold: inside a maxLength 64 string",
+             R"({"type":"object","properties":{"s":{"type":"string","maxLength":64}},"required":["s"]})",
+             "{\"s\":\"ab"},
+            {"cold: after a member",
+             R"({"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"boolean"}}})",
+             "{\"a\":12"},
+            {"cold: json_object, value position", "", "{\"k\":"}}) {
       std::vector<double> cold;
       for (int rep = 0; rep < 9; ++rep) {
         auto compiled = grammar::CompiledGrammar::Compile(
@@ -242,8 +275,8 @@ int main(int argc, char** argv) {
         cold.push_back(Seconds(t0) * 1e6);
       }
       std::printf("| %s | %s | | %zu | %.1f | %.1f | %.1f | | | | %.1f |\n",
-                  name.c_str(), label.c_str(), cold.size(), Percentile(cold, 0.5),
-                  Percentile(cold, 0.99), Mean(cold),
+                  name.c_str(), label.c_str(), cold.size(),
+                  Percentile(cold, 0.5), Percentile(cold, 0.99), Mean(cold),
                   *std::max_element(cold.begin(), cold.end()));
     }
     std::fflush(stdout);

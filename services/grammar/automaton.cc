@@ -170,8 +170,9 @@ absl::Status GrammarAutomaton::Init() {
 
 absl::StatusOr<int32_t> GrammarAutomaton::InternNode(int32_t pos,
                                                      int32_t parent) {
-  const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(pos)) << 32) |
-                       static_cast<uint32_t>(parent);
+  const uint64_t key =
+      (static_cast<uint64_t>(static_cast<uint32_t>(pos)) << 32) |
+      static_cast<uint32_t>(parent);
   auto [it, inserted] =
       node_ids_.try_emplace(key, static_cast<int32_t>(nodes_.size()));
   if (inserted) {
@@ -198,7 +199,8 @@ absl::StatusOr<int32_t> GrammarAutomaton::Close() {
     const int32_t n = seeds_.back();
     seeds_.pop_back();
     if (static_cast<size_t>(n) >= visited_epoch_.size()) {
-      visited_epoch_.resize(std::max<size_t>(2 * visited_epoch_.size(), n + 1024), 0);
+      visited_epoch_.resize(
+          std::max<size_t>(2 * visited_epoch_.size(), n + 1024), 0);
     }
     if (visited_epoch_[n] == epoch_) continue;
     visited_epoch_[n] = epoch_;
@@ -251,10 +253,9 @@ absl::StatusOr<int32_t> GrammarAutomaton::Close() {
   }
   const int32_t id = static_cast<int32_t>(states_.size());
   state_ids_.emplace(std::vector<int32_t>(key.begin(), key.end()), id);
-  states_.push_back(
-      {std::vector<int32_t>(scratch_stacks_.begin(),
-                            scratch_stacks_.begin() + stacks),
-       accepting});
+  states_.push_back({std::vector<int32_t>(scratch_stacks_.begin(),
+                                          scratch_stacks_.begin() + stacks),
+                     accepting});
   next_.resize(next_.size() + num_classes_, kUnknown);
   masks_.emplace_back();
   uniform_.emplace_back();
@@ -286,7 +287,8 @@ absl::StatusOr<int32_t> GrammarAutomaton::Walk(int32_t state,
                                                std::string_view bytes) {
   absl::MutexLock lock(&mu_);
   for (char c : bytes) {
-    PDS_ASSIGN_OR_RETURN(state, Next(state, class_of_[static_cast<uint8_t>(c)]));
+    PDS_ASSIGN_OR_RETURN(state,
+                         Next(state, class_of_[static_cast<uint8_t>(c)]));
     if (state == kDead) return kDead;
   }
   return state;
@@ -396,7 +398,8 @@ absl::Status GrammarAutomaton::ComputeUniformRuns(int32_t state, int32_t cap) {
 
 const std::vector<uint64_t>& GrammarAutomaton::SubtreeClasses(
     const TokenTrie& trie) {
-  const int slot = subtree_trie_[0] == nullptr || subtree_trie_[0] == &trie ? 0 : 1;
+  const int slot =
+      subtree_trie_[0] == nullptr || subtree_trie_[0] == &trie ? 0 : 1;
   if (subtree_trie_[slot] != &trie) {
     subtree_trie_[slot] = &trie;
     std::vector<uint64_t>& classes = subtree_classes_[slot];
@@ -466,7 +469,8 @@ absl::Status GrammarAutomaton::ComputeMask(int32_t state, const TokenTrie& trie,
     ++i;
   }
   if (states_[state].accepting) {
-    for (int32_t eos : vocabulary_->eos_ids()) out[eos >> 5] |= 1u << (eos & 31);
+    for (int32_t eos : vocabulary_->eos_ids())
+      out[eos >> 5] |= 1u << (eos & 31);
   }
   return absl::OkStatus();
 }
@@ -477,8 +481,8 @@ absl::Status GrammarAutomaton::FillMask(int32_t state, bool first_token,
   std::vector<uint32_t>* cached =
       first_token ? &first_token_mask_ : &masks_[state];
   if (cached->empty()) {
-    const TokenTrie& trie = first_token ? vocabulary_->first_token_trie()
-                                        : vocabulary_->trie();
+    const TokenTrie& trie =
+        first_token ? vocabulary_->first_token_trie() : vocabulary_->trie();
     std::vector<uint32_t> computed;
     PDS_RETURN_IF_ERROR(ComputeMask(state, trie, &computed));
     const int64_t bytes = static_cast<int64_t>(computed.size()) * 4;

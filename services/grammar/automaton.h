@@ -24,10 +24,10 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/hash/hash.h"
-#include "absl/types/span.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "grammar/grammar_ir.h"
 
 namespace pdserve::grammar {
@@ -57,7 +57,7 @@ class TokenTrie {
   std::vector<uint8_t> text_from_here_;
   std::vector<uint8_t> max_chars_;
   std::vector<uint8_t> has_non_ascii_;  // a byte >= 0x80 in the subtree
-  std::vector<int32_t> token_begin_;  // num_nodes + 1 entries
+  std::vector<int32_t> token_begin_;    // num_nodes + 1 entries
   std::vector<int32_t> tokens_;
   int32_t max_depth_ = 0;
 };

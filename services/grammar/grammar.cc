@@ -156,8 +156,8 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
   int32_t root = -1;
   switch (spec.kind) {
     case GrammarSpec::Kind::kJsonObject: {
-      PDS_ASSIGN_OR_RETURN(root,
-                           internal::CompileAnyJsonObject(json_options, &builder));
+      PDS_ASSIGN_OR_RETURN(
+          root, internal::CompileAnyJsonObject(json_options, &builder));
       break;
     }
     case GrammarSpec::Kind::kJsonSchema: {
@@ -166,21 +166,22 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
       break;
     }
     case GrammarSpec::Kind::kRegex: {
-      PDS_ASSIGN_OR_RETURN(
-          internal::Symbol s,
-          internal::CompileRegex(spec.text, internal::RegexOptions(), &builder));
+      PDS_ASSIGN_OR_RETURN(internal::Symbol s,
+                           internal::CompileRegex(
+                               spec.text, internal::RegexOptions(), &builder));
       root = builder.NewRule();
       builder.AddAlternative(root, {s});
       break;
     }
     case GrammarSpec::Kind::kChoice: {
       if (spec.choices.empty()) {
-        return absl::InvalidArgumentError("guided choice needs at least one choice");
+        return absl::InvalidArgumentError(
+            "guided choice needs at least one choice");
       }
       if (spec.choices.size() > kMaxChoices) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "guided choice has ", spec.choices.size(), " choices; the limit is ",
-            kMaxChoices));
+        return absl::InvalidArgumentError(
+            absl::StrCat("guided choice has ", spec.choices.size(),
+                         " choices; the limit is ", kMaxChoices));
       }
       size_t total = 0;
       root = builder.NewRule();
@@ -201,7 +202,8 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
       break;
     }
   }
-  PDS_ASSIGN_OR_RETURN(internal::Grammar grammar, std::move(builder).Build(root));
+  PDS_ASSIGN_OR_RETURN(internal::Grammar grammar,
+                       std::move(builder).Build(root));
   auto compiled = std::shared_ptr<CompiledGrammar>(new CompiledGrammar());
   compiled->automaton_ = std::make_unique<GrammarAutomaton>(
       std::move(grammar), vocabulary.get(), internal::AutomatonLimits());
@@ -226,11 +228,11 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> GrammarCache::Get(
   if (vocabulary == nullptr) {
     return absl::InvalidArgumentError("grammar compiled without a vocabulary");
   }
-  std::string key = absl::StrCat(static_cast<int>(spec.kind), "|",
-                                 spec.max_json_whitespace, "|",
-                                 vocabulary->fingerprint(), "|", spec.text.size(),
-                                 ":", spec.text);
-  for (const std::string& c : spec.choices) absl::StrAppend(&key, "|", c.size(), ":", c);
+  std::string key = absl::StrCat(
+      static_cast<int>(spec.kind), "|", spec.max_json_whitespace, "|",
+      vocabulary->fingerprint(), "|", spec.text.size(), ":", spec.text);
+  for (const std::string& c : spec.choices)
+    absl::StrAppend(&key, "|", c.size(), ":", c);
   {
     absl::MutexLock lock(&mu_);
     for (Entry& e : entries_) {
@@ -284,9 +286,9 @@ std::string_view GrammarMatcher::BytesAt(int32_t token, int position) const {
 absl::Status GrammarMatcher::FillNextTokenBitmask(std::span<uint32_t> bitmask) {
   const int32_t words = BitmaskWords();
   if (static_cast<int64_t>(bitmask.size()) < words) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "token bitmask has ", bitmask.size(), " words; the vocabulary needs ",
-        words));
+    return absl::InvalidArgumentError(
+        absl::StrCat("token bitmask has ", bitmask.size(),
+                     " words; the vocabulary needs ", words));
   }
   std::fill(bitmask.begin(), bitmask.end(), 0u);
   if (terminated_) return absl::OkStatus();
@@ -335,8 +337,8 @@ absl::Status GrammarMatcher::Accept(int32_t token) {
   }
   if (v.IsEos(token)) {
     if (!IsComplete()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "EOS token ", token, " before the output is complete"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("EOS token ", token, " before the output is complete"));
     }
     states_.push_back(states_.back());
     text_sizes_.push_back(text_.size());
@@ -346,17 +348,17 @@ absl::Status GrammarMatcher::Accept(int32_t token) {
   const std::string_view bytes = BytesAt(token, num_accepted());
   int32_t next = GrammarAutomaton::kDead;
   if (!bytes.empty()) {
-    PDS_ASSIGN_OR_RETURN(next, grammar_->automaton_->Walk(states_.back(), bytes));
+    PDS_ASSIGN_OR_RETURN(next,
+                         grammar_->automaton_->Walk(states_.back(), bytes));
   }
   if (next == GrammarAutomaton::kDead) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("token ", token, " (\"", Printable(v.token_bytes(token)),
-                     "\") is not allowed by the grammar after \"",
-                     Printable(text_.size() > 64
-                                   ? std::string_view(text_).substr(
-                                         text_.size() - 64)
-                                   : std::string_view(text_)),
-                     "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token ", token, " (\"", Printable(v.token_bytes(token)),
+        "\") is not allowed by the grammar after \"",
+        Printable(text_.size() > 64
+                      ? std::string_view(text_).substr(text_.size() - 64)
+                      : std::string_view(text_)),
+        "\""));
   }
   states_.push_back(next);
   text_.append(bytes);
@@ -366,9 +368,9 @@ absl::Status GrammarMatcher::Accept(int32_t token) {
 
 absl::Status GrammarMatcher::Rollback(int count) {
   if (count < 0 || count > num_accepted()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot roll back ", count, " tokens; ", num_accepted(),
-                     " were accepted"));
+    return absl::InvalidArgumentError(absl::StrCat("cannot roll back ", count,
+                                                   " tokens; ", num_accepted(),
+                                                   " were accepted"));
   }
   if (count == 0) return absl::OkStatus();
   states_.resize(states_.size() - count);

@@ -45,8 +45,8 @@ CodePointSet CodePointSet::Complement() const {
 }
 
 bool CodePointSet::Contains(uint32_t c) const {
-  auto it = std::upper_bound(
-      ranges_.begin(), ranges_.end(), std::make_pair(c, 0xFFFFFFFFu));
+  auto it = std::upper_bound(ranges_.begin(), ranges_.end(),
+                             std::make_pair(c, 0xFFFFFFFFu));
   if (it == ranges_.begin()) return false;
   --it;
   return c >= it->first && c <= it->second;

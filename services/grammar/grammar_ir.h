@@ -85,7 +85,9 @@ class GrammarBuilder {
 
   // OK, or the first limit exceeded.
   const absl::Status& status() const { return status_; }
-  int64_t size() const { return static_cast<int64_t>(grammar_.elements.size()); }
+  int64_t size() const {
+    return static_cast<int64_t>(grammar_.elements.size());
+  }
   absl::StatusOr<Grammar> Build(int32_t root) &&;
 
  private:

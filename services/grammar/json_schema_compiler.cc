@@ -1,6 +1,8 @@
 #include "grammar/json_schema_compiler.h"
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -21,14 +23,41 @@ using Json = nlohmann::ordered_json;
 // Keywords that only annotate: they never change which values validate.
 bool IsAnnotation(const std::string& key) {
   static const std::set<std::string> kAnnotations = {
-      "title",    "description", "$schema",  "$id",       "$comment",
-      "default",  "examples",    "deprecated", "readOnly", "writeOnly",
-      "$defs",    "definitions", "strict"};
+      "title",   "description", "$schema",    "$id",      "$comment",
+      "default", "examples",    "deprecated", "readOnly", "writeOnly",
+      "$defs",   "definitions", "strict"};
   return kAnnotations.contains(key);
 }
 
 std::string ChildPath(const std::string& path, std::string_view key) {
   return absl::StrCat(path, ".", std::string(key));
+}
+
+// String formats as regexes: each produces a subset of what ajv-formats
+// ("full" mode) accepts — days valid in every year (no Feb 29), times with
+// an explicit zone, lowercase UUIDs, dotted e-mail domains.
+const std::string* FormatRegex(const std::string& format) {
+  static const auto* kFormats = new std::map<std::string, std::string>{
+      {"date",
+       "[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|"
+       "(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"},
+      {"time",
+       "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?"
+       "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"},
+      {"uuid", "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"},
+      {"email",
+       "[a-z0-9_+-]{1,20}(?:\\.[a-z0-9_+-]{1,20}){0,2}@"
+       "(?:[a-z0-9](?:[a-z0-9-]{0,20}[a-z0-9])?\\.){1,3}[a-z]{2,10}"},
+      {"ipv4",
+       "(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}"
+       "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}};
+  if (format == "date-time") {
+    static const std::string kDateTime =
+        kFormats->at("date") + "T" + kFormats->at("time");
+    return &kDateTime;
+  }
+  auto it = kFormats->find(format);
+  return it == kFormats->end() ? nullptr : &it->second;
 }
 
 bool ValueHasType(const Json& value, const std::string& type) {
@@ -61,8 +90,8 @@ class JsonSchemaCompiler {
   absl::StatusOr<int32_t> CompileSchema(std::string_view text) {
     if (static_cast<int64_t>(text.size()) > options_.max_schema_bytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("JSON schema is ", text.size(),
-                       " bytes; the limit is ", options_.max_schema_bytes));
+          absl::StrCat("JSON schema is ", text.size(), " bytes; the limit is ",
+                       options_.max_schema_bytes));
     }
     // nlohmann's parser recurses; bound the nesting before anything walks it.
     int depth = 0, max_depth = 0;
@@ -159,8 +188,8 @@ class JsonSchemaCompiler {
       Symbol digits = b_.Repeat(b_.ByteRange('0', '9'), 0, 15);
       Symbol magnitude = Symbol{
           true, b_.Choice({{b_.Byte('0')}, {b_.ByteRange('1', '9'), digits}})};
-      b_.AddAlternative(integer_rule_, {b_.Repeat(b_.Byte('-'), 0, 1),
-                                        magnitude});
+      b_.AddAlternative(integer_rule_,
+                        {b_.Repeat(b_.Byte('-'), 0, 1), magnitude});
     }
     return GrammarBuilder::Ref(integer_rule_);
   }
@@ -187,16 +216,16 @@ class JsonSchemaCompiler {
     any_object_rule_ = b_.NewRule();
     const Symbol member = b_.Wrap({String(0, -1), ws_, Lit(":"), ws_, v});
     b_.AddAlternative(any_object_rule_, {Lit("{"), ws_, Lit("}")});
-    b_.AddAlternative(
-        any_object_rule_,
-        {Lit("{"), ws_, member,
-         b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, member}), 0, -1), ws_,
-         Lit("}")});
+    b_.AddAlternative(any_object_rule_,
+                      {Lit("{"), ws_, member,
+                       b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, member}), 0, -1),
+                       ws_, Lit("}")});
     const int32_t array = b_.NewRule();
     b_.AddAlternative(array, {Lit("["), ws_, Lit("]")});
-    b_.AddAlternative(array, {Lit("["), ws_, v,
-                              b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, v}), 0, -1),
-                              ws_, Lit("]")});
+    b_.AddAlternative(
+        array,
+        {Lit("["), ws_, v, b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, v}), 0, -1),
+         ws_, Lit("]")});
     for (Symbol s :
          {GrammarBuilder::Ref(any_object_rule_), GrammarBuilder::Ref(array),
           String(0, -1), Number(), Lit("true"), Lit("false"), Lit("null")}) {
@@ -232,15 +261,32 @@ class JsonSchemaCompiler {
     if (schema.contains("$ref")) return Ref(schema, path, depth);
     ref_chain_.clear();  // content follows: a $ref cycle through here is fine
 
-    for (const char* unsupported :
-         {"oneOf", "not", "if", "then", "else", "dependentSchemas",
-          "dependentRequired", "patternProperties", "propertyNames",
-          "minProperties", "maxProperties", "unevaluatedProperties",
-          "unevaluatedItems", "prefixItems", "contains", "minContains",
-          "maxContains", "minimum", "maximum", "exclusiveMinimum",
-          "exclusiveMaximum", "multipleOf", "format", "contentEncoding",
-          "contentMediaType", "$anchor", "$dynamicRef", "$dynamicAnchor",
-          "$recursiveRef", "additionalItems", "dependencies"}) {
+    for (const char* unsupported : {"oneOf",
+                                    "not",
+                                    "if",
+                                    "then",
+                                    "else",
+                                    "dependentSchemas",
+                                    "dependentRequired",
+                                    "patternProperties",
+                                    "propertyNames",
+                                    "minProperties",
+                                    "maxProperties",
+                                    "unevaluatedProperties",
+                                    "unevaluatedItems",
+                                    "prefixItems",
+                                    "contains",
+                                    "minContains",
+                                    "maxContains",
+                                    "multipleOf",
+                                    "contentEncoding",
+                                    "contentMediaType",
+                                    "$anchor",
+                                    "$dynamicRef",
+                                    "$dynamicAnchor",
+                                    "$recursiveRef",
+                                    "additionalItems",
+                                    "dependencies"}) {
       if (schema.contains(unsupported)) return Unsupported(unsupported, path);
     }
     if (schema.contains("uniqueItems") &&
@@ -294,19 +340,40 @@ class JsonSchemaCompiler {
           schema.contains("maxLength")) {
         types.push_back("string");
       }
+      // Numeric bounds alone: integers in range (a subset of the numbers
+      // they allow, so every output validates).
+      if (schema.contains("minimum") || schema.contains("maximum") ||
+          schema.contains("exclusiveMinimum") ||
+          schema.contains("exclusiveMaximum")) {
+        types.push_back("integer");
+      }
     }
     // Every keyword left must belong to one of the types.
     static const std::map<std::string, std::string> kKeywordType = {
-        {"properties", "object"}, {"required", "object"},
-        {"additionalProperties", "object"}, {"items", "array"},
-        {"minItems", "array"},    {"maxItems", "array"},
-        {"uniqueItems", "array"}, {"pattern", "string"},
-        {"minLength", "string"},  {"maxLength", "string"},
+        {"properties", "object"},
+        {"required", "object"},
+        {"additionalProperties", "object"},
+        {"items", "array"},
+        {"minItems", "array"},
+        {"maxItems", "array"},
+        {"uniqueItems", "array"},
+        {"pattern", "string"},
+        {"minLength", "string"},
+        {"maxLength", "string"},
+        {"format", "string"},
+        {"minimum", "integer"},
+        {"maximum", "integer"},
+        {"exclusiveMinimum", "integer"},
+        {"exclusiveMaximum", "integer"},
         {"type", ""}};
     for (const auto& [key, unused] : schema.items()) {
       if (IsAnnotation(key)) continue;
       auto it = kKeywordType.find(key);
       if (it == kKeywordType.end()) return Unsupported(key, path);
+      if (it->second == "integer" &&
+          std::find(types.begin(), types.end(), "number") != types.end()) {
+        return Unsupported(key, path, "only on type integer");
+      }
       if (!it->second.empty() &&
           std::find(types.begin(), types.end(), it->second) == types.end()) {
         return Invalid(path, absl::StrCat("keyword '", key, "' needs type '",
@@ -329,7 +396,7 @@ class JsonSchemaCompiler {
     if (type == "object") return Object(schema, path, depth);
     if (type == "array") return Array(schema, path, depth);
     if (type == "string") return StringSchema(schema, path);
-    if (type == "integer") return Integer();
+    if (type == "integer") return IntegerSchema(schema, path);
     if (type == "number") return Number();
     if (type == "boolean") {
       return Symbol{true, b_.Choice({{Lit("true")}, {Lit("false")}})};
@@ -337,6 +404,99 @@ class JsonSchemaCompiler {
     if (type == "null") return Lit("null");
     return Invalid(ChildPath(path, "type"),
                    absl::StrCat("unknown type '", type, "'"));
+  }
+
+  // Integers within minimum/maximum (exclusive ones too), at most 16 digits
+  // as every integer here.
+  absl::StatusOr<Symbol> IntegerSchema(const Json& schema,
+                                       const std::string& path) {
+    constexpr double kLimit = 9999999999999999.0;  // 16 digits
+    int64_t lo = -static_cast<int64_t>(kLimit),
+            hi = static_cast<int64_t>(kLimit);
+    bool bounded = false;
+    for (const char* key :
+         {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}) {
+      if (!schema.contains(key)) continue;
+      const Json& v = schema[key];
+      if (!v.is_number() || std::isnan(v.get<double>()) ||
+          std::abs(v.get<double>()) > kLimit) {
+        return Invalid(ChildPath(path, key),
+                       "must be a number of at most 16 integer digits");
+      }
+      bounded = true;
+      const double x = v.get<double>();
+      const std::string k = key;
+      if (k == "minimum") lo = std::max(lo, static_cast<int64_t>(std::ceil(x)));
+      if (k == "exclusiveMinimum") {
+        lo = std::max(lo, static_cast<int64_t>(std::floor(x)) + 1);
+      }
+      if (k == "maximum")
+        hi = std::min(hi, static_cast<int64_t>(std::floor(x)));
+      if (k == "exclusiveMaximum") {
+        hi = std::min(hi, static_cast<int64_t>(std::ceil(x)) - 1);
+      }
+    }
+    if (!bounded) return Integer();
+    if (lo > hi) return Invalid(path, "no integer satisfies the bounds");
+    std::vector<Sequence> alternatives;
+    if (lo < 0) {  // "-" and magnitudes max(1, -hi) .. -lo
+      std::vector<Sequence> magnitudes;
+      DigitRanges(std::max<int64_t>(1, hi < 0 ? -hi : 1), -lo, &magnitudes);
+      for (Sequence& m : magnitudes) {
+        m.insert(m.begin(), b_.Byte('-'));
+        alternatives.push_back(std::move(m));
+      }
+    }
+    if (hi >= 0) DigitRanges(std::max<int64_t>(lo, 0), hi, &alternatives);
+    return Symbol{true, b_.Choice(alternatives)};
+  }
+
+  // Decimal spellings (no leading zeros) of lo..hi, 0 <= lo <= hi, as
+  // sequences of digit ranges.
+  void DigitRanges(int64_t lo, int64_t hi, std::vector<Sequence>* out) {
+    int64_t power = 1;  // 10^(digits - 1)
+    for (int digits = 1; digits <= 16; ++digits, power *= 10) {
+      const int64_t first = digits == 1 ? 0 : power;
+      if (first > hi) break;
+      const int64_t last = power * 10 - 1;
+      const int64_t a = std::max(lo, first), z = std::min(hi, last);
+      if (a > z) continue;
+      SameLength(std::to_string(a), std::to_string(z), {}, out);
+    }
+  }
+  // Strings of a's length between a and z (same length), after `prefix`.
+  void SameLength(const std::string& a, const std::string& z, Sequence prefix,
+                  std::vector<Sequence>* out) {
+    if (a.empty()) {
+      out->push_back(std::move(prefix));
+      return;
+    }
+    if (a[0] == z[0]) {
+      prefix.push_back(b_.Byte(a[0]));
+      SameLength(a.substr(1), z.substr(1), std::move(prefix), out);
+      return;
+    }
+    const size_t rest = a.size() - 1;
+    const bool low_full = a.find_first_not_of('0', 1) == std::string::npos;
+    const bool high_full = z.find_first_not_of('9', 1) == std::string::npos;
+    if (!low_full) {
+      Sequence p = prefix;
+      p.push_back(b_.Byte(a[0]));
+      SameLength(a.substr(1), std::string(rest, '9'), std::move(p), out);
+    }
+    const char from = low_full ? a[0] : a[0] + 1;
+    const char to = high_full ? z[0] : z[0] - 1;
+    if (from <= to) {
+      Sequence p = prefix;
+      p.push_back(b_.ByteRange(from, to));
+      for (size_t k = 0; k < rest; ++k) p.push_back(b_.ByteRange('0', '9'));
+      out->push_back(std::move(p));
+    }
+    if (!high_full) {
+      Sequence p = prefix;
+      p.push_back(b_.Byte(z[0]));
+      SameLength(std::string(rest, '0'), z.substr(1), std::move(p), out);
+    }
   }
 
   absl::StatusOr<int64_t> Count(const Json& schema, const char* key,
@@ -355,6 +515,28 @@ class JsonSchemaCompiler {
     PDS_ASSIGN_OR_RETURN(int64_t max, Count(schema, "maxLength", path, -1));
     if (max >= 0 && max < min) {
       return Invalid(path, "maxLength is smaller than minLength");
+    }
+    if (schema.contains("format")) {
+      if (schema.contains("pattern") || schema.contains("minLength") ||
+          schema.contains("maxLength")) {
+        return Unsupported("format", path,
+                           "not together with pattern/minLength/maxLength");
+      }
+      const Json& format = schema["format"];
+      const std::string* regex =
+          format.is_string() ? FormatRegex(format.get<std::string>()) : nullptr;
+      if (regex == nullptr) {
+        return Unsupported(
+            "format", path,
+            absl::StrCat("format ", format.dump(),
+                         "; supported: date-time, date, time, uuid, email, "
+                         "ipv4"));
+      }
+      RegexOptions regex_options;
+      regex_options.json_string_contents = true;
+      PDS_ASSIGN_OR_RETURN(Symbol body,
+                           CompileRegex(*regex, regex_options, &b_));
+      return b_.Wrap({Lit("\""), body, Lit("\"")});
     }
     if (schema.contains("pattern")) {
       if (schema.contains("minLength") || schema.contains("maxLength")) {
@@ -393,9 +575,9 @@ class JsonSchemaCompiler {
     const int32_t rule = b_.NewRule();
     if (min == 0) b_.AddAlternative(rule, {Lit("["), ws_, Lit("]")});
     if (max != 0) {
-      Symbol more = b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, item}),
-                              std::max<int64_t>(min - 1, 0),
-                              max < 0 ? -1 : max - 1);
+      Symbol more =
+          b_.Repeat(b_.Wrap({ws_, Lit(","), ws_, item}),
+                    std::max<int64_t>(min - 1, 0), max < 0 ? -1 : max - 1);
       b_.AddAlternative(rule, {Lit("["), ws_, item, more, ws_, Lit("]")});
     }
     return GrammarBuilder::Ref(rule);
@@ -420,10 +602,10 @@ class JsonSchemaCompiler {
         }
         if (!has_properties ||
             !schema["properties"].contains(name.get<std::string>())) {
-          return Invalid(ChildPath(path, "required"),
-                         absl::StrCat("required property '",
-                                      name.get<std::string>(),
-                                      "' is not in properties"));
+          return Invalid(
+              ChildPath(path, "required"),
+              absl::StrCat("required property '", name.get<std::string>(),
+                           "' is not in properties"));
         }
         required.insert(name.get<std::string>());
       }
@@ -477,9 +659,8 @@ class JsonSchemaCompiler {
             Symbol value,
             Value(property, ChildPath(properties_path, name), depth + 1));
         const std::string key = Json(name).dump();
-        members.push_back(
-            {b_.Wrap({Lit(key), ws_, Lit(":"), ws_, value}),
-             required.contains(name)});
+        members.push_back({b_.Wrap({Lit(key), ws_, Lit(":"), ws_, value}),
+                           required.contains(name)});
       }
     }
     // first[i]: members i.. when none was written yet; next[i]: after one.
@@ -502,8 +683,7 @@ class JsonSchemaCompiler {
         b_.AddAlternative(first[i], {GrammarBuilder::Ref(first[i + 1])});
       }
     }
-    return b_.Wrap(
-        {Lit("{"), GrammarBuilder::Ref(first[0]), ws_, Lit("}")});
+    return b_.Wrap({Lit("{"), GrammarBuilder::Ref(first[0]), ws_, Lit("}")});
   }
 
   absl::StatusOr<Symbol> AnyOf(const Json& schema, const std::string& path,
@@ -522,8 +702,8 @@ class JsonSchemaCompiler {
     std::vector<Sequence> alternatives;
     for (size_t i = 0; i < branches.size(); ++i) {
       PDS_ASSIGN_OR_RETURN(
-          Symbol s, Value(branches[i],
-                          absl::StrCat(path, ".anyOf[", i, "]"), depth + 1));
+          Symbol s,
+          Value(branches[i], absl::StrCat(path, ".anyOf[", i, "]"), depth + 1));
       alternatives.push_back({s});
     }
     return Symbol{true, b_.Choice(alternatives)};
@@ -581,9 +761,9 @@ class JsonSchemaCompiler {
                              int depth) {
     for (const auto& [key, unused] : schema.items()) {
       if (key != "$ref" && !IsAnnotation(key)) {
-        return Unsupported("$ref", path,
-                           absl::StrCat("not with the sibling keyword '", key,
-                                        "'"));
+        return Unsupported(
+            "$ref", path,
+            absl::StrCat("not with the sibling keyword '", key, "'"));
       }
     }
     const Json& ref = schema["$ref"];

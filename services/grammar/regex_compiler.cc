@@ -92,8 +92,9 @@ CodePointSet AnyButLineTerminator() {
 }
 
 bool IsSyntaxCharacter(uint32_t c) {
-  return c < 0x80 && std::string_view("^$\\.*+?()[]{}|/-").find(
-                         static_cast<char>(c)) != std::string_view::npos;
+  return c < 0x80 &&
+         std::string_view("^$\\.*+?()[]{}|/-").find(static_cast<char>(c)) !=
+             std::string_view::npos;
 }
 
 int HexValue(uint32_t c) {
@@ -166,9 +167,9 @@ class RegexParser {
  private:
   void Fail(const std::string& what) {
     if (error_.ok()) {
-      error_ = absl::InvalidArgumentError(absl::StrCat(
-          "regex /", std::string(pattern_.substr(0, 200)), "/: ", what,
-          " at offset ", ByteOffset(pos_)));
+      error_ = absl::InvalidArgumentError(
+          absl::StrCat("regex /", std::string(pattern_.substr(0, 200)),
+                       "/: ", what, " at offset ", ByteOffset(pos_)));
     }
   }
   size_t ByteOffset(size_t cp_index) const {
@@ -274,8 +275,8 @@ class RegexParser {
       return;
     }
     if (!AtEnd() && Peek() == '?') ++pos_;  // lazy: the same language
-    if (!AtEnd() && (Peek() == '*' || Peek() == '+' || Peek() == '?' ||
-                     Peek() == '{')) {
+    if (!AtEnd() &&
+        (Peek() == '*' || Peek() == '+' || Peek() == '?' || Peek() == '{')) {
       Fail("nothing to repeat (a quantifier after a quantifier)");
       return;
     }
@@ -285,8 +286,7 @@ class RegexParser {
   Sequence Character(uint32_t c) {
     Sequence seq;
     std::string bytes;
-    if (options_.json_string_contents &&
-        (c < 0x20 || c == '"' || c == '\\')) {
+    if (options_.json_string_contents && (c < 0x20 || c == '"' || c == '\\')) {
       bytes = JsonEscape(c);
     } else {
       AppendUtf8(c, &bytes);

@@ -41,16 +41,25 @@ void ExpectInvalid(const GrammarSpec& spec,
 }
 
 TEST(GrammarBadInputTest, UnsupportedKeywordsNameKeywordAndPath) {
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(
+          R"({"type":"object","properties":{"a":{"type":"number","minimum":3}}})"),
+      {"'minimum'", "$.properties.a", "only on type integer"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(R"({"type":"integer","minimum":1e300})"),
+      {"$.minimum", "16 integer digits"});
   ExpectInvalid(GrammarSpec::JsonSchema(
-                    R"({"type":"object","properties":{"a":{"type":"integer","minimum":3}}})"),
-                {"'minimum'", "$.properties.a"});
-  ExpectInvalid(GrammarSpec::JsonSchema(
-                    R"({"type":"array","items":{"type":"string","format":"email"}})"),
-                {"'format'", "$.items"});
+                    R"({"type":"integer","minimum":3,"maximum":2.5})"),
+                {"no integer satisfies"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(
+          R"({"type":"array","items":{"type":"string","format":"hostname"}})"),
+      {"'format'", "$.items", "\"hostname\"", "supported: date-time"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"oneOf":[{"type":"string"}]})"),
                 {"'oneOf'", "at $"});
-  ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"object","patternProperties":{}})"),
-                {"'patternProperties'"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(R"({"type":"object","patternProperties":{}})"),
+      {"'patternProperties'"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"string","frobnicate":1})"),
                 {"'frobnicate'", "at $"});
   ExpectInvalid(GrammarSpec::JsonSchema(
@@ -59,8 +68,9 @@ TEST(GrammarBadInputTest, UnsupportedKeywordsNameKeywordAndPath) {
   ExpectInvalid(GrammarSpec::JsonSchema(
                     R"({"type":"string","pattern":"a+","maxLength":3})"),
                 {"'pattern'", "minLength/maxLength"});
-  ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"array","uniqueItems":true})"),
-                {"'uniqueItems'"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(R"({"type":"array","uniqueItems":true})"),
+      {"'uniqueItems'"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"integer","minLength":2})"),
                 {"'minLength'", "needs type 'string'"});
 }
@@ -73,14 +83,15 @@ TEST(GrammarBadInputTest, MalformedSchemas) {
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"strnig"})"),
                 {"unknown type 'strnig'", "$.type"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":7})"), {"$.type"});
-  ExpectInvalid(GrammarSpec::JsonSchema(
-                    R"({"type":"object","properties":{"a":{}},"required":["b"]})"),
-                {"'b'", "$.required"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(
+          R"({"type":"object","properties":{"a":{}},"required":["b"]})"),
+      {"'b'", "$.required"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"array","minItems":-1})"),
                 {"$.minItems", "non-negative"});
-  ExpectInvalid(GrammarSpec::JsonSchema(
-                    R"({"type":"array","minItems":3,"maxItems":2})"),
-                {"maxItems is smaller"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(R"({"type":"array","minItems":3,"maxItems":2})"),
+      {"maxItems is smaller"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"enum":[]})"), {"$.enum"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"string","enum":[1,2]})"),
                 {"no enum/const value has the schema's type"});
@@ -88,9 +99,10 @@ TEST(GrammarBadInputTest, MalformedSchemas) {
                 {"points nowhere", "$.$ref"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"$ref":"http://x/y.json"})"),
                 {"'$ref'", "inside the schema"});
-  ExpectInvalid(GrammarSpec::JsonSchema(
-                    R"({"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"})"),
-                {"refers to itself"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(
+          R"({"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"})"),
+      {"refers to itself"});
   ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"string","pattern":"(a"})"),
                 {"$.pattern", "missing ')'"});
 }
@@ -115,8 +127,9 @@ TEST(GrammarBadInputTest, DeepAndHugeSchemasAreBounded) {
   ASSERT_TRUE(nested_bounds.ok()) << nested_bounds.status();
   EXPECT_LT((*nested_bounds)->grammar_size(), 200000);
   // A single bound past the grammar size limit.
-  ExpectInvalid(GrammarSpec::JsonSchema(R"({"type":"string","maxLength":100000000})"),
-                {"grammar too large"});
+  ExpectInvalid(
+      GrammarSpec::JsonSchema(R"({"type":"string","maxLength":100000000})"),
+      {"grammar too large"});
   std::string many = R"({"type":"object","properties":{)";
   for (int i = 0; i < 20000; ++i) {
     many += absl::StrCat(i ? "," : "", "\"p", i, "\":{\"type\":\"string\"}");
@@ -146,12 +159,15 @@ TEST(GrammarBadInputTest, PathologicalAndUnsupportedRegexes) {
   ExpectInvalid(GrammarSpec::Regex("\\"), {"trailing backslash"});
   ExpectInvalid(GrammarSpec::Regex("\\uD800"), {"surrogate"});
   ExpectInvalid(GrammarSpec::Regex("[]"), {"matches no string"});
-  ExpectInvalid(GrammarSpec::Regex(std::string("\xff", 1)), {"not valid UTF-8"});
-  ExpectInvalid(GrammarSpec::Regex(std::string(5000, 'a')), {"the limit is 4096"});
-  ExpectInvalid(GrammarSpec::Regex(std::string(1000, '(') + std::string(1000, ')')),
-                {"nested deeper than 64"});
-  auto nested_repeat =
-      CompiledGrammar::Compile(GrammarSpec::Regex("((a{1000}){1000}){1000}"), Vocab());
+  ExpectInvalid(GrammarSpec::Regex(std::string("\xff", 1)),
+                {"not valid UTF-8"});
+  ExpectInvalid(GrammarSpec::Regex(std::string(5000, 'a')),
+                {"the limit is 4096"});
+  ExpectInvalid(
+      GrammarSpec::Regex(std::string(1000, '(') + std::string(1000, ')')),
+      {"nested deeper than 64"});
+  auto nested_repeat = CompiledGrammar::Compile(
+      GrammarSpec::Regex("((a{1000}){1000}){1000}"), Vocab());
   ASSERT_TRUE(nested_repeat.ok()) << nested_repeat.status();
   EXPECT_LT((*nested_repeat)->grammar_size(), 20000);
   // Nested stars over empty-matching groups compile and match in bounded
@@ -184,10 +200,12 @@ TEST(GrammarBadInputTest, BadChoicesAndOptions) {
 TEST(GrammarBadInputTest, BadVocabularies) {
   EXPECT_EQ(TokenVocabulary::Create({}, {0}).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(TokenVocabulary::Create({"a", "b"}, {}).status().message()),
-              HasSubstr("EOS"));
-  EXPECT_THAT(std::string(TokenVocabulary::Create({"a", "b"}, {2}).status().message()),
-              HasSubstr("outside the vocabulary"));
+  EXPECT_THAT(
+      std::string(TokenVocabulary::Create({"a", "b"}, {}).status().message()),
+      HasSubstr("EOS"));
+  EXPECT_THAT(
+      std::string(TokenVocabulary::Create({"a", "b"}, {2}).status().message()),
+      HasSubstr("outside the vocabulary"));
 }
 
 TEST(GrammarBadInputTest, BadMatcherCalls) {
@@ -198,8 +216,10 @@ TEST(GrammarBadInputTest, BadMatcherCalls) {
   EXPECT_THAT(std::string(m.Accept(100000).message()), HasSubstr("outside"));
   EXPECT_THAT(std::string(m.Accept('b').message()),
               AllOf(HasSubstr("not allowed"), HasSubstr("\"b\"")));
-  EXPECT_THAT(std::string(m.Accept(257).message()), HasSubstr("before the output is complete"));
-  EXPECT_THAT(std::string(m.Rollback(1).message()), HasSubstr("cannot roll back"));
+  EXPECT_THAT(std::string(m.Accept(257).message()),
+              HasSubstr("before the output is complete"));
+  EXPECT_THAT(std::string(m.Rollback(1).message()),
+              HasSubstr("cannot roll back"));
   EXPECT_FALSE(m.Rollback(-1).ok());
   std::vector<uint32_t> short_mask(2);
   EXPECT_EQ(m.FillNextTokenBitmask(short_mask).code(),
@@ -208,7 +228,8 @@ TEST(GrammarBadInputTest, BadMatcherCalls) {
   ASSERT_TRUE(m.Accept('a').ok());
   ASSERT_TRUE(m.Accept('b').ok());
   ASSERT_TRUE(m.Accept(257).ok());
-  EXPECT_THAT(std::string(m.Accept('a').message()), HasSubstr("after the output ended"));
+  EXPECT_THAT(std::string(m.Accept('a').message()),
+              HasSubstr("after the output ended"));
 }
 
 }  // namespace

@@ -2,14 +2,18 @@
 // are exactly those keeping the output a prefix of an accepted string, EOS
 // only at completion, rollback and copies restore earlier states, and the
 // cache shares compiled grammars.
+#include "grammar/grammar.h"
+
+#include <atomic>
 #include <random>
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "grammar/grammar.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -120,7 +124,8 @@ TEST(GrammarMatcherTest, RegexPrefixesMatchBruteForce) {
 
 TEST(GrammarMatcherTest, MultiByteTokensAndEosOnlyAtCompletion) {
   ToyVocab v = MakeVocab({"yes", "ye", "no", "nope", "yesno", "s"});
-  auto grammar = CompileOrDie(GrammarSpec::Choice({"yes", "no", "nope"}), v.vocab);
+  auto grammar =
+      CompileOrDie(GrammarSpec::Choice({"yes", "no", "nope"}), v.vocab);
   GrammarMatcher m(grammar);
   const int32_t yes = 256, ye = 257, no = 258, nope = 259, yesno = 260, s = 261;
   std::vector<uint32_t> mask = Mask(m);
@@ -225,10 +230,15 @@ TEST(GrammarMatcherTest, JsonSchemaAcceptsValidAndRefusesInvalid) {
             "v":{"type":"number"},"next":{"anyOf":[{"$ref":"#/$defs/node"},{"type":"null"}]}},
             "required":["v","next"],"additionalProperties":false}},
           "$ref":"#/$defs/node"})",
-       {R"({"v":1,"next":null})", R"({"v":-1.5e3,"next":{"v":0.25,"next":null}})"},
+       {R"({"v":1,"next":null})",
+        R"({"v":-1.5e3,"next":{"v":0.25,"next":null}})"},
        {R"({"v":1})", R"({"v":1,"next":{"v":2}})", R"({"v":.5,"next":null})"}},
-      {R"({"type":["integer","boolean"]})", {"7", "true", "-0"}, {"\"7\"", "1.0", "null"}},
-      {R"({"const":{"k":[1,"x"]}})", {R"({"k":[1,"x"]})"}, {R"({"k":[1]})", "{ \"k\":[1,\"x\"]}"}},
+      {R"({"type":["integer","boolean"]})",
+       {"7", "true", "-0"},
+       {"\"7\"", "1.0", "null"}},
+      {R"({"const":{"k":[1,"x"]}})",
+       {R"({"k":[1,"x"]})"},
+       {R"({"k":[1]})", "{ \"k\":[1,\"x\"]}"}},
   };
   for (const JsonCase& c : cases) {
     SCOPED_TRACE(c.schema);
@@ -245,13 +255,59 @@ TEST(GrammarMatcherTest, JsonSchemaAcceptsValidAndRefusesInvalid) {
   }
 }
 
+// Integer bounds: every spelling from lo - 150 to hi + 150 (and the extremes)
+// is accepted exactly when it lies in range.
+TEST(GrammarMatcherTest, IntegerBoundsMatchBruteForce) {
+  ToyVocab v = MakeVocab();
+  struct Bounds {
+    std::string keywords;
+    int64_t lo, hi;
+  };
+  const std::vector<Bounds> cases = {
+      {R"("minimum":0,"maximum":100)", 0, 100},
+      {R"("minimum":7,"maximum":1234)", 7, 1234},
+      {R"("minimum":-250,"maximum":-3)", -250, -3},
+      {R"("exclusiveMinimum":-10.5,"exclusiveMaximum":99)", -10, 98},
+      {R"("minimum":1.5,"maximum":1000)", 2, 1000},
+      {R"("minimum":-1,"maximum":0)", -1, 0},
+      {R"("minimum":190,"maximum":210)", 190, 210},
+      {R"("minimum":42)", 42, 9999999999999999},
+      {R"("maximum":-42)", -9999999999999999, -42}};
+  for (const Bounds& c : cases) {
+    SCOPED_TRACE(c.keywords);
+    auto grammar = CompileOrDie(GrammarSpec::JsonSchema(absl::StrCat(
+                                    R"({"type":"integer",)", c.keywords, "}")),
+                                v.vocab);
+    ASSERT_NE(grammar, nullptr);
+    std::vector<int64_t> probes;
+    for (int64_t x = std::max<int64_t>(c.lo, -2000) - 150;
+         x <= std::min<int64_t>(c.hi, 2000) + 150; ++x) {
+      probes.push_back(x);
+    }
+    for (int64_t x : {c.lo, c.hi, c.lo - 1, c.hi + 1, int64_t{0},
+                      int64_t{9999999999999999}, int64_t{-9999999999999999}}) {
+      probes.push_back(x);
+    }
+    for (int64_t x : probes) {
+      GrammarMatcher m(grammar);
+      const bool accepted = FeedBytes(m, std::to_string(x)) && m.IsComplete();
+      ASSERT_EQ(accepted, x >= c.lo && x <= c.hi) << x;
+    }
+    GrammarMatcher leading_zero(grammar);
+    EXPECT_FALSE(FeedBytes(leading_zero, "007") && leading_zero.IsComplete());
+    GrammarMatcher minus_zero(grammar);
+    EXPECT_FALSE(FeedBytes(minus_zero, "-0") && minus_zero.IsComplete());
+  }
+}
+
 TEST(GrammarMatcherTest, JsonObjectModeAndWhitespaceBound) {
   ToyVocab v = MakeVocab();
   GrammarSpec spec = GrammarSpec::JsonObject();
   spec.max_json_whitespace = 4;
   auto grammar = CompileOrDie(spec, v.vocab);
   for (const std::string doc :
-       {"{}", R"({"a":[1,{"b":null},"c"],"d":{"e":{"f":[[]]}}})", " {\n  \"x\": true\n}\n"}) {
+       {"{}", R"({"a":[1,{"b":null},"c"],"d":{"e":{"f":[[]]}}})",
+        " {\n  \"x\": true\n}\n"}) {
     GrammarMatcher m(grammar);
     EXPECT_TRUE(FeedBytes(m, doc) && m.IsComplete()) << doc;
   }
@@ -278,6 +334,57 @@ TEST(GrammarMatcherTest, FirstTokenLeadingSpacePolicy) {
   EXPECT_TRUE(Allowed(mask, 256));  // " yes" keeps its space later
   ASSERT_TRUE(m.Accept(256).ok());
   EXPECT_TRUE(m.IsComplete());
+}
+
+// Matchers of one shared grammar on several threads at once (the lazy
+// automaton and mask cache sit behind the grammar's mutex): every thread's
+// masks agree with single-byte Accept checks and every output completes.
+TEST(GrammarMatcherTest, ConcurrentMatchersShareOneGrammar) {
+  ToyVocab v = MakeVocab({"\"a", "\":", "12", "true", "},{"});
+  auto grammar = CompileOrDie(GrammarSpec::JsonSchema(R"({"type":"array",
+      "items":{"type":"object","properties":{"a":{"type":"integer"},
+      "b":{"type":"string","maxLength":5}},"required":["a"]},"maxItems":4})"),
+                              v.vocab);
+  ASSERT_NE(grammar, nullptr);
+  std::atomic<int> completed{0}, mismatches{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int run = 0; run < 40; ++run) {
+        GrammarMatcher m(grammar);
+        for (int step = 0; step < 200 && !m.IsTerminated(); ++step) {
+          std::vector<uint32_t> mask(m.BitmaskWords());
+          if (!m.FillNextTokenBitmask(mask).ok()) return;
+          std::vector<int32_t> allowed;
+          for (int32_t id = 0; id < v.vocab->size(); ++id) {
+            if (Allowed(mask, id)) allowed.push_back(id);
+            if (id < 256) {
+              GrammarMatcher probe = m;
+              if (probe.Accept(id).ok() != Allowed(mask, id)) ++mismatches;
+            }
+          }
+          if (allowed.empty()) return;
+          // Prefer EOS and closing bytes after a while so outputs end.
+          int32_t pick = allowed[rng() % allowed.size()];
+          if (step > 30) {
+            for (int32_t id :
+                 {v.eos, int32_t{'"'}, int32_t{'}'}, int32_t{']'}}) {
+              if (Allowed(mask, id)) {
+                pick = id;
+                break;
+              }
+            }
+          }
+          if (!m.Accept(pick).ok()) return;
+        }
+        if (m.IsTerminated()) ++completed;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_EQ(completed.load(), 160);
 }
 
 TEST(GrammarCacheTest, SameSpecAndVocabularyShareOneGrammar) {

@@ -1,5 +1,5 @@
 // Outputs generated under the grammar over real vocabularies are valid by
-// independent checkers: for every case of validation_cases.json (22 JSON
+// independent checkers: for every case of validation_cases.json (24 JSON
 // schemas, 6 regexes, 3 choice lists) and json_object mode, tokens are sampled
 // from random logits under the mask until EOS (bounded length), and every
 // output goes through JSON.parse + ajv (npm, draft 2020-12) or JavaScript's
@@ -58,9 +58,7 @@ class GrammarValidationTest : public ::testing::Test {
     delete setup_error_;
     setup_error_ = nullptr;
   }
-  void SetUp() override {
-    ASSERT_EQ(setup_error_, nullptr) << *setup_error_;
-  }
+  void SetUp() override { ASSERT_EQ(setup_error_, nullptr) << *setup_error_; }
 
   struct Loaded {
     std::unique_ptr<tokenizer::Tokenizer> tokenizer;
@@ -102,9 +100,9 @@ class GrammarValidationTest : public ::testing::Test {
     };
     std::vector<Item> items = {{"json_object", 0, GrammarSpec::JsonObject()}};
     for (size_t i = 0; i < cases["json_schemas"].size(); ++i) {
-      items.push_back({"json_schema", static_cast<int>(i),
-                       GrammarSpec::JsonSchema(
-                           cases["json_schemas"][i]["schema"].dump())});
+      items.push_back(
+          {"json_schema", static_cast<int>(i),
+           GrammarSpec::JsonSchema(cases["json_schemas"][i]["schema"].dump())});
     }
     for (size_t i = 0; i < cases["regexes"].size(); ++i) {
       items.push_back({"regex", static_cast<int>(i),
@@ -121,8 +119,8 @@ class GrammarValidationTest : public ::testing::Test {
     Json outputs = Json::array();
     for (const Item& item : items) {
       auto grammar = cache.Get(item.spec, loaded.vocab);
-      EXPECT_TRUE(grammar.ok()) << item.kind << " " << item.index << ": "
-                                << grammar.status();
+      EXPECT_TRUE(grammar.ok())
+          << item.kind << " " << item.index << ": " << grammar.status();
       if (!grammar.ok()) continue;
       for (int o = 0; o < per_case; ++o) {
         testing::GenerationOptions options;
@@ -142,22 +140,25 @@ class GrammarValidationTest : public ::testing::Test {
         }
         auto decoded = loaded.tokenizer->Decode(text_ids);
         EXPECT_TRUE(decoded.ok());
-        if (decoded.ok()) EXPECT_EQ(*decoded, result->text);
+        if (decoded.ok()) {
+          EXPECT_EQ(*decoded, result->text);
+        }
         if (item.kind == "json_schema" || item.kind == "json_object") {
           // Our own parser too, before node sees it.
           EXPECT_FALSE(Json::parse(result->text, nullptr, false).is_discarded())
               << result->text;
         }
-        outputs.push_back(
-            {{"kind", item.kind}, {"index", item.index}, {"text", result->text}});
+        outputs.push_back({{"kind", item.kind},
+                           {"index", item.index},
+                           {"text", result->text}});
       }
     }
     const std::string path =
         absl::StrCat(kBinary, "/grammar_validation_", family, ".json");
     std::ofstream(path) << Json{{"cases", cases}, {"outputs", outputs}}.dump();
-    const auto node = Shell(absl::StrCat(
-        "node tests/grammar/validate_outputs.cjs --modules '", kBinary,
-        "/grammar-refs/node_modules' --in '", path, "'"));
+    const auto node = Shell(
+        absl::StrCat("node tests/grammar/validate_outputs.cjs --modules '",
+                     kBinary, "/grammar-refs/node_modules' --in '", path, "'"));
     EXPECT_EQ(node.code, 0) << node.output;
     const Json verdict = Json::parse(node.output, nullptr, false);
     EXPECT_FALSE(verdict.is_discarded()) << node.output;
@@ -172,7 +173,7 @@ class GrammarValidationTest : public ::testing::Test {
 std::string* GrammarValidationTest::setup_error_ = nullptr;
 
 TEST_F(GrammarValidationTest, Llama3OutputsParseAndValidate) {
-  // 32 cases x 10 = 320 outputs, 230 of them under the 22 JSON schemas.
+  // 34 cases x 10 = 340 outputs, 250 of them under the 24 JSON schemas.
   const int checked = GenerateAndValidate("llama3", 10, /*expect_strip=*/false);
   EXPECT_GE(checked, 300);
 }
@@ -227,6 +228,46 @@ TEST_F(GrammarValidationTest, Llama2SentencePieceStyleOutputsValidate) {
   // space: the grammar sees the text the user will get.
   const int checked = GenerateAndValidate("llama2", 3, /*expect_strip=*/true);
   EXPECT_GE(checked, 90);
+}
+
+// A SentencePiece tokenizer.model (stories260K, 512 pieces with byte
+// fallback): the dummy-prefix space is detected, and outputs decode to the
+// matcher's text.
+TEST_F(GrammarValidationTest, SentencePieceModelDecodesToMatcherText) {
+  model::TokenizerSpec spec;
+  spec.sentencepiece_model_path =
+      std::string(PDSERVE_MODELS_DIR) + "/stories260K/tokenizer.model";
+  auto tok = tokenizer::Tokenizer::Create(spec);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto vocab = TokenVocabulary::FromTokenizer(**tok, {(*tok)->eos_id()});
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  EXPECT_TRUE((*vocab)->first_token_strips_leading_space());
+  std::mt19937_64 rng(11);
+  int outputs = 0;
+  for (
+      const GrammarSpec& spec :
+      {GrammarSpec::JsonSchema(
+           R"({"type":"object","properties":{"name":{"type":"string","maxLength":12},
+                "n":{"type":"integer"}},"required":["name","n"],"additionalProperties":false})"),
+       GrammarSpec::Regex("(the|a) [a-z]{2,8} (ran|sat)\\."),
+       GrammarSpec::Choice({"Once upon a time", "The end"})}) {
+    auto grammar = CompiledGrammar::Compile(spec, *vocab);
+    ASSERT_TRUE(grammar.ok()) << grammar.status();
+    for (int o = 0; o < 5; ++o) {
+      testing::GenerationOptions options;
+      options.free_tokens = 4 + 6 * o;
+      auto result = testing::GenerateRandom(*grammar, options, rng);
+      ASSERT_TRUE(result.ok()) << result.status();
+      ASSERT_TRUE(result->finished) << result->text;
+      std::vector<int32_t> ids = result->ids;
+      ids.pop_back();  // EOS
+      auto decoded = (*tok)->Decode(ids);
+      ASSERT_TRUE(decoded.ok());
+      EXPECT_EQ(*decoded, result->text);
+      ++outputs;
+    }
+  }
+  EXPECT_EQ(outputs, 15);
 }
 
 TEST_F(GrammarValidationTest, Qwen3OutputsValidate) {

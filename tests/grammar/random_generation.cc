@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <ctime>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -14,6 +15,12 @@ uint64_t SplitMix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
+}
+
+double ThreadCpuMicros() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
 }  // namespace
@@ -35,9 +42,11 @@ absl::StatusOr<GenerationResult> GenerateRandom(
   std::vector<int32_t> allowed;
   std::vector<double> cumulative;
   for (int step = 0; step < options.max_tokens; ++step) {
+    const double cpu0 = ThreadCpuMicros();
     const auto t0 = std::chrono::steady_clock::now();
     PDS_RETURN_IF_ERROR(matcher.FillNextTokenBitmask(mask));
     const auto t1 = std::chrono::steady_clock::now();
+    result.mask_cpu_micros.push_back(ThreadCpuMicros() - cpu0);
     result.mask_micros.push_back(
         std::chrono::duration<double, std::micro>(t1 - t0).count());
     allowed.clear();
@@ -63,13 +72,15 @@ absl::StatusOr<GenerationResult> GenerateRandom(
         const double u = (SplitMix64(salt ^ static_cast<uint64_t>(id)) >> 11) *
                          (1.0 / 9007199254740992.0);
         double logit = options.logit_scale * u;
-        if (vocab.token_bytes(id).size() == 1) logit += options.single_byte_bonus;
+        if (vocab.token_bytes(id).size() == 1)
+          logit += options.single_byte_bonus;
         total += std::exp(logit);
         cumulative[k] = total;
       }
       const double r = std::uniform_real_distribution<double>(0, total)(rng);
-      const size_t k = std::upper_bound(cumulative.begin(), cumulative.end(), r) -
-                       cumulative.begin();
+      const size_t k =
+          std::upper_bound(cumulative.begin(), cumulative.end(), r) -
+          cumulative.begin();
       chosen = allowed[std::min(k, allowed.size() - 1)];
     } else {
       for (int32_t eos : vocab.eos_ids()) {
@@ -99,7 +110,8 @@ absl::StatusOr<GenerationResult> GenerateRandom(
           if (vocab.token_bytes(id).size() == 1) single.push_back(id);
         }
         const std::vector<int32_t>& pool = single.empty() ? allowed : single;
-        chosen = pool[std::uniform_int_distribution<size_t>(0, pool.size() - 1)(rng)];
+        chosen = pool[std::uniform_int_distribution<size_t>(
+            0, pool.size() - 1)(rng)];
       }
     }
     PDS_RETURN_IF_ERROR(matcher.Accept(chosen));

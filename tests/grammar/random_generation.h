@@ -27,7 +27,10 @@ struct GenerationResult {
   std::string text;
   bool finished = false;  // ended by EOS within max_tokens
   std::vector<int32_t> ids;
-  std::vector<double> mask_micros;  // FillNextTokenBitmask time per step
+  std::vector<double> mask_micros;  // FillNextTokenBitmask wall time per step
+  // The same calls in this thread's CPU time: on a loaded machine it leaves
+  // out the time the thread was not scheduled.
+  std::vector<double> mask_cpu_micros;
 };
 
 [[nodiscard]] absl::StatusOr<GenerationResult> GenerateRandom(

@@ -1,6 +1,6 @@
 // Checks grammar-constrained outputs with checkers independent of
 // services/grammar: JSON.parse + ajv (draft 2020-12) for JSON schemas and
-// json_object, JavaScript RegExp (u flag, anchored) for regexes, string
+// json_object (ajv-formats for `format`), JavaScript RegExp (u flag, anchored) for regexes, string
 // equality for choices.
 //
 //   node tests/grammar/validate_outputs.cjs --modules DIR/node_modules --in FILE
@@ -21,7 +21,9 @@ const arg = (name) => {
 const modules = arg('--modules');
 const input = JSON.parse(fs.readFileSync(arg('--in'), 'utf8'));
 const Ajv2020 = require(path.join(modules, 'ajv/dist/2020')).default;
+const addFormats = require(path.join(modules, 'ajv-formats')).default;
 const ajv = new Ajv2020({strict: false, allErrors: true});
+addFormats(ajv);  // "full" mode: dates checked against the calendar
 const validators = input.cases.json_schemas.map((c) => ajv.compile(c.schema));
 
 const failures = [];
