@@ -193,8 +193,9 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def forward(cfg, w, ids):
-    """Logits [len(ids), vocab] of the whole sequence."""
+def forward(cfg, w, ids, rows=None):
+    """Logits [len(rows), vocab] of positions `rows` (all when None) of the
+    whole sequence."""
     n = len(ids)
     hd, heads, kv_heads = cfg.head_dim, cfg.heads, cfg.kv_heads
     x = w["model.embed_tokens.weight"][np.array(ids)]
@@ -240,6 +241,8 @@ def forward(cfg, w, ids):
         gate = h @ w[p + "mlp.gate_proj.weight"].T
         up = h @ w[p + "mlp.up_proj.weight"].T
         x = x + (silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    if rows is not None:
+        x = x[rows]
     x = rms_norm(x, w["model.norm.weight"], cfg.eps)
     head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
     return x @ head.T
@@ -269,7 +272,8 @@ def main():
     greedy, logprobs, margins = [], [], []
     prompt_logprobs = []
     for step in range(args.max_new):
-        logits = forward(cfg, weights, ids)
+        # All positions once (the prompt's scores), then only the last.
+        logits = forward(cfg, weights, ids, None if step == 0 else [len(ids) - 1])
         if step == 0:
             for k in range(1, len(prompt)):
                 prompt_logprobs.append(float(log_softmax(logits[k - 1])[prompt[k]]))
