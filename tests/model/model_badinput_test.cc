@@ -311,6 +311,76 @@ TEST_F(GgufSyntheticTest, HeadCountNotDivisibleByKvHeads) {
   ExpectFails(builder, "num_key_value_heads");
 }
 
+// The family metadata and tensors of GGUF files, refused by name.
+TEST_F(GgufSyntheticTest, FamilyFeaturesTheReaderCannotMapAreRefused) {
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddStr("llama.rope.scaling.type", "longrope");
+    ExpectFails(builder,
+                "llama.rope.scaling.type \"longrope\" is not supported");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddStr("llama.rope.scaling.type", "yarn");
+    ExpectFails(builder, "llama.rope.scaling.factor");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddU32("llama.attention.sliding_window", 4);
+    ExpectFails(builder, "llama.attention.sliding_window is not supported");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.RemoveMetadata("general.architecture");
+    builder.AddStr("general.architecture", "gemma2");
+    ExpectFails(builder, "general.architecture \"gemma2\" is not supported");
+  }
+  {
+    // Llama 3.x frequency factors must cover head_dim / 2 = 2 pairs.
+    testing::GgufBuilder builder = Tiny();
+    testing::GgufBuilder::Tensor factors;
+    factors.name = "rope_freqs.weight";
+    factors.ne = {3};
+    factors.ggml_type = 0;  // F32
+    factors.data = std::string(12, '\0');
+    builder.AddTensor(factors);
+    ExpectFails(builder,
+                "rope_freqs.weight must be F32 of head_dim / 2 = 2 values");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    testing::GgufBuilder::Tensor bias;
+    bias.name = "blk.0.attn_q.bias";
+    bias.ne = {8};
+    bias.ggml_type = 0;
+    bias.data = std::string(32, '\0');
+    builder.AddTensor(bias);
+    ExpectFails(builder, "q/k/v biases in a \"llama\" GGUF are not supported");
+  }
+}
+
+// rope_freqs.weight (how llama.cpp stores Llama 3.x RoPE) is read into the
+// config and part of its identity.
+TEST_F(GgufSyntheticTest, RopeFrequencyFactorsAreRead) {
+  testing::GgufBuilder builder = Tiny();
+  testing::GgufBuilder::Tensor factors;
+  factors.name = "rope_freqs.weight";
+  factors.ne = {2};
+  factors.ggml_type = 0;
+  const float values[2] = {1.0f, 8.0f};
+  factors.data.assign(reinterpret_cast<const char*>(values), sizeof values);
+  builder.AddTensor(factors);
+  path_ = dir_.File("factors.gguf");
+  testing::WriteBytes(path_, builder.Build());
+  auto source = OpenModel(path_, LoadFormat::kGguf);
+  ASSERT_TRUE(source.ok()) << source.status();
+  const RopeScaling& rope = (*source)->config().rope_scaling;
+  EXPECT_EQ(rope.type, RopeScalingType::kFreqFactors);
+  EXPECT_EQ(rope.freq_factors, (std::vector<float>{1.0f, 8.0f}));
+  EXPECT_THAT((*source)->config().Identity(),
+              HasSubstr("rope=freq_factors(1,8)"));
+}
+
 // Safetensors folders with one thing wrong.
 class SafetensorsBadTest : public ::testing::Test {
  protected:
