@@ -17,6 +17,8 @@
 #include "comm/communicator.h"
 #include "engine_test_util.h"
 #include "family_reference.h"
+#include "model/tensor_layout.h"
+#include "model_test_util.h"
 
 namespace pdserve::engine {
 namespace {
@@ -401,6 +403,90 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
                           it->second.prompt_logprobs[k - 1]));
     }
     EXPECT_GT(worst, 1e-2);
+  }
+}
+
+// GGUF copies of the Qwen checkpoints, written as llama.cpp's converter
+// does (qwen2/qwen3 metadata prefixes, q/k rows kept in rotate-half order,
+// biases and q/k norms under their GGUF names, no output.weight when tied):
+// the same config identity and the same logits as the safetensors folder.
+std::string GgufTensorName(const std::string& canonical) {
+  static const std::vector<std::pair<std::string, std::string>> kNames = {
+      {"input_layernorm", "attn_norm"},
+      {"self_attn.q_proj", "attn_q"},
+      {"self_attn.k_proj", "attn_k"},
+      {"self_attn.v_proj", "attn_v"},
+      {"self_attn.o_proj", "attn_output"},
+      {"self_attn.q_norm", "attn_q_norm"},
+      {"self_attn.k_norm", "attn_k_norm"},
+      {"post_attention_layernorm", "ffn_norm"},
+      {"mlp.gate_proj", "ffn_gate"},
+      {"mlp.up_proj", "ffn_up"},
+      {"mlp.down_proj", "ffn_down"}};
+  if (canonical == "model.embed_tokens.weight") return "token_embd.weight";
+  if (canonical == "model.norm.weight") return "output_norm.weight";
+  if (canonical == "lm_head.weight") return "output.weight";
+  const size_t layer_end = canonical.find('.', 13);  // "model.layers.N."
+  const std::string layer = canonical.substr(13, layer_end - 13);
+  std::string rest = canonical.substr(layer_end + 1);
+  const size_t suffix = rest.rfind('.');
+  const std::string stem = rest.substr(0, suffix);
+  for (const auto& [hf, gguf] : kNames) {
+    if (stem == hf) return "blk." + layer + "." + gguf + rest.substr(suffix);
+  }
+  return canonical;
+}
+
+TEST(FamilyGgufTest, QwenGgufFilesEqualTheirSafetensors) {
+  for (const std::string name : {"qwen25", "qwen3"}) {
+    SCOPED_TRACE(name);
+    const FamilyReference& f = Families().at(name);
+    auto hf = model::OpenModel(f.dir);
+    ASSERT_TRUE(hf.ok()) << hf.status();
+    const model::ModelConfig& c = (*hf)->config();
+    model::testing::GgufBuilder builder;
+    const std::string& arch = c.architecture;
+    builder.AddStr("general.architecture", arch);
+    builder.AddU32(arch + ".context_length", c.max_position_embeddings);
+    builder.AddU32(arch + ".embedding_length", c.hidden_size);
+    builder.AddU32(arch + ".feed_forward_length", c.intermediate_size);
+    builder.AddU32(arch + ".block_count", c.num_layers);
+    builder.AddU32(arch + ".attention.head_count", c.num_heads);
+    builder.AddU32(arch + ".attention.head_count_kv", c.num_kv_heads);
+    builder.AddU32(arch + ".attention.key_length", c.head_dim);
+    builder.AddU32(arch + ".rope.dimension_count", c.head_dim);
+    builder.AddF32(arch + ".attention.layer_norm_rms_epsilon", c.rms_norm_eps);
+    builder.AddF32(arch + ".rope.freq_base", c.rope_theta);
+    builder.AddU32("tokenizer.ggml.bos_token_id", c.bos_token_id);
+    builder.AddU32("tokenizer.ggml.eos_token_id", c.eos_token_id);
+    for (const model::ExpectedTensor& t : model::LlamaTensorLayout(c)) {
+      int64_t count = 1;
+      for (int64_t d : t.shape) count *= d;
+      std::vector<float> values(count);
+      ASSERT_TRUE((*hf)->ReadF32(t.name, {}, values.data()).ok());
+      model::testing::GgufBuilder::Tensor tensor;
+      tensor.name = GgufTensorName(t.name);
+      tensor.ne.assign(t.shape.rbegin(), t.shape.rend());
+      tensor.ggml_type = 0;  // F32
+      tensor.data.assign(reinterpret_cast<const char*>(values.data()),
+                         values.size() * sizeof(float));
+      builder.AddTensor(std::move(tensor));
+    }
+    const std::string path = f.dir + ".gguf";
+    model::testing::WriteBytes(path, builder.Build());
+    auto gguf = model::OpenModel(path);
+    ASSERT_TRUE(gguf.ok()) << gguf.status();
+    EXPECT_EQ((*gguf)->config().Identity(), c.Identity());
+    EXPECT_EQ((*gguf)->config().tie_word_embeddings, c.tie_word_embeddings);
+    SingleEngine a(**hf), b(**gguf);
+    ASSERT_NE(a.engine, nullptr);
+    ASSERT_NE(b.engine, nullptr);
+    const auto want = a.Step(f.prompt_ids, 0);
+    const auto got = b.Step(f.prompt_ids, 0);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t t = 0; t < got.size(); ++t) {
+      EXPECT_EQ(got[t], want[t]) << "position " << t;
+    }
   }
 }
 
