@@ -33,6 +33,8 @@ void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
 struct CpuLayerWeights {
   std::vector<float> attn_norm, ffn_norm;  // [hidden]
   PackedMatrix wqkv, wo, w_gate_up, w_down;
+  // Family extras (empty when the config has none): see HostLayerWeights.
+  std::vector<float> qkv_bias, q_norm, k_norm, o_bias;
 };
 
 // Packs row-major `rows` x `cols` weights and releases the row-major copy, so
@@ -133,7 +135,16 @@ class CpuBackend final : public EngineBackend {
     return communicator->AllReduceSum(std::span<float>(data.data(), count));
   }
   void ApplyRope(float* vec, int position) const;
-  void WriteKv(const ForwardBatch& batch, int local_layer, kv::KvPool& pool);
+  // Adds the q/k/v biases, normalizes q and k per head, rotates them and
+  // writes this step's K/V into the pool.
+  void WriteKv(const ForwardBatch& batch, int local_layer,
+               const CpuLayerWeights& lw, kv::KvPool& pool);
+  // The first key position a query at `position` attends to.
+  int FirstVisibleKey(int position) const {
+    return config.sliding_window > 0
+               ? std::max(0, position + 1 - config.sliding_window)
+               : 0;
+  }
   void Attention(const ForwardBatch& batch, int local_layer,
                  const kv::KvPool& pool);
   void TiledAttention(const SequenceStep& seq, int64_t first_token, int h,
@@ -200,6 +211,10 @@ absl::Status CpuBackend::Load(const model::WeightSource& weights) {
     CpuLayerWeights& cw = layers.emplace_back();
     cw.attn_norm = std::move(lw.attn_norm);
     cw.ffn_norm = std::move(lw.ffn_norm);
+    cw.qkv_bias = std::move(lw.qkv_bias);
+    cw.q_norm = std::move(lw.q_norm);
+    cw.k_norm = std::move(lw.k_norm);
+    cw.o_bias = std::move(lw.o_bias);
     PDS_ASSIGN_OR_RETURN(cw.wqkv, PackAndRelease(lw.wqkv, qkv_rows(), hidden));
     PDS_ASSIGN_OR_RETURN(cw.wo, PackAndRelease(lw.wo, hidden, attn_width));
     PDS_ASSIGN_OR_RETURN(cw.w_gate_up,
@@ -244,7 +259,7 @@ void CpuBackend::ApplyRope(float* vec, int position) const {
 }
 
 void CpuBackend::WriteKv(const ForwardBatch& batch, int local_layer,
-                         kv::KvPool& pool) {
+                         const CpuLayerWeights& lw, kv::KvPool& pool) {
   const kv::KvCacheLayout& layout = pool.layout();
   const int64_t hd = config.head_dim;
   const int64_t row = qkv_rows();
@@ -259,10 +274,23 @@ void CpuBackend::WriteKv(const ForwardBatch& batch, int local_layer,
       const int32_t block = seq.block_table[info.position / layout.block_size];
       const int slot = info.position % layout.block_size;
       float* q = qkv.data() + t * row;
-      for (int h = 0; h < q_heads; ++h) ApplyRope(q + h * hd, info.position);
+      if (!lw.qkv_bias.empty()) {
+        for (int64_t i = 0; i < row; ++i) q[i] += lw.qkv_bias[i];
+      }
+      for (int h = 0; h < q_heads; ++h) {
+        if (!lw.q_norm.empty()) {
+          RmsNorm(q + h * hd, lw.q_norm.data(), hd, config.rms_norm_eps,
+                  q + h * hd);
+        }
+        ApplyRope(q + h * hd, info.position);
+      }
       float* k = q + q_heads * hd;
       float* v = k + kv_heads * hd;
       for (int h = 0; h < kv_heads; ++h) {
+        if (!lw.k_norm.empty()) {
+          RmsNorm(k + h * hd, lw.k_norm.data(), hd, config.rms_norm_eps,
+                  k + h * hd);
+        }
         ApplyRope(k + h * hd, info.position);
         const int64_t k_at = layout.Offset(block, local_layer, 0, h, slot);
         const int64_t v_at = layout.Offset(block, local_layer, 1, h, slot);
@@ -330,8 +358,13 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
       // (kv 0) or V (kv 1) and every query that sees `count` > 0 of its rows
       // (key j is visible to query token i iff j <= start + i), prefetching
       // the next block's slab while this one is used.
+      // With a sliding window a query also sees no key before
+      // FirstVisibleKey, and blocks before the first query's window are
+      // never read.
+      const int first_block = FirstVisibleKey(seq.start_position) / bs;
       auto for_each_block = [&](int kv, auto&& visit) {
-        for (int b = 0, first = 0; first < len; ++b, first += bs) {
+        for (int b = first_block, first = b * bs; first < len;
+             ++b, first += bs) {
           if (first + bs < len) {
             PrefetchHeadBlock(pool, seq.block_table[b + 1], local_layer, kv,
                               kv_head);
@@ -341,9 +374,12 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
               layout.Offset(seq.block_table[b], local_layer, kv, kv_head, 0);
           const int slots = std::min(bs, len - first);
           for (int qi = 0; qi < queries; ++qi) {
-            const int visible = seq.start_position + qi % n + 1;
-            const int count = std::min(slots, visible - first);
-            if (count > 0) visit(rows, qi, first, count);
+            const int position = seq.start_position + qi % n;
+            const int count = std::min(slots, position + 1 - first);
+            const int skip = std::max(0, FirstVisibleKey(position) - first);
+            if (count > skip) {
+              visit(rows + int64_t{skip} * hd, qi, first + skip, count - skip);
+            }
           }
         }
       };
@@ -352,8 +388,10 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
                   scores.data() + int64_t{qi} * len + first);
       });
       for (int qi = 0; qi < queries; ++qi) {
-        SoftmaxInPlace(scores.data() + int64_t{qi} * len,
-                       seq.start_position + qi % n + 1);
+        const int position = seq.start_position + qi % n;
+        const int lo = FirstVisibleKey(position);
+        SoftmaxInPlace(scores.data() + int64_t{qi} * len + lo,
+                       position + 1 - lo);
         std::fill(output(qi), output(qi) + hd, 0.0f);
       }
       for_each_block(1, [&](const auto* values, int qi, int first, int count) {
@@ -385,19 +423,24 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   const int n = seq.num_tokens;
   const int len = seq.start_position + n;
   const int bs = layout.block_size;
+  // Keys from the block holding the first query's first visible key (0
+  // without a sliding window): keys[i] is position gathered_from + i.
+  const int gathered_from = FirstVisibleKey(seq.start_position) / bs * bs;
   thread_local std::vector<float> keys, values, probs;
-  keys.resize(int64_t{len} * hd);
-  values.resize(int64_t{len} * hd);
+  keys.resize(int64_t{len - gathered_from} * hd);
+  values.resize(int64_t{len - gathered_from} * hd);
   // Causal: query i sees start_position + i + 1 keys. Blocks of queries
   // multiply only the keys their last query sees, so a long chunk does not
-  // spend half its attention FLOPs on masked scores and zero probabilities.
+  // spend half its attention FLOPs on masked scores and zero probabilities
+  // (and, with a window, only from the keys their first query sees).
   constexpr int kQueryBlock = 64;
-  probs.resize(int64_t{std::min(n, kQueryBlock)} * len);
-  for (int b = 0, start = 0; start < len; ++b, start += bs) {
+  probs.resize(int64_t{std::min(n, kQueryBlock)} * (len - gathered_from));
+  for (int b = gathered_from / bs, start = gathered_from; start < len;
+       ++b, start += bs) {
     const int slots = std::min(bs, len - start);
     const int64_t block = seq.block_table[b];
-    float* key_rows = keys.data() + int64_t{start} * hd;
-    float* value_rows = values.data() + int64_t{start} * hd;
+    float* key_rows = keys.data() + int64_t{start - gathered_from} * hd;
+    float* value_rows = values.data() + int64_t{start - gathered_from} * hd;
     const int64_t k_at = layout.Offset(block, local_layer, 0, kv_head, 0);
     const int64_t v_at = layout.Offset(block, local_layer, 1, kv_head, 0);
     if (kv_type == kv::KvDType::kF32) {
@@ -413,20 +456,30 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   const int64_t out_stride = int64_t{q_heads} * hd;
   for (int i0 = 0; i0 < n; i0 += kQueryBlock) {
     const int rows = std::min(kQueryBlock, n - i0);
-    const int keys_seen = seq.start_position + i0 + rows;
+    // Key columns [key_lo, keys_end) of this block of queries.
+    const int key_lo = FirstVisibleKey(seq.start_position + i0);
+    const int keys_end = seq.start_position + i0 + rows;
+    const int columns = keys_end - key_lo;
+    const float* block_keys =
+        keys.data() + int64_t{key_lo - gathered_from} * hd;
+    const float* block_values =
+        values.data() + int64_t{key_lo - gathered_from} * hd;
     const float* q = qkv.data() + (first_token + i0) * row + int64_t{h} * hd;
-    GemmRowMajor(/*transpose_b=*/true, rows, keys_seen, hd, scale, q, row,
-                 keys.data(), hd, probs.data(), keys_seen);
+    GemmRowMajor(/*transpose_b=*/true, rows, columns, hd, scale, q, row,
+                 block_keys, hd, probs.data(), columns);
     for (int i = 0; i < rows; ++i) {
-      float* p = probs.data() + int64_t{i} * keys_seen;
-      const int visible = seq.start_position + i0 + i + 1;
-      SoftmaxInPlace(p, visible);
-      std::fill(p + visible, p + keys_seen, 0.0f);
+      float* p = probs.data() + int64_t{i} * columns;
+      const int position = seq.start_position + i0 + i;
+      const int lo = FirstVisibleKey(position) - key_lo;
+      const int visible = position + 1 - key_lo;
+      std::fill(p, p + lo, 0.0f);
+      SoftmaxInPlace(p + lo, visible - lo);
+      std::fill(p + visible, p + columns, 0.0f);
     }
     float* out =
         attn_out.data() + (first_token + i0) * out_stride + int64_t{h} * hd;
-    GemmRowMajor(/*transpose_b=*/false, rows, hd, keys_seen, 1.0f, probs.data(),
-                 keys_seen, values.data(), hd, out, out_stride);
+    GemmRowMajor(/*transpose_b=*/false, rows, hd, columns, 1.0f, probs.data(),
+                 columns, block_values, hd, out, out_stride);
   }
 }
 
@@ -439,7 +492,9 @@ int64_t CpuBackend::weight_bytes() const {
   int64_t floats = embedding.size() + final_norm.size() + elements(lm_head);
   for (const auto& lw : layers) {
     floats += lw.attn_norm.size() + elements(lw.wqkv) + elements(lw.wo) +
-              lw.ffn_norm.size() + elements(lw.w_gate_up) + elements(lw.w_down);
+              lw.ffn_norm.size() + elements(lw.w_gate_up) +
+              elements(lw.w_down) + lw.qkv_bias.size() + lw.q_norm.size() +
+              lw.k_norm.size() + lw.o_bias.size();
   }
   return floats * static_cast<int64_t>(sizeof(float));
 }
@@ -637,11 +692,19 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
     PackedMatMul(m.normed.data(), n, lw.wqkv, m.qkv.data(), *m.workers);
-    m.WriteKv(batch, static_cast<int>(local), pool);
+    m.WriteKv(batch, static_cast<int>(local), lw, pool);
     m.Attention(batch, static_cast<int>(local), pool);
     PackedMatMul(m.attn_out.data(), n, lw.wo, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
-    for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
+    if (lw.o_bias.empty()) {
+      for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
+    } else {  // after the sum, so every rank adds it once
+      for (int64_t t = 0; t < n; ++t) {
+        float* x = m.x.data() + t * hidden;
+        const float* proj = m.proj.data() + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) x[i] += proj[i] + lw.o_bias[i];
+      }
+    }
 
     // MLP block (SwiGLU).
     for (int64_t t = 0; t < n; ++t) {

@@ -1,5 +1,6 @@
 #include "engine/shard_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -211,6 +212,34 @@ absl::Status LoadLayerWeights(const model::WeightSource& weights,
   PDS_RETURN_IF_ERROR(Read(weights,
                            LayerTensorName(layer, "self_attn.o_proj.weight"),
                            Cols(q0, q0 + q_rows), hidden, q_rows, lw->wo));
+  const model::ModelConfig& c = plan.config;
+  if (c.qkv_bias) {
+    // Sliced with their heads, like the weight rows (a replicated KV head's
+    // bias when TP exceeds the KV heads).
+    lw->qkv_bias.resize(q_rows + 2 * kv_rows);
+    PDS_RETURN_IF_ERROR(
+        Read(weights, LayerTensorName(layer, "self_attn.q_proj.bias"),
+             Cols(q0, q0 + q_rows), 1, q_rows, lw->qkv_bias, 0));
+    PDS_RETURN_IF_ERROR(
+        Read(weights, LayerTensorName(layer, "self_attn.k_proj.bias"),
+             Cols(kv0, kv0 + kv_rows), 1, kv_rows, lw->qkv_bias, q_rows));
+    PDS_RETURN_IF_ERROR(Read(
+        weights, LayerTensorName(layer, "self_attn.v_proj.bias"),
+        Cols(kv0, kv0 + kv_rows), 1, kv_rows, lw->qkv_bias, q_rows + kv_rows));
+  }
+  if (c.qk_norm) {
+    PDS_RETURN_IF_ERROR(Read(weights,
+                             LayerTensorName(layer, "self_attn.q_norm.weight"),
+                             {}, 1, hd, lw->q_norm));
+    PDS_RETURN_IF_ERROR(Read(weights,
+                             LayerTensorName(layer, "self_attn.k_norm.weight"),
+                             {}, 1, hd, lw->k_norm));
+  }
+  if (c.o_bias) {
+    PDS_RETURN_IF_ERROR(Read(weights,
+                             LayerTensorName(layer, "self_attn.o_proj.bias"),
+                             {}, 1, hidden, lw->o_bias));
+  }
   const int64_t f = plan.ffn_rows();
   PDS_RETURN_IF_ERROR(
       Read(weights, LayerTensorName(layer, "mlp.gate_proj.weight"),
@@ -243,18 +272,104 @@ absl::Status LoadHead(const model::WeightSource& weights, const ShardPlan& plan,
               plan.vocab_rows(), hidden, *lm_head);
 }
 
+std::vector<double> RopeInverseFrequencies(const model::ModelConfig& c,
+                                           int64_t seq_len) {
+  using model::RopeScalingType;
+  const model::RopeScaling& rope = c.rope_scaling;
+  const int half = c.head_dim / 2;
+  const double dim = c.head_dim;
+  double base = c.rope_theta;
+  if (rope.type == RopeScalingType::kDynamic &&
+      seq_len > rope.original_max_position) {
+    // NTK-aware: grow the base with the sequence past the trained context.
+    base *= std::pow(
+        rope.factor * seq_len / rope.original_max_position - (rope.factor - 1),
+        dim / (dim - 2));
+  }
+  std::vector<double> inv(half);
+  for (int j = 0; j < half; ++j) inv[j] = std::pow(base, -2.0 * j / dim);
+  switch (rope.type) {
+    case RopeScalingType::kNone:
+    case RopeScalingType::kDynamic:
+      break;
+    case RopeScalingType::kLinear:
+      for (double& f : inv) f /= rope.factor;
+      break;
+    case RopeScalingType::kFreqFactors:
+      for (int j = 0; j < half; ++j) inv[j] /= rope.freq_factors[j];
+      break;
+    case RopeScalingType::kLlama3: {
+      // Long wavelengths (past the old context / low_freq_factor) are
+      // interpolated by the factor, short ones (below old context /
+      // high_freq_factor) kept, the band between blended smoothly.
+      const double old_context = rope.original_max_position;
+      const double low_wavelength = old_context / rope.low_freq_factor;
+      const double high_wavelength = old_context / rope.high_freq_factor;
+      for (double& f : inv) {
+        const double wavelength = 2 * M_PI / f;
+        if (wavelength < high_wavelength) continue;
+        if (wavelength > low_wavelength) {
+          f /= rope.factor;
+          continue;
+        }
+        const double smooth =
+            (old_context / wavelength - rope.low_freq_factor) /
+            (rope.high_freq_factor - rope.low_freq_factor);
+        f = (1 - smooth) * f / rope.factor + smooth * f;
+      }
+      break;
+    }
+    case RopeScalingType::kYarn: {
+      // Pairs that turn fewer than beta_slow times over the original
+      // context are interpolated, more than beta_fast times extrapolated,
+      // a linear ramp in between.
+      auto correction_dim = [&](double rotations) {
+        return dim *
+               std::log(rope.original_max_position / (rotations * 2 * M_PI)) /
+               (2 * std::log(double{c.rope_theta}));
+      };
+      double low = correction_dim(rope.beta_fast);
+      double high = correction_dim(rope.beta_slow);
+      if (rope.truncate) {
+        low = std::floor(low);
+        high = std::ceil(high);
+      }
+      low = std::max(low, 0.0);
+      high = std::min(high, dim - 1);
+      if (low == high) high += 0.001;  // as transformers: no singular ramp
+      for (int j = 0; j < half; ++j) {
+        const double ramp = std::clamp((j - low) / (high - low), 0.0, 1.0);
+        const double extrapolation = 1 - ramp;
+        inv[j] =
+            inv[j] / rope.factor * (1 - extrapolation) + inv[j] * extrapolation;
+      }
+      break;
+    }
+  }
+  return inv;
+}
+
 void BuildRopeTables(const model::ModelConfig& c, std::vector<float>* cos,
                      std::vector<float>* sin) {
   const int half = c.head_dim / 2;
+  const model::RopeScaling& rope = c.rope_scaling;
+  const double scale =
+      rope.type == model::RopeScalingType::kYarn ? rope.attention_factor : 1.0;
+  const bool dynamic = rope.type == model::RopeScalingType::kDynamic;
   cos->resize(int64_t{c.max_position_embeddings} * half);
   sin->resize(cos->size());
+  // Once per model (per position only where dynamic NTK grows the base).
+  std::vector<double> inv_freq = RopeInverseFrequencies(c);
   for (int pos = 0; pos < c.max_position_embeddings; ++pos) {
+    if (dynamic && pos + 1 > rope.original_max_position) {
+      inv_freq = RopeInverseFrequencies(c, pos + 1);
+    }
     for (int j = 0; j < half; ++j) {
-      const double inv_freq =
-          std::pow(double{c.rope_theta}, -2.0 * j / c.head_dim);
-      const double angle = pos * inv_freq;
-      (*cos)[int64_t{pos} * half + j] = static_cast<float>(std::cos(angle));
-      (*sin)[int64_t{pos} * half + j] = static_cast<float>(std::sin(angle));
+      const double angle = pos * inv_freq[j];
+      (*cos)[int64_t{pos} * half + j] =
+          static_cast<float>(std::cos(angle) * scale);
+      (*sin)[int64_t{pos} * half + j] =
+          static_cast<float>(std::sin(angle) * scale);
     }
   }
 }

@@ -65,6 +65,10 @@ struct HostLayerWeights {
   std::vector<float> ffn_norm;   // [hidden]
   std::vector<float> w_gate_up;  // [2 * ffn_rows, hidden]: gate then up rows
   std::vector<float> w_down;     // [hidden, ffn_rows]
+  // Family extras, empty when the config has none:
+  std::vector<float> qkv_bias;        // [qkv_rows]: this shard's q, k, v rows
+  std::vector<float> q_norm, k_norm;  // [head_dim], every head alike
+  std::vector<float> o_bias;          // [hidden], added once after the sum
 };
 
 // `layer` is the model layer (inside the shard's range).
@@ -82,8 +86,23 @@ struct HostLayerWeights {
                                     std::vector<float>* final_norm,
                                     std::vector<float>* lm_head);
 
+// The inverse frequency of each rotation pair j < head_dim / 2 under the
+// config's RoPE scaling, as transformers' rope init functions compute it
+// (in double): theta^(-2j/d), divided by the linear factor, llama3's
+// smoothed per-band factor, yarn's ramp between interpolation and
+// extrapolation, or GGUF's stored factors. Dynamic NTK depends on the
+// sequence length: `seq_len` (<= the original context: no scaling).
+std::vector<double> RopeInverseFrequencies(const model::ModelConfig& config,
+                                           int64_t seq_len = 0);
+
 // Rotate-half RoPE tables [max_position, head_dim / 2], computed in double:
-// angles pos * theta^(-2j/d) lose ~1e-5 rad at long positions in float.
+// angles pos * inv_freq lose ~1e-5 rad at long positions in float. yarn's
+// attention factor multiplies cos and sin (transformers' post-processing
+// scale, so q.k grows by its square). Dynamic NTK: position p rotates with
+// the frequencies of seq_len = p + 1, what transformers computes when each
+// token is its own step; one-shot prefill there uses the prompt's length
+// for every prompt token, which would make results depend on how a prompt
+// is chunked and batched.
 void BuildRopeTables(const model::ModelConfig& config, std::vector<float>* cos,
                      std::vector<float>* sin);
 

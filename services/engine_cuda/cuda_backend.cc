@@ -882,9 +882,29 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
 
 }  // namespace
 
+namespace {
+
+// The family features the kernels compute. RoPE scaling of every type
+// is in the host-built cos/sin tables (BuildRopeTables), which the kernels
+// read as they are; the rest is refused rather than computed wrong.
+absl::Status CheckFeaturesImplemented(const model::ModelConfig& c) {
+  const char* missing = c.qkv_bias             ? "q/k/v projection biases"
+                        : c.o_bias             ? "the o_proj bias"
+                        : c.qk_norm            ? "per-head q/k RMSNorm"
+                        : c.sliding_window > 0 ? "a sliding attention window"
+                                               : nullptr;
+  if (missing == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("the CUDA backend does not implement ", missing, " (",
+                   c.architecture, " model); serve it with --backend cpu"));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(
     const model::WeightSource& weights, const EngineOptions& options,
     ShardPlan plan) {
+  PDS_RETURN_IF_ERROR(CheckFeaturesImplemented(plan.config));
   PDS_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend,
                        CudaBackend::Create(weights, options, std::move(plan)));
   return std::unique_ptr<EngineBackend>(std::move(backend));

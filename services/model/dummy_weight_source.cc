@@ -55,7 +55,9 @@ class DummyWeightSource final : public WeightSource {
     for (ExpectedTensor& expected : LlamaTensorLayout(config_)) {
       DummyTensor tensor;
       tensor.seed = Fnv1a64(expected.name);
-      if (expected.shape.size() == 1) {
+      if (expected.name.ends_with(".bias")) {
+        tensor.scale = 0.05f;
+      } else if (expected.shape.size() == 1) {
         tensor.constant = true;  // RMSNorm weights: identity scaling
         tensor.scale = 1.0f;
       } else if (expected.name == "model.embed_tokens.weight") {

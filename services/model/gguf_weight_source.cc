@@ -1,7 +1,10 @@
 // WeightSource over a GGUF file: llama.cpp tensor names mapped to canonical
 // names, shapes reversed from ggml order, q/k rows permuted from Meta's
 // interleaved RoPE layout into HF rotate-half order on read.
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <span>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -26,6 +29,8 @@ constexpr NameMapping kLayerNames[] = {
     {"attn_k", "self_attn.k_proj"},
     {"attn_v", "self_attn.v_proj"},
     {"attn_output", "self_attn.o_proj"},
+    {"attn_q_norm", "self_attn.q_norm"},
+    {"attn_k_norm", "self_attn.k_norm"},
     {"ffn_norm", "post_attention_layernorm"},
     {"ffn_gate", "mlp.gate_proj"},
     {"ffn_up", "mlp.up_proj"},
@@ -96,8 +101,11 @@ class GgufWeightSource final : public MappedWeightSource {
       tensor.info.shape = stored.Shape();
       tensor.data = gguf_.TensorData(stored);
       tensor.file_path = &gguf_.path();
-      if (absl::EndsWith(tensor.info.name, ".self_attn.q_proj.weight") ||
-          absl::EndsWith(tensor.info.name, ".self_attn.k_proj.weight")) {
+      // llama.cpp's converter permutes q/k of "llama" files into Meta's
+      // interleaved layout; Qwen files keep HF's rotate-half rows (NEOX).
+      if (config_.architecture == "llama" &&
+          (absl::EndsWith(tensor.info.name, ".self_attn.q_proj.weight") ||
+           absl::EndsWith(tensor.info.name, ".self_attn.k_proj.weight"))) {
         tensor.interleaved_rope_head_dim = config_.head_dim;
       }
       std::string name = tensor.info.name;
@@ -156,63 +164,138 @@ absl::StatusOr<ModelConfig> LlamaConfigFromGguf(const GgufFile& gguf) {
   absl::StatusOr<std::string> architecture =
       gguf.GetString("general.architecture");
   if (!architecture.ok()) return AsInvalid(architecture.status());
-  if (*architecture != "llama") {
+  if (*architecture != "llama" && *architecture != "qwen2" &&
+      *architecture != "qwen3") {
     return absl::InvalidArgumentError(
         absl::StrCat(gguf.path(), ": general.architecture \"", *architecture,
-                     "\" is not supported (only llama)"));
+                     "\" is not supported (llama, qwen2 or qwen3)"));
   }
   config.architecture = *architecture;
+  // Metadata keys are prefixed with the architecture ("qwen3.block_count").
+  const std::string& arch = *architecture;
+  auto key = [&arch](std::string_view suffix) {
+    return absl::StrCat(arch, ".", ToAbsl(suffix));
+  };
   PDS_ASSIGN_OR_RETURN(config.hidden_size,
-                       RequiredPositiveInt(gguf, "llama.embedding_length"));
+                       RequiredPositiveInt(gguf, key("embedding_length")));
   PDS_ASSIGN_OR_RETURN(config.intermediate_size,
-                       RequiredPositiveInt(gguf, "llama.feed_forward_length"));
+                       RequiredPositiveInt(gguf, key("feed_forward_length")));
   PDS_ASSIGN_OR_RETURN(config.num_layers,
-                       RequiredPositiveInt(gguf, "llama.block_count"));
+                       RequiredPositiveInt(gguf, key("block_count")));
   PDS_ASSIGN_OR_RETURN(config.num_heads,
-                       RequiredPositiveInt(gguf, "llama.attention.head_count"));
+                       RequiredPositiveInt(gguf, key("attention.head_count")));
   PDS_ASSIGN_OR_RETURN(config.max_position_embeddings,
-                       RequiredPositiveInt(gguf, "llama.context_length"));
+                       RequiredPositiveInt(gguf, key("context_length")));
   PDS_ASSIGN_OR_RETURN(
       std::optional<int> kv_heads,
-      OptionalPositiveInt(gguf, "llama.attention.head_count_kv"));
+      OptionalPositiveInt(gguf, key("attention.head_count_kv")));
   config.num_kv_heads = kv_heads.value_or(config.num_heads);
 
   absl::StatusOr<double> eps =
-      gguf.GetFloat("llama.attention.layer_norm_rms_epsilon");
+      gguf.GetFloat(key("attention.layer_norm_rms_epsilon"));
   if (!eps.ok()) return AsInvalid(eps.status());
   config.rms_norm_eps = static_cast<float>(*eps);
-  if (gguf.FindMetadata("llama.rope.freq_base") != nullptr) {
-    PDS_ASSIGN_OR_RETURN(double theta, gguf.GetFloat("llama.rope.freq_base"));
+  if (gguf.FindMetadata(key("rope.freq_base")) != nullptr) {
+    PDS_ASSIGN_OR_RETURN(double theta, gguf.GetFloat(key("rope.freq_base")));
     config.rope_theta = static_cast<float>(theta);
   }
-  if (gguf.FindMetadata("llama.rope.scaling.type") != nullptr) {
-    PDS_ASSIGN_OR_RETURN(std::string scaling,
-                         gguf.GetString("llama.rope.scaling.type"));
-    if (scaling != "none") {
-      return absl::InvalidArgumentError(
-          absl::StrCat(gguf.path(), ": llama.rope.scaling.type \"", scaling,
-                       "\" is not supported"));
-    }
+  if (gguf.FindMetadata(key("attention.sliding_window")) != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        gguf.path(), ": ", key("attention.sliding_window"),
+        " is not supported in GGUF files (use the Hugging Face checkpoint)"));
+  }
+  // The family flags come from the tensors the file holds (llama.cpp has no
+  // metadata for them): Qwen2's q/k/v biases, Qwen3's q/k norms.
+  config.qkv_bias = gguf.FindTensor("blk.0.attn_q.bias") != nullptr;
+  config.o_bias = gguf.FindTensor("blk.0.attn_output.bias") != nullptr;
+  config.qk_norm = gguf.FindTensor("blk.0.attn_q_norm.weight") != nullptr;
+  if (config.qkv_bias && arch == "llama") {
+    // The converter permutes these too; the reader only permutes rows.
+    return absl::InvalidArgumentError(absl::StrCat(
+        gguf.path(),
+        ": q/k/v biases in a \"llama\" GGUF are not supported (their "
+        "interleaved RoPE order is not undone)"));
   }
 
   // key_length is the head size in newer files; rope.dimension_count equals
-  // it for Llama (the whole head is rotated).
+  // it for these families (the whole head is rotated).
   PDS_ASSIGN_OR_RETURN(std::optional<int> key_length,
-                       OptionalPositiveInt(gguf, "llama.attention.key_length"));
+                       OptionalPositiveInt(gguf, key("attention.key_length")));
   PDS_ASSIGN_OR_RETURN(std::optional<int> rope_dims,
-                       OptionalPositiveInt(gguf, "llama.rope.dimension_count"));
+                       OptionalPositiveInt(gguf, key("rope.dimension_count")));
   if (key_length.has_value()) {
     config.head_dim = *key_length;
   } else if (rope_dims.has_value()) {
     config.head_dim = *rope_dims;
   } else {
     if (config.hidden_size % config.num_heads != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(gguf.path(),
-                       ": llama.embedding_length is not a multiple of "
-                       "llama.attention.head_count and no head size is given"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          gguf.path(), ": ", key("embedding_length"), " is not a multiple of ",
+          key("attention.head_count"), " and no head size is given"));
     }
     config.head_dim = config.hidden_size / config.num_heads;
+  }
+  if (rope_dims.has_value() && *rope_dims != config.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(gguf.path(), ": ", key("rope.dimension_count"), " = ",
+                     *rope_dims, " differs from the head size ",
+                     config.head_dim, " (partial RoPE is not supported)"));
+  }
+
+  // RoPE scaling: linear and yarn as metadata; Llama 3.x's frequency
+  // factors as the tensor rope_freqs.weight (what llama.cpp's converter
+  // writes for rope_type llama3).
+  RopeScaling& rope = config.rope_scaling;
+  if (gguf.FindMetadata(key("rope.scaling.type")) != nullptr) {
+    PDS_ASSIGN_OR_RETURN(std::string scaling,
+                         gguf.GetString(key("rope.scaling.type")));
+    if (scaling == "linear" || scaling == "yarn") {
+      rope.type = scaling == "linear" ? RopeScalingType::kLinear
+                                      : RopeScalingType::kYarn;
+      absl::StatusOr<double> factor = gguf.GetFloat(key("rope.scaling.factor"));
+      if (!factor.ok()) return AsInvalid(factor.status());
+      rope.factor = *factor;
+      rope.original_max_position = config.max_position_embeddings;
+      if (scaling == "yarn") {
+        PDS_ASSIGN_OR_RETURN(
+            std::optional<int> original,
+            OptionalPositiveInt(gguf,
+                                key("rope.scaling.original_context_length")));
+        rope.original_max_position =
+            original.value_or(config.max_position_embeddings);
+        rope.attention_factor =
+            rope.factor <= 1 ? 1.0 : 0.1 * std::log(rope.factor) + 1.0;
+        if (gguf.FindMetadata(key("rope.scaling.attn_factor")) != nullptr) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              gguf.path(), ": ", key("rope.scaling.attn_factor"),
+              " is not supported (use the Hugging Face checkpoint)"));
+        }
+      }
+    } else if (scaling != "none") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(gguf.path(), ": ", key("rope.scaling.type"), " \"",
+                       scaling, "\" is not supported (none, linear or yarn)"));
+    }
+  }
+  if (const GgufTensorInfo* factors = gguf.FindTensor("rope_freqs.weight");
+      factors != nullptr) {
+    if (rope.type != RopeScalingType::kNone) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(gguf.path(), ": rope_freqs.weight together with ",
+                       key("rope.scaling.type"), " is not supported"));
+    }
+    if (factors->dtype() != DType::kF32 || factors->ne.size() != 1 ||
+        factors->ne[0] != static_cast<uint64_t>(config.head_dim / 2)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          gguf.path(), ": rope_freqs.weight must be F32 of head_dim / 2 = ",
+          config.head_dim / 2, " values"));
+    }
+    const std::span<const uint8_t> bytes = gguf.TensorData(*factors);
+    rope.type = RopeScalingType::kFreqFactors;
+    rope.freq_factors.resize(config.head_dim / 2);
+    std::memcpy(rope.freq_factors.data(), bytes.data(),
+                rope.freq_factors.size() * sizeof(float));
+    rope.original_max_position = config.max_position_embeddings;
   }
 
   const GgufTensorInfo* embedding = gguf.FindTensor("token_embd.weight");

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
 #include "model/absl_compat.h"
@@ -142,7 +143,22 @@ absl::Status MappedWeightSource::ReadF32(std::string_view name,
 
 absl::Status MappedWeightSource::ValidateArchitecture(
     std::string_view missing_file) const {
-  for (const ExpectedTensor& expected : LlamaTensorLayout(config_)) {
+  const std::vector<ExpectedTensor> layout = LlamaTensorLayout(config_);
+  absl::flat_hash_set<std::string> expected_names;
+  for (const ExpectedTensor& expected : layout) {
+    expected_names.insert(expected.name);
+  }
+  for (const auto& [name, tensor] : tensors_) {
+    if (IsArchitectureTensorName(name) && !expected_names.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          *tensor.file_path, ": tensor ", name, " is not part of a ",
+          config_.architecture, " model with this config (qkv_bias=",
+          config_.qkv_bias ? 1 : 0, ", o_bias=", config_.o_bias ? 1 : 0,
+          ", qk_norm=", config_.qk_norm ? 1 : 0,
+          "); its values would be ignored"));
+    }
+  }
+  for (const ExpectedTensor& expected : layout) {
     auto it = tensors_.find(expected.name);
     if (it == tensors_.end()) {
       return absl::InvalidArgumentError(

@@ -1,5 +1,6 @@
 #include "model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -139,7 +140,210 @@ absl::Status Positive(int value, std::string_view key) {
   return absl::OkStatus();
 }
 
+std::string FormatDouble(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.9g", value);
+  return text;
+}
+
+// A number of a nested object (rope_scaling), errors naming
+// "<parent>.<key>".
+absl::StatusOr<std::optional<double>> NestedNumber(
+    const Json& object, std::string_view parent, std::string_view key,
+    std::string_view source_name) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return std::optional<double>();
+  if (!it->is_number() || !std::isfinite(it->get<double>())) {
+    return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".", ToAbsl(key)),
+                  "must be a finite number");
+  }
+  return std::optional<double>(it->get<double>());
+}
+
+absl::StatusOr<double> RequiredNestedNumber(const Json& object,
+                                            std::string_view parent,
+                                            std::string_view key,
+                                            std::string_view source_name) {
+  PDS_ASSIGN_OR_RETURN(std::optional<double> value,
+                       NestedNumber(object, parent, key, source_name));
+  if (!value.has_value()) {
+    return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".", ToAbsl(key)),
+                  "is missing");
+  }
+  return *value;
+}
+
+// Reads `rope_scaling` (or the rope part of transformers v5's
+// `rope_parameters`) the way transformers' rope init functions read it.
+// Keys a type does not use are refused by name rather than ignored, so a
+// config that means something the engine does not compute never loads.
+absl::Status ParseRopeScaling(const Json& scaling, std::string_view parent,
+                              std::string_view source_name,
+                              ModelConfig* config) {
+  if (!scaling.is_object()) {
+    return BadKey(source_name, parent, "must be an object or null");
+  }
+  std::string type;
+  for (const char* type_key : {"rope_type", "type"}) {
+    auto it = scaling.find(type_key);
+    if (it == scaling.end() || it->is_null()) continue;
+    if (!it->is_string()) {
+      return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".", type_key),
+                    "must be a string");
+    }
+    if (!type.empty() && type != it->get<std::string>()) {
+      return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".rope_type"),
+                    absl::StrCat("\"", it->get<std::string>(),
+                                 "\" disagrees with type \"", type, "\""));
+    }
+    type = it->get<std::string>();
+  }
+  if (type.empty()) {
+    return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".rope_type"),
+                  "is missing");
+  }
+  std::vector<std::string_view> allowed = {"rope_type", "type"};
+  RopeScaling& rope = config->rope_scaling;
+  auto number = [&](std::string_view key) {
+    return NestedNumber(scaling, parent, key, source_name);
+  };
+  auto required = [&](std::string_view key) {
+    return RequiredNestedNumber(scaling, parent, key, source_name);
+  };
+  auto positive_int = [&](std::string_view key) -> absl::StatusOr<int> {
+    PDS_ASSIGN_OR_RETURN(double value, required(key));
+    if (value != std::floor(value) || value <= 0 ||
+        value > std::numeric_limits<int>::max()) {
+      return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".", ToAbsl(key)),
+                    "must be a positive integer");
+    }
+    return static_cast<int>(value);
+  };
+  if (type == "default") {
+    rope.type = RopeScalingType::kNone;
+  } else if (type == "linear" || type == "dynamic") {
+    rope.type =
+        type == "linear" ? RopeScalingType::kLinear : RopeScalingType::kDynamic;
+    PDS_ASSIGN_OR_RETURN(rope.factor, required("factor"));
+    // transformers reads neither type's original_max_position_embeddings
+    // (the config's max_position_embeddings is the original context), so
+    // it is accepted and not used, as there.
+    allowed.insert(allowed.end(),
+                   {"factor", "original_max_position_embeddings"});
+    rope.original_max_position = config->max_position_embeddings;
+  } else if (type == "llama3") {
+    rope.type = RopeScalingType::kLlama3;
+    PDS_ASSIGN_OR_RETURN(rope.factor, required("factor"));
+    PDS_ASSIGN_OR_RETURN(rope.low_freq_factor, required("low_freq_factor"));
+    PDS_ASSIGN_OR_RETURN(rope.high_freq_factor, required("high_freq_factor"));
+    PDS_ASSIGN_OR_RETURN(rope.original_max_position,
+                         positive_int("original_max_position_embeddings"));
+    allowed.insert(allowed.end(),
+                   {"factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings"});
+  } else if (type == "yarn") {
+    rope.type = RopeScalingType::kYarn;
+    PDS_ASSIGN_OR_RETURN(rope.factor, required("factor"));
+    rope.original_max_position = config->max_position_embeddings;
+    if (auto it = scaling.find("original_max_position_embeddings");
+        it != scaling.end() && !it->is_null()) {
+      PDS_ASSIGN_OR_RETURN(rope.original_max_position,
+                           positive_int("original_max_position_embeddings"));
+    }
+    PDS_ASSIGN_OR_RETURN(std::optional<double> beta_fast, number("beta_fast"));
+    PDS_ASSIGN_OR_RETURN(std::optional<double> beta_slow, number("beta_slow"));
+    // transformers: `get("beta_fast") or 32`, so 0 also means the default.
+    rope.beta_fast = beta_fast.value_or(0) != 0 ? *beta_fast : 32.0;
+    rope.beta_slow = beta_slow.value_or(0) != 0 ? *beta_slow : 1.0;
+    if (auto it = scaling.find("truncate");
+        it != scaling.end() && !it->is_null()) {
+      if (!it->is_boolean()) {
+        return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".truncate"),
+                      "must be a boolean");
+      }
+      rope.truncate = it->get<bool>();
+    }
+    PDS_ASSIGN_OR_RETURN(std::optional<double> attention_factor,
+                         number("attention_factor"));
+    PDS_ASSIGN_OR_RETURN(std::optional<double> mscale, number("mscale"));
+    PDS_ASSIGN_OR_RETURN(std::optional<double> mscale_all_dim,
+                         number("mscale_all_dim"));
+    auto get_mscale = [](double scale, double m) {
+      return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+    };
+    if (attention_factor.has_value()) {
+      rope.attention_factor = *attention_factor;
+    } else if (mscale.value_or(0) != 0 && mscale_all_dim.value_or(0) != 0) {
+      rope.attention_factor = get_mscale(rope.factor, *mscale) /
+                              get_mscale(rope.factor, *mscale_all_dim);
+    } else {
+      rope.attention_factor = get_mscale(rope.factor, 1.0);
+    }
+    allowed.insert(
+        allowed.end(),
+        {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+         "truncate", "attention_factor", "mscale", "mscale_all_dim"});
+  } else {
+    return BadKey(source_name, absl::StrCat(ToAbsl(parent), ".rope_type"),
+                  absl::StrCat("has unsupported value \"", type,
+                               "\" (default, linear, dynamic, llama3 or "
+                               "yarn)"));
+  }
+  for (const auto& [key, value] : scaling.items()) {
+    if (key == "rope_theta" && parent == "rope_parameters") continue;
+    if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
+      return BadKey(
+          source_name, absl::StrCat(ToAbsl(parent), ".", key),
+          absl::StrCat("is not supported with rope type \"", type, "\""));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The context a scaled-RoPE model serves: transformers keeps the trained
+// context in max_position_embeddings for linear and dynamic scaling and in
+// original_max_position_embeddings for yarn; the factor stretches it (what
+// vLLM serves too). Llama 3's config already names its long context.
+int ScaledContext(const ModelConfig& config) {
+  const RopeScaling& rope = config.rope_scaling;
+  double context = config.max_position_embeddings;
+  switch (rope.type) {
+    case RopeScalingType::kLinear:
+    case RopeScalingType::kDynamic:
+      context = config.max_position_embeddings * rope.factor;
+      break;
+    case RopeScalingType::kYarn:
+      context = std::max(context, rope.original_max_position * rope.factor);
+      break;
+    case RopeScalingType::kNone:
+    case RopeScalingType::kLlama3:
+    case RopeScalingType::kFreqFactors:
+      break;
+  }
+  context = std::max<double>(context, config.max_position_embeddings);
+  return static_cast<int>(
+      std::min<double>(context, std::numeric_limits<int>::max() / 2));
+}
+
 }  // namespace
+
+std::string_view RopeScalingName(RopeScalingType type) {
+  switch (type) {
+    case RopeScalingType::kNone:
+      return "none";
+    case RopeScalingType::kLinear:
+      return "linear";
+    case RopeScalingType::kDynamic:
+      return "dynamic";
+    case RopeScalingType::kLlama3:
+      return "llama3";
+    case RopeScalingType::kYarn:
+      return "yarn";
+    case RopeScalingType::kFreqFactors:
+      return "freq_factors";
+  }
+  return "unknown";
+}
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
@@ -165,10 +369,11 @@ size_t DTypeSize(DType dtype) {
 }
 
 absl::Status ModelConfig::Validate() const {
-  if (architecture != "llama") {
+  if (architecture != "llama" && architecture != "mistral" &&
+      architecture != "qwen2" && architecture != "qwen3") {
     return absl::InvalidArgumentError(
         absl::StrCat("config key \"model_type\": unsupported architecture \"",
-                     architecture, "\" (only llama)"));
+                     architecture, "\" (llama, mistral, qwen2 or qwen3)"));
   }
   PDS_RETURN_IF_ERROR(Positive(hidden_size, "hidden_size"));
   PDS_RETURN_IF_ERROR(Positive(intermediate_size, "intermediate_size"));
@@ -203,6 +408,62 @@ absl::Status ModelConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "config key \"rope_theta\" must be positive, got ", rope_theta));
   }
+  if (sliding_window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config key \"sliding_window\" must be positive, got ",
+                     sliding_window));
+  }
+  const RopeScaling& rope = rope_scaling;
+  if (rope.type != RopeScalingType::kNone) {
+    const std::string_view type = RopeScalingName(rope.type);
+    if (!(rope.factor > 0) || !std::isfinite(rope.factor)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config key \"rope_scaling.factor\" must be positive "
+                       "for rope type ",
+                       ToAbsl(type), ", got ", rope.factor));
+    }
+    if (rope.original_max_position <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config key \"rope_scaling.original_max_position_embeddings\" must "
+          "be positive for rope type ",
+          ToAbsl(type)));
+    }
+    if (rope.type == RopeScalingType::kLlama3 &&
+        !(rope.low_freq_factor > 0 &&
+          rope.high_freq_factor > rope.low_freq_factor)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config keys \"rope_scaling.low_freq_factor\" (",
+          rope.low_freq_factor, ") and \"rope_scaling.high_freq_factor\" (",
+          rope.high_freq_factor, ") must satisfy 0 < low < high"));
+    }
+    if (rope.type == RopeScalingType::kFreqFactors) {
+      if (rope.freq_factors.size() != static_cast<size_t>(head_dim / 2)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rope frequency factors: ", rope.freq_factors.size(),
+                         " values for head_dim / 2 = ", head_dim / 2));
+      }
+      for (float f : rope.freq_factors) {
+        if (!(f > 0) || !std::isfinite(f)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("rope frequency factors must be positive, got ", f));
+        }
+      }
+    }
+    if (rope.type == RopeScalingType::kYarn) {
+      if (!(rope.beta_fast > 0) || !(rope.beta_slow > 0)) {
+        return absl::InvalidArgumentError(
+            "config keys \"rope_scaling.beta_fast\" and "
+            "\"rope_scaling.beta_slow\" must be positive");
+      }
+      if (!(rope.attention_factor > 0) ||
+          !std::isfinite(rope.attention_factor)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config key \"rope_scaling.attention_factor\" must be positive, "
+            "got ",
+            rope.attention_factor));
+      }
+    }
+  }
   if (bos_token_id >= vocab_size || eos_token_id >= vocab_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("config keys \"bos_token_id\" (", bos_token_id,
@@ -223,11 +484,49 @@ std::string ModelConfig::Identity() const {
   char theta[32];
   std::snprintf(eps, sizeof(eps), "%.9g", static_cast<double>(rms_norm_eps));
   std::snprintf(theta, sizeof(theta), "%.9g", static_cast<double>(rope_theta));
-  return absl::StrCat(
+  std::string identity = absl::StrCat(
       architecture, ";hidden=", hidden_size,
       ";intermediate=", intermediate_size, ";layers=", num_layers,
       ";heads=", num_heads, ";kv_heads=", num_kv_heads, ";head_dim=", head_dim,
       ";vocab=", vocab_size, ";rms_eps=", eps, ";rope_theta=", theta);
+  // The family flags: each changes hidden states or KV.
+  absl::StrAppend(&identity, ";qkv_bias=", qkv_bias ? 1 : 0,
+                  ";o_bias=", o_bias ? 1 : 0, ";qk_norm=", qk_norm ? 1 : 0,
+                  ";window=", sliding_window,
+                  ";rope=", ToAbsl(RopeScalingName(rope_scaling.type)));
+  const RopeScaling& r = rope_scaling;
+  switch (r.type) {
+    case RopeScalingType::kNone:
+      break;
+    case RopeScalingType::kLinear:
+    case RopeScalingType::kDynamic:
+      absl::StrAppend(&identity, "(factor=", FormatDouble(r.factor),
+                      ",original=", r.original_max_position, ")");
+      break;
+    case RopeScalingType::kLlama3:
+      absl::StrAppend(&identity, "(factor=", FormatDouble(r.factor),
+                      ",low=", FormatDouble(r.low_freq_factor),
+                      ",high=", FormatDouble(r.high_freq_factor),
+                      ",original=", r.original_max_position, ")");
+      break;
+    case RopeScalingType::kYarn:
+      absl::StrAppend(&identity, "(factor=", FormatDouble(r.factor),
+                      ",original=", r.original_max_position,
+                      ",beta_fast=", FormatDouble(r.beta_fast),
+                      ",beta_slow=", FormatDouble(r.beta_slow),
+                      ",truncate=", r.truncate ? 1 : 0,
+                      ",attention=", FormatDouble(r.attention_factor), ")");
+      break;
+    case RopeScalingType::kFreqFactors: {
+      std::string values;
+      for (float f : r.freq_factors) {
+        absl::StrAppend(&values, values.empty() ? "" : ",", FormatDouble(f));
+      }
+      absl::StrAppend(&identity, "(", values, ")");
+      break;
+    }
+  }
+  return identity;
 }
 
 absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
@@ -247,16 +546,13 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   ModelConfig config;
   PDS_ASSIGN_OR_RETURN(std::optional<std::string> model_type,
                        OptionalString(root, "model_type", source_name));
-  if (model_type.has_value() && *model_type != "llama") {
+  config.architecture = model_type.value_or("llama");
+  const std::string& family = config.architecture;
+  const bool is_qwen = family == "qwen2" || family == "qwen3";
+  if (family != "llama" && family != "mistral" && !is_qwen) {
     return BadKey(source_name, "model_type",
-                  absl::StrCat("has unsupported value \"", *model_type,
-                               "\" (only llama)"));
-  }
-  // Llama variants the engine does not implement must not load silently with
-  // wrong numerics.
-  if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null()) {
-    return BadKey(source_name, "rope_scaling",
-                  "is not supported (must be null)");
+                  absl::StrCat("has unsupported value \"", family,
+                               "\" (llama, mistral, qwen2 or qwen3)"));
   }
   PDS_ASSIGN_OR_RETURN(std::optional<std::string> hidden_act,
                        OptionalString(root, "hidden_act", source_name));
@@ -265,13 +561,30 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
                   absl::StrCat("has unsupported value \"", *hidden_act,
                                "\" (only silu)"));
   }
-  for (const char* bias_key : {"attention_bias", "mlp_bias"}) {
-    PDS_ASSIGN_OR_RETURN(std::optional<bool> has_bias,
-                         OptionalBool(root, bias_key, source_name));
-    if (has_bias.value_or(false)) {
-      return BadKey(source_name, bias_key, "= true is not supported");
-    }
+  PDS_ASSIGN_OR_RETURN(std::optional<bool> mlp_bias,
+                       OptionalBool(root, "mlp_bias", source_name));
+  if (mlp_bias.value_or(false)) {
+    return BadKey(source_name, "mlp_bias", "= true is not supported");
   }
+  PDS_ASSIGN_OR_RETURN(
+      std::optional<double> partial_rotary,
+      OptionalNumber(root, "partial_rotary_factor", source_name));
+  if (partial_rotary.value_or(1.0) != 1.0) {
+    return BadKey(source_name, "partial_rotary_factor",
+                  "other than 1 is not supported (RoPE rotates whole heads)");
+  }
+  // Which family carries which flag, as each transformers model class
+  // builds its attention: Qwen2 always has q/k/v biases (no o_proj bias);
+  // Llama and Qwen3 have q/k/v and o_proj biases with attention_bias;
+  // Qwen3 always normalizes q and k per head; Mistral has neither.
+  PDS_ASSIGN_OR_RETURN(std::optional<bool> attention_bias,
+                       OptionalBool(root, "attention_bias", source_name));
+  if (family == "qwen2") {
+    config.qkv_bias = true;
+  } else if (family == "llama" || family == "qwen3") {
+    config.qkv_bias = config.o_bias = attention_bias.value_or(false);
+  }
+  config.qk_norm = family == "qwen3";
 
   PDS_ASSIGN_OR_RETURN(config.hidden_size,
                        RequiredInt(root, "hidden_size", source_name));
@@ -286,6 +599,66 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   PDS_ASSIGN_OR_RETURN(
       config.max_position_embeddings,
       RequiredInt(root, "max_position_embeddings", source_name));
+  // Sliding window: Mistral attends over the last sliding_window keys in
+  // every layer (transformers' default 4096 when the key is absent; null
+  // turns it off). Qwen2/Qwen3 ignore sliding_window unless
+  // use_sliding_window, which windows only some layers: not implemented.
+  PDS_ASSIGN_OR_RETURN(std::optional<int> window,
+                       OptionalInt(root, "sliding_window", source_name));
+  if (family == "mistral") {
+    config.sliding_window =
+        root.contains("sliding_window") ? window.value_or(0) : 4096;
+    if (root.contains("sliding_window") && window.has_value() && *window <= 0) {
+      return BadKey(source_name, "sliding_window", "must be positive or null");
+    }
+  } else if (is_qwen) {
+    PDS_ASSIGN_OR_RETURN(std::optional<bool> use_window,
+                         OptionalBool(root, "use_sliding_window", source_name));
+    if (use_window.value_or(false)) {
+      return BadKey(source_name, "use_sliding_window",
+                    "= true is not supported (Qwen windows only the layers "
+                    "past max_window_layers)");
+    }
+  }
+  // transformers >= 4.53 writes the per-layer attention kinds: they must
+  // agree with the one kind this config gives every layer.
+  if (auto it = root.find("layer_types"); it != root.end() && !it->is_null()) {
+    const std::string want =
+        config.sliding_window > 0 ? "sliding_attention" : "full_attention";
+    if (!it->is_array())
+      return BadKey(source_name, "layer_types", "must be a list");
+    for (const Json& kind : *it) {
+      if (!kind.is_string() || kind.get<std::string>() != want) {
+        return BadKey(source_name, "layer_types",
+                      absl::StrCat("must list \"", want,
+                                   "\" for every layer (mixed attention kinds "
+                                   "are not supported)"));
+      }
+    }
+  }
+
+  // RoPE: rope_theta and rope_scaling, or transformers v5's
+  // rope_parameters holding both.
+  PDS_ASSIGN_OR_RETURN(std::optional<double> theta,
+                       OptionalNumber(root, "rope_theta", source_name));
+  if (auto it = root.find("rope_parameters");
+      it != root.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return BadKey(source_name, "rope_parameters", "must be an object");
+    }
+    PDS_ASSIGN_OR_RETURN(
+        std::optional<double> nested_theta,
+        NestedNumber(*it, "rope_parameters", "rope_theta", source_name));
+    if (nested_theta.has_value()) theta = nested_theta;
+    PDS_RETURN_IF_ERROR(
+        ParseRopeScaling(*it, "rope_parameters", source_name, &config));
+  }
+  if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null()) {
+    PDS_RETURN_IF_ERROR(
+        ParseRopeScaling(*it, "rope_scaling", source_name, &config));
+  }
+  config.rope_theta = static_cast<float>(theta.value_or(10000.0));
+
   PDS_ASSIGN_OR_RETURN(std::optional<double> eps,
                        OptionalNumber(root, "rms_norm_eps", source_name));
   if (!eps.has_value())
@@ -299,6 +672,8 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
                        OptionalInt(root, "head_dim", source_name));
   if (head_dim.has_value()) {
     config.head_dim = *head_dim;
+  } else if (family == "qwen3") {
+    config.head_dim = 128;  // Qwen3Config's default
   } else if (config.num_heads > 0) {
     if (config.hidden_size % config.num_heads != 0) {
       return BadKey(source_name, "head_dim",
@@ -307,9 +682,6 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
     }
     config.head_dim = config.hidden_size / config.num_heads;
   }
-  PDS_ASSIGN_OR_RETURN(std::optional<double> theta,
-                       OptionalNumber(root, "rope_theta", source_name));
-  config.rope_theta = static_cast<float>(theta.value_or(10000.0));
   PDS_ASSIGN_OR_RETURN(std::optional<bool> tie,
                        OptionalBool(root, "tie_word_embeddings", source_name));
   config.tie_word_embeddings = tie.value_or(false);
@@ -333,6 +705,7 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
     return absl::Status(
         valid.code(), absl::StrCat(ToAbsl(source_name), ": ", valid.message()));
   }
+  config.max_position_embeddings = ScaledContext(config);
   return config;
 }
 

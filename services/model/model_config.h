@@ -1,5 +1,8 @@
 // The architecture hyper-parameters of a Llama-family model, as read from a
-// Hugging Face config.json or GGUF metadata.
+// Hugging Face config.json or GGUF metadata. Every supported family (Llama
+// 2/3.x, Mistral, Qwen2/2.5, Qwen3) is one engine description: the Llama
+// graph plus the flags below (projection biases, per-head q/k RMSNorm, RoPE
+// scaling, a sliding attention window); the engine has one code path.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +19,36 @@ enum class DType { kF32, kF16, kBF16 };
 std::string_view DTypeName(DType dtype);
 size_t DTypeSize(DType dtype);
 
+// How RoPE frequencies are stretched for long contexts (HF `rope_scaling`,
+// transformers' rope init functions). kFreqFactors: each frequency divided
+// by a stored factor (GGUF rope_freqs.weight, how llama.cpp stores llama3).
+enum class RopeScalingType {
+  kNone,
+  kLinear,
+  kDynamic,
+  kLlama3,
+  kYarn,
+  kFreqFactors
+};
+std::string_view RopeScalingName(RopeScalingType type);
+
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;
+  // The context the model was trained at: llama3's old context, yarn's
+  // correction range, and where dynamic NTK starts growing the base.
+  int original_max_position = 0;
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
+  double beta_fast = 32.0;        // yarn
+  double beta_slow = 1.0;         // yarn
+  bool truncate = true;           // yarn: integer correction range
+  // yarn: cos and sin are multiplied by it (so attention logits by its
+  // square), resolved from attention_factor or mscale/mscale_all_dim.
+  double attention_factor = 1.0;
+  std::vector<float> freq_factors;  // kFreqFactors: head_dim / 2 divisors
+};
+
 struct ModelConfig {
  private:
   static bool IsEosListed(const std::vector<int32_t>& ids, int id) {
@@ -26,7 +59,9 @@ struct ModelConfig {
   }
 
  public:
-  std::string architecture = "llama";  // only "llama" is supported
+  // The HF model_type: "llama", "mistral", "qwen2" or "qwen3". Informative
+  // only: the engine reads the flags below, never the name.
+  std::string architecture = "llama";
   int hidden_size = 0;
   int intermediate_size = 0;
   int num_layers = 0;
@@ -62,8 +97,21 @@ struct ModelConfig {
   }
   DType dtype = DType::kF32;  // storage dtype declared by the model
 
+  // q_proj/k_proj/v_proj carry a bias (Qwen2; Llama/Qwen3 attention_bias).
+  bool qkv_bias = false;
+  // o_proj carries a bias (Llama/Qwen3 attention_bias).
+  bool o_bias = false;
+  // Per-head RMSNorm of q and k (weights self_attn.{q,k}_norm.weight of
+  // head_dim) after the projections, before RoPE (Qwen3).
+  bool qk_norm = false;
+  // Each query attends to at most this many keys, itself included (keys at
+  // positions > position - window); 0 means the whole context (Mistral).
+  int sliding_window = 0;
+  RopeScaling rope_scaling;
+
   // Checks internal consistency (positive sizes, num_heads % num_kv_heads == 0,
-  // head_dim even, ...). Errors name the offending key.
+  // head_dim even, a known architecture, sane rope_scaling, ...). Errors name
+  // the offending key.
   [[nodiscard]] absl::Status Validate() const;
 
   // A stable string naming everything that must agree between two processes
@@ -74,10 +122,6 @@ struct ModelConfig {
   int kv_dim() const { return num_kv_heads * head_dim; }
 };
 
-// Parses a Hugging Face config.json. `source_name` (usually the path) is
-// included in every error. Missing required keys are INVALID_ARGUMENT naming
-// the key; head_dim defaults to hidden_size / num_attention_heads and
-// num_key_value_heads to num_attention_heads, as transformers does.
 // Adds the end-of-sequence ids of a generation_config.json (`eos_token_id`,
 // a number or a list: what transformers' generate() stops on) to `config`.
 // INVALID_ARGUMENT naming the file for a malformed file or an id outside the
@@ -86,6 +130,17 @@ struct ModelConfig {
     std::string_view json_text, std::string_view source_name,
     ModelConfig* config);
 
+// Parses a Hugging Face config.json of model_type llama, mistral, qwen2 or
+// qwen3. `source_name` (usually the path) is included in every error.
+// Missing required keys, an unknown model_type and any key whose value the
+// engine does not implement (hidden_act other than silu, mlp_bias, Qwen's
+// use_sliding_window, an unknown rope_scaling type or field, ...) are
+// INVALID_ARGUMENT naming the key. Defaults follow each family's
+// transformers config class: head_dim = hidden_size / num_attention_heads
+// (Qwen3: 128), num_key_value_heads = num_attention_heads, Mistral's
+// sliding_window 4096 when the key is absent. With linear, dynamic or yarn
+// rope scaling, max_position_embeddings becomes the scaled context
+// (factor x the original), which is what such a model serves.
 [[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(
     std::string_view json_text, std::string_view source_name);
 

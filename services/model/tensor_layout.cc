@@ -26,7 +26,17 @@ std::vector<ExpectedTensor> LlamaTensorLayout(const ModelConfig& config) {
     add("self_attn.q_proj.weight", {q_dim, hidden});
     add("self_attn.k_proj.weight", {kv_dim, hidden});
     add("self_attn.v_proj.weight", {kv_dim, hidden});
+    if (config.qkv_bias) {
+      add("self_attn.q_proj.bias", {q_dim});
+      add("self_attn.k_proj.bias", {kv_dim});
+      add("self_attn.v_proj.bias", {kv_dim});
+    }
+    if (config.qk_norm) {
+      add("self_attn.q_norm.weight", {config.head_dim});
+      add("self_attn.k_norm.weight", {config.head_dim});
+    }
     add("self_attn.o_proj.weight", {hidden, q_dim});
+    if (config.o_bias) add("self_attn.o_proj.bias", {hidden});
     add("post_attention_layernorm.weight", {hidden});
     add("mlp.gate_proj.weight", {intermediate, hidden});
     add("mlp.up_proj.weight", {intermediate, hidden});
@@ -37,6 +47,19 @@ std::vector<ExpectedTensor> LlamaTensorLayout(const ModelConfig& config) {
     layout.push_back({"lm_head.weight", {vocab, hidden}});
   }
   return layout;
+}
+
+bool IsArchitectureTensorName(std::string_view name) {
+  // Per-layer attention and MLP parameters: what the family flags decide.
+  // (Checkpoints also carry buffers such as rotary_emb.inv_freq, which no
+  // config reads.)
+  if (!name.starts_with("model.layers.")) return false;
+  for (std::string_view part : {".self_attn.", ".mlp."}) {
+    if (name.find(part) != std::string_view::npos) {
+      return name.ends_with(".weight") || name.ends_with(".bias");
+    }
+  }
+  return false;
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {

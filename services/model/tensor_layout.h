@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/model_config.h"
@@ -18,8 +19,15 @@ struct ExpectedTensor {
 
 // All canonical tensors of `config`, in load order (embedding, layers, final
 // norm, lm_head). lm_head.weight is listed only when the embeddings are not
-// tied.
+// tied; per layer, q/k/v biases with qkv_bias, q_norm/k_norm [head_dim]
+// with qk_norm, the o_proj bias with o_bias.
 std::vector<ExpectedTensor> LlamaTensorLayout(const ModelConfig& config);
+
+// Whether `name` is a per-layer attention or MLP parameter (a projection's
+// weight or bias, a q/k norm). A file holding one that LlamaTensorLayout
+// does not list is refused: a bias the config does not announce would be
+// silently dropped.
+bool IsArchitectureTensorName(std::string_view name);
 
 // "[a, b]" for error messages.
 std::string ShapeString(const std::vector<int64_t>& shape);

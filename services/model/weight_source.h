@@ -16,6 +16,10 @@
 //   intermediate] model.norm.weight                             [hidden]
 //   lm_head.weight                                [vocab, hidden] (absent when
 //   tied)
+// and, where the config's family flags ask for them (tensor_layout.h):
+//   model.layers.{i}.self_attn.{q,k,v}_proj.bias  [num_heads*head_dim] /
+//   [num_kv_heads*head_dim] (qkv_bias); self_attn.o_proj.bias [hidden]
+//   (o_bias); self_attn.{q,k}_norm.weight [head_dim] (qk_norm).
 //
 // RoPE layout: q_proj/k_proj rows are always returned in the HF "rotate-half"
 // layout (within a head, dims j and j+head_dim/2 form a rotation pair). GGUF

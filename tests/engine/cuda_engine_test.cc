@@ -294,6 +294,95 @@ TEST(CudaEngineTest, PromptLogitsWithinBf16ToleranceOfCpuReference) {
   }
 }
 
+// A dummy-weight model (deterministic values from the config alone) of
+// `config_json`, written to a fresh file.
+std::unique_ptr<model::WeightSource> DummyModel(
+    const std::string& name, const std::string& config_json) {
+  const std::string path = ::testing::TempDir() + "/" + name + ".json";
+  FILE* file = std::fopen(path.c_str(), "w");
+  if (file == nullptr) return nullptr;
+  std::fputs(config_json.c_str(), file);
+  std::fclose(file);
+  auto source = model::OpenModel(path, model::LoadFormat::kDummy);
+  EXPECT_TRUE(source.ok()) << source.status();
+  return source.ok() ? std::move(*source) : nullptr;
+}
+
+std::string FamilyConfig(const std::string& model_type,
+                         const std::string& extra) {
+  return "{\"model_type\": \"" + model_type +
+         "\", \"hidden_size\": 128, \"intermediate_size\": 256, "
+         "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+         "\"num_key_value_heads\": 2, \"head_dim\": 32, \"vocab_size\": 512, "
+         "\"max_position_embeddings\": 32, \"rms_norm_eps\": 1e-6" +
+         extra + "}";
+}
+
+// What the kernels do not compute is refused before any device work, naming
+// the feature: never a wrong answer.
+TEST(CudaEngineTest, FamilyFeaturesTheKernelsLackAreRefused) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {FamilyConfig("qwen2", ""), "q/k/v projection biases"},
+      {FamilyConfig("llama", ", \"attention_bias\": true"),
+       "q/k/v projection biases"},
+      {FamilyConfig("qwen3", ""), "per-head q/k RMSNorm"},
+      {FamilyConfig("mistral", ", \"sliding_window\": 16"),
+       "a sliding attention window"},
+  };
+  for (const auto& [config, feature] : cases) {
+    SCOPED_TRACE(config);
+    auto weights = DummyModel("refused", config);
+    ASSERT_NE(weights, nullptr);
+    EngineOptions options;
+    options.backend = Backend::kCuda;
+    auto engine = LlamaEngine::Create(*weights, options);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(engine.status().message().find(feature), std::string::npos)
+        << engine.status();
+  }
+}
+
+// RoPE scaling reaches the kernels through the shared cos/sin tables: each
+// type's logits on the GPU within the bf16 criterion of the CPU engine.
+TEST(CudaEngineTest, RopeScalingTypesWithinBf16ToleranceOfCpuReference) {
+  SKIP_WITHOUT_GPU();
+  for (const std::string scaling :
+       {"{\"rope_type\": \"linear\", \"factor\": 2.0}",
+        "{\"rope_type\": \"dynamic\", \"factor\": 4.0}",
+        "{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+        "\"original_max_position_embeddings\": 16}",
+        "{\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": "
+        "1.0, \"high_freq_factor\": 4.0, "
+        "\"original_max_position_embeddings\": 32}"}) {
+    SCOPED_TRACE(scaling);
+    auto weights = DummyModel(
+        "scaled", FamilyConfig("llama", ", \"rope_scaling\": " + scaling));
+    ASSERT_NE(weights, nullptr);
+    auto cpu = testing_util::MakeEngine(*weights);
+    auto gpu = MakeCudaEngine(*weights, Eager());
+    ASSERT_NE(gpu, nullptr);
+    // Past the trained context of 32 where the type stretches it.
+    std::vector<int32_t> prompt(
+        std::min(60, weights->config().max_position_embeddings));
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      prompt[i] = static_cast<int32_t>((i * 37 + 11) % 512);
+    }
+    const auto table = IdentityBlockTable(4);
+    auto cpu_pool = testing_util::MakePool(*cpu, 16, 4);
+    auto gpu_pool = MakeDevicePool(*gpu, 16, 4);
+    const auto expected =
+        testing_util::PrefillAllLogits(*cpu, *cpu_pool, prompt, table);
+    const auto actual =
+        testing_util::PrefillAllLogits(*gpu, *gpu_pool, prompt, table);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t t = 0; t < actual.size(); ++t) {
+      EXPECT_LT(MaxRelativeError(actual[t], expected[t]), kBf16LogitTolerance)
+          << "position " << t;
+    }
+  }
+}
+
 // Between kernels that sum in different orders (a batch of 3 rows and a row
 // alone may take different GEMM kernels; cuBLAS and the small-batch GEMV
 // certainly do), f32-level differences flip the bf16 rounding of a few

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -310,6 +311,76 @@ TEST_F(GgufSyntheticTest, HeadCountNotDivisibleByKvHeads) {
   ExpectFails(builder, "num_key_value_heads");
 }
 
+// The family metadata and tensors of GGUF files, refused by name.
+TEST_F(GgufSyntheticTest, FamilyFeaturesTheReaderCannotMapAreRefused) {
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddStr("llama.rope.scaling.type", "longrope");
+    ExpectFails(builder,
+                "llama.rope.scaling.type \"longrope\" is not supported");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddStr("llama.rope.scaling.type", "yarn");
+    ExpectFails(builder, "llama.rope.scaling.factor");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddU32("llama.attention.sliding_window", 4);
+    ExpectFails(builder, "llama.attention.sliding_window is not supported");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.RemoveMetadata("general.architecture");
+    builder.AddStr("general.architecture", "gemma2");
+    ExpectFails(builder, "general.architecture \"gemma2\" is not supported");
+  }
+  {
+    // Llama 3.x frequency factors must cover head_dim / 2 = 2 pairs.
+    testing::GgufBuilder builder = Tiny();
+    testing::GgufBuilder::Tensor factors;
+    factors.name = "rope_freqs.weight";
+    factors.ne = {3};
+    factors.ggml_type = 0;  // F32
+    factors.data = std::string(12, '\0');
+    builder.AddTensor(factors);
+    ExpectFails(builder,
+                "rope_freqs.weight must be F32 of head_dim / 2 = 2 values");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    testing::GgufBuilder::Tensor bias;
+    bias.name = "blk.0.attn_q.bias";
+    bias.ne = {8};
+    bias.ggml_type = 0;
+    bias.data = std::string(32, '\0');
+    builder.AddTensor(bias);
+    ExpectFails(builder, "q/k/v biases in a \"llama\" GGUF are not supported");
+  }
+}
+
+// rope_freqs.weight (how llama.cpp stores Llama 3.x RoPE) is read into the
+// config and part of its identity.
+TEST_F(GgufSyntheticTest, RopeFrequencyFactorsAreRead) {
+  testing::GgufBuilder builder = Tiny();
+  testing::GgufBuilder::Tensor factors;
+  factors.name = "rope_freqs.weight";
+  factors.ne = {2};
+  factors.ggml_type = 0;
+  const float values[2] = {1.0f, 8.0f};
+  factors.data.assign(reinterpret_cast<const char*>(values), sizeof values);
+  builder.AddTensor(factors);
+  path_ = dir_.File("factors.gguf");
+  testing::WriteBytes(path_, builder.Build());
+  auto source = OpenModel(path_, LoadFormat::kGguf);
+  ASSERT_TRUE(source.ok()) << source.status();
+  const RopeScaling& rope = (*source)->config().rope_scaling;
+  EXPECT_EQ(rope.type, RopeScalingType::kFreqFactors);
+  EXPECT_EQ(rope.freq_factors, (std::vector<float>{1.0f, 8.0f}));
+  EXPECT_THAT((*source)->config().Identity(),
+              HasSubstr("rope=freq_factors(1,8)"));
+}
+
 // Safetensors folders with one thing wrong.
 class SafetensorsBadTest : public ::testing::Test {
  protected:
@@ -467,6 +538,192 @@ TEST_F(SafetensorsBadTest, ConfigValuesOfTheWrongKind) {
     config[key] = value;
     testing::WriteBytes(config_path, config.dump());
     ExpectFails(key, config_path);
+  }
+}
+
+// The family flags against the tensors: each missing or misshapen new
+// tensor, and one the config does not announce, named precisely.
+class FamilyTensorsBadTest : public SafetensorsBadTest {
+ protected:
+  // Rewrites config.json with `edit` applied and the tensors in model_.
+  void Write(const std::function<void(nlohmann::json&)>& edit) {
+    testing::WriteTinySafetensors(model_, dir_.path());
+    nlohmann::json config =
+        nlohmann::json::parse(testing::ReadBytes(dir_.File("config.json")));
+    edit(config);
+    testing::WriteBytes(dir_.File("config.json"), config.dump());
+  }
+  void AddTensor(const std::string& name, std::vector<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t d : shape) count *= d;
+    model_.values[name] = std::vector<float>(count, 0.5f);
+    model_.shapes[name] = std::move(shape);
+  }
+  void AddQwen2Biases(int64_t q_dim = 8, int64_t kv_dim = 4) {
+    for (int layer = 0; layer < 2; ++layer) {
+      const std::string p = "model.layers." + std::to_string(layer) + ".";
+      AddTensor(p + "self_attn.q_proj.bias", {q_dim});
+      AddTensor(p + "self_attn.k_proj.bias", {kv_dim});
+      AddTensor(p + "self_attn.v_proj.bias", {kv_dim});
+    }
+  }
+  static void Qwen2(nlohmann::json& c) { c["model_type"] = "qwen2"; }
+  static void Qwen3(nlohmann::json& c) { c["model_type"] = "qwen3"; }
+};
+
+TEST_F(FamilyTensorsBadTest, Qwen2WithAllItsBiasesOpens) {
+  AddQwen2Biases();
+  Write(Qwen2);
+  auto source = OpenModel(dir_.path(), LoadFormat::kSafetensors);
+  EXPECT_TRUE(source.ok()) << source.status();
+}
+
+TEST_F(FamilyTensorsBadTest, Qwen2WithoutBiases) {
+  Write(Qwen2);
+  ExpectFails(
+      "missing tensor model.layers.0.self_attn.q_proj.bias (expected shape "
+      "[8])",
+      dir_.path());
+}
+
+TEST_F(FamilyTensorsBadTest, WrongBiasShape) {
+  AddQwen2Biases(/*q_dim=*/8, /*kv_dim=*/8);
+  Write(Qwen2);
+  ExpectFails(
+      "tensor model.layers.0.self_attn.k_proj.bias has shape [8] but the "
+      "config implies [4]",
+      weights_);
+}
+
+TEST_F(FamilyTensorsBadTest, BiasTheConfigDoesNotAnnounce) {
+  AddQwen2Biases();
+  Write([](nlohmann::json&) {});  // llama, attention_bias absent
+  ExpectFails("is not part of a llama model with this config (qkv_bias=0",
+              weights_);
+}
+
+TEST_F(FamilyTensorsBadTest, Qwen3MissingQNorm) {
+  for (int layer = 0; layer < 2; ++layer) {
+    AddTensor(
+        "model.layers." + std::to_string(layer) + ".self_attn.k_norm.weight",
+        {4});
+  }
+  Write(Qwen3);
+  ExpectFails(
+      "missing tensor model.layers.0.self_attn.q_norm.weight (expected "
+      "shape [4])",
+      dir_.path());
+}
+
+TEST_F(FamilyTensorsBadTest, Qwen3NormOfHiddenSizeInsteadOfHeadDim) {
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    AddTensor(p + "self_attn.q_norm.weight", {8});
+    AddTensor(p + "self_attn.k_norm.weight", {4});
+  }
+  Write(Qwen3);
+  ExpectFails(
+      "self_attn.q_norm.weight has shape [8] but the config implies [4]",
+      weights_);
+}
+
+// Keys whose values the engine does not implement, each named in the error.
+TEST(FamilyConfigBadTest, UnsupportedValuesNameTheKey) {
+  const nlohmann::json base = {
+      {"model_type", "llama"},    {"hidden_size", 64},
+      {"intermediate_size", 128}, {"num_hidden_layers", 2},
+      {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+      {"vocab_size", 256},        {"max_position_embeddings", 2048},
+      {"rms_norm_eps", 1e-6}};
+  struct Case {
+    nlohmann::json patch;  // merged into base
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{{"model_type", "gemma2"}},
+       "config key \"model_type\" has unsupported value \"gemma2\" (llama, "
+       "mistral, qwen2 or qwen3)"},
+      {{{"model_type", "qwen2_moe"}}, "\"model_type\""},
+      {{{"mlp_bias", true}}, "config key \"mlp_bias\" = true"},
+      {{{"hidden_act", "gelu"}}, "config key \"hidden_act\""},
+      {{{"partial_rotary_factor", 0.5}},
+       "config key \"partial_rotary_factor\""},
+      {{{"attention_bias", "yes"}},
+       "config key \"attention_bias\" must be a boolean"},
+      {{{"model_type", "qwen2"}, {"use_sliding_window", true}},
+       "config key \"use_sliding_window\" = true is not supported"},
+      {{{"model_type", "mistral"}, {"sliding_window", 0}},
+       "config key \"sliding_window\" must be positive or null"},
+      {{{"model_type", "mistral"}, {"sliding_window", 4.5}},
+       "config key \"sliding_window\" must be an integer"},
+      {{{"layer_types", {"full_attention", "sliding_attention"}}},
+       "config key \"layer_types\""},
+      {{{"rope_scaling", "linear"}},
+       "config key \"rope_scaling\" must be an object or null"},
+      {{{"rope_scaling", {{"factor", 2.0}}}},
+       "config key \"rope_scaling.rope_type\" is missing"},
+      {{{"rope_scaling", {{"type", "longrope"}, {"factor", 2.0}}}},
+       "config key \"rope_scaling.rope_type\" has unsupported value "
+       "\"longrope\""},
+      {{{"rope_scaling", {{"type", "linear"}}}},
+       "config key \"rope_scaling.factor\" is missing"},
+      {{{"rope_scaling", {{"type", "linear"}, {"factor", "2"}}}},
+       "config key \"rope_scaling.factor\" must be a finite number"},
+      {{{"rope_scaling", {{"type", "linear"}, {"factor", -2.0}}}},
+       "config key \"rope_scaling.factor\" must be positive"},
+      {{{"rope_scaling",
+         {{"type", "linear"}, {"factor", 2.0}, {"low_freq_factor", 1.0}}}},
+       "config key \"rope_scaling.low_freq_factor\" is not supported with "
+       "rope type \"linear\""},
+      {{{"rope_scaling",
+         {{"type", "linear"}, {"rope_type", "yarn"}, {"factor", 2.0}}}},
+       "config key \"rope_scaling.rope_type\""},
+      {{{"rope_scaling",
+         {{"rope_type", "llama3"},
+          {"factor", 8.0},
+          {"low_freq_factor", 1.0},
+          {"high_freq_factor", 4.0}}}},
+       "config key \"rope_scaling.original_max_position_embeddings\" is "
+       "missing"},
+      {{{"rope_scaling",
+         {{"rope_type", "llama3"},
+          {"factor", 8.0},
+          {"low_freq_factor", 4.0},
+          {"high_freq_factor", 4.0},
+          {"original_max_position_embeddings", 8192}}}},
+       "\"rope_scaling.low_freq_factor\" (4) and "
+       "\"rope_scaling.high_freq_factor\" (4) must satisfy 0 < low < high"},
+      {{{"rope_scaling",
+         {{"rope_type", "llama3"},
+          {"factor", 8.0},
+          {"low_freq_factor", 1.0},
+          {"high_freq_factor", 4.0},
+          {"original_max_position_embeddings", 8192.5}}}},
+       "config key \"rope_scaling.original_max_position_embeddings\" must "
+       "be a positive integer"},
+      {{{"rope_scaling",
+         {{"rope_type", "yarn"}, {"factor", 4.0}, {"attention_factor", -1}}}},
+       "config key \"rope_scaling.attention_factor\" must be positive"},
+      {{{"rope_scaling",
+         {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", 1}}}},
+       "config key \"rope_scaling.truncate\" must be a boolean"},
+      {{{"rope_scaling",
+         {{"rope_type", "yarn"}, {"factor", 4.0}, {"beta_fast", -32}}}},
+       "\"rope_scaling.beta_fast\" and \"rope_scaling.beta_slow\" must be "
+       "positive"},
+      {{{"rope_parameters", {{"rope_type", "dynamic"}}}},
+       "config key \"rope_parameters.factor\" is missing"},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json config = base;
+    config.merge_patch(c.patch);
+    SCOPED_TRACE(config.dump());
+    absl::StatusOr<ModelConfig> parsed =
+        ParseHfConfigJson(config.dump(), "/m/config.json");
+    ASSERT_FALSE(parsed.ok());
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr("/m/config.json: "));
+    EXPECT_THAT(parsed.status().message(), HasSubstr(c.message));
   }
 }
 

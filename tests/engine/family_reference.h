@@ -1,0 +1,87 @@
+// The tiny checkpoints of every supported family (tests/model/reference/
+// make_tiny_checkpoints.py) and what the independent float64 reference
+// (hf_reference.py) says about them, generated at test time into a build
+// folder by /usr/bin/python3 (Debian's, with numpy).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "testing/shell.h"
+
+namespace pdserve::engine::testing_util {
+
+struct FamilyReference {
+  std::string name;
+  std::string dir;  // the HF folder
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> greedy_ids;
+  std::vector<double> logprobs;         // of each greedy token
+  std::vector<double> prompt_logprobs;  // of prompt[k], k >= 1
+  double min_margin = 0;                // smallest top-1/top-2 logit gap
+};
+
+inline constexpr char kReferenceScripts[] =
+    PDSERVE_SOURCE_DIR "/tests/model/reference";
+
+// Writes the checkpoints into `out_dir` (with --tokenizers, the text-*
+// variants too) and runs the reference on each with `max_new` greedy
+// tokens. Returns them by name; an empty map (and a test failure) if
+// python or numpy is missing or a script fails.
+inline std::map<std::string, FamilyReference> GenerateFamilies(
+    const std::string& out_dir, int max_new,
+    const std::string& tokenizers_dir = "") {
+  std::map<std::string, FamilyReference> out;
+  std::filesystem::remove_all(out_dir);
+  std::string command =
+      absl::StrCat("/usr/bin/python3 ", kReferenceScripts,
+                   "/make_tiny_checkpoints.py '", out_dir, "'");
+  if (!tokenizers_dir.empty()) {
+    absl::StrAppend(&command, " --tokenizers '", tokenizers_dir, "'");
+  }
+  absl::StrAppend(&command, " && for f in $(/usr/bin/python3 -c 'import json,",
+                  "sys; print(\" \".join(json.load(open(sys.argv[1]))))' '",
+                  out_dir, "/families.json'); do /usr/bin/python3 ",
+                  kReferenceScripts, "/hf_reference.py '", out_dir,
+                  "'/$f --max-new ", max_new, " > '", out_dir,
+                  "'/$f/reference.json || exit 1; done");
+  const pdserve::testing::CommandResult result =
+      pdserve::testing::RunShell(command, PDSERVE_SOURCE_DIR);
+  EXPECT_EQ(result.code, 0) << command << "\n" << result.output;
+  if (result.code != 0) return out;
+  const nlohmann::json names = nlohmann::json::parse(
+      pdserve::testing::ReadFileOrEmpty(out_dir + "/families.json"));
+  for (const auto& name : names) {
+    FamilyReference f;
+    f.name = name.get<std::string>();
+    f.dir = absl::StrCat(out_dir, "/", f.name);
+    const nlohmann::json r = nlohmann::json::parse(
+        pdserve::testing::ReadFileOrEmpty(f.dir + "/reference.json"));
+    f.prompt_ids = r["prompt_ids"].get<std::vector<int32_t>>();
+    f.greedy_ids = r["greedy_ids"].get<std::vector<int32_t>>();
+    f.logprobs = r["logprobs"].get<std::vector<double>>();
+    f.prompt_logprobs = r["prompt_logprobs"].get<std::vector<double>>();
+    f.min_margin = r["min_margin"].get<double>();
+    out[f.name] = std::move(f);
+  }
+  return out;
+}
+
+// log softmax(logits)[token], in double.
+inline double LogProb(std::span<const float> logits, int32_t token) {
+  double max = logits[0];
+  for (float v : logits) max = std::max(max, double{v});
+  double sum = 0;
+  for (float v : logits) sum += std::exp(double{v} - max);
+  return double{logits[token]} - max - std::log(sum);
+}
+
+}  // namespace pdserve::engine::testing_util
