@@ -193,9 +193,176 @@ constexpr int64_t kRowDotMaxRows = 4;
 // k-slice width of dequantized panels: whole Q4_K/Q6_K and Q8_0 blocks.
 constexpr int64_t kQuantBlockCols = 512;
 
+#ifdef PDSERVE_MATMUL_AVX2
+// Σ over one row of R activation rows against a quantized row, the weights
+// dequantized in registers (the same values model::DequantizeRow gives:
+// scale products are exact) and never stored. Two accumulators per
+// activation row keep two FMA chains in flight.
+template <int R>
+struct RowAccumulators {
+  __m256 a[R], b[R];
+  RowAccumulators() {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) a[t] = b[t] = _mm256_setzero_ps();
+  }
+  // acc += w · x_t[k .. k+8) for every row t (x rows `ldx` apart).
+  inline void AddA(__m256 w, const float* x, int64_t ldx, int64_t k) {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t)
+      a[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * ldx + k), a[t]);
+  }
+  inline void AddB(__m256 w, const float* x, int64_t ldx, int64_t k) {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t)
+      b[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * ldx + k), b[t]);
+  }
+  inline void Store(float* y, int64_t ldy) const {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t)
+      y[t * ldy] = internal::HorizontalSum(_mm256_add_ps(a[t], b[t]));
+  }
+};
+
+template <int R>
+void Q8_0RowDot(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
+                float* y, int64_t ldy) {
+  RowAccumulators<R> acc;
+  for (int64_t k = 0; k < cols; k += 32, row += model::kQ8_0Bytes) {
+    const __m256 d = _mm256_set1_ps(LoadF16(row));
+    const __m128i q =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2));
+    const __m128i q_hi =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18));
+    const __m256 w0 =
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    const __m256 w1 = _mm256_mul_ps(
+        d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+    const __m256 w2 =
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_hi)));
+    const __m256 w3 = _mm256_mul_ps(
+        d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q_hi, 8))));
+    acc.AddA(w0, x, ldx, k);
+    acc.AddB(w1, x, ldx, k + 8);
+    acc.AddA(w2, x, ldx, k + 16);
+    acc.AddB(w3, x, ldx, k + 24);
+  }
+  acc.Store(y, ldy);
+}
+
+template <int R>
+void Q4_KRowDot(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
+                float* y, int64_t ldy) {
+  RowAccumulators<R> acc;
+  const __m256i low_mask = _mm256_set1_epi32(0xF);
+  for (int64_t k0 = 0; k0 < cols; k0 += 256, row += model::kQ4_KBytes) {
+    const float d = LoadF16(row);
+    const float dmin = LoadF16(row + 2);
+    const uint8_t* scales = row + 4;
+    const uint8_t* qs = row + 16;
+    for (int c = 0; c < 4; ++c) {
+      uint8_t sc, m;
+      model::Q4KScaleMin(scales, 2 * c, &sc, &m);
+      const __m256 d1 = _mm256_set1_ps(d * sc), m1 = _mm256_set1_ps(dmin * m);
+      model::Q4KScaleMin(scales, 2 * c + 1, &sc, &m);
+      const __m256 d2 = _mm256_set1_ps(d * sc), m2 = _mm256_set1_ps(dmin * m);
+      const uint8_t* q = qs + 32 * c;
+      const int64_t k = k0 + 64 * c;
+#pragma GCC unroll 4
+      for (int l = 0; l < 32; l += 8) {
+        const __m256i v = Bytes8(q + l);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low_mask));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        acc.AddA(_mm256_fmsub_ps(d1, lo, m1), x, ldx, k + l);
+        acc.AddB(_mm256_fmsub_ps(d2, hi, m2), x, ldx, k + 32 + l);
+      }
+    }
+  }
+  acc.Store(y, ldy);
+}
+
+template <int R>
+void Q6_KRowDot(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
+                float* y, int64_t ldy) {
+  RowAccumulators<R> acc;
+  const __m256i m4 = _mm256_set1_epi32(0xF), m2 = _mm256_set1_epi32(3);
+  const __m256i offset = _mm256_set1_epi32(32);
+  for (int64_t k0 = 0; k0 < cols; k0 += 256, row += model::kQ6_KBytes) {
+    const uint8_t* ql = row;
+    const uint8_t* qh = row + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(row + 192);
+    const float d = LoadF16(row + 208);
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale[8];
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        scale[g] = _mm256_set1_ps(d * static_cast<float>(scales[8 * h + g]));
+      }
+#pragma GCC unroll 4
+      for (int l = 0; l < 32; l += 8) {
+        const __m256i a = Bytes8(ql + 64 * h + l);
+        const __m256i c = Bytes8(ql + 64 * h + 32 + l);
+        const __m256i hb = Bytes8(qh + 32 * h + l);
+        const __m256i q0 =
+            _mm256_or_si256(_mm256_and_si256(a, m4),
+                            _mm256_slli_epi32(_mm256_and_si256(hb, m2), 4));
+        const __m256i q1 = _mm256_or_si256(
+            _mm256_and_si256(c, m4),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 2), m2),
+                              4));
+        const __m256i q2 = _mm256_or_si256(
+            _mm256_srli_epi32(a, 4),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hb, 4), m2),
+                              4));
+        const __m256i q3 =
+            _mm256_or_si256(_mm256_srli_epi32(c, 4),
+                            _mm256_slli_epi32(_mm256_srli_epi32(hb, 6), 4));
+        const int64_t k = k0 + 128 * h + l;
+        const int g = l / 16;  // scale group within each 32-value row
+        acc.AddA(_mm256_mul_ps(scale[g], _mm256_cvtepi32_ps(
+                                             _mm256_sub_epi32(q0, offset))),
+                 x, ldx, k);
+        acc.AddB(_mm256_mul_ps(scale[2 + g], _mm256_cvtepi32_ps(
+                                                 _mm256_sub_epi32(q1, offset))),
+                 x, ldx, k + 32);
+        acc.AddA(_mm256_mul_ps(scale[4 + g], _mm256_cvtepi32_ps(
+                                                 _mm256_sub_epi32(q2, offset))),
+                 x, ldx, k + 64);
+        acc.AddB(_mm256_mul_ps(scale[6 + g], _mm256_cvtepi32_ps(
+                                                 _mm256_sub_epi32(q3, offset))),
+                 x, ldx, k + 96);
+      }
+    }
+  }
+  acc.Store(y, ldy);
+}
+
+template <int R>
+void RowDot(TensorFormat format, const uint8_t* row, int64_t cols,
+            const float* x, int64_t ldx, float* y, int64_t ldy) {
+  switch (format) {
+    case TensorFormat::kQ8_0:
+      return Q8_0RowDot<R>(row, cols, x, ldx, y, ldy);
+    case TensorFormat::kQ4_K:
+      return Q4_KRowDot<R>(row, cols, x, ldx, y, ldy);
+    default:
+      return Q6_KRowDot<R>(row, cols, x, ldx, y, ldy);
+  }
+}
+#endif
+
 // Output rows [r0, r1) of the segment for n <= kRowDotMaxRows activation rows.
 void QuantRowDot(const WeightMatrix::Segment& s, const float* x, int64_t n,
                  float* y, int64_t ldy, int64_t r0, int64_t r1) {
+#ifdef PDSERVE_MATMUL_AVX2
+  using Kernel = void (*)(TensorFormat, const uint8_t*, int64_t, const float*,
+                          int64_t, float*, int64_t);
+  constexpr Kernel kKernels[kRowDotMaxRows + 1] = {
+      nullptr, &RowDot<1>, &RowDot<2>, &RowDot<3>, &RowDot<4>};
+  const Kernel kernel = kKernels[n];
+  for (int64_t r = r0; r < r1; ++r) {
+    kernel(s.format, s.data + r * s.row_bytes, s.cols, x, s.cols, y + r, ldy);
+  }
+#else
   thread_local std::vector<float> row;
   row.resize(s.cols);
   for (int64_t r = r0; r < r1; ++r) {
@@ -204,6 +371,7 @@ void QuantRowDot(const WeightMatrix::Segment& s, const float* x, int64_t n,
       y[t * ldy + r] = DotProduct(row.data(), x + t * s.cols, s.cols);
     }
   }
+#endif
 }
 
 // Panel p's k-steps [k0, k0 + kc) of a quantized segment, dequantized into
