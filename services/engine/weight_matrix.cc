@@ -285,17 +285,20 @@ void Q6_KRowDot(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
                 float* y, int64_t ldy) {
   RowAccumulators<R> acc;
   const __m256i m4 = _mm256_set1_epi32(0xF), m2 = _mm256_set1_epi32(3);
-  const __m256i offset = _mm256_set1_epi32(32);
   for (int64_t k0 = 0; k0 < cols; k0 += 256, row += model::kQ6_KBytes) {
     const uint8_t* ql = row;
     const uint8_t* qh = row + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(row + 192);
     const float d = LoadF16(row + 208);
     for (int h = 0; h < 2; ++h) {
-      __m256 scale[8];
+      // w = s·(q - 32) as one fused s·q - 32·s: rounded once from the
+      // exact value, as the reference's s·(q - 32) is.
+      __m256 scale[8], offset[8];
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
-        scale[g] = _mm256_set1_ps(d * static_cast<float>(scales[8 * h + g]));
+        const float sg = d * static_cast<float>(scales[8 * h + g]);
+        scale[g] = _mm256_set1_ps(sg);
+        offset[g] = _mm256_set1_ps(32.0f * sg);
       }
 #pragma GCC unroll 4
       for (int l = 0; l < 32; l += 8) {
@@ -318,18 +321,14 @@ void Q6_KRowDot(const uint8_t* row, int64_t cols, const float* x, int64_t ldx,
                             _mm256_slli_epi32(_mm256_srli_epi32(hb, 6), 4));
         const int64_t k = k0 + 128 * h + l;
         const int g = l / 16;  // scale group within each 32-value row
-        acc.AddA(_mm256_mul_ps(scale[g], _mm256_cvtepi32_ps(
-                                             _mm256_sub_epi32(q0, offset))),
-                 x, ldx, k);
-        acc.AddB(_mm256_mul_ps(scale[2 + g], _mm256_cvtepi32_ps(
-                                                 _mm256_sub_epi32(q1, offset))),
-                 x, ldx, k + 32);
-        acc.AddA(_mm256_mul_ps(scale[4 + g], _mm256_cvtepi32_ps(
-                                                 _mm256_sub_epi32(q2, offset))),
-                 x, ldx, k + 64);
-        acc.AddB(_mm256_mul_ps(scale[6 + g], _mm256_cvtepi32_ps(
-                                                 _mm256_sub_epi32(q3, offset))),
-                 x, ldx, k + 96);
+        auto weights = [&](__m256i q, int group) {
+          return _mm256_fmsub_ps(scale[group], _mm256_cvtepi32_ps(q),
+                                 offset[group]);
+        };
+        acc.AddA(weights(q0, g), x, ldx, k);
+        acc.AddB(weights(q1, 2 + g), x, ldx, k + 32);
+        acc.AddA(weights(q2, 4 + g), x, ldx, k + 64);
+        acc.AddB(weights(q3, 6 + g), x, ldx, k + 96);
       }
     }
   }
