@@ -124,11 +124,11 @@ void DequantizeQ4_KBlocks(const uint8_t* src, int64_t blocks, float* out) {
 
 void DequantizeQ6_KBlocks(const uint8_t* src, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, src += model::kQ6_KBytes, out += 256) {
+#ifdef PDSERVE_MATMUL_AVX2
     const uint8_t* ql = src;
     const uint8_t* qh = src + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(src + 192);
     const float d = LoadF16(src + 208);
-#ifdef PDSERVE_MATMUL_AVX2
     const __m256i m4 = _mm256_set1_epi32(0xF), m2 = _mm256_set1_epi32(3);
     const __m256i offset = _mm256_set1_epi32(32);
     for (int h = 0; h < 2; ++h) {
