@@ -6,7 +6,7 @@
 # comes from npm's node-llama-cpp (its prebuilt CPU binaries, which pick the
 # best variant for this CPU at run time), installed into build/llamacpp.
 #
-#   bench/quant_vs_llamacpp.sh [CONFIG.json] [ROUNDS]
+#   [THREADS=2] bench/quant_vs_llamacpp.sh [CONFIG.json] [ROUNDS]
 #
 # Each round runs, per format, pdserve then llama.cpp (best of 3 each);
 # rounds alternate the order of the two engines. Prints one line per run and
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG="${1:-../shared/models/bench-configs/llama-110m.json}"
 ROUNDS="${2:-2}"
-THREADS=2
+THREADS="${THREADS:-2}"
 DIR=build/quant-bench
 mkdir -p "$DIR"
 
