@@ -377,24 +377,39 @@ void QuantRowDot(const WeightMatrix::Segment& s, const float* x, int64_t n,
 // the panel layout (kc x kPanelRows, rows past the segment zero).
 const float* DequantizedPanelSlice(const WeightMatrix::Segment& s, int64_t p,
                                    int64_t k0, int64_t kc) {
-  alignas(64) thread_local float panel[kQuantBlockCols * kPanelRows];
-  alignas(64) thread_local float rows[kPanelRows][kQuantBlockCols];
+  // Heap buffers, one pair per thread: 64 KiB of static thread_local arrays
+  // would sit in every thread's static TLS block, and threads created with
+  // small stacks (civetweb's, in the metrics server) then fail to start.
+  struct AlignedBuffer {
+    float* data = nullptr;
+    ~AlignedBuffer() { std::free(data); }
+    float* Get(size_t floats) {
+      if (data == nullptr) {
+        data = static_cast<float*>(std::aligned_alloc(64, floats * 4));
+      }
+      return data;
+    }
+  };
+  thread_local AlignedBuffer panel_buffer, rows_buffer;
+  float* panel = panel_buffer.Get(kQuantBlockCols * kPanelRows);
+  float* row_data = rows_buffer.Get(kQuantBlockCols * kPanelRows);
+  auto rows = [&](int64_t r) { return row_data + r * kQuantBlockCols; };
   const int64_t first = p * kPanelRows;
   const int64_t count = std::min(kPanelRows, s.rows - first);
   const int64_t start = model::RowBytes(s.format, k0);
   for (int64_t r = 0; r < count; ++r) {
     DequantizeFast(s.format, s.data + (first + r) * s.row_bytes + start, kc,
-                   rows[r]);
+                   rows(r));
   }
   for (int64_t r = count; r < kPanelRows; ++r) {
-    std::fill(rows[r], rows[r] + kc, 0.0f);
+    std::fill(rows(r), rows(r) + kc, 0.0f);
   }
 #ifdef PDSERVE_MATMUL_AVX2
   // 8 x 8 transposes: rows[r0..r0+8)[k..k+8) -> panel[k..k+8][r0..r0+8).
   for (int64_t k = 0; k + 8 <= kc; k += 8) {
     for (int r0 = 0; r0 < kPanelRows; r0 += 8) {
       __m256 v[8];
-      for (int i = 0; i < 8; ++i) v[i] = _mm256_load_ps(rows[r0 + i] + k);
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_load_ps(rows(r0 + i) + k);
       const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]);
       const __m256 t1 = _mm256_unpackhi_ps(v[0], v[1]);
       const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]);
@@ -425,7 +440,7 @@ const float* DequantizedPanelSlice(const WeightMatrix::Segment& s, int64_t p,
 #else
   for (int64_t k = 0; k < kc; ++k) {
     for (int64_t r = 0; r < kPanelRows; ++r)
-      panel[k * kPanelRows + r] = rows[r][k];
+      panel[k * kPanelRows + r] = rows(r)[k];
   }
 #endif
   return panel;
