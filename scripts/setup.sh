@@ -14,6 +14,7 @@ PACKAGES=(
   libucx-dev ucx-utils prometheus-cpp-dev prometheus
   libsentencepiece-dev libpcre2-dev libicu-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  python3-numpy
 )
 
 missing=()

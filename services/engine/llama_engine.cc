@@ -29,27 +29,92 @@ void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
 }
 
 // One layer's weights as the CPU kernels read them: norms as loaded,
-// projections packed for PackedMatMul.
+// projections in their stored format (WeightMatrix: f32/f16 panels,
+// quantized blocks in place).
 struct CpuLayerWeights {
   std::vector<float> attn_norm, ffn_norm;  // [hidden]
-  PackedMatrix wqkv, wo, w_gate_up, w_down;
+  WeightMatrix wqkv, wo, w_gate_up, w_down;
   // Family extras (empty when the config has none): see HostLayerWeights.
   std::vector<float> qkv_bias, q_norm, k_norm, o_bias;
 };
 
-// Packs row-major `rows` x `cols` weights and releases the row-major copy, so
-// loading never holds more than one extra matrix.
-absl::StatusOr<PackedMatrix> PackAndRelease(std::vector<float>& row_major,
-                                            int64_t rows, int64_t cols) {
-  if (static_cast<int64_t>(row_major.size()) != rows * cols) {
-    return absl::InternalError(
-        absl::StrCat("weight matrix holds ", row_major.size(),
-                     " floats, expected ", rows, "x", cols));
+// Appends rows [row_begin, row_end) x columns [col_begin, col_end) of tensor
+// `name` to `w`: in the stored format, in place for quantized tensors, when
+// the source has stored bytes; else (dummy weights) read as f32 and packed.
+// A column range of a quantized tensor must fall on block boundaries (a TP
+// rank's share of o_proj/down_proj): INVALID_ARGUMENT names the tensor, its
+// format and the split otherwise.
+absl::Status AppendWeights(const model::WeightSource& weights,
+                           const std::string& name, int64_t row_begin,
+                           int64_t row_end, int64_t col_begin, int64_t col_end,
+                           const ShardSpec& shard, WeightMatrix* w) {
+  const int64_t rows = row_end - row_begin, cols = col_end - col_begin;
+  absl::StatusOr<model::StoredTensor> stored = weights.GetStoredTensor(name);
+  if (!stored.ok() &&
+      stored.status().code() != absl::StatusCode::kUnimplemented) {
+    return stored.status();
   }
-  absl::StatusOr<PackedMatrix> packed =
-      PackedMatrix::Pack(row_major.data(), rows, cols);
-  std::vector<float>().swap(row_major);
-  return packed;
+  if (!stored.ok()) {
+    std::vector<float> values(rows * cols);
+    PDS_RETURN_IF_ERROR(weights.ReadF32(
+        name, {row_begin, row_end, col_begin, col_end}, values.data()));
+    return w->AppendF32(values.data(), rows, cols);
+  }
+  if (row_begin < 0 || row_end > stored->rows || col_begin < 0 ||
+      col_end > stored->cols || rows < 0 || cols < 0) {
+    return absl::InternalError(absl::StrCat("slice outside tensor ", name));
+  }
+  const int64_t block = model::BlockElements(stored->format);
+  if (col_begin % block != 0 ||
+      (col_end % block != 0 && col_end != stored->cols)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        weights.description(), ": tensor ", name, " is ",
+        std::string(model::TensorFormatName(stored->format)), " (blocks of ",
+        block, " values along rows of ", stored->cols,
+        "): tensor-parallel rank ", shard.tp_rank, " of ", shard.tp_size,
+        " would hold columns [", col_begin, ", ", col_end,
+        "), which cut a block; use a TP degree that splits these columns on "
+        "multiples of ",
+        block));
+  }
+  return w->AppendStored(stored->format,
+                         stored->data + row_begin * stored->row_bytes +
+                             model::RowBytes(stored->format, col_begin),
+                         stored->row_bytes, rows, cols,
+                         stored->interleaved_rope_head_dim, stored->owner);
+}
+
+// The token embedding rows a shard holds: the stored rows in place (any
+// format; a row is dequantized when a token looks it up), or f32 rows read
+// from a source without stored bytes.
+struct EmbeddingTable {
+  std::vector<float> f32;      // [rows, hidden] when !in_place
+  model::StoredTensor stored;  // when in_place
+  bool in_place = false;
+  int64_t first_row = 0;  // vocab_begin
+  int64_t hidden = 0;
+
+  void Row(int64_t local_row, float* out) const {
+    if (!in_place) {
+      std::memcpy(out, f32.data() + local_row * hidden, hidden * sizeof(float));
+      return;
+    }
+    model::DequantizeRow(
+        stored.format, stored.data + (first_row + local_row) * stored.row_bytes,
+        hidden, out);
+  }
+  int64_t bytes(int64_t rows) const {
+    return in_place ? rows * stored.row_bytes
+                    : static_cast<int64_t>(f32.size() * sizeof(float));
+  }
+};
+
+// A 1-D tensor (a norm's weights) as f32.
+absl::Status LoadNorm(const model::WeightSource& weights,
+                      const std::string& name, int64_t size,
+                      std::vector<float>* out) {
+  out->resize(size);
+  return weights.ReadF32(name, {}, out->data());
 }
 
 // Per-token facts of one step, precomputed once.
@@ -109,11 +174,10 @@ class CpuBackend final : public EngineBackend {
   int kv_heads = 0, kv_head_offset = 0;
   int64_t vocab_begin = 0, vocab_end = 0;
 
-  std::vector<float>
-      embedding;  // [vocab_end - vocab_begin, hidden] when holding layer 0
+  EmbeddingTable embedding;  // this rank's vocab rows, when holding layer 0
   std::vector<CpuLayerWeights> layers;
   std::vector<float> final_norm;  // [hidden] when holding the last layer
-  PackedMatrix lm_head;           // [vocab_end - vocab_begin, hidden]
+  WeightMatrix lm_head;           // [vocab_end - vocab_begin, hidden]
 
   std::vector<float> rope_cos, rope_sin;  // [max_position, head_dim / 2]
 
@@ -181,15 +245,31 @@ class CpuBackend final : public EngineBackend {
 // ---------------------------------------------------------------------------
 
 absl::Status CpuBackend::Load(const model::WeightSource& weights) {
-  if (holds_first()) PDS_RETURN_IF_ERROR(LoadEmbedding(weights, p, &embedding));
   const int64_t hidden = config.hidden_size;
+  if (holds_first()) {
+    embedding.hidden = hidden;
+    embedding.first_row = p.vocab_begin;
+    absl::StatusOr<model::StoredTensor> stored =
+        weights.GetStoredTensor("model.embed_tokens.weight");
+    if (stored.ok()) {
+      embedding.stored = *std::move(stored);
+      embedding.in_place = true;
+    } else if (stored.status().code() == absl::StatusCode::kUnimplemented) {
+      PDS_RETURN_IF_ERROR(LoadEmbedding(weights, p, &embedding.f32));
+    } else {
+      return stored.status();
+    }
+  }
   const int64_t attn_width = p.attn_width();
+  const int64_t hd = config.head_dim;
+  const int64_t q_rows = int64_t{p.q_heads} * hd,
+                kv_rows = int64_t{p.kv_heads} * hd;
+  const int64_t q0 = int64_t{p.q_head_offset} * hd;
+  const int64_t kv0 = int64_t{p.kv_head_offset} * hd;
   // Progress for people waiting on a large model (minutes for 8B on a few
   // cores): a log line every 2 s with the rate and the time left.
   const int num_layers = shard.layer_end - shard.layer_begin;
-  const double layer_bytes =
-      4.0 * static_cast<double>(qkv_rows() * hidden + hidden * attn_width +
-                                3 * ffn_rows() * hidden);
+  double layer_bytes = 0;  // of the first layer loaded
   const absl::Time load_start = absl::Now();
   absl::Time last_report = load_start;
   for (int layer = shard.layer_begin; layer < shard.layer_end; ++layer) {
@@ -206,31 +286,59 @@ absl::Status CpuBackend::Load(const model::WeightSource& weights) {
           num_layers * layer_bytes / 1e9, rate / 1e6,
           rate > 0 ? (num_layers - done) * layer_bytes / rate : 0.0);
     }
-    HostLayerWeights lw;
-    PDS_RETURN_IF_ERROR(LoadLayerWeights(weights, p, layer, &lw));
     CpuLayerWeights& cw = layers.emplace_back();
-    cw.attn_norm = std::move(lw.attn_norm);
-    cw.ffn_norm = std::move(lw.ffn_norm);
-    cw.qkv_bias = std::move(lw.qkv_bias);
-    cw.q_norm = std::move(lw.q_norm);
-    cw.k_norm = std::move(lw.k_norm);
-    cw.o_bias = std::move(lw.o_bias);
-    PDS_ASSIGN_OR_RETURN(cw.wqkv, PackAndRelease(lw.wqkv, qkv_rows(), hidden));
-    PDS_ASSIGN_OR_RETURN(cw.wo, PackAndRelease(lw.wo, hidden, attn_width));
-    PDS_ASSIGN_OR_RETURN(cw.w_gate_up,
-                         PackAndRelease(lw.w_gate_up, 2 * ffn_rows(), hidden));
-    PDS_ASSIGN_OR_RETURN(cw.w_down,
-                         PackAndRelease(lw.w_down, hidden, ffn_rows()));
+    PDS_RETURN_IF_ERROR(LoadNorm(
+        weights, model::LayerTensorName(layer, "input_layernorm.weight"),
+        hidden, &cw.attn_norm));
+    PDS_RETURN_IF_ERROR(LoadNorm(
+        weights,
+        model::LayerTensorName(layer, "post_attention_layernorm.weight"),
+        hidden, &cw.ffn_norm));
+    auto append = [&](const char* suffix, int64_t r0, int64_t r1, int64_t c0,
+                      int64_t c1, WeightMatrix* w) {
+      return AppendWeights(weights, model::LayerTensorName(layer, suffix), r0,
+                           r1, c0, c1, shard, w);
+    };
+    PDS_RETURN_IF_ERROR(append("self_attn.q_proj.weight", q0, q0 + q_rows, 0,
+                               hidden, &cw.wqkv));
+    PDS_RETURN_IF_ERROR(append("self_attn.k_proj.weight", kv0, kv0 + kv_rows, 0,
+                               hidden, &cw.wqkv));
+    PDS_RETURN_IF_ERROR(append("self_attn.v_proj.weight", kv0, kv0 + kv_rows, 0,
+                               hidden, &cw.wqkv));
+    PDS_RETURN_IF_ERROR(append("self_attn.o_proj.weight", 0, hidden, q0,
+                               q0 + attn_width, &cw.wo));
+    PDS_RETURN_IF_ERROR(append("mlp.gate_proj.weight", p.ffn_begin, p.ffn_end,
+                               0, hidden, &cw.w_gate_up));
+    PDS_RETURN_IF_ERROR(append("mlp.up_proj.weight", p.ffn_begin, p.ffn_end, 0,
+                               hidden, &cw.w_gate_up));
+    PDS_RETURN_IF_ERROR(append("mlp.down_proj.weight", 0, hidden, p.ffn_begin,
+                               p.ffn_end, &cw.w_down));
+    if (layer_bytes == 0) {
+      layer_bytes =
+          static_cast<double>(cw.wqkv.bytes() + cw.wo.bytes() +
+                              cw.w_gate_up.bytes() + cw.w_down.bytes());
+    }
+    {
+      // The family extras (biases, q/k norms), sliced with this shard's heads.
+      HostLayerWeights extras;
+      PDS_RETURN_IF_ERROR(LoadLayerExtras(weights, p, layer, &extras));
+      cw.qkv_bias = std::move(extras.qkv_bias);
+      cw.q_norm = std::move(extras.q_norm);
+      cw.k_norm = std::move(extras.k_norm);
+      cw.o_bias = std::move(extras.o_bias);
+    }
   }
   if (holds_last()) {
     if (absl::Now() - load_start >= absl::Seconds(2)) {
-      PDS_LOG(INFO) << absl::StrFormat(
-          "loading weights: the output head (%.2f GB)",
-          4.0 * static_cast<double>(p.vocab_rows() * hidden) / 1e9);
+      PDS_LOG(INFO) << "loading weights: the output head";
     }
-    std::vector<float> head;
-    PDS_RETURN_IF_ERROR(LoadHead(weights, p, &final_norm, &head));
-    PDS_ASSIGN_OR_RETURN(lm_head, PackAndRelease(head, p.vocab_rows(), hidden));
+    PDS_RETURN_IF_ERROR(
+        LoadNorm(weights, "model.norm.weight", hidden, &final_norm));
+    const std::string head_name = weights.HasTensor("lm_head.weight")
+                                      ? "lm_head.weight"
+                                      : "model.embed_tokens.weight";
+    PDS_RETURN_IF_ERROR(AppendWeights(weights, head_name, p.vocab_begin,
+                                      p.vocab_end, 0, hidden, shard, &lm_head));
   }
   BuildRopeTables(config, &rope_cos, &rope_sin);
   if (absl::Now() - load_start >= absl::Seconds(2)) {
@@ -488,15 +596,19 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
 // ---------------------------------------------------------------------------
 
 int64_t CpuBackend::weight_bytes() const {
-  auto elements = [](const PackedMatrix& m) { return m.rows() * m.cols(); };
-  int64_t floats = embedding.size() + final_norm.size() + elements(lm_head);
+  int64_t bytes = (holds_first() ? embedding.bytes(p.vocab_rows()) : 0) +
+                  static_cast<int64_t>(final_norm.size() * sizeof(float)) +
+                  lm_head.bytes();
   for (const auto& lw : layers) {
-    floats += lw.attn_norm.size() + elements(lw.wqkv) + elements(lw.wo) +
-              lw.ffn_norm.size() + elements(lw.w_gate_up) +
-              elements(lw.w_down) + lw.qkv_bias.size() + lw.q_norm.size() +
-              lw.k_norm.size() + lw.o_bias.size();
+    bytes += static_cast<int64_t>((lw.attn_norm.size() + lw.ffn_norm.size()) *
+                                  sizeof(float)) +
+             lw.wqkv.bytes() + lw.wo.bytes() + lw.w_gate_up.bytes() +
+             lw.w_down.bytes() +
+             static_cast<int64_t>((lw.qkv_bias.size() + lw.q_norm.size() +
+                                   lw.k_norm.size() + lw.o_bias.size()) *
+                                  sizeof(float));
   }
-  return floats * static_cast<int64_t>(sizeof(float));
+  return bytes;
 }
 
 LlamaEngine::LlamaEngine(std::unique_ptr<EngineBackend> backend, Backend kind)
@@ -661,9 +773,7 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
     for (const SequenceStep& seq : batch.sequences) {
       for (int32_t token : seq.tokens) {
         if (token >= m.vocab_begin && token < m.vocab_end) {
-          std::memcpy(m.x.data() + t * hidden,
-                      m.embedding.data() + (token - m.vocab_begin) * hidden,
-                      hidden * sizeof(float));
+          m.embedding.Row(token - m.vocab_begin, m.x.data() + t * hidden);
         }
         ++t;
       }
@@ -691,10 +801,10 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       RmsNorm(m.x.data() + t * hidden, lw.attn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    PackedMatMul(m.normed.data(), n, lw.wqkv, m.qkv.data(), *m.workers);
+    MatMul(m.normed.data(), n, lw.wqkv, m.qkv.data(), *m.workers);
     m.WriteKv(batch, static_cast<int>(local), lw, pool);
     m.Attention(batch, static_cast<int>(local), pool);
-    PackedMatMul(m.attn_out.data(), n, lw.wo, m.proj.data(), *m.workers);
+    MatMul(m.attn_out.data(), n, lw.wo, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     if (lw.o_bias.empty()) {
       for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
@@ -711,13 +821,12 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       RmsNorm(m.x.data() + t * hidden, lw.ffn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    PackedMatMul(m.normed.data(), n, lw.w_gate_up, m.gate_up.data(),
-                 *m.workers);
+    MatMul(m.normed.data(), n, lw.w_gate_up, m.gate_up.data(), *m.workers);
     for (int64_t t = 0; t < n; ++t) {
       const float* gate = m.gate_up.data() + t * 2 * f;
       SiluMul(gate, gate + f, m.act.data() + t * f, f);
     }
-    PackedMatMul(m.act.data(), n, lw.w_down, m.proj.data(), *m.workers);
+    MatMul(m.act.data(), n, lw.w_down, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
   }
@@ -753,13 +862,13 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
   }
   if (m.shard.tp_size == 1) {
     result->logits.resize(num_rows * vocab_shard);
-    PackedMatMul(normed_rows.data(), num_rows, m.lm_head, result->logits.data(),
-                 *m.workers);
+    MatMul(normed_rows.data(), num_rows, m.lm_head, result->logits.data(),
+           *m.workers);
     return absl::OkStatus();
   }
   std::vector<float> shard_logits(num_rows * vocab_shard);
-  PackedMatMul(normed_rows.data(), num_rows, m.lm_head, shard_logits.data(),
-               *m.workers);
+  MatMul(normed_rows.data(), num_rows, m.lm_head, shard_logits.data(),
+         *m.workers);
   // Vocab-parallel lm_head: place this rank's columns, sum = gather.
   result->logits.assign(num_rows * c.vocab_size, 0.0f);
   for (int64_t i = 0; i < num_rows; ++i) {

@@ -10,166 +10,24 @@
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
 #include "common/thread_pool.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PDSERVE_MATMUL_AVX2 1
-#endif
+#include "engine/panel_kernel.h"
 
 namespace pdserve::engine {
 namespace {
 
-// Activation rows per micro-kernel call: 6 rows x 2 vectors = 12 accumulators,
-// plus 2 weight vectors and 1 broadcast: 15 of AVX2's 16 registers.
-constexpr int kTileRows = 6;
-// Cache blocking for wide inputs (prefill): a k-slice of a panel (16 x 384
-// floats, 24 KiB) stays in L1 while every row tile of an activation block
-// (192 rows x 384 floats, 288 KiB) streams from L2 into it. Measured on a
-// Zen 3 VM (32 KiB L1d, 512 KiB L2) among 256/384/768 x 48/96/192.
-constexpr int64_t kBlockCols = 384;
-constexpr int64_t kBlockRows = 192;
-// Inputs up to this size (all rows' activations, well inside L2) are
-// multiplied panel by panel; larger ones are blocked by rows first.
-constexpr int64_t kPanelMajorActivationBytes = 256 << 10;
-
+using internal::kBlockCols;
+using internal::PanelLoop;
 #ifdef PDSERVE_MATMUL_AVX2
-inline float HorizontalSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  sums = _mm_add_ss(sums, shuf);
-  return _mm_cvtss_f32(sums);
-}
-
-// y[R, cols] (+)= x[R, kc] · panel[kc, 16] for R <= kTileRows rows, where
-// x[r, k] is at x + r * row_stride + k * k_stride (row-major activations, or
-// a packed [k][kTileRows] tile) and y's rows are ldy apart; `cols` < 16 only
-// for the last panel. Every loop over R is unrolled so the accumulators stay
-// in registers (a rolled epilogue made GCC spill all twelve on every k step:
-// 3x slower).
-template <int R>
-void MicroKernel(const float* __restrict x, int64_t row_stride,
-                 int64_t k_stride, const float* __restrict panel, int64_t kc,
-                 float* __restrict y, int64_t ldy, int64_t cols,
-                 bool accumulate) {
-  __m256 lo[R], hi[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    lo[r] = _mm256_setzero_ps();
-    hi[r] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w_lo = _mm256_load_ps(panel + k * kPanelRows);
-    const __m256 w_hi = _mm256_load_ps(panel + k * kPanelRows + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * row_stride + k * k_stride);
-      lo[r] = _mm256_fmadd_ps(a, w_lo, lo[r]);
-      hi[r] = _mm256_fmadd_ps(a, w_hi, hi[r]);
-    }
-  }
-  if (cols == kPanelRows) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      float* out = y + r * ldy;
-      if (accumulate) {
-        lo[r] = _mm256_add_ps(lo[r], _mm256_loadu_ps(out));
-        hi[r] = _mm256_add_ps(hi[r], _mm256_loadu_ps(out + 8));
-      }
-      _mm256_storeu_ps(out, lo[r]);
-      _mm256_storeu_ps(out + 8, hi[r]);
-    }
-    return;
-  }
-  alignas(32) float tile[R][kPanelRows];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(tile[r], lo[r]);
-    _mm256_store_ps(tile[r] + 8, hi[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    float* out = y + r * ldy;
-    for (int64_t c = 0; c < cols; ++c)
-      out[c] = accumulate ? out[c] + tile[r][c] : tile[r][c];
-  }
-}
-#else
-template <int R>
-void MicroKernel(const float* x, int64_t row_stride, int64_t k_stride,
-                 const float* panel, int64_t kc, float* y, int64_t ldy,
-                 int64_t cols, bool accumulate) {
-  for (int r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      float sum = 0;
-      for (int64_t k = 0; k < kc; ++k)
-        sum += x[r * row_stride + k * k_stride] * panel[k * kPanelRows + c];
-      y[r * ldy + c] = accumulate ? y[r * ldy + c] + sum : sum;
-    }
-  }
-}
+using internal::HorizontalSum;
 #endif
-
-using MicroKernelFn = void (*)(const float*, int64_t, int64_t, const float*,
-                               int64_t, float*, int64_t, int64_t, bool);
-constexpr MicroKernelFn kMicroKernels[kTileRows + 1] = {
-    nullptr,         &MicroKernel<1>, &MicroKernel<2>, &MicroKernel<3>,
-    &MicroKernel<4>, &MicroKernel<5>, &MicroKernel<6>};
 
 // Panels [first, last) of y = x · w^T.
 void PackedPanels(const float* x, int64_t n, const PackedMatrix& w, float* y,
                   int64_t first, int64_t last) {
-  const int64_t in = w.cols(), out = w.rows();
-  if (n * in * static_cast<int64_t>(sizeof(float)) <=
-      kPanelMajorActivationBytes) {
-    // Decode batches: one panel at a time, so the weights stream from memory
-    // in order and exactly once; a k-slice of the panel stays in L1 while
-    // every row tile reads its activations straight from x.
-    for (int64_t p = first; p < last; ++p) {
-      const int64_t cols = std::min(kPanelRows, out - p * kPanelRows);
-      for (int64_t k0 = 0; k0 < in; k0 += kBlockCols) {
-        const float* panel = w.panel(p) + k0 * kPanelRows;
-        const int64_t kc = std::min(kBlockCols, in - k0);
-        for (int64_t m = 0; m < n; m += kTileRows) {
-          const int64_t rows = std::min<int64_t>(kTileRows, n - m);
-          kMicroKernels[rows](x + m * in + k0, in, 1, panel, kc,
-                              y + m * out + p * kPanelRows, out, cols, k0 > 0);
-        }
-      }
-    }
-    return;
-  }
-  // Prefill: a block of activations, copied into row tiles laid out
-  // [k][kTileRows] (the six broadcasts of a k step read one cache line, not
-  // six), stays in L2 while it meets every panel of this run.
-  thread_local std::vector<float> tiles;
-  tiles.resize(kBlockRows * kBlockCols);
-  for (int64_t m0 = 0; m0 < n; m0 += kBlockRows) {
-    const int64_t m_end = std::min(n, m0 + kBlockRows);
-    for (int64_t k0 = 0; k0 < in; k0 += kBlockCols) {
-      const int64_t kc = std::min(kBlockCols, in - k0);
-      for (int64_t m = m0; m < m_end; m += kTileRows) {
-        float* tile = tiles.data() + (m - m0) * kc;
-        const int64_t rows = std::min<int64_t>(kTileRows, m_end - m);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* row = x + (m + r) * in + k0;
-          for (int64_t k = 0; k < kc; ++k) tile[k * kTileRows + r] = row[k];
-        }
-      }
-      for (int64_t p = first; p < last; ++p) {
-        const float* panel = w.panel(p) + k0 * kPanelRows;
-        const int64_t cols = std::min(kPanelRows, out - p * kPanelRows);
-        for (int64_t m = m0; m < m_end; m += kTileRows) {
-          const int64_t rows = std::min<int64_t>(kTileRows, m_end - m);
-          kMicroKernels[rows](tiles.data() + (m - m0) * kc, 1, kTileRows, panel,
-                              kc, y + m * out + p * kPanelRows, out, cols,
-                              k0 > 0);
-        }
-      }
-    }
-  }
+  PanelLoop(x, n, w.cols(), w.rows(), y, w.rows(), first, last, kBlockCols,
+            [&](int64_t p, int64_t k0, int64_t) {
+              return w.panel(p) + k0 * kPanelRows;
+            });
 }
 
 }  // namespace
@@ -618,5 +476,10 @@ void FloatRowToBf16(const float* in, uint16_t* out, int64_t n) {
 }
 
 void UseSingleThreadedBlas() { openblas_set_num_threads(1); }
+
+namespace internal {
+float PanelWeight(float w) { return w; }
+float PanelWeight(uint16_t w) { return F16ToFloat(w); }
+}  // namespace internal
 
 }  // namespace pdserve::engine

@@ -16,8 +16,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/quant_formats.h"
 
 namespace pdserve {
 class ThreadPool;
@@ -59,6 +63,65 @@ class PackedMatrix {
 // y[n, w.rows()] = x[n, w.cols()] · w^T, spread over `pool`.
 void PackedMatMul(const float* x, int64_t n, const PackedMatrix& w, float* y,
                   ThreadPool& pool);
+
+// A projection matrix whose rows keep the format they were stored in: runs
+// of output rows ("segments"), each one of
+//   - f32: packed into PackedMatrix panels (a copy, as PackedMatMul uses);
+//   - f16: packed into panels of halves (a copy of f16 size), widened in
+//     registers by the same micro-kernel: half the bytes a decode step
+//     streams;
+//   - Q8_0 / Q4_K / Q6_K: the stored blocks read in place (the mapped
+//     file), never widened at load; kernels dequantize them as they go.
+// A fused projection (q|k|v, gate|up) may mix formats (Q4_K_M files store
+// some v and down projections as Q6_K).
+class WeightMatrix {
+ public:
+  WeightMatrix() = default;
+  WeightMatrix(WeightMatrix&&) = default;
+  WeightMatrix& operator=(WeightMatrix&&) = default;
+
+  // Appends `rows` f32 rows (row-major, `cols` wide), packed into panels.
+  [[nodiscard]] absl::Status AppendF32(const float* w, int64_t rows,
+                                       int64_t cols);
+  // Appends `rows` stored rows of `format`, row r at data + r * row_bytes
+  // (a column range of a wider tensor keeps the full rows' stride), `cols`
+  // values each. F32/F16/BF16 rows are packed (BF16 widened to f32);
+  // quantized rows are referenced in place, `cols` and the start a whole
+  // number of blocks, and `owner` keeps them alive. A non-zero
+  // `interleaved_head_dim` says rows are in Meta's interleaved RoPE order
+  // within heads of that many rows: outputs come out in HF rotate-half
+  // order all the same.
+  [[nodiscard]] absl::Status AppendStored(model::TensorFormat format,
+                                          const uint8_t* data,
+                                          int64_t row_bytes, int64_t rows,
+                                          int64_t cols,
+                                          int interleaved_head_dim,
+                                          std::shared_ptr<const void> owner);
+
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  // Bytes of weights the kernels read (packed copies and mapped blocks).
+  int64_t bytes() const;
+  // e.g. "Q4_K 1024 + Q6_K 256 rows".
+  std::string FormatSummary() const;
+  // Element (row, col) as the kernels see it (tests).
+  float At(int64_t row, int64_t col) const;
+
+  struct Segment;
+
+ private:
+  absl::Status CheckCols(int64_t cols);
+  friend void MatMul(const float* x, int64_t n, const WeightMatrix& w, float* y,
+                     ThreadPool& pool);
+  std::vector<std::shared_ptr<const Segment>> segments_;
+  int64_t rows_ = 0, cols_ = 0;
+};
+
+// y[n, w.rows()] = x[n, w.cols()] · w^T, spread over `pool`. Quantized rows
+// are dequantized inside the kernels: one row at a time against the few
+// activation rows of a decode step, into f32 panel slices for wider inputs.
+void MatMul(const float* x, int64_t n, const WeightMatrix& w, float* y,
+            ThreadPool& pool);
 
 // The same product with OpenBLAS on the row-major matrix: single-threaded
 // sgemm per slice of output columns, the slices spread over `pool` (all

@@ -186,32 +186,13 @@ absl::Status ValidateBatch(const ShardPlan& plan, const ForwardBatch& batch,
   return absl::OkStatus();
 }
 
-absl::Status LoadLayerWeights(const model::WeightSource& weights,
-                              const ShardPlan& plan, int layer,
-                              HostLayerWeights* lw) {
+absl::Status LoadLayerExtras(const model::WeightSource& weights,
+                             const ShardPlan& plan, int layer,
+                             HostLayerWeights* lw) {
   const int64_t hidden = plan.config.hidden_size;
   const int64_t hd = plan.config.head_dim;
-  PDS_RETURN_IF_ERROR(Read(weights,
-                           LayerTensorName(layer, "input_layernorm.weight"), {},
-                           1, hidden, lw->attn_norm));
-  PDS_RETURN_IF_ERROR(
-      Read(weights, LayerTensorName(layer, "post_attention_layernorm.weight"),
-           {}, 1, hidden, lw->ffn_norm));
   const int64_t q_rows = plan.q_heads * hd, kv_rows = plan.kv_heads * hd;
   const int64_t q0 = plan.q_head_offset * hd, kv0 = plan.kv_head_offset * hd;
-  PDS_RETURN_IF_ERROR(Read(weights,
-                           LayerTensorName(layer, "self_attn.q_proj.weight"),
-                           Rows(q0, q0 + q_rows), q_rows, hidden, lw->wqkv, 0));
-  PDS_RETURN_IF_ERROR(Read(
-      weights, LayerTensorName(layer, "self_attn.k_proj.weight"),
-      Rows(kv0, kv0 + kv_rows), kv_rows, hidden, lw->wqkv, q_rows * hidden));
-  PDS_RETURN_IF_ERROR(Read(weights,
-                           LayerTensorName(layer, "self_attn.v_proj.weight"),
-                           Rows(kv0, kv0 + kv_rows), kv_rows, hidden, lw->wqkv,
-                           (q_rows + kv_rows) * hidden));
-  PDS_RETURN_IF_ERROR(Read(weights,
-                           LayerTensorName(layer, "self_attn.o_proj.weight"),
-                           Cols(q0, q0 + q_rows), hidden, q_rows, lw->wo));
   const model::ModelConfig& c = plan.config;
   if (c.qkv_bias) {
     // Sliced with their heads, like the weight rows (a replicated KV head's
@@ -240,6 +221,36 @@ absl::Status LoadLayerWeights(const model::WeightSource& weights,
                              LayerTensorName(layer, "self_attn.o_proj.bias"),
                              {}, 1, hidden, lw->o_bias));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LoadLayerWeights(const model::WeightSource& weights,
+                              const ShardPlan& plan, int layer,
+                              HostLayerWeights* lw) {
+  const int64_t hidden = plan.config.hidden_size;
+  const int64_t hd = plan.config.head_dim;
+  PDS_RETURN_IF_ERROR(Read(weights,
+                           LayerTensorName(layer, "input_layernorm.weight"), {},
+                           1, hidden, lw->attn_norm));
+  PDS_RETURN_IF_ERROR(
+      Read(weights, LayerTensorName(layer, "post_attention_layernorm.weight"),
+           {}, 1, hidden, lw->ffn_norm));
+  const int64_t q_rows = plan.q_heads * hd, kv_rows = plan.kv_heads * hd;
+  const int64_t q0 = plan.q_head_offset * hd, kv0 = plan.kv_head_offset * hd;
+  PDS_RETURN_IF_ERROR(Read(weights,
+                           LayerTensorName(layer, "self_attn.q_proj.weight"),
+                           Rows(q0, q0 + q_rows), q_rows, hidden, lw->wqkv, 0));
+  PDS_RETURN_IF_ERROR(Read(
+      weights, LayerTensorName(layer, "self_attn.k_proj.weight"),
+      Rows(kv0, kv0 + kv_rows), kv_rows, hidden, lw->wqkv, q_rows * hidden));
+  PDS_RETURN_IF_ERROR(Read(weights,
+                           LayerTensorName(layer, "self_attn.v_proj.weight"),
+                           Rows(kv0, kv0 + kv_rows), kv_rows, hidden, lw->wqkv,
+                           (q_rows + kv_rows) * hidden));
+  PDS_RETURN_IF_ERROR(Read(weights,
+                           LayerTensorName(layer, "self_attn.o_proj.weight"),
+                           Cols(q0, q0 + q_rows), hidden, q_rows, lw->wo));
+  PDS_RETURN_IF_ERROR(LoadLayerExtras(weights, plan, layer, lw));
   const int64_t f = plan.ffn_rows();
   PDS_RETURN_IF_ERROR(
       Read(weights, LayerTensorName(layer, "mlp.gate_proj.weight"),

@@ -71,6 +71,11 @@ struct HostLayerWeights {
   std::vector<float> o_bias;          // [hidden], added once after the sum
 };
 
+// Only the family extras of HostLayerWeights (biases, q/k norms): what a
+// backend that loads its projections in their stored format needs besides.
+[[nodiscard]] absl::Status LoadLayerExtras(const model::WeightSource& weights,
+                                           const ShardPlan& plan, int layer,
+                                           HostLayerWeights* out);
 // `layer` is the model layer (inside the shard's range).
 [[nodiscard]] absl::Status LoadLayerWeights(const model::WeightSource& weights,
                                             const ShardPlan& plan, int layer,

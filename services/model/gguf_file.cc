@@ -1,7 +1,9 @@
 #include "model/gguf_file.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -187,6 +189,28 @@ absl::Status ReadValue(ByteReader& reader, GgufValueType type,
       absl::StrCat("metadata ", ToAbsl(key), " has unknown type"));
 }
 
+// The format of a supported ggml type.
+std::optional<TensorFormat> FormatOfGgmlType(uint32_t type) {
+  switch (type) {
+    case kGgmlTypeF32:
+      return TensorFormat::kF32;
+    case kGgmlTypeF16:
+      return TensorFormat::kF16;
+    case kGgmlTypeBF16:
+      return TensorFormat::kBF16;
+    case kGgmlTypeQ8_0:
+      return TensorFormat::kQ8_0;
+    case kGgmlTypeQ4_K:
+      return TensorFormat::kQ4_K;
+    case kGgmlTypeQ6_K:
+      return TensorFormat::kQ6_K;
+    default:
+      return std::nullopt;
+  }
+}
+
+}  // namespace
+
 std::string GgmlTypeName(uint32_t type) {
   switch (type) {
     case kGgmlTypeF32:
@@ -203,28 +227,40 @@ std::string GgmlTypeName(uint32_t type) {
       return "Q5_0";
     case 7:
       return "Q5_1";
-    case 8:
+    case kGgmlTypeQ8_0:
       return "Q8_0";
     case 10:
       return "Q2_K";
     case 11:
       return "Q3_K";
-    case 12:
+    case kGgmlTypeQ4_K:
       return "Q4_K";
     case 13:
       return "Q5_K";
-    case 14:
+    case kGgmlTypeQ6_K:
       return "Q6_K";
     default:
       return absl::StrCat("ggml type ", type);
   }
 }
 
-bool IsSupportedGgmlType(uint32_t type) {
-  return type == kGgmlTypeF32 || type == kGgmlTypeF16 || type == kGgmlTypeBF16;
+uint32_t GgmlTypeOf(TensorFormat format) {
+  switch (format) {
+    case TensorFormat::kF32:
+      return kGgmlTypeF32;
+    case TensorFormat::kF16:
+      return kGgmlTypeF16;
+    case TensorFormat::kBF16:
+      return kGgmlTypeBF16;
+    case TensorFormat::kQ8_0:
+      return kGgmlTypeQ8_0;
+    case TensorFormat::kQ4_K:
+      return kGgmlTypeQ4_K;
+    case TensorFormat::kQ6_K:
+      return kGgmlTypeQ6_K;
+  }
+  return kGgmlTypeF32;
 }
-
-}  // namespace
 
 std::string_view GgufValueTypeName(GgufValueType type) {
   switch (type) {
@@ -303,10 +339,10 @@ std::vector<int64_t> GgufTensorInfo::Shape() const {
 }
 
 DType GgufTensorInfo::dtype() const {
-  switch (ggml_type) {
-    case kGgmlTypeF16:
+  switch (format) {
+    case TensorFormat::kF16:
       return DType::kF16;
-    case kGgmlTypeBF16:
+    case TensorFormat::kBF16:
       return DType::kBF16;
     default:
       return DType::kF32;
@@ -413,17 +449,33 @@ absl::Status GgufFile::Parse(const GgufOpenOptions& options) {
         &tensor.ggml_type, absl::StrCat("type of tensor ", tensor.name)));
     PDS_RETURN_IF_ERROR(reader.Read(
         &tensor.offset, absl::StrCat("offset of tensor ", tensor.name)));
-    tensor.supported = IsSupportedGgmlType(tensor.ggml_type);
+    const std::optional<TensorFormat> format =
+        FormatOfGgmlType(tensor.ggml_type);
+    tensor.supported = format.has_value();
     if (!tensor.supported && !options.allow_unsupported_tensor_types) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path(), ": tensor ", tensor.name, " has unsupported type ",
-          GgmlTypeName(tensor.ggml_type), " (F32, F16 or BF16 only)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path(), ": tensor ", tensor.name,
+                       " has unsupported type ", GgmlTypeName(tensor.ggml_type),
+                       " (F32, F16, BF16, Q8_0, Q4_K or Q6_K only)"));
     }
-    if (tensor.supported &&
-        __builtin_mul_overflow(num_elements, DTypeSize(tensor.dtype()),
-                               &tensor.num_bytes)) {
-      return reader.Error(
-          absl::StrCat("tensor ", tensor.name, " has an absurd shape"));
+    if (tensor.supported) {
+      tensor.format = *format;
+      // Blocks run along the innermost dimension: every row is a whole
+      // number of them.
+      const uint64_t block = BlockElements(tensor.format);
+      if (tensor.ne[0] % block != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path(), ": tensor ", tensor.name, " of type ",
+            GgmlTypeName(tensor.ggml_type), " has rows of ", tensor.ne[0],
+            " values, not a multiple of its ", block, "-value blocks"));
+      }
+      if (__builtin_mul_overflow(
+              num_elements / block,
+              static_cast<uint64_t>(BlockBytes(tensor.format)),
+              &tensor.num_bytes)) {
+        return reader.Error(
+            absl::StrCat("tensor ", tensor.name, " has an absurd shape"));
+      }
     }
     if (tensor.offset % alignment_ != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -451,14 +503,46 @@ absl::Status GgufFile::Parse(const GgufOpenOptions& options) {
         data_offset_, " but the file has ", file_size, " bytes"));
   }
   uint64_t data_size = file_size - data_offset_;
+  auto describe = [](const GgufTensorInfo& tensor) {
+    if (!IsQuantized(tensor.format)) {
+      return absl::StrCat(GgmlTypeName(tensor.ggml_type), ", ",
+                          tensor.num_bytes, " bytes");
+    }
+    return absl::StrCat(GgmlTypeName(tensor.ggml_type), ", ",
+                        tensor.num_elements / BlockElements(tensor.format),
+                        " blocks of ", BlockBytes(tensor.format),
+                        " bytes = ", tensor.num_bytes, " bytes");
+  };
   for (const GgufTensorInfo& tensor : tensors_) {
     // Written as a subtraction so that no sum can overflow.
     if (tensor.offset > data_size ||
         tensor.num_bytes > data_size - tensor.offset) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path(), ": tensor ", tensor.name, " (", describe(tensor),
+                       ") at data offset ", tensor.offset,
+                       " lies past the end of the data section (", data_size,
+                       " bytes; file truncated?)"));
+    }
+  }
+  // A tensor whose declared size runs into the next tensor's data was
+  // written with the wrong shape or type: refuse it rather than read the
+  // neighbour's bytes as its own.
+  std::vector<const GgufTensorInfo*> by_offset;
+  for (const GgufTensorInfo& tensor : tensors_) {
+    if (tensor.supported) by_offset.push_back(&tensor);
+  }
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const GgufTensorInfo* a, const GgufTensorInfo* b) {
+              return a->offset < b->offset;
+            });
+  for (size_t i = 0; i + 1 < by_offset.size(); ++i) {
+    const GgufTensorInfo& a = *by_offset[i];
+    const GgufTensorInfo& b = *by_offset[i + 1];
+    if (a.num_bytes > b.offset - a.offset) {
       return absl::InvalidArgumentError(absl::StrCat(
-          path(), ": tensor ", tensor.name, " data [", tensor.offset, ", +",
-          tensor.num_bytes, ") lies past the end of the data section (",
-          data_size, " bytes; file truncated?)"));
+          path(), ": tensor ", a.name, " (", describe(a), ") at data offset ",
+          a.offset, " runs into tensor ", b.name, " at data offset ", b.offset,
+          ": its shape or type does not match the bytes written for it"));
     }
   }
   return absl::OkStatus();

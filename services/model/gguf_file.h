@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "common/mapped_file.h"
 #include "model/model_config.h"
+#include "model/quant_formats.h"
 #include "model/weight_source.h"
 
 namespace pdserve::model {
@@ -44,10 +45,17 @@ enum class GgufValueType : uint32_t {
 };
 std::string_view GgufValueTypeName(GgufValueType type);
 
-// Tensor element types this reader can convert (ggml_type values).
+// Tensor types this reader supports (ggml_type values).
 inline constexpr uint32_t kGgmlTypeF32 = 0;
 inline constexpr uint32_t kGgmlTypeF16 = 1;
+inline constexpr uint32_t kGgmlTypeQ8_0 = 8;
+inline constexpr uint32_t kGgmlTypeQ4_K = 12;
+inline constexpr uint32_t kGgmlTypeQ6_K = 14;
 inline constexpr uint32_t kGgmlTypeBF16 = 30;
+// "Q4_K", "F16", ... or "ggml type N".
+std::string GgmlTypeName(uint32_t type);
+// The ggml type id of a format (for writers).
+uint32_t GgmlTypeOf(TensorFormat format);
 
 // One metadata value. Integers keep their signedness; floats are widened to
 // double; arrays hold elements of one type (`array_type`), possibly arrays.
@@ -75,19 +83,22 @@ struct GgufTensorInfo {
   uint64_t offset = 0;  // relative to the data section
   uint64_t num_elements = 0;
   uint64_t num_bytes = 0;  // 0 for unsupported types (see GgufOpenOptions)
-  bool supported = false;  // F32, F16 or BF16
+  bool supported = false;  // F32, F16, BF16, Q8_0, Q4_K or Q6_K
+  TensorFormat format = TensorFormat::kF32;  // when `supported`
 
   // Row-major shape, outermost first: `ne` reversed.
   std::vector<int64_t> Shape() const;
-  // The storage dtype; only meaningful when `supported`.
+  // The element dtype ReadF32 widens from: the storage dtype of F32/F16/
+  // BF16 tensors, kF32 for block-quantized ones (see `format`).
   DType dtype() const;
 };
 
 struct GgufOpenOptions {
-  // When false (the default), a tensor of a type other than F32/F16/BF16 is
-  // an error naming the tensor and type. When true such tensors are listed
-  // (supported == false, num_bytes == 0) so callers can still read metadata
-  // of quantized files; their data ranges cannot be checked.
+  // When false (the default), a tensor of a type other than F32/F16/BF16/
+  // Q8_0/Q4_K/Q6_K is an error naming the tensor and type. When true such
+  // tensors are listed (supported == false, num_bytes == 0) so callers can
+  // still read metadata of quantized files; their data ranges cannot be
+  // checked.
   bool allow_unsupported_tensor_types = false;
 };
 

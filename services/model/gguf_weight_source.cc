@@ -89,7 +89,10 @@ absl::StatusOr<bool> OptionalBool(const GgufFile& gguf, std::string_view key,
 
 class GgufWeightSource final : public MappedWeightSource {
  public:
-  explicit GgufWeightSource(GgufFile gguf) : gguf_(std::move(gguf)) {}
+  explicit GgufWeightSource(GgufFile gguf)
+      : file_(std::make_shared<GgufFile>(std::move(gguf))), gguf_(*file_) {
+    mapping_owner_ = file_;
+  }
 
   absl::Status Init() {
     PDS_ASSIGN_OR_RETURN(config_, LlamaConfigFromGguf(gguf_));
@@ -98,6 +101,7 @@ class GgufWeightSource final : public MappedWeightSource {
       MappedTensor tensor;
       tensor.info.name = CanonicalNameFromGguf(stored.name);
       tensor.info.dtype = stored.dtype();
+      tensor.info.format = stored.format;
       tensor.info.shape = stored.Shape();
       tensor.data = gguf_.TensorData(stored);
       tensor.file_path = &gguf_.path();
@@ -123,7 +127,8 @@ class GgufWeightSource final : public MappedWeightSource {
   }
 
  private:
-  GgufFile gguf_;
+  std::shared_ptr<GgufFile> file_;  // shared with StoredTensor views
+  GgufFile& gguf_;
 };
 
 }  // namespace

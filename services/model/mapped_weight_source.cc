@@ -1,10 +1,12 @@
 #include "model/mapped_weight_source.h"
 
 #include <cstring>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
+#include "common/status_macros.h"
 #include "model/absl_compat.h"
 #include "model/tensor_layout.h"
 
@@ -113,11 +115,34 @@ absl::Status MappedWeightSource::ReadF32(std::string_view name,
     return absl::OutOfRangeError(
         absl::StrCat(*tensor.file_path, ": ", resolved.status().message()));
   }
-  const DType dtype = tensor.info.dtype;
-  const size_t element_size = DTypeSize(dtype);
   const int64_t out_cols = resolved->col_end - resolved->col_begin;
   const bool permuted = tensor.interleaved_rope_head_dim != 0;
+  const TensorFormat format = tensor.info.format;
+  const int64_t row_bytes = RowBytes(format, resolved->cols);
 
+  if (IsQuantized(format)) {
+    // Whole rows dequantized (blocks span columns), then the slice copied.
+    const bool whole_rows = out_cols == resolved->cols;
+    std::vector<float> row_values(whole_rows ? 0 : resolved->cols);
+    for (int64_t row = resolved->row_begin; row < resolved->row_end; ++row) {
+      const int64_t stored_row =
+          permuted ? InterleavedRopeRow(row, tensor.interleaved_rope_head_dim)
+                   : row;
+      float* dst = out + (row - resolved->row_begin) * out_cols;
+      const uint8_t* src = tensor.data.data() + stored_row * row_bytes;
+      if (whole_rows) {
+        DequantizeRow(format, src, resolved->cols, dst);
+      } else {
+        DequantizeRow(format, src, resolved->cols, row_values.data());
+        std::memcpy(dst, row_values.data() + resolved->col_begin,
+                    out_cols * sizeof(float));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const DType dtype = tensor.info.dtype;
+  const size_t element_size = DTypeSize(dtype);
   // Whole rows, in storage order: one contiguous run.
   if (!permuted && out_cols == resolved->cols) {
     const uint8_t* src = tensor.data.data() +
@@ -139,6 +164,26 @@ absl::Status MappedWeightSource::ReadF32(std::string_view name,
                  out + (row - resolved->row_begin) * out_cols);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<StoredTensor> MappedWeightSource::GetStoredTensor(
+    std::string_view name) const {
+  auto it = tensors_.find(ToAbsl(name));
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat(description_, ": no tensor ", ToAbsl(name)));
+  }
+  const MappedTensor& tensor = it->second;
+  PDS_ASSIGN_OR_RETURN(ResolvedSlice whole, ResolveSlice(tensor.info, {}));
+  StoredTensor stored;
+  stored.format = tensor.info.format;
+  stored.data = tensor.data.data();
+  stored.rows = whole.rows;
+  stored.cols = whole.cols;
+  stored.row_bytes = RowBytes(stored.format, whole.cols);
+  stored.interleaved_rope_head_dim = tensor.interleaved_rope_head_dim;
+  stored.owner = mapping_owner_;
+  return stored;
 }
 
 absl::Status MappedWeightSource::ValidateArchitecture(

@@ -59,6 +59,8 @@ class MappedWeightSource : public WeightSource {
       std::string_view name) const override;
   absl::Status ReadF32(std::string_view name, const Slice2D& slice,
                        float* out) const override;
+  absl::StatusOr<StoredTensor> GetStoredTensor(
+      std::string_view name) const override;
 
  protected:
   // Checks every tensor of LlamaTensorLayout(config_) is present with the
@@ -68,6 +70,8 @@ class MappedWeightSource : public WeightSource {
 
   ModelConfig config_;
   std::string description_;
+  // What keeps the mapped files alive for StoredTensor views.
+  std::shared_ptr<const void> mapping_owner_;
   absl::flat_hash_map<std::string, MappedTensor> tensors_;
 };
 

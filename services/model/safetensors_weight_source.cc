@@ -110,6 +110,10 @@ class SafetensorsWeightSource final : public MappedWeightSource {
         MappedTensor tensor;
         tensor.info.name = stored.name;
         tensor.info.dtype = stored.dtype;
+        tensor.info.format = stored.dtype == DType::kF16 ? TensorFormat::kF16
+                             : stored.dtype == DType::kBF16
+                                 ? TensorFormat::kBF16
+                                 : TensorFormat::kF32;
         tensor.info.shape = stored.shape;
         tensor.data = shard->TensorData(stored);
         tensor.file_path = &shard->path();
@@ -120,6 +124,7 @@ class SafetensorsWeightSource final : public MappedWeightSource {
         }
       }
     }
+    mapping_owner_ = shard_files_;
     return ValidateArchitecture(weights_file.string());
   }
 
@@ -152,7 +157,10 @@ class SafetensorsWeightSource final : public MappedWeightSource {
  private:
   fs::path folder_;
   // unique_ptr keeps each file's path() address stable for MappedTensor.
-  std::vector<std::unique_ptr<SafetensorsFile>> shards_;
+  // Shared so that StoredTensor views can keep the mappings alive.
+  std::shared_ptr<std::vector<std::unique_ptr<SafetensorsFile>>> shard_files_ =
+      std::make_shared<std::vector<std::unique_ptr<SafetensorsFile>>>();
+  std::vector<std::unique_ptr<SafetensorsFile>>& shards_ = *shard_files_;
 };
 
 }  // namespace

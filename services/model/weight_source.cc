@@ -97,3 +97,17 @@ std::string LayerTensorName(int layer, std::string_view suffix) {
 }
 
 }  // namespace pdserve::model
+
+namespace pdserve::model {
+
+absl::StatusOr<StoredTensor> WeightSource::GetStoredTensor(
+    std::string_view name) const {
+  if (!HasTensor(name)) {
+    return absl::NotFoundError(
+        absl::StrCat(description(), ": no tensor ", ToAbsl(name)));
+  }
+  return absl::UnimplementedError(
+      absl::StrCat(description(), ": weights have no stored bytes"));
+}
+
+}  // namespace pdserve::model

@@ -38,13 +38,35 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "model/model_config.h"
+#include "model/quant_formats.h"
 
 namespace pdserve::model {
 
 struct TensorInfo {
-  std::string name;            // canonical name
-  DType dtype = DType::kF32;   // storage dtype in the file
+  std::string name;  // canonical name
+  // Storage dtype in the file for F32/F16/BF16 tensors; kF32 for block-
+  // quantized ones, which ReadF32 dequantizes (see `format`).
+  DType dtype = DType::kF32;
+  TensorFormat format = TensorFormat::kF32;  // storage format in the file
   std::vector<int64_t> shape;  // row-major, outermost first (HF order)
+};
+
+// A tensor's stored bytes in place (in the mapped file): how an engine
+// computes on f16 or block-quantized weights without widening them. The
+// tensor is viewed as rows x cols (a 1-D tensor is one row), each row
+// `row_bytes` long and a whole number of blocks of `format`.
+struct StoredTensor {
+  TensorFormat format = TensorFormat::kF32;
+  const uint8_t* data = nullptr;  // row 0
+  int64_t rows = 0, cols = 0, row_bytes = 0;
+  // Non-zero when rows are stored in Meta's interleaved RoPE order (GGUF
+  // q/k projections): within each head of this many rows, HF rotate-half
+  // row p·d/2 + j is stored as row 2j + p. ReadF32 undoes this; a user of
+  // the stored rows must permute its outputs.
+  int interleaved_rope_head_dim = 0;
+  // Keeps the mapping alive for as long as the view is held, beyond the
+  // WeightSource's own lifetime.
+  std::shared_ptr<const void> owner;
 };
 
 // A rectangular slice of a 1-D or 2-D tensor. A 1-D tensor of length n is
@@ -104,6 +126,12 @@ class WeightSource {
   [[nodiscard]] virtual absl::Status ReadF32(std::string_view name,
                                              const Slice2D& slice,
                                              float* out) const = 0;
+
+  // The stored bytes of tensor `name`, in place. NOT_FOUND for an unknown
+  // tensor; UNIMPLEMENTED for a source that has no stored bytes (dummy
+  // weights), whose callers use ReadF32.
+  [[nodiscard]] virtual absl::StatusOr<StoredTensor> GetStoredTensor(
+      std::string_view name) const;
 
   [[nodiscard]] virtual absl::StatusOr<TokenizerSpec> tokenizer_spec()
       const = 0;

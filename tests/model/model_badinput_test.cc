@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/gguf_file.h"
+#include "model/gguf_writer.h"
 #include "model/weight_source.h"
 #include "model_test_util.h"
 #include "nlohmann/json.hpp"
@@ -182,9 +183,9 @@ TEST_F(GgufSyntheticTest, TheUnmodifiedTinyModelOpens) {
 
 TEST_F(GgufSyntheticTest, UnsupportedTensorTypeNamesTensorAndType) {
   testing::GgufBuilder builder = Tiny();
-  builder.tensors()[3].ggml_type = 8;  // Q8_0
+  builder.tensors()[3].ggml_type = 2;  // Q4_0
   ExpectFails(builder,
-              builder.tensors()[3].name + " has unsupported type Q8_0");
+              builder.tensors()[3].name + " has unsupported type Q4_0");
 }
 
 TEST_F(GgufSyntheticTest, TensorOffsetPastEndOfFile) {
@@ -781,6 +782,106 @@ TEST(DummyBadInputTest, MissingOrBrokenConfig) {
   testing::WriteBytes(dir.File("config.json"), R"({"hidden_size": 64})");
   ExpectOpenFails(dir.File("config.json"), LoadFormat::kDummy,
                   "intermediate_size");
+}
+
+// Quantized tensors: the block geometry is checked against the bytes.
+class QuantizedGgufBadTest : public ::testing::Test {
+ protected:
+  // Two tensors back to back: `first` ([rows, cols] of ggml type `type`,
+  // `data_bytes` long) and a 4 KiB F32 tensor after it.
+  std::string Write(uint32_t type, uint64_t cols, uint64_t rows,
+                    size_t data_bytes) {
+    testing::GgufBuilder builder;
+    builder.AddStr("general.architecture", "llama");
+    builder.AddTensor({"blk.0.attn_q.weight",
+                       {cols, rows},
+                       type,
+                       std::string(data_bytes, '\x11'),
+                       std::nullopt});
+    builder.AddTensor({"blk.0.attn_norm.weight",
+                       {1024},
+                       0,
+                       std::string(4096, '\0'),
+                       std::nullopt});
+    const std::string path = dir_.File("q.gguf");
+    testing::WriteBytes(path, builder.Build());
+    return path;
+  }
+  void ExpectFails(const std::string& path, const std::string& a,
+                   const std::string& b) {
+    auto gguf = GgufFile::Open(path);
+    ASSERT_FALSE(gguf.ok());
+    EXPECT_EQ(gguf.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(gguf.status().message(), HasSubstr(path));
+    EXPECT_THAT(gguf.status().message(), HasSubstr(a));
+    EXPECT_THAT(gguf.status().message(), HasSubstr(b));
+  }
+  ScopedTempDir dir_;
+};
+
+TEST_F(QuantizedGgufBadTest, WellSizedTensorsOpen) {
+  EXPECT_TRUE(GgufFile::Open(Write(kGgmlTypeQ8_0, 64, 3, 3 * 2 * 34)).ok());
+  EXPECT_TRUE(GgufFile::Open(Write(kGgmlTypeQ4_K, 256, 2, 2 * 144)).ok());
+  EXPECT_TRUE(GgufFile::Open(Write(kGgmlTypeQ6_K, 512, 1, 2 * 210)).ok());
+}
+
+TEST_F(QuantizedGgufBadTest, RowsThatAreNotWholeBlocks) {
+  ExpectFails(Write(kGgmlTypeQ4_K, 100, 2, 288), "blk.0.attn_q.weight",
+              "of type Q4_K has rows of 100 values, not a multiple of its "
+              "256-value blocks");
+  ExpectFails(Write(kGgmlTypeQ8_0, 48, 2, 136), "blk.0.attn_q.weight",
+              "of type Q8_0 has rows of 48 values");
+  ExpectFails(Write(kGgmlTypeQ6_K, 128, 1, 210), "blk.0.attn_q.weight",
+              "of type Q6_K has rows of 128 values");
+}
+
+TEST_F(QuantizedGgufBadTest, TensorShorterThanItsShapeRunsIntoTheNext) {
+  // Declared 4 rows of 2 Q8_0 blocks (272 bytes) but 2 rows written: the
+  // declared range covers the next tensor.
+  ExpectFails(Write(kGgmlTypeQ8_0, 64, 4, 136),
+              "tensor blk.0.attn_q.weight (Q8_0, 8 blocks of 34 bytes = 272 "
+              "bytes)",
+              "runs into tensor blk.0.attn_norm.weight");
+  ExpectFails(Write(kGgmlTypeQ4_K, 512, 2, 144),
+              "tensor blk.0.attn_q.weight (Q4_K, 4 blocks of 144 bytes",
+              "runs into tensor blk.0.attn_norm.weight");
+}
+
+TEST_F(QuantizedGgufBadTest, TruncatedQuantizedModel) {
+  ModelConfig config;
+  config.hidden_size = 256;
+  config.intermediate_size = 256;
+  config.num_layers = 1;
+  config.num_heads = 4;
+  config.num_kv_heads = 4;
+  config.head_dim = 64;
+  config.vocab_size = 300;
+  config.max_position_embeddings = 32;
+  const std::string path = dir_.File("model.gguf");
+  ASSERT_TRUE(
+      WriteLlamaGguf(
+          path, config,
+          [](const std::string&, const std::vector<int64_t>& shape) {
+            int64_t n = 1;
+            for (int64_t d : shape) n *= d;
+            return std::vector<float>(n, 0.5f);
+          },
+          [&](const std::string& name) { return Q4KMFormatOf(config, name); })
+          .ok());
+  ASSERT_TRUE(OpenModel(path).ok());
+  const std::string bytes = testing::ReadBytes(path);
+  // The last tensor is the Q6_K output head: cut anywhere inside it.
+  for (size_t cut : {size_t{1}, size_t{209}, size_t{210}, size_t{5000}}) {
+    const std::string truncated = dir_.File("cut.gguf");
+    testing::WriteBytes(truncated, bytes.substr(0, bytes.size() - cut));
+    auto source = OpenModel(truncated);
+    ASSERT_FALSE(source.ok()) << cut;
+    EXPECT_EQ(source.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(source.status().message(),
+                HasSubstr("tensor output.weight (Q6_K, 300 blocks of 210 "
+                          "bytes = 63000 bytes)"));
+    EXPECT_THAT(source.status().message(), HasSubstr("file truncated?"));
+  }
 }
 
 }  // namespace
