@@ -4,10 +4,14 @@
 // folder by /usr/bin/python3 (Debian's, with numpy).
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <span>
 #include <string>
@@ -40,23 +44,48 @@ inline std::map<std::string, FamilyReference> GenerateFamilies(
     const std::string& out_dir, int max_new,
     const std::string& tokenizers_dir = "") {
   std::map<std::string, FamilyReference> out;
-  std::filesystem::remove_all(out_dir);
-  std::string command =
-      absl::StrCat("/usr/bin/python3 ", kReferenceScripts,
-                   "/make_tiny_checkpoints.py '", out_dir, "'");
-  if (!tokenizers_dir.empty()) {
-    absl::StrAppend(&command, " --tokenizers '", tokenizers_dir, "'");
+  // ctest runs each test in its own process, several at once: one process
+  // generates under an exclusive lock and the rest reuse its files, which
+  // a marker ties to the scripts (size and time) and the arguments.
+  std::string key = absl::StrCat(max_new, "|", tokenizers_dir);
+  for (const char* script : {"make_tiny_checkpoints.py", "hf_reference.py"}) {
+    const std::string path = absl::StrCat(kReferenceScripts, "/", script);
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    const auto time = std::filesystem::last_write_time(path, ec);
+    absl::StrAppend(&key, "|", script, ":", ec ? 0 : size, ":",
+                    ec ? 0 : time.time_since_epoch().count());
   }
-  absl::StrAppend(&command, " && for f in $(/usr/bin/python3 -c 'import json,",
-                  "sys; print(\" \".join(json.load(open(sys.argv[1]))))' '",
-                  out_dir, "/families.json'); do /usr/bin/python3 ",
-                  kReferenceScripts, "/hf_reference.py '", out_dir,
-                  "'/$f --max-new ", max_new, " > '", out_dir,
-                  "'/$f/reference.json || exit 1; done");
-  const pdserve::testing::CommandResult result =
-      pdserve::testing::RunShell(command, PDSERVE_SOURCE_DIR);
-  EXPECT_EQ(result.code, 0) << command << "\n" << result.output;
-  if (result.code != 0) return out;
+  const std::string marker = out_dir + "/.generated";
+  std::filesystem::create_directories(
+      std::filesystem::path(out_dir).parent_path());
+  const int lock_fd =
+      ::open((out_dir + ".lock").c_str(), O_CREAT | O_RDWR, 0644);
+  if (lock_fd >= 0) ::flock(lock_fd, LOCK_EX);
+  if (pdserve::testing::ReadFileOrEmpty(marker) != key) {
+    std::filesystem::remove_all(out_dir);
+    std::string command =
+        absl::StrCat("/usr/bin/python3 ", kReferenceScripts,
+                     "/make_tiny_checkpoints.py '", out_dir, "'");
+    if (!tokenizers_dir.empty()) {
+      absl::StrAppend(&command, " --tokenizers '", tokenizers_dir, "'");
+    }
+    absl::StrAppend(
+        &command, " && for f in $(/usr/bin/python3 -c 'import json,",
+        "sys; print(\" \".join(json.load(open(sys.argv[1]))))' '", out_dir,
+        "/families.json'); do /usr/bin/python3 ", kReferenceScripts,
+        "/hf_reference.py '", out_dir, "'/$f --max-new ", max_new, " > '",
+        out_dir, "'/$f/reference.json || exit 1; done");
+    const pdserve::testing::CommandResult result =
+        pdserve::testing::RunShell(command, PDSERVE_SOURCE_DIR);
+    EXPECT_EQ(result.code, 0) << command << "\n" << result.output;
+    if (result.code != 0) {
+      if (lock_fd >= 0) ::close(lock_fd);
+      return out;
+    }
+    std::ofstream(marker) << key;
+  }
+  if (lock_fd >= 0) ::close(lock_fd);  // releases the lock
   const nlohmann::json names = nlohmann::json::parse(
       pdserve::testing::ReadFileOrEmpty(out_dir + "/families.json"));
   for (const auto& name : names) {
