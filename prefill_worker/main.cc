@@ -44,7 +44,6 @@
 #include "process/port_file.h"
 #include "rpc/auth.h"
 #include "rpc/server.h"
-#include "tokenizer/tokenizer.h"
 #include "transport/net_device.h"
 
 namespace pdserve::prefill {
@@ -333,18 +332,12 @@ int Main(int argc, char** argv) {
     stage_options.observer = stage_metrics->Observer();
   }
   // The last stage samples first tokens, under a grammar for structured
-  // output: it needs the model's tokenizer (none: such requests fail with a
-  // precise error; plain ones are served).
-  std::unique_ptr<tokenizer::Tokenizer> loaded_tokenizer;
+  // output: the model's tokenizer is loaded on the first such request (none:
+  // those requests fail with a precise error; plain ones are served).
   std::unique_ptr<grammar::StructuredOutputCompiler> structured_output;
   if (stage + 1 == stages) {
-    if ((*weights)->tokenizer_spec().ok()) {
-      auto loaded = tokenizer::LoadTokenizerForModel(**weights);
-      if (!loaded.ok()) return Fail(loaded.status());
-      loaded_tokenizer = *std::move(loaded);
-    }
     structured_output = std::make_unique<grammar::StructuredOutputCompiler>(
-        loaded_tokenizer.get(), config.EndTokenIds());
+        **weights, config.EndTokenIds());
     stage_options.structured_output = structured_output.get();
   }
   auto process = StageProcess::Create(**weights, stage_options);

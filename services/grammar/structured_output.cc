@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "model/weight_source.h"
 #include "tokenizer/tokenizer.h"
 
 namespace pdserve::grammar {
@@ -53,13 +54,34 @@ GrammarSpec ToGrammarSpec(const engine::StructuredOutput& s) {
 
 StructuredOutputCompiler::StructuredOutputCompiler(
     const tokenizer::Tokenizer* tokenizer, std::vector<int32_t> end_tokens)
-    : tokenizer_(tokenizer), end_tokens_(std::move(end_tokens)) {}
+    : end_tokens_(std::move(end_tokens)), tokenizer_(tokenizer) {}
+
+StructuredOutputCompiler::StructuredOutputCompiler(
+    const model::WeightSource& weights, std::vector<int32_t> end_tokens)
+    : weights_(&weights),
+      end_tokens_(std::move(end_tokens)),
+      tokenizer_(nullptr) {}
+
+StructuredOutputCompiler::~StructuredOutputCompiler() = default;
 
 absl::StatusOr<std::shared_ptr<const TokenVocabulary>>
 StructuredOutputCompiler::Vocabulary() {
   absl::MutexLock lock(&mu_);
   if (vocabulary_ != nullptr) return vocabulary_;
   if (!vocabulary_error_.ok()) return vocabulary_error_;
+  if (tokenizer_ == nullptr && weights_ != nullptr &&
+      weights_->tokenizer_spec().ok()) {
+    absl::StatusOr<std::unique_ptr<tokenizer::Tokenizer>> loaded =
+        tokenizer::LoadTokenizerForModel(*weights_);
+    if (!loaded.ok()) {
+      vocabulary_error_ = absl::FailedPreconditionError(
+          absl::StrCat("structured output: the model's tokenizer: ",
+                       loaded.status().message()));
+      return vocabulary_error_;
+    }
+    owned_tokenizer_ = *std::move(loaded);
+    tokenizer_ = owned_tokenizer_.get();
+  }
   if (tokenizer_ == nullptr) {
     vocabulary_error_ = absl::FailedPreconditionError(
         "structured output needs the model's tokenizer, and this worker has "

@@ -20,6 +20,9 @@
 namespace pdserve::tokenizer {
 class Tokenizer;
 }
+namespace pdserve::model {
+class WeightSource;
+}
 
 namespace pdserve::grammar {
 
@@ -38,6 +41,12 @@ class StructuredOutputCompiler {
   // that end generation (allowed exactly when the output is complete).
   StructuredOutputCompiler(const tokenizer::Tokenizer* tokenizer,
                            std::vector<int32_t> end_tokens);
+  // Loads the model's tokenizer itself, on the first structured request (a
+  // prefill stage needs none otherwise; a model without tokenizer files makes
+  // structured requests FAILED_PRECONDITION). `weights` must outlive this.
+  StructuredOutputCompiler(const model::WeightSource& weights,
+                           std::vector<int32_t> end_tokens);
+  ~StructuredOutputCompiler();
 
   // A fresh matcher at the start of the output. INVALID_ARGUMENT naming the
   // schema keyword / regex construct / limit at fault.
@@ -51,9 +60,11 @@ class StructuredOutputCompiler {
   // memory a worker that never sees one should not pay).
   absl::StatusOr<std::shared_ptr<const TokenVocabulary>> Vocabulary();
 
-  const tokenizer::Tokenizer* const tokenizer_;
+  const model::WeightSource* const weights_ = nullptr;
   const std::vector<int32_t> end_tokens_;
   absl::Mutex mu_;
+  const tokenizer::Tokenizer* tokenizer_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<tokenizer::Tokenizer> owned_tokenizer_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<const TokenVocabulary> vocabulary_ ABSL_GUARDED_BY(mu_);
   absl::Status vocabulary_error_ ABSL_GUARDED_BY(mu_);
   GrammarCache cache_;
