@@ -13,6 +13,7 @@
 #include "engine/llama_engine.h"
 #include "engine/sampler.h"
 #include "kv/kv_pool.h"
+#include "testing/chi_square.h"
 
 namespace pdserve::decode {
 namespace {
@@ -220,10 +221,7 @@ double JointChiSquareRatio(
   stat +=
       (pooled_o - pooled_e) * (pooled_o - pooled_e) / std::max(pooled_e, 1.0);
   ++bins;
-  const double df = std::max(1, bins - 1);
-  const double crit =
-      df * std::pow(1 - 2 / (9 * df) + 4.0 * std::sqrt(2 / (9 * df)), 3);
-  return stat / crit;
+  return stat / pdserve::testing::ChiSquareCritical(bins - 1);
 }
 
 std::map<std::pair<int32_t, int32_t>, int> SampleFirstTwo(

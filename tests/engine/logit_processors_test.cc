@@ -16,6 +16,7 @@
 #include "engine/sampler.h"
 #include "speculative/proposer.h"
 #include "speculative/verifier.h"
+#include "testing/chi_square.h"
 
 namespace pdserve::engine {
 namespace {
@@ -23,34 +24,7 @@ namespace {
 constexpr int kVocab = 24;
 constexpr int kDraws = 20000;
 
-// Pearson chi-square of counts against probabilities (bins expected below 5
-// pooled), as statistic / critical value at z = 4 (p ~ 3e-5): < 1 passes.
-double ChiSquareRatio(const std::map<int, int>& counts,
-                      const std::vector<double>& probs, int n) {
-  double stat = 0, pooled_e = 0, pooled_o = 0;
-  int bins = 0;
-  for (size_t v = 0; v < probs.size(); ++v) {
-    const double e = probs[v] * n;
-    auto it = counts.find(static_cast<int>(v));
-    const double o = it == counts.end() ? 0 : it->second;
-    if (e < 5) {
-      pooled_e += e;
-      pooled_o += o;
-      continue;
-    }
-    stat += (o - e) * (o - e) / e;
-    ++bins;
-  }
-  if (pooled_e > 0 || pooled_o > 0) {
-    stat +=
-        (pooled_o - pooled_e) * (pooled_o - pooled_e) / std::max(pooled_e, 1.0);
-    ++bins;
-  }
-  const double df = std::max(1, bins - 1);
-  const double crit =
-      df * std::pow(1 - 2 / (9 * df) + 4.0 * std::sqrt(2 / (9 * df)), 3);
-  return stat / crit;
-}
+using pdserve::testing::ChiSquareRatio;
 
 std::vector<float> TestLogits(uint64_t seed) {
   std::vector<float> l(kVocab);

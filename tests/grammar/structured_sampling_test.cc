@@ -20,6 +20,7 @@
 #include "grammar/grammar.h"
 #include "grammar/structured_output.h"
 #include "speculative/verifier.h"
+#include "testing/chi_square.h"
 
 namespace pdserve::grammar {
 namespace {
@@ -62,26 +63,7 @@ std::vector<double> MaskedSoftmax(const std::vector<float>& logits,
   return p;
 }
 
-double ChiSquareRatio(const std::map<int, int>& counts,
-                      const std::vector<double>& probs, int n) {
-  double stat = 0;
-  int bins = 0;
-  for (size_t v = 0; v < probs.size(); ++v) {
-    auto it = counts.find(static_cast<int>(v));
-    const double o = it == counts.end() ? 0 : it->second;
-    if (probs[v] == 0) {
-      if (o > 0) return 1e9;  // a forbidden token was emitted
-      continue;
-    }
-    const double e = probs[v] * n;
-    stat += (o - e) * (o - e) / e;
-    ++bins;
-  }
-  const double df = std::max(1, bins - 1);
-  const double crit =
-      df * std::pow(1 - 2 / (9 * df) + 4.0 * std::sqrt(2 / (9 * df)), 3);
-  return stat / crit;
-}
+using pdserve::testing::ChiSquareRatio;
 
 TEST(StructuredVerifyTest,
      EmitsTheMaskedDistributionAndRejectsForbiddenDrafts) {

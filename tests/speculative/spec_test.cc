@@ -14,42 +14,13 @@
 #include "speculative/proposer.h"
 #include "speculative/truncated_weights.h"
 #include "speculative/verifier.h"
+#include "testing/chi_square.h"
 #include "testing/golden.h"
 
 namespace pdserve::speculative {
 namespace {
 
-// Pearson chi-square of observed counts against expected probabilities,
-// pooling bins expected below 5; returns statistic / critical value at
-// z = 4 (p ~ 3e-5, Wilson–Hilferty), so < 1 passes.
-double ChiSquareRatio(const std::map<int, int>& counts,
-                      const std::vector<double>& probs, int n) {
-  double stat = 0, pooled_expected = 0, pooled_observed = 0;
-  int bins = 0;
-  for (size_t v = 0; v < probs.size(); ++v) {
-    const double e = probs[v] * n;
-    auto it = counts.find(static_cast<int>(v));
-    const double o = it == counts.end() ? 0 : it->second;
-    if (e < 5) {
-      pooled_expected += e;
-      pooled_observed += o;
-      continue;
-    }
-    stat += (o - e) * (o - e) / e;
-    ++bins;
-  }
-  if (pooled_expected > 0) {
-    stat += (pooled_observed - pooled_expected) *
-            (pooled_observed - pooled_expected) /
-            std::max(pooled_expected, 1.0);
-    ++bins;
-  }
-  const double df = std::max(1, bins - 1);
-  const double z = 4.0;
-  const double crit =
-      df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
-  return stat / crit;
-}
+using pdserve::testing::ChiSquareRatio;
 
 std::vector<float> RandomLogits(int vocab, uint64_t seed, float scale) {
   std::vector<float> l(vocab);
