@@ -85,6 +85,10 @@ struct SpeculationOptions {
 struct StepStats {
   int sequences = 0;      // requests in the step's batch
   int tokens_fed = 0;     // history + draft tokens through the model
+  int logit_rows = 0;     // rows the last layer turned into logits
+  // Σ over fed tokens of the positions each attends to (its own included):
+  // the attention work of the step, for the layout planner's cost model.
+  int64_t attended_positions = 0;
   int output_tokens = 0;  // tokens the step emitted (streamed)
   double seconds = 0;     // the forward on every rank, until the last is done
   // Per speculative verify in the step: tokens it emitted (accepted + 1).

@@ -1,0 +1,62 @@
+// A candidate cluster layout, how the planner enumerates them for a budget of
+// cores, and how a chosen one is written out: `pdserve local` flags and the
+// Kubernetes layout ConfigMap / replica values (deploy/kubernetes/base).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "planner/perf_model.h"
+
+namespace pdserve::planner {
+
+struct Layout {
+  // No prefill groups: the decode workers prefill themselves (chunked into
+  // their steps, max_step_tokens at a time).
+  bool colocated = false;
+  int prefill_groups = 1;
+  int stages = 1;
+  int prefill_threads = 1;  // per stage
+  int chunk_tokens = 256;   // equal-cost chunks (the prefill default)
+  int microbatch_tokens = 512;
+
+  int decode_workers = 1;
+  int tp = 1;
+  int decode_threads = 1;  // per TP rank
+  int max_step_tokens = 512;
+  int max_running = 64;
+  // n-gram speculation with up to `gamma` drafts; 0 = off.
+  int gamma = 0;
+
+  int PrefillThreads() const {
+    return colocated ? 0 : prefill_groups * stages * prefill_threads;
+  }
+  int DecodeThreads() const { return decode_workers * tp * decode_threads; }
+  int Threads() const { return PrefillThreads() + DecodeThreads(); }
+
+  // "colocated 1D(tp1×2t) step 512", "1P(1s×1t, chunk 256)+1D(tp1×1t)".
+  std::string Name() const;
+  // Flags of `pdserve local` that build this layout.
+  std::string LocalFlags() const;
+  // The deploy/kubernetes/base layout ConfigMap values and StatefulSet
+  // replicas that build it.
+  std::string KubernetesValues() const;
+};
+
+// What the cluster may use.
+struct Resources {
+  int cores = 2;  // compute threads the layout may run without sharing cores
+  // Allow layouts with more compute threads than cores (they share them).
+  bool allow_oversubscription = false;
+};
+
+// Every layout within `resources` whose compute configurations `model`
+// profiled: colocated (W workers × TP × threads; max_step_tokens 128/256/512)
+// and disaggregated (G groups × S stages × threads + W decode workers ×
+// TP × threads; chunk 128/256/512). With `ngram_acceptance` > 0 each also
+// comes with γ = 1..4 n-gram speculation.
+std::vector<Layout> EnumerateLayouts(const Resources& resources,
+                                     const PerfModel& model,
+                                     double ngram_acceptance);
+
+}  // namespace pdserve::planner

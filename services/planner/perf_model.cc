@@ -1,0 +1,112 @@
+#include "planner/perf_model.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace pdserve::planner {
+
+absl::StatusOr<const StepCost*> PerfModel::Step(ComputeConfig config) const {
+  auto it = steps.find(config);
+  if (it != steps.end()) return &it->second;
+  std::vector<std::string> have;
+  for (const auto& [c, _] : steps) {
+    have.push_back(absl::StrCat("tp", c.tp, "x", c.threads_per_rank, "t"));
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no step cost profiled for tp ", config.tp, " × ",
+                   config.threads_per_rank, " threads per rank (profiled: ",
+                   have.empty() ? "none" : absl::StrJoin(have, ", "), ")"));
+}
+
+nlohmann::json PerfModel::ToJson() const {
+  nlohmann::json configs = nlohmann::json::array();
+  for (const auto& [c, cost] : steps) {
+    configs.push_back({{"tp", c.tp},
+                       {"threads_per_rank", c.threads_per_rank},
+                       {"step", cost.ToJson()}});
+  }
+  auto linear = [](const LinearCost& l) {
+    return nlohmann::json{{"base", l.base},
+                          {"per_prompt_token", l.per_prompt_token}};
+  };
+  return {{"model", model},
+          {"num_layers", num_layers},
+          {"block_size", block_size},
+          {"cores", cores},
+          {"configs", configs},
+          {"colocated_ttft", linear(colocated_ttft)},
+          {"disaggregated_ttft", linear(disaggregated_ttft)},
+          {"handoff_seconds", handoff_seconds},
+          {"stream_seconds", stream_seconds}};
+}
+
+absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
+  PerfModel m;
+  try {
+    m.model = json.at("model").get<std::string>();
+    m.num_layers = json.at("num_layers").get<int>();
+    m.block_size = json.at("block_size").get<int>();
+    m.cores = json.at("cores").get<int>();
+    for (const auto& c : json.at("configs")) {
+      ComputeConfig config{c.at("tp").get<int>(),
+                           c.at("threads_per_rank").get<int>()};
+      if (config.tp < 1 || config.threads_per_rank < 1) {
+        return absl::InvalidArgumentError(
+            "perf model: tp and threads_per_rank must be ≥ 1");
+      }
+      auto cost = StepCost::FromJson(c.at("step"));
+      if (!cost.ok()) return cost.status();
+      m.steps[config] = *std::move(cost);
+    }
+    auto linear = [](const nlohmann::json& j) {
+      return LinearCost{j.at("base").get<double>(),
+                        j.at("per_prompt_token").get<double>()};
+    };
+    m.colocated_ttft = linear(json.at("colocated_ttft"));
+    m.disaggregated_ttft = linear(json.at("disaggregated_ttft"));
+    m.handoff_seconds = json.at("handoff_seconds").get<double>();
+    m.stream_seconds = json.at("stream_seconds").get<double>();
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("perf model: ", e.what()));
+  }
+  if (m.num_layers < 1 || m.block_size < 1 || m.cores < 1) {
+    return absl::InvalidArgumentError(
+        "perf model: num_layers, block_size and cores must be ≥ 1");
+  }
+  if (m.steps.empty()) {
+    return absl::InvalidArgumentError(
+        "perf model: no compute configuration was profiled");
+  }
+  return m;
+}
+
+absl::StatusOr<PerfModel> PerfModel::Load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  auto json = nlohmann::json::parse(text.str(), nullptr,
+                                    /*allow_exceptions=*/false);
+  if (json.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not JSON"));
+  }
+  auto model = FromJson(json);
+  if (!model.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", model.status().message()));
+  }
+  return model;
+}
+
+absl::Status PerfModel::Save(const std::string& path) const {
+  std::ofstream out(path);
+  out << ToJson().dump(2) << "\n";
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+}  // namespace pdserve::planner

@@ -1,0 +1,66 @@
+// What the layout planner knows about one model on one machine: the step
+// cost of each compute configuration it profiled (services/planner/
+// step_cost.h) and the per-request costs outside the steps (router, gRPC,
+// streaming, the KV hand-off between prefill and decode), each fitted from
+// measurements (tools/planner_profile.h) and saved as JSON so a router can
+// load it (`router --planner-profile`).
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "planner/step_cost.h"
+
+namespace pdserve::planner {
+
+// One decode worker's (or prefill stage's, with tp = 1) compute resources.
+struct ComputeConfig {
+  int tp = 1;
+  int threads_per_rank = 1;
+  int threads() const { return tp * threads_per_rank; }
+  auto operator<=>(const ComputeConfig&) const = default;
+};
+
+// Seconds a request spends outside the steps the simulator runs, as
+// a + b · prompt_tokens (b: the KV hand-off grows with the prompt).
+struct LinearCost {
+  double base = 0;
+  double per_prompt_token = 0;
+  double At(int prompt_tokens) const {
+    return base + per_prompt_token * prompt_tokens;
+  }
+};
+
+struct PerfModel {
+  std::string model;  // what it was profiled on (file or folder)
+  int num_layers = 0;
+  int block_size = 16;
+  // Cores the profile ran on: the simulator shares them among the busy
+  // compute threads of a layout that has more (processor sharing).
+  int cores = 1;
+  std::map<ComputeConfig, StepCost> steps;
+  // Added to the simulated time to first token, per kind of layout:
+  // measured on an idle cluster minus simulated for the same request.
+  LinearCost colocated_ttft;
+  LinearCost disaggregated_ttft;
+  // Disaggregated: from the first token (sampled by the last prefill stage)
+  // to the decode worker's first step with the request.
+  double handoff_seconds = 0;
+  // Added to every emitted token's delivery (streaming through the router);
+  // it shifts all tokens alike, so it moves TTFT but not TPOT.
+  double stream_seconds = 0;
+
+  // The step cost of `config`, or NOT_FOUND naming what was profiled.
+  absl::StatusOr<const StepCost*> Step(ComputeConfig config) const;
+
+  nlohmann::json ToJson() const;
+  static absl::StatusOr<PerfModel> FromJson(const nlohmann::json& json);
+  // Reads/writes the JSON file.
+  static absl::StatusOr<PerfModel> Load(const std::string& path);
+  absl::Status Save(const std::string& path) const;
+};
+
+}  // namespace pdserve::planner

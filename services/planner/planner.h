@@ -1,0 +1,48 @@
+// The layout planner: for a workload, an SLO and the cores at hand, predicts
+// every candidate layout (layout.h) by simulation (simulator.h) on the
+// fitted performance model (perf_model.h) and ranks them — most goodput
+// first; among layouts within 2% of the best goodput, the one with the most
+// SLO headroom (the smaller of TTFT-p99 and TPOT-p99 slack, relative).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/layout.h"
+#include "planner/perf_model.h"
+#include "planner/simulator.h"
+#include "planner/workload.h"
+
+namespace pdserve::planner {
+
+struct PlanRequest {
+  WorkloadSpec workload;
+  Slo slo;
+  Resources resources;
+  // Probability an n-gram draft is accepted; > 0 adds γ = 1..4 candidates.
+  double ngram_acceptance = 0;
+  // Layouts to predict besides the enumerated ones (e.g. today's default).
+  std::vector<Layout> extra;
+};
+
+struct RankedLayout {
+  Layout layout;
+  Prediction prediction;
+  // min over TTFT and TPOT of (SLO − p99) / SLO: > 0 meets both at p99.
+  double headroom = 0;
+};
+
+// Ranked best first. INVALID_ARGUMENT for an empty workload; NOT_FOUND when
+// no candidate can be simulated with the profiled configurations.
+absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
+                                               const PlanRequest& request);
+
+// The workload's requests as the simulator takes them (same arrivals as
+// load_bench for the same spec).
+std::vector<SimRequest> SimRequests(const WorkloadSpec& spec);
+
+// A table of the ranked layouts (the first `rows`).
+std::string FormatPlan(const std::vector<RankedLayout>& ranked, int rows);
+
+}  // namespace pdserve::planner

@@ -1,0 +1,481 @@
+#include "planner/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <list>
+#include <map>
+#include <memory>
+#include <optional>
+#include <queue>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "prefill/chunk_policy.h"
+#include "prefill/microbatch_former.h"
+
+namespace pdserve::planner {
+
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t i =
+      std::min(values.size() - 1, static_cast<size_t>(p * values.size()));
+  return values[i];
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The event core: compute jobs share `cores` (processor sharing), timers fire
+// at fixed times.
+class EventLoop {
+ public:
+  explicit EventLoop(int cores) : cores_(cores) {}
+
+  // Starts a job of `work` seconds (at full speed) holding `threads` cores.
+  void StartJob(double work, int threads, std::function<void(double)> done) {
+    jobs_.push_back(Job{std::max(work, 0.0), threads, std::move(done)});
+  }
+  void At(double time, std::function<void(double)> fn) {
+    timers_.push(Timer{time, next_timer_++, std::move(fn)});
+  }
+  double now() const { return now_; }
+
+  // Runs until nothing is left.
+  void Run() {
+    while (!jobs_.empty() || !timers_.empty()) {
+      const double rate = Rate();
+      double job_end = kInf;
+      for (const Job& j : jobs_)
+        job_end = std::min(job_end, j.remaining / rate);
+      job_end += now_;
+      const double timer_at = timers_.empty() ? kInf : timers_.top().time;
+      const double next = std::min(job_end, timer_at);
+      const double elapsed = next - now_;
+      for (Job& j : jobs_) j.remaining -= elapsed * rate;
+      now_ = next;
+      if (timer_at <= job_end) {
+        auto fn = timers_.top().fn;
+        timers_.pop();
+        fn(now_);
+        continue;
+      }
+      // Every job done by now (a tolerance for the subtraction's rounding).
+      std::vector<std::function<void(double)>> finished;
+      for (auto it = jobs_.begin(); it != jobs_.end();) {
+        if (it->remaining <= 1e-12) {
+          finished.push_back(std::move(it->done));
+          it = jobs_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& fn : finished) fn(now_);
+    }
+  }
+
+ private:
+  struct Job {
+    double remaining;
+    int threads;
+    std::function<void(double)> done;
+  };
+  struct Timer {
+    double time;
+    uint64_t order;  // FIFO among equal times
+    std::function<void(double)> fn;
+    bool operator>(const Timer& o) const {
+      return time != o.time ? time > o.time : order > o.order;
+    }
+  };
+  double Rate() const {
+    int demand = 0;
+    for (const Job& j : jobs_) demand += j.threads;
+    return demand > cores_ ? static_cast<double>(cores_) / demand : 1.0;
+  }
+
+  int cores_;
+  double now_ = 0;
+  std::list<Job> jobs_;
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
+  uint64_t next_timer_ = 0;
+};
+
+struct Req {
+  int id = 0;
+  double arrival = 0;
+  int prompt = 1;
+  int output = 1;
+  int kv = 0;  // positions whose KV is computed
+  int emitted = 0;
+  std::vector<double> deliveries;  // when each streamed item reaches the client
+  std::vector<int> item_tokens;
+  double end = 0;
+  int history() const { return prompt + emitted; }
+};
+
+class Simulation {
+ public:
+  Simulation(const PerfModel& model, const Layout& layout,
+             const SimOptions& options)
+      : model_(model),
+        layout_(layout),
+        options_(options),
+        loop_(options.cores),
+        rng_(options.seed) {}
+
+  absl::Status Init() {
+    auto decode_cost =
+        model_.Step(ComputeConfig{layout_.tp, layout_.decode_threads});
+    if (!decode_cost.ok()) return decode_cost.status();
+    for (int w = 0; w < layout_.decode_workers; ++w) {
+      decode_.push_back(std::make_unique<DecodeSim>());
+      decode_.back()->cost = *decode_cost;
+    }
+    if (!layout_.colocated) {
+      auto stage_cost = model_.Step(ComputeConfig{1, layout_.prefill_threads});
+      if (!stage_cost.ok()) return stage_cost.status();
+      auto policy =
+          prefill::ParseChunkPolicy("equal-cost", layout_.chunk_tokens);
+      if (!policy.ok()) return policy.status();
+      for (int g = 0; g < layout_.prefill_groups; ++g) {
+        auto group = std::make_unique<GroupSim>(layout_.microbatch_tokens);
+        group->cost = *stage_cost;
+        group->policy = *policy;
+        group->stages.resize(layout_.stages);
+        // Layers split as evenly as they go (the `auto` split balances
+        // estimated cost, which for a uniform model is the same).
+        for (int s = 0; s < layout_.stages; ++s) {
+          const int begin = model_.num_layers * s / layout_.stages;
+          const int end = model_.num_layers * (s + 1) / layout_.stages;
+          group->stages[s].share =
+              static_cast<double>(end - begin) / model_.num_layers;
+        }
+        group->max_in_flight = 2 * layout_.stages;
+        prefill_.push_back(std::move(group));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  Prediction Run(const std::vector<SimRequest>& requests, const Slo& slo) {
+    reqs_.resize(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      Req& r = reqs_[i];
+      r.id = static_cast<int>(i);
+      r.arrival = requests[i].arrival;
+      r.prompt = std::max(1, requests[i].prompt_tokens);
+      r.output = std::max(1, requests[i].output_tokens);
+      loop_.At(r.arrival, [this, &r](double t) { Arrive(r, t); });
+    }
+    loop_.Run();
+    return Summarize(slo);
+  }
+
+ private:
+  struct DecodeSim {
+    const StepCost* cost = nullptr;
+    std::deque<Req*> waiting;
+    std::vector<Req*> running;  // admission order
+    bool busy = false;
+    double busy_seconds = 0;
+    int assigned = 0;  // requests routed here and not finished
+  };
+  struct StageSim {
+    double share = 1;  // of the model's layers
+    std::deque<std::shared_ptr<prefill::Microbatch>> queue;
+    bool busy = false;
+    double busy_seconds = 0;
+  };
+  struct GroupSim {
+    explicit GroupSim(int budget) : former(budget) {}
+    const StepCost* cost = nullptr;
+    prefill::ChunkPolicy policy;
+    prefill::MicrobatchFormer former;
+    std::vector<StageSim> stages;
+    int max_in_flight = 2;
+    int in_flight = 0;
+    int assigned = 0;
+  };
+
+  // The router: least-loaded by requests assigned and not finished (random
+  // prompts give the prefix-aware policy nothing to match, so it balances
+  // by load too).
+  template <typename T>
+  T* LeastLoaded(std::vector<std::unique_ptr<T>>& workers) {
+    T* best = workers.front().get();
+    for (auto& w : workers) {
+      if (w->assigned < best->assigned) best = w.get();
+    }
+    return best;
+  }
+
+  void Arrive(Req& r, double t) {
+    DecodeSim* decode = LeastLoaded(decode_);
+    ++decode->assigned;
+    decode_of_[r.id] = decode;
+    if (layout_.colocated) {
+      decode->waiting.push_back(&r);
+      Kick(*decode, t);
+      return;
+    }
+    GroupSim* group = LeastLoaded(prefill_);
+    ++group->assigned;
+    group_of_[r.id] = group;
+    group->former.Add(r.id, 0, prefill::PlanChunks(group->policy, 0, r.prompt));
+    IssueMicrobatches(*group, t);
+  }
+
+  void Deliver(Req& r, int tokens, double t, bool first) {
+    const double delay = first ? (layout_.colocated ? model_.colocated_ttft
+                                                    : model_.disaggregated_ttft)
+                                     .At(r.prompt)
+                               : model_.stream_seconds;
+    r.deliveries.push_back(t + delay);
+    r.item_tokens.push_back(tokens);
+    r.emitted += tokens;
+  }
+
+  void Finish(Req& r, double t) {
+    r.end = r.deliveries.empty() ? t : r.deliveries.back();
+    --decode_of_[r.id]->assigned;
+    if (!layout_.colocated) --group_of_[r.id]->assigned;
+  }
+
+  // ---- Prefill pipeline -------------------------------------------------
+
+  void IssueMicrobatches(GroupSim& g, double t) {
+    while (g.in_flight < g.max_in_flight) {
+      std::optional<prefill::Microbatch> mb = g.former.Next();
+      if (!mb) break;
+      ++g.in_flight;
+      g.stages[0].queue.push_back(
+          std::make_shared<prefill::Microbatch>(*std::move(mb)));
+      StartStage(g, 0, t);
+    }
+  }
+
+  void StartStage(GroupSim& g, int s, double t) {
+    StageSim& stage = g.stages[s];
+    if (stage.busy || stage.queue.empty()) return;
+    std::shared_ptr<prefill::Microbatch> mb = stage.queue.front();
+    stage.queue.pop_front();
+    StepShape shape;
+    int final_chunks = 0;
+    for (const prefill::ChunkWork& c : mb->chunks) {
+      shape.tokens += c.num_tokens();
+      shape.attended_positions +=
+          AttendedPositions(c.token_begin, c.num_tokens());
+      if (c.final_chunk) ++final_chunks;
+    }
+    const bool last = s + 1 == static_cast<int>(g.stages.size());
+    // The layers' share of the step; the LM head only on the last stage.
+    shape.logit_rows = 0;
+    double work = g.cost->Seconds(shape) * stage.share;
+    if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
+    stage.busy = true;
+    const double start = t;
+    loop_.StartJob(work, layout_.prefill_threads,
+                   [this, &g, s, mb, last, start](double now) {
+                     StageSim& st = g.stages[s];
+                     st.busy = false;
+                     st.busy_seconds += now - start;
+                     if (last) {
+                       --g.in_flight;
+                       for (const prefill::ChunkWork& c : mb->chunks) {
+                         if (c.final_chunk)
+                           PrefillDone(reqs_[c.request_id], now);
+                       }
+                       IssueMicrobatches(g, now);
+                     } else {
+                       g.stages[s + 1].queue.push_back(mb);
+                       StartStage(g, s + 1, now);
+                     }
+                     StartStage(g, s, now);
+                   });
+  }
+
+  void PrefillDone(Req& r, double t) {
+    r.kv = r.prompt;
+    Deliver(r, 1, t, /*first=*/true);  // the last stage sampled token 0
+    if (r.emitted >= r.output) {
+      Finish(r, t);
+      return;
+    }
+    DecodeSim* decode = decode_of_[r.id];
+    loop_.At(t + model_.handoff_seconds, [this, decode, &r](double now) {
+      decode->waiting.push_back(&r);
+      Kick(*decode, now);
+    });
+  }
+
+  // ---- Decode worker (decode/step_planner.h's rule) ----------------------
+
+  struct Planned {
+    Req* r;
+    int feed;
+    int drafts;
+    bool logits;
+  };
+
+  void Kick(DecodeSim& w, double t) {
+    if (w.busy) return;
+    while (!w.waiting.empty() &&
+           static_cast<int>(w.running.size()) < layout_.max_running) {
+      w.running.push_back(w.waiting.front());
+      w.waiting.pop_front();
+    }
+    if (w.running.empty()) return;
+    int decoding = 0;
+    for (Req* r : w.running) decoding += r->kv + 1 == r->history() ? 1 : 0;
+    // Speculation is off for a step with more decodes than this
+    // (decode::SpeculationOptions::max_batch).
+    const bool speculate = layout_.gamma > 0 && decoding <= 4;
+    std::vector<Planned> plan;
+    StepShape shape;
+    int budget = layout_.max_step_tokens;
+    for (Req* r : w.running) {
+      if (budget <= 0) break;
+      Planned p{r, std::min(r->history() - r->kv, budget), 0, false};
+      p.logits = r->kv + p.feed == r->history();
+      if (p.logits && p.feed == 1 && speculate) {
+        p.drafts =
+            std::min({layout_.gamma, budget - 1, r->output - r->emitted - 1});
+        p.drafts = std::max(p.drafts, 0);
+      }
+      budget -= p.feed + p.drafts;
+      shape.tokens += p.feed + p.drafts;
+      shape.logit_rows += p.logits ? 1 + p.drafts : 0;
+      shape.attended_positions += AttendedPositions(r->kv, p.feed + p.drafts);
+      plan.push_back(p);
+    }
+    w.busy = true;
+    const double start = t;
+    loop_.StartJob(w.cost->Seconds(shape), layout_.tp * layout_.decode_threads,
+                   [this, &w, plan = std::move(plan), start](double now) {
+                     w.busy = false;
+                     w.busy_seconds += now - start;
+                     Apply(w, plan, now);
+                     Kick(w, now);
+                   });
+  }
+
+  void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {
+    std::bernoulli_distribution accept(options_.ngram_acceptance);
+    for (const Planned& p : plan) {
+      Req& r = *p.r;
+      r.kv += p.feed;
+      if (!p.logits) continue;
+      int accepted = 0;
+      while (accepted < p.drafts && accept(rng_)) ++accepted;
+      const bool first = r.emitted == 0;
+      Deliver(r, std::min(1 + accepted, r.output - r.emitted), t, first);
+      r.kv = r.history() - 1;  // the newest token is fed next step
+      if (r.emitted >= r.output) {
+        w.running.erase(std::find(w.running.begin(), w.running.end(), &r));
+        Finish(r, t);
+      }
+    }
+  }
+
+  Prediction Summarize(const Slo& slo) {
+    Prediction p;
+    std::vector<double> ttft, tpot, itl;
+    int good = 0;
+    int64_t tokens = 0;
+    double end = 0;
+    for (const Req& r : reqs_) {
+      const double first = r.deliveries.front() - r.arrival;
+      ttft.push_back(first);
+      double request_tpot = 0;
+      if (r.emitted > 1) {
+        request_tpot =
+            (r.deliveries.back() - r.deliveries.front()) / (r.emitted - 1);
+        tpot.push_back(request_tpot);
+      }
+      for (size_t i = 1; i < r.deliveries.size(); ++i) {
+        itl.push_back(r.deliveries[i] - r.deliveries[i - 1]);
+      }
+      tokens += r.emitted;
+      end = std::max(end, r.end);
+      if (first <= slo.ttft_seconds &&
+          (r.emitted <= 1 || request_tpot <= slo.tpot_seconds)) {
+        ++good;
+      }
+    }
+    for (double v : ttft) p.ttft_mean += v / ttft.size();
+    p.ttft_p50 = Percentile(ttft, 0.5);
+    p.ttft_p99 = Percentile(ttft, 0.99);
+    p.tpot_p50 = Percentile(tpot, 0.5);
+    p.tpot_p99 = Percentile(tpot, 0.99);
+    p.itl_p50 = Percentile(itl, 0.5);
+    p.itl_p99 = Percentile(itl, 0.99);
+    p.duration = end;
+    p.goodput = end > 0 ? good / end : 0;
+    p.tokens_per_s = end > 0 ? tokens / end : 0;
+    if (end > 0) {
+      double busy = 0;
+      for (auto& w : decode_) busy += w->busy_seconds;
+      p.decode_utilisation = busy / (end * decode_.size());
+      if (!prefill_.empty()) {
+        busy = 0;
+        int stages = 0;
+        for (auto& g : prefill_) {
+          for (auto& s : g->stages) {
+            busy += s.busy_seconds;
+            ++stages;
+          }
+        }
+        p.prefill_utilisation = busy / (end * stages);
+      }
+    }
+    return p;
+  }
+
+  const PerfModel& model_;
+  const Layout& layout_;
+  const SimOptions options_;
+  EventLoop loop_;
+  std::mt19937_64 rng_;
+  std::vector<Req> reqs_;
+  std::vector<std::unique_ptr<DecodeSim>> decode_;
+  std::vector<std::unique_ptr<GroupSim>> prefill_;
+  std::map<int, DecodeSim*> decode_of_;
+  std::map<int, GroupSim*> group_of_;
+};
+
+}  // namespace
+
+absl::StatusOr<Prediction> Simulate(const PerfModel& model,
+                                    const Layout& layout,
+                                    const std::vector<SimRequest>& requests,
+                                    const Slo& slo, const SimOptions& options) {
+  if (requests.empty()) {
+    return absl::InvalidArgumentError("simulating needs at least one request");
+  }
+  if (layout.decode_workers < 1 || layout.tp < 1 || layout.decode_threads < 1 ||
+      layout.max_step_tokens < 1 || layout.max_running < 1 ||
+      (!layout.colocated &&
+       (layout.prefill_groups < 1 || layout.stages < 1 ||
+        layout.prefill_threads < 1 || layout.chunk_tokens < 1 ||
+        layout.stages > model.num_layers))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout ", layout.Name(),
+                     " needs ≥ 1 of each worker, thread, token budget, and "
+                     "no more stages than layers"));
+  }
+  if (options.cores < 1 || !(options.ngram_acceptance >= 0) ||
+      options.ngram_acceptance >= 1) {
+    return absl::InvalidArgumentError(
+        "simulation needs ≥ 1 core and an acceptance in [0, 1)");
+  }
+  Simulation sim(model, layout, options);
+  if (absl::Status s = sim.Init(); !s.ok()) return s;
+  return sim.Run(requests, slo);
+}
+
+}  // namespace pdserve::planner

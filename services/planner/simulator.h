@@ -1,0 +1,80 @@
+// Predicts what a layout does under a workload: a discrete-event simulation
+// of the router's assignment, each prefill group's pipeline and each decode
+// worker's continuous batching, with every step's duration from the fitted
+// step costs (perf_model.h).
+//
+// Why a simulation and not an M/G/c formula: a decode worker's service time
+// depends on what else is in its batch (a step costs L(tokens) whether it
+// carries 1 or 16 decodes), prefill chunks share steps with decodes in a
+// colocated worker (oldest first within max_step_tokens: a long prompt
+// starves younger decodes for a step — the ITL spikes a formula cannot
+// show), and microbatches flow through a pipeline with a bounded number in
+// flight. Closed forms assume independent service times and give means; the
+// SLO is on p99. So the simulator runs the scheduling rules themselves —
+// prefill's chunking and microbatching through the real code
+// (prefill/chunk_policy.h, prefill/microbatch_former.h), the decode step
+// planner's rule (decode/step_planner.h: oldest first, a request feeds
+// min(left, budget), stop when the budget is spent) re-stated here — on the
+// exact arrivals load_bench sends (workload.h).
+//
+// Cores: every busy compute job (a decode step, a stage's microbatch) holds
+// its threads; when a layout has more busy threads than `cores`, all jobs
+// slow down alike (processor sharing), as the OS would share the cores.
+//
+// Not modelled (measured into the fitted per-request costs instead): router,
+// gRPC and UCX CPU time; KV capacity and preemption (the planner sizes KV
+// from the model; a layout that would preempt is flagged, not simulated).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "planner/layout.h"
+#include "planner/perf_model.h"
+
+namespace pdserve::planner {
+
+struct SimRequest {
+  double arrival = 0;  // seconds from the start
+  int prompt_tokens = 1;
+  int output_tokens = 1;
+};
+
+struct Slo {
+  double ttft_seconds = 2;
+  double tpot_seconds = 0.06;
+};
+
+// Statistics as load_bench computes them (same percentile rule).
+struct Prediction {
+  double ttft_mean = 0, ttft_p50 = 0, ttft_p99 = 0;
+  double tpot_p50 = 0, tpot_p99 = 0;
+  double itl_p50 = 0, itl_p99 = 0;
+  double goodput = 0;       // requests/s meeting both SLOs
+  double tokens_per_s = 0;  // output tokens / duration
+  double duration = 0;      // start to the last request's end
+  // Busy share of the decode workers' and prefill stages' time.
+  double decode_utilisation = 0;
+  double prefill_utilisation = 0;
+};
+
+struct SimOptions {
+  int cores = 2;
+  // Probability that an n-gram draft token is accepted (layouts with γ > 0).
+  double ngram_acceptance = 0;
+  uint64_t seed = 1;  // of the acceptance draws
+};
+
+// INVALID_ARGUMENT for an empty request list or a layout with nothing in it;
+// NOT_FOUND when the model has no step cost for one of its configurations.
+absl::StatusOr<Prediction> Simulate(const PerfModel& model,
+                                    const Layout& layout,
+                                    const std::vector<SimRequest>& requests,
+                                    const Slo& slo,
+                                    const SimOptions& options = {});
+
+// p-quantile as load_bench computes it: sorted[min(n − 1, ⌊p·n⌋)].
+double Percentile(std::vector<double> values, double p);
+
+}  // namespace pdserve::planner

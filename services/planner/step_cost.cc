@@ -1,0 +1,232 @@
+#include "planner/step_cost.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+
+namespace pdserve::planner {
+namespace {
+
+// Weights of the hat functions at `knots` for x: two neighbours share 1
+// (linear interpolation); past the ends the last segment is extended, so a
+// step larger than any profiled is extrapolated along the largest slope.
+void HatWeights(const std::vector<double>& knots, double x,
+                std::vector<double>* weights) {
+  weights->assign(knots.size(), 0.0);
+  if (knots.size() == 1) {
+    (*weights)[0] = 1;
+    return;
+  }
+  size_t hi = std::upper_bound(knots.begin(), knots.end(), x) - knots.begin();
+  hi = std::clamp<size_t>(hi, 1, knots.size() - 1);
+  const size_t lo = hi - 1;
+  const double f = (x - knots[lo]) / (knots[hi] - knots[lo]);
+  (*weights)[lo] = 1 - f;
+  (*weights)[hi] = f;
+}
+
+// Solves the normal equations A x = b (A symmetric positive definite after a
+// tiny ridge) by Cholesky. `n` unknowns; A is row-major n × n.
+std::vector<double> SolveSymmetric(std::vector<double> a, std::vector<double> b,
+                                   int n) {
+  double trace = 0;
+  for (int i = 0; i < n; ++i) trace += a[i * n + i];
+  // A ridge of 1e-12 of the mean diagonal keeps a column no sample reaches
+  // (weight 0 everywhere) from making the system singular; it is far below
+  // anything a real feature contributes.
+  for (int i = 0; i < n; ++i) a[i * n + i] += 1e-12 * trace / n + 1e-300;
+  for (int j = 0; j < n; ++j) {
+    double d = a[j * n + j];
+    for (int k = 0; k < j; ++k) d -= a[j * n + k] * a[j * n + k];
+    d = std::sqrt(std::max(d, 1e-300));
+    a[j * n + j] = d;
+    for (int i = j + 1; i < n; ++i) {
+      double s = a[i * n + j];
+      for (int k = 0; k < j; ++k) s -= a[i * n + k] * a[j * n + k];
+      a[i * n + j] = s / d;
+    }
+  }
+  for (int i = 0; i < n; ++i) {  // L y = b
+    double s = b[i];
+    for (int k = 0; k < i; ++k) s -= a[i * n + k] * b[k];
+    b[i] = s / a[i * n + i];
+  }
+  for (int i = n - 1; i >= 0; --i) {  // Lᵀ x = y
+    double s = b[i];
+    for (int k = i + 1; k < n; ++k) s -= a[k * n + i] * b[k];
+    b[i] = s / a[i * n + i];
+  }
+  return b;
+}
+
+}  // namespace
+
+int64_t AttendedPositions(int start, int tokens) {
+  return static_cast<int64_t>(tokens) * start +
+         static_cast<int64_t>(tokens) * (tokens + 1) / 2;
+}
+
+absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
+  std::set<int> token_counts;
+  for (const StepSample& s : samples) {
+    if (!(s.seconds > 0) || !std::isfinite(s.seconds) || s.shape.tokens < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "step sample of ", s.shape.tokens, " tokens took ", s.seconds,
+          " s: every sample needs ≥ 1 token and a positive time"));
+    }
+    token_counts.insert(s.shape.tokens);
+  }
+  if (token_counts.size() < 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fitting a step cost needs steps of at least 2 different token "
+        "counts; got ",
+        token_counts.size()));
+  }
+  // Knots at powers of two spanning the samples; a knot no sample brackets
+  // would be unconstrained, so knots are kept only where samples lie on
+  // both sides or on the knot itself.
+  StepCost cost;
+  const int lo = *token_counts.begin();
+  const int hi = *token_counts.rbegin();
+  std::vector<double> knots = {static_cast<double>(lo)};
+  for (int k = 1; k < hi; k *= 2) {
+    if (k > lo) knots.push_back(k);
+  }
+  knots.push_back(hi);
+  // Drop knots without a sample between them and the next one (they would
+  // only be pinned by the ridge).
+  std::vector<double> kept = {knots.front()};
+  for (size_t i = 1; i < knots.size(); ++i) {
+    const bool has_between =
+        token_counts.lower_bound(static_cast<int>(kept.back()) + 1) !=
+            token_counts.end() &&
+        *token_counts.lower_bound(static_cast<int>(kept.back()) + 1) <=
+            knots[i];
+    if (has_between || i + 1 == knots.size()) kept.push_back(knots[i]);
+  }
+  cost.knots_ = kept;
+  const int num_knots = static_cast<int>(cost.knots_.size());
+  const int n = num_knots + 2;  // + logit row + attended position
+
+  // Feature scales so the normal equations are well conditioned.
+  double max_rows = 1, max_attended = 1;
+  for (const StepSample& s : samples) {
+    max_rows = std::max(max_rows, static_cast<double>(s.shape.logit_rows));
+    max_attended =
+        std::max(max_attended, static_cast<double>(s.shape.attended_positions));
+  }
+  std::vector<bool> pinned(n, false);
+  std::vector<double> x(n, 0.0);
+  std::vector<double> hat;
+  for (int round = 0; round <= n; ++round) {
+    std::vector<double> a(n * n, 0.0), b(n, 0.0), row(n);
+    for (const StepSample& s : samples) {
+      HatWeights(cost.knots_, s.shape.tokens, &hat);
+      for (int i = 0; i < num_knots; ++i) row[i] = hat[i];
+      row[num_knots] = s.shape.logit_rows / max_rows;
+      row[num_knots + 1] = s.shape.attended_positions / max_attended;
+      for (int i = 0; i < n; ++i) {
+        if (pinned[i]) row[i] = 0;
+      }
+      const double w = 1.0 / (s.seconds * s.seconds);  // relative error²
+      for (int i = 0; i < n; ++i) {
+        b[i] += w * row[i] * s.seconds;
+        for (int j = 0; j < n; ++j) a[i * n + j] += w * row[i] * row[j];
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      if (pinned[i]) {
+        for (int j = 0; j < n; ++j) a[i * n + j] = a[j * n + i] = 0;
+        a[i * n + i] = 1;
+        b[i] = 0;
+      }
+    }
+    x = SolveSymmetric(a, b, n);
+    int most_negative = -1;
+    for (int i = 0; i < n; ++i) {
+      if (!pinned[i] && x[i] < 0 &&
+          (most_negative < 0 || x[i] < x[most_negative])) {
+        most_negative = i;
+      }
+    }
+    if (most_negative < 0) break;
+    pinned[most_negative] = true;
+  }
+  cost.knot_seconds_.assign(x.begin(), x.begin() + num_knots);
+  for (double& v : cost.knot_seconds_) v = std::max(v, 0.0);
+  cost.seconds_per_logit_row_ = std::max(x[num_knots], 0.0) / max_rows;
+  cost.seconds_per_attended_position_ =
+      std::max(x[num_knots + 1], 0.0) / max_attended;
+  return cost;
+}
+
+double StepCost::Seconds(const StepShape& shape) const {
+  if (knots_.empty()) return 0;
+  std::vector<double> hat;
+  HatWeights(knots_, std::max(shape.tokens, 1), &hat);
+  double linear = 0;
+  for (size_t i = 0; i < knots_.size(); ++i)
+    linear += hat[i] * knot_seconds_[i];
+  // Extrapolating below the first knot could go negative; a step never
+  // costs less than the smallest one measured.
+  linear = std::max(linear, knot_seconds_.front() * 0.5);
+  return linear + seconds_per_logit_row_ * shape.logit_rows +
+         seconds_per_attended_position_ * shape.attended_positions;
+}
+
+StepCost::FitError StepCost::Error(
+    const std::vector<StepSample>& samples) const {
+  std::vector<double> errors;
+  for (const StepSample& s : samples) {
+    errors.push_back(std::abs(Seconds(s.shape) - s.seconds) / s.seconds);
+  }
+  FitError e;
+  if (errors.empty()) return e;
+  std::sort(errors.begin(), errors.end());
+  e.median = errors[errors.size() / 2];
+  e.max = errors.back();
+  return e;
+}
+
+nlohmann::json StepCost::ToJson() const {
+  return {{"knots", knots_},
+          {"knot_seconds", knot_seconds_},
+          {"seconds_per_logit_row", seconds_per_logit_row_},
+          {"seconds_per_attended_position", seconds_per_attended_position_}};
+}
+
+absl::StatusOr<StepCost> StepCost::FromJson(const nlohmann::json& json) {
+  StepCost cost;
+  try {
+    cost.knots_ = json.at("knots").get<std::vector<double>>();
+    cost.knot_seconds_ = json.at("knot_seconds").get<std::vector<double>>();
+    cost.seconds_per_logit_row_ =
+        json.at("seconds_per_logit_row").get<double>();
+    cost.seconds_per_attended_position_ =
+        json.at("seconds_per_attended_position").get<double>();
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("step cost: ", e.what()));
+  }
+  if (cost.knots_.empty() || cost.knots_.size() != cost.knot_seconds_.size() ||
+      !std::is_sorted(cost.knots_.begin(), cost.knots_.end())) {
+    return absl::InvalidArgumentError(
+        "step cost: knots must be ascending, non-empty and match "
+        "knot_seconds one for one");
+  }
+  for (double v : cost.knot_seconds_) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      return absl::InvalidArgumentError(
+          "step cost: knot_seconds must be finite and ≥ 0");
+    }
+  }
+  if (!(cost.seconds_per_logit_row_ >= 0) ||
+      !(cost.seconds_per_attended_position_ >= 0)) {
+    return absl::InvalidArgumentError(
+        "step cost: per-row and per-position seconds must be ≥ 0");
+  }
+  return cost;
+}
+
+}  // namespace pdserve::planner

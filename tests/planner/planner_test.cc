@@ -1,0 +1,209 @@
+// The layout planner's parts against independent expectations: the step-cost
+// fit recovers a known cost function; the simulator matches closed forms
+// where they exist (an idle request, M/D/1 waiting, a pipeline's fill,
+// processor sharing); enumeration stays within the cores.
+#include "planner/planner.h"
+
+#include <cmath>
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace pdserve::planner {
+namespace {
+
+// A cost function of the fitted family, written out by hand: flat to 8
+// tokens (bandwidth bound), then 0.5 ms a token.
+double TrueSeconds(const StepShape& s) {
+  const double linear = s.tokens <= 8 ? 0.020 : 0.020 + 0.0005 * (s.tokens - 8);
+  return linear + 0.0004 * s.logit_rows + 2e-8 * s.attended_positions;
+}
+
+std::vector<StepSample> Samples(double noise, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> jitter(0, noise);
+  std::vector<StepSample> out;
+  for (int batch : {1, 2, 4, 8, 16, 32, 64}) {  // decode: a row per token
+    for (int context : {16, 384}) {
+      StepShape s{batch, batch, static_cast<int64_t>(batch) * context};
+      out.push_back({s, TrueSeconds(s) * (1 + jitter(rng))});
+    }
+  }
+  for (int prompt : {16, 32, 64, 128, 256, 512}) {  // prefill: one row
+    StepShape s{prompt, 1, AttendedPositions(0, prompt)};
+    out.push_back({s, TrueSeconds(s) * (1 + jitter(rng))});
+  }
+  return out;
+}
+
+TEST(StepCostTest, FitRecoversAKnownCostFunction) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok()) << cost.status();
+  // Shapes the fit never saw, inside the profiled range.
+  for (StepShape s : {StepShape{3, 3, 3 * 200}, StepShape{48, 48, 48 * 100},
+                      StepShape{200, 1, AttendedPositions(100, 200)},
+                      StepShape{300, 20, 300 * 50}}) {
+    EXPECT_NEAR(cost->Seconds(s), TrueSeconds(s), 0.03 * TrueSeconds(s))
+        << s.tokens << " tokens";
+  }
+  EXPECT_NEAR(cost->seconds_per_logit_row(), 0.0004, 0.0001);
+}
+
+TEST(StepCostTest, NoisyFitStaysClose) {
+  auto cost = StepCost::Fit(Samples(0.03, 2));
+  ASSERT_TRUE(cost.ok()) << cost.status();
+  const StepCost::FitError e = cost->Error(Samples(0, 3));
+  EXPECT_LT(e.median, 0.05);
+  EXPECT_LT(e.max, 0.15);
+}
+
+TEST(StepCostTest, JsonRoundTrip) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  auto back = StepCost::FromJson(cost->ToJson());
+  ASSERT_TRUE(back.ok()) << back.status();
+  StepShape s{77, 5, 4000};
+  EXPECT_DOUBLE_EQ(back->Seconds(s), cost->Seconds(s));
+}
+
+PerfModel ModelWith(const StepCost& cost) {
+  PerfModel m;
+  m.model = "synthetic";
+  m.num_layers = 12;
+  m.cores = 2;
+  m.steps[{1, 1}] = cost;
+  m.steps[{1, 2}] = cost;
+  m.steps[{2, 1}] = cost;
+  return m;
+}
+
+TEST(SimulatorTest, IdleRequestIsItsSteps) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.colocated_ttft = {0.003, 1e-5};
+  model.stream_seconds = 0.001;
+  Layout coloc;
+  coloc.colocated = true;
+  auto p = Simulate(model, coloc, {{0.5, 100, 5}}, Slo{});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const double prefill = cost->Seconds({100, 1, AttendedPositions(0, 100)});
+  EXPECT_NEAR(p->ttft_p50, prefill + 0.003 + 1e-5 * 100, 1e-9);
+  // Four decode steps at contexts 101..104; the first token's delivery
+  // carries the TTFT overhead, the others the stream delay.
+  double decode = 0;
+  for (int k = 0; k < 4; ++k) decode += cost->Seconds({1, 1, 101 + k});
+  EXPECT_NEAR(p->tpot_p50, (decode + 0.001 - 0.003 - 1e-5 * 100) / 4, 1e-9);
+}
+
+TEST(SimulatorTest, PipelineOfStagesAddsUpToTheWholeModel) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  for (int stages : {1, 2, 3}) {
+    Layout l;
+    l.stages = stages;
+    l.chunk_tokens = 512;  // one chunk
+    auto p = Simulate(model, l, {{0, 200, 1}}, Slo{}, {.cores = 4});
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_NEAR(p->ttft_p50, cost->Seconds({200, 1, AttendedPositions(0, 200)}),
+                1e-9)
+        << stages << " stages";
+  }
+}
+
+TEST(SimulatorTest, QueueingMatchesMD1) {
+  // Prompt 1, output 1, a token budget of 1: every request is one step of
+  // the same length S, served FIFO — an M/D/1 queue, whose mean wait is
+  // Pollaczek–Khinchine's ρ·S / (2(1 − ρ)).
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  const double s = cost->Seconds({1, 1, 1});
+  Layout l;
+  l.colocated = true;
+  l.max_step_tokens = 1;
+  l.max_running = 1;
+  for (double rho : {0.3, 0.7}) {
+    WorkloadSpec w;
+    w.requests = 40000;
+    w.rate = rho / s;
+    w.prompt = {1, 1};
+    w.output = {1, 1};
+    auto p = Simulate(model, l, SimRequests(w), Slo{});
+    ASSERT_TRUE(p.ok()) << p.status();
+    const double wait = rho * s / (2 * (1 - rho));
+    EXPECT_NEAR(p->ttft_mean, s + wait, 0.03 * (s + wait)) << "rho " << rho;
+  }
+}
+
+TEST(SimulatorTest, OversubscribedCoresAreShared) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  Layout two;  // two workers of 2 threads each
+  two.colocated = true;
+  two.decode_workers = 2;
+  two.decode_threads = 2;
+  const std::vector<SimRequest> both = {{0, 64, 1}, {0, 64, 1}};
+  auto shared = Simulate(model, two, both, Slo{}, {.cores = 2});
+  auto alone = Simulate(model, two, both, Slo{}, {.cores = 4});
+  ASSERT_TRUE(shared.ok() && alone.ok());
+  EXPECT_NEAR(shared->ttft_p50, 2 * alone->ttft_p50, 1e-9);
+}
+
+TEST(SimulatorTest, LongPromptsStallYoungerDecodesInAColocatedWorker) {
+  // A decode admitted after a long prompt waits for the prompt's chunk:
+  // the ITL spike disaggregation exists to remove.
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  Layout coloc;
+  coloc.colocated = true;
+  const std::vector<SimRequest> reqs = {{0, 400, 1}, {0.001, 16, 40}};
+  auto p = Simulate(model, coloc, reqs, Slo{});
+  ASSERT_TRUE(p.ok());
+  Layout disagg;
+  auto d = Simulate(model, disagg, reqs, Slo{});
+  ASSERT_TRUE(d.ok());
+  EXPECT_GT(p->ttft_p99, cost->Seconds({400, 1, AttendedPositions(0, 400)}));
+  EXPECT_LT(d->itl_p99, p->ttft_p99);
+}
+
+TEST(PlannerTest, EnumerationStaysWithinTheCores) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const PerfModel model = ModelWith(*cost);
+  for (int cores : {2, 4}) {
+    const std::vector<Layout> layouts =
+        EnumerateLayouts(Resources{cores}, model, 0);
+    bool colocated = false, disaggregated = false;
+    for (const Layout& l : layouts) {
+      EXPECT_LE(l.Threads(), cores) << l.Name();
+      (l.colocated ? colocated : disaggregated) = true;
+    }
+    EXPECT_TRUE(colocated && disaggregated);
+  }
+}
+
+TEST(PlannerTest, RanksByGoodputThenHeadroom) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const PerfModel model = ModelWith(*cost);
+  PlanRequest request;
+  request.workload.requests = 60;
+  request.workload.rate = 3;
+  request.slo = {1.0, 0.05};
+  auto ranked = Plan(model, request);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  ASSERT_GT(ranked->size(), 3u);
+  const double best = ranked->front().prediction.goodput;
+  for (const RankedLayout& r : *ranked) {
+    EXPECT_LE(r.prediction.goodput, best * 1.02 + 1e-12) << r.layout.Name();
+  }
+  EXPECT_NE(FormatPlan(*ranked, 3).find(ranked->front().layout.Name()),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace pdserve::planner
