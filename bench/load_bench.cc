@@ -37,184 +37,15 @@
 #include "common/command_line_flags.h"
 #include "model/weight_source.h"
 #include "pdserve/v1/generate.grpc.pb.h"
+#include "planner/simulator.h"
+#include "planner/workload.h"
 #include "router/cluster_backend.h"
 #include "router/worker_registry.h"
+#include "tools/load_generator.h"
 #include "tools/local_cluster.h"
 
 namespace pdserve::bench {
 namespace {
-
-struct Range {
-  int lo = 0;
-  int hi = 0;
-};
-
-bool ParseRange(const std::string& text, Range* out) {
-  std::vector<std::string> parts = absl::StrSplit(text, ':');
-  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &out->lo) ||
-      !absl::SimpleAtoi(parts[1], &out->hi) || out->lo < 1 ||
-      out->hi < out->lo) {
-    return false;
-  }
-  return true;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * v.size()));
-  return v[i];
-}
-
-struct RequestSpec {
-  std::vector<int32_t> prompt;
-  int max_tokens = 0;
-  absl::Duration arrival;  // offset from the run's start
-};
-
-struct RequestResult {
-  bool ok = false;
-  std::string error;
-  double ttft = 0;  // seconds
-  double tpot = 0;
-  double e2e = 0;
-  int tokens = 0;
-  std::vector<double> itl;
-  absl::Time end;
-};
-
-std::vector<RequestSpec> MakeWorkload(int count, double rate, Range prompt,
-                                      Range output, int vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::exponential_distribution<double> gap(rate);
-  std::uniform_int_distribution<int> prompt_len(prompt.lo, prompt.hi);
-  std::uniform_int_distribution<int> output_len(output.lo, output.hi);
-  // Ids 3.. skip the special tokens (unk, bos, eos).
-  std::uniform_int_distribution<int32_t> token(3, vocab - 1);
-  std::vector<RequestSpec> specs(count);
-  double t = 0;
-  for (RequestSpec& s : specs) {
-    t += gap(rng);
-    s.arrival = absl::Seconds(t);
-    s.prompt.push_back(1);  // BOS
-    const int n = prompt_len(rng);
-    for (int i = 1; i < n; ++i) s.prompt.push_back(token(rng));
-    s.max_tokens = output_len(rng);
-  }
-  return specs;
-}
-
-RequestResult RunOne(v1::Generation::Stub& stub, const RequestSpec& spec) {
-  v1::GenerateRequest request;
-  request.mutable_token_ids()->mutable_ids()->Add(spec.prompt.begin(),
-                                                  spec.prompt.end());
-  request.set_max_tokens(spec.max_tokens);
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(300)));
-  RequestResult r;
-  const absl::Time start = absl::Now();
-  absl::Time first = absl::InfinitePast();
-  absl::Time last = start;
-  auto reader = stub.Generate(&context, request);
-  v1::GenerateResponse item;
-  while (reader->Read(&item)) {
-    if (item.token_ids_size() == 0) continue;
-    const absl::Time now = absl::Now();
-    if (r.tokens == 0) {
-      first = now;
-    } else {
-      r.itl.push_back(absl::ToDoubleSeconds(now - last));
-    }
-    last = now;
-    r.tokens += item.token_ids_size();
-  }
-  grpc::Status status = reader->Finish();
-  r.end = absl::Now();
-  r.ok = status.ok() && r.tokens > 0;
-  if (!r.ok) r.error = status.error_message();
-  r.ttft = absl::ToDoubleSeconds(first - start);
-  r.e2e = absl::ToDoubleSeconds(r.end - start);
-  if (r.tokens > 1) {
-    r.tpot = absl::ToDoubleSeconds(last - first) / (r.tokens - 1);
-  }
-  return r;
-}
-
-struct LoadReport {
-  std::string name;
-  int ok = 0;
-  int failed = 0;
-  double ttft_p50 = 0, ttft_p99 = 0, tpot_p50 = 0, tpot_p99 = 0, itl_p50 = 0,
-         itl_p99 = 0, tokens_per_s = 0, goodput = 0, duration = 0;
-};
-
-LoadReport RunLoad(const std::string& name, const std::string& router,
-                   const std::vector<RequestSpec>& specs, double slo_ttft,
-                   double slo_tpot) {
-  auto channel =
-      grpc::CreateChannel(router, grpc::InsecureChannelCredentials());
-  auto stub = v1::Generation::NewStub(channel);
-  std::vector<RequestResult> results(specs.size());
-  std::vector<std::thread> threads;
-  threads.reserve(specs.size());
-  const absl::Time start = absl::Now();
-  for (size_t i = 0; i < specs.size(); ++i) {
-    // Open loop: arrivals follow the schedule whatever the latencies.
-    const absl::Time due = start + specs[i].arrival;
-    if (absl::Now() < due) absl::SleepFor(due - absl::Now());
-    threads.emplace_back([&, i] { results[i] = RunOne(*stub, specs[i]); });
-  }
-  for (auto& t : threads) t.join();
-  LoadReport report;
-  report.name = name;
-  std::vector<double> ttft, tpot, itl;
-  int64_t tokens = 0;
-  int good = 0;
-  absl::Time end = start;
-  for (const RequestResult& r : results) {
-    if (!r.ok) {
-      ++report.failed;
-      if (report.failed == 1) {
-        std::fprintf(stderr, "%s: request failed: %s\n", name.c_str(),
-                     r.error.c_str());
-      }
-      continue;
-    }
-    ++report.ok;
-    ttft.push_back(r.ttft);
-    if (r.tokens > 1) tpot.push_back(r.tpot);
-    itl.insert(itl.end(), r.itl.begin(), r.itl.end());
-    tokens += r.tokens;
-    end = std::max(end, r.end);
-    if (r.ttft <= slo_ttft && (r.tokens <= 1 || r.tpot <= slo_tpot)) ++good;
-  }
-  report.duration = absl::ToDoubleSeconds(end - start);
-  report.ttft_p50 = Percentile(ttft, 0.5);
-  report.ttft_p99 = Percentile(ttft, 0.99);
-  report.tpot_p50 = Percentile(tpot, 0.5);
-  report.tpot_p99 = Percentile(tpot, 0.99);
-  report.itl_p50 = Percentile(itl, 0.5);
-  report.itl_p99 = Percentile(itl, 0.99);
-  report.tokens_per_s = report.duration > 0 ? tokens / report.duration : 0;
-  report.goodput = report.duration > 0 ? good / report.duration : 0;
-  return report;
-}
-
-void PrintLoadHeader() {
-  std::printf("%-34s %5s %5s %9s %9s %9s %9s %8s %8s %9s %9s\n", "run", "ok",
-              "fail", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50",
-              "ITL p99", "tok/s", "goodput");
-}
-
-void PrintLoad(const LoadReport& r) {
-  std::printf(
-      "%-34s %5d %5d %7.1fms %7.1fms %7.2fms %7.2fms %6.2fms %6.2fms %9.0f "
-      "%7.2f/s\n",
-      r.name.c_str(), r.ok, r.failed, r.ttft_p50 * 1e3, r.ttft_p99 * 1e3,
-      r.tpot_p50 * 1e3, r.tpot_p99 * 1e3, r.itl_p50 * 1e3, r.itl_p99 * 1e3,
-      r.tokens_per_s, r.goodput);
-  std::fflush(stdout);
-}
 
 // ---- Router added latency ---------------------------------------------------
 
@@ -282,15 +113,22 @@ int RouterOverhead(const tools::LocalClusterOptions& base, int requests,
   }
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
-  const std::vector<RequestSpec> specs =
-      MakeWorkload(requests, 1.0, {16, 16}, {1, 1}, vocab, 7);
+  planner::WorkloadSpec single;
+  single.requests = requests;
+  single.rate = 1.0;
+  single.prompt = {16, 16};
+  single.output = {1, 1};
+  single.seed = 7;
+  const std::vector<planner::Arrival> specs =
+      planner::MakeArrivals(single, vocab);
   std::vector<double> via_router, direct, via_router_e2e, direct_e2e;
   for (int i = 0; i < requests; ++i) {
     // Alternate which path goes first so drift hits both alike.
     for (int leg = 0; leg < 2; ++leg) {
       const bool router_leg = (leg == 0) == (i % 2 == 0);
       if (router_leg) {
-        RequestResult r = RunOne(*stub, specs[i]);
+        tools::RequestResult r =
+            tools::RunRequest(*stub, specs[i].prompt, specs[i].max_tokens);
         if (!r.ok) {
           std::fprintf(stderr, "router request: %s\n", r.error.c_str());
           return 1;
@@ -325,6 +163,7 @@ int RouterOverhead(const tools::LocalClusterOptions& base, int requests,
       }
     }
   }
+  using planner::Percentile;
   const double r50 = Percentile(via_router, 0.5);
   const double d50 = Percentile(direct, 0.5);
   std::printf(
@@ -398,14 +237,15 @@ int Main(int argc, char** argv) {
         stdout);
     return 0;
   }
-  Range short_prompt, long_prompt, output;
-  const bool ranges_ok = ParseRange(short_text, &short_prompt) &&
-                         ParseRange(long_text, &long_prompt) &&
-                         ParseRange(output_text, &output);
-  if (auto s = flags.Check(); !s.ok() || !ranges_ok) {
-    std::fprintf(stderr, "%s\n",
-                 s.ok() ? "ranges are LO:HI" : s.ToString().c_str());
-    return 2;
+  auto short_prompt = planner::ParseLengthRange(short_text);
+  auto long_prompt = planner::ParseLengthRange(long_text);
+  auto output = planner::ParseLengthRange(output_text);
+  for (const absl::Status& s : {flags.Check(), short_prompt.status(),
+                                long_prompt.status(), output.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return 2;
+    }
   }
   auto model =
       model::OpenModel(base.model_path, *model::ParseLoadFormat(base.format));
@@ -415,7 +255,7 @@ int Main(int argc, char** argv) {
   }
   const int vocab = (*model)->config().vocab_size;
   const int context = (*model)->config().max_position_embeddings;
-  if (long_prompt.hi + output.hi > context) {
+  if (long_prompt->hi + output->hi > context) {
     std::fprintf(stderr, "prompt + output exceed the context (%d)\n", context);
     return 2;
   }
@@ -432,13 +272,13 @@ int Main(int argc, char** argv) {
   std::printf(
       "\nopen loop: %d requests at %.1f req/s (Poisson), output %d..%d tokens, "
       "SLO TTFT <= %.0f ms and TPOT <= %.0f ms\n",
-      requests, rate, output.lo, output.hi, slo_ttft * 1e3, slo_tpot * 1e3);
-  PrintLoadHeader();
+      requests, rate, output->lo, output->hi, slo_ttft * 1e3, slo_tpot * 1e3);
+  tools::PrintLoadHeader();
   for (const auto& [label, prompt] :
-       {std::pair<const char*, Range>{"short", short_prompt},
-        std::pair<const char*, Range>{"long", long_prompt}}) {
-    const std::vector<RequestSpec> specs =
-        MakeWorkload(requests, rate, prompt, output, vocab, seed);
+       {std::pair<const char*, planner::LengthRange>{"short", *short_prompt},
+        std::pair<const char*, planner::LengthRange>{"long", *long_prompt}}) {
+    const std::vector<planner::Arrival> specs =
+        planner::MakeArrivals({requests, rate, prompt, *output, seed}, vocab);
     // Same cores: 2 compute threads either way.
     tools::LocalClusterOptions disagg = base;
     disagg.stages = 1;
@@ -458,8 +298,9 @@ int Main(int argc, char** argv) {
                      cluster.status().ToString().c_str());
         return 1;
       }
-      PrintLoad(RunLoad(absl::StrCat(label, " prompts, ", layout),
-                        (*cluster)->grpc_address(), specs, slo_ttft, slo_tpot));
+      tools::PrintLoad(tools::RunLoad(absl::StrCat(label, " prompts, ", layout),
+                                      (*cluster)->grpc_address(), specs,
+                                      slo_ttft, slo_tpot));
     }
   }
   return 0;

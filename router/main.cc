@@ -55,6 +55,7 @@
 #include "router/generation_service.h"
 #include "router/http_server.h"
 #include "router/metered_backend.h"
+#include "router/planner_monitor.h"
 #include "router/router_metrics.h"
 #include "router/worker_registry.h"
 #include "rpc/auth.h"
@@ -226,6 +227,21 @@ int Main(int argc, char** argv) {
   const int layout_tp = flags.Num<int>(
       "layout-tp", 1,
       "Label only: tensor-parallel degree of the cluster's decode workers.");
+  flags.Group("Layout planner");
+  const std::string planner_perf_model = flags.Str(
+      "planner-perf-model", "",
+      "A profile saved by `pdserve plan --perf-model FILE`: plan for the "
+      "observed workload every --planner-interval-s and export "
+      "pdserve_planner_* (router/planner_monitor.h).",
+      "(off)");
+  const double planner_slo_ttft_ms = flags.Num<double>(
+      "planner-slo-ttft-ms", 2000, "The planner's TTFT p99 SLO, ms.");
+  const double planner_slo_tpot_ms = flags.Num<double>(
+      "planner-slo-tpot-ms", 60, "The planner's TPOT p99 SLO, ms.");
+  const int planner_cores = flags.Num<int>(
+      "planner-cores", 2, "Cores (compute threads) one layout may use.");
+  const double planner_interval_s = flags.Num<double>(
+      "planner-interval-s", 30, "Seconds between planner evaluations.");
   if (flags.help_requested()) {
     std::fputs(flags.Usage(kSynopsis, kNotes).c_str(), stdout);
     return 0;
@@ -378,6 +394,23 @@ int Main(int argc, char** argv) {
                                          absl::StatusCode code) {
     metered.OnRejected(api, code);
   };
+  std::unique_ptr<PlannerMonitor> planner_monitor;
+  if (!planner_perf_model.empty()) {
+    absl::StatusOr<planner::PerfModel> perf =
+        planner::PerfModel::Load(planner_perf_model);
+    if (!perf.ok()) return Fail(perf.status());
+    PlannerMonitorOptions po;
+    po.model = *std::move(perf);
+    po.slo = {planner_slo_ttft_ms / 1e3, planner_slo_tpot_ms / 1e3};
+    po.resources.cores = planner_cores;
+    po.interval = absl::Seconds(planner_interval_s);
+    absl::StatusOr<std::unique_ptr<PlannerMonitor>> started =
+        PlannerMonitor::Start(
+            std::move(po), [&router_metrics] { return router_metrics.Served(); },
+            *metrics_registry);
+    if (!started.ok()) return Fail(started.status());
+    planner_monitor = *std::move(started);
+  }
   std::unique_ptr<metrics::MetricsServer> metrics_server;
   if (metrics_port >= 0) {
     auto started = metrics::MetricsServer::Start(

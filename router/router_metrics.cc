@@ -136,6 +136,12 @@ void RouterMetrics::OnRetry(const std::string& side) {
 void RouterMetrics::OnTokens(int64_t prompt_tokens, int64_t output_tokens) {
   if (prompt_tokens > 0) prompt_tokens_.Increment(prompt_tokens);
   if (output_tokens > 0) output_tokens_.Increment(output_tokens);
+  served_requests_.fetch_add(1, std::memory_order_relaxed);
+}
+
+ServedTotals RouterMetrics::Served() const {
+  return {served_requests_.load(std::memory_order_relaxed),
+          prompt_tokens_.Value(), output_tokens_.Value()};
 }
 
 }  // namespace pdserve::metrics

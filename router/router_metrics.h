@@ -26,6 +26,7 @@
 //   pdserve_router_output_tokens_total            OnTokens
 #pragma once
 
+#include <atomic>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -38,6 +39,14 @@ namespace pdserve::metrics {
 
 // Where a request spent its time to first token (seconds). `first_step` is
 // from KvComplete accepted to the first token reaching the router.
+// What the router served since it started (successful requests only): the
+// layout planner's view of the workload (router/planner_monitor.h).
+struct ServedTotals {
+  int64_t requests = 0;
+  double prompt_tokens = 0;
+  double output_tokens = 0;
+};
+
 struct TtftBreakdown {
   double queue = 0;        // accepted until a prefill group was picked
   double prefill = 0;      // prefill submitted until its first token
@@ -78,7 +87,9 @@ class RouterMetrics {
   void OnRouting(const std::string& policy, const std::string& side,
                  const std::string& worker);
   void OnRetry(const std::string& side);
+  // Once per successfully finished request.
   void OnTokens(int64_t prompt_tokens, int64_t output_tokens);
+  ServedTotals Served() const;
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -99,6 +110,7 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& retries_;
   prometheus::Counter& prompt_tokens_;
   prometheus::Counter& output_tokens_;
+  std::atomic<int64_t> served_requests_{0};
 
   // Cached label sets (Family::Add hashes and locks on every call).
   absl::Mutex mu_;

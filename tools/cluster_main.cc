@@ -1,7 +1,7 @@
-// pdserve-cluster: the `local` and `client` subcommands of `pdserve` (which
-// execs this binary for them). A separate executable because these link gRPC
-// and libprotobuf, which the single-process `pdserve generate` must not load
-// next to the tokenizer's SentencePiece.
+// pdserve-cluster: the `local`, `client` and `plan` subcommands of `pdserve`
+// (which execs this binary for them). A separate executable because these link
+// gRPC and libprotobuf, which the single-process `pdserve generate` must not
+// load next to the tokenizer's SentencePiece.
 #include <cstdio>
 #include <string>
 
@@ -15,11 +15,14 @@ int main(int argc, char** argv) {
     status = pdserve::tools::RunLocalCluster(argc, argv);
   } else if (command == "client") {
     status = pdserve::tools::RunClient(argc, argv);
+  } else if (command == "plan") {
+    status = pdserve::tools::RunPlan(argc, argv);
   } else {
     // Not meant to be run by hand: point at pdserve's own help.
     const bool help = command == "-h" || command == "--help";
     std::fputs(
-        "usage: pdserve-cluster local|client [flags]  (run by `pdserve local` "
+        "usage: pdserve-cluster local|client|plan [flags]  (run by `pdserve "
+        "local` "
         "and `pdserve client`;\n`pdserve help` lists the commands, `pdserve "
         "local --help` a command's flags)\n",
         help ? stdout : stderr);

@@ -12,4 +12,7 @@ namespace pdserve::tools {
 // pdserve client: one request to a router's gRPC API, streamed to stdout.
 [[nodiscard]] absl::Status RunClient(int argc, char** argv);
 
+// pdserve plan: rank candidate layouts for a workload and an SLO.
+[[nodiscard]] absl::Status RunPlan(int argc, char** argv);
+
 }  // namespace pdserve::tools

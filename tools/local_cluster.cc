@@ -251,6 +251,8 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
                                    absl::StrCat(options_.decode_blocks),
                                    "--max-running",
                                    absl::StrCat(options_.max_running),
+                                   "--max-step-tokens",
+                                   absl::StrCat(options_.max_step_tokens),
                                    "--speculation",
                                    options_.speculation,
                                    "--threads-per-rank",

@@ -58,6 +58,9 @@ struct LocalClusterOptions {
   int draft_layers = 0;             // for draft: target's first L layers
   int64_t decode_blocks = 1024;
   int max_running = 64;
+  // Tokens one decode step may feed (decodes + drafts + prefill chunks of a
+  // colocated worker).
+  int max_step_tokens = 512;
   int decode_threads = 1;  // compute threads per TP rank
 
   // "cuda" runs every prefill stage and decode rank on GPUs: decode worker w

@@ -58,9 +58,21 @@ absl::Status RunLocalCluster(int argc, char** argv) {
                 "Layers per stage, e.g. 3,2; auto balances estimated FLOPs.");
   o.chunk_tokens = flags.Num<int>("chunk-tokens", 256,
                                   "Average prompt tokens per prefill chunk.");
+  o.prefill_threads = flags.Num<int>("prefill-threads", o.prefill_threads,
+                                     "Compute threads of each prefill stage.");
   o.decode_workers =
       flags.Num<int>("decode-workers", 1, "Decode workers to start.");
   o.tp = flags.Num<int>("tp", 2, "Tensor-parallel ranks per decode worker.");
+  o.decode_threads =
+      flags.Num<int>("decode-threads", o.decode_threads,
+                     "Compute threads of each decode worker's TP rank.");
+  o.max_step_tokens = flags.Num<int>(
+      "max-step-tokens", o.max_step_tokens,
+      "Tokens one decode step may feed (decodes, drafts and, colocated, "
+      "prefill chunks).");
+  o.max_running =
+      flags.Num<int>("max-running", o.max_running,
+                     "Requests each decode worker batches at once.");
   o.colocated = flags.Bool(
       "colocated", false,
       "1: no prefill groups; the decode workers prefill prompts themselves.");

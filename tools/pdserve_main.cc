@@ -54,6 +54,8 @@ constexpr char kCommands[] =
     "workers) here\n"
     "  client     send one request to a router's gRPC API and stream the "
     "answer\n"
+    "  plan       predict and rank cluster layouts for a workload and an SLO "
+    "on these cores\n"
     "  help       this list; `pdserve help COMMAND` = `pdserve COMMAND "
     "--help`\n"
     "\n"
@@ -263,7 +265,7 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "generate") {
     status = pdserve::Generate(argc, argv);
-  } else if (command == "local" || command == "client") {
+  } else if (command == "local" || command == "client" || command == "plan") {
     // These live in pdserve-cluster (next to this binary): they need gRPC and
     // its libprotobuf, which this process must not load — the tokenizer's
     // SentencePiece carries an older embedded protobuf (see

@@ -20,7 +20,7 @@ std::string Layout::LocalFlags() const {
       "--decode-workers ", decode_workers, " --tp ", tp, " --decode-threads ",
       decode_threads, " --max-step-tokens ", max_step_tokens, " --max-running ",
       max_running, " --speculation ", gamma > 0 ? "ngram" : "off");
-  if (colocated) return absl::StrCat("--colocated ", flags);
+  if (colocated) return absl::StrCat("--colocated 1 ", flags);
   return absl::StrCat("--prefill-groups ", prefill_groups, " --stages ", stages,
                       " --prefill-threads ", prefill_threads,
                       " --chunk-tokens ", chunk_tokens, " ", flags);

@@ -416,6 +416,7 @@ class Simulation {
     p.itl_p99 = Percentile(itl, 0.99);
     p.duration = end;
     p.goodput = end > 0 ? good / end : 0;
+    p.slo_attainment = static_cast<double>(good) / reqs_.size();
     p.tokens_per_s = end > 0 ? tokens / end : 0;
     if (end > 0) {
       double busy = 0;

@@ -51,9 +51,10 @@ struct Prediction {
   double ttft_mean = 0, ttft_p50 = 0, ttft_p99 = 0;
   double tpot_p50 = 0, tpot_p99 = 0;
   double itl_p50 = 0, itl_p99 = 0;
-  double goodput = 0;       // requests/s meeting both SLOs
-  double tokens_per_s = 0;  // output tokens / duration
-  double duration = 0;      // start to the last request's end
+  double goodput = 0;         // requests/s meeting both SLOs
+  double slo_attainment = 0;  // share of the requests meeting both SLOs
+  double tokens_per_s = 0;    // output tokens / duration
+  double duration = 0;        // start to the last request's end
   // Busy share of the decode workers' and prefill stages' time.
   double decode_utilisation = 0;
   double prefill_utilisation = 0;

@@ -1,0 +1,254 @@
+// The layout planner against measurement. Profiles this machine (or loads a
+// saved profile), then for short and long prompts × a tight-TTFT and a
+// tight-TPOT SLO asks the planner for its ranking, and measures the top 3 of
+// each and today's `pdserve local` default with the same open-loop arrivals
+// (load_bench's generator) on real clusters. Each distinct layout runs once
+// per prompt range; its goodput under each SLO comes from the same requests.
+//
+// Printed per workload: predicted vs measured TTFT p99, TPOT p99 and goodput
+// for every measured layout with the relative errors (target: within 20%),
+// and whether the planner's first choice is the measured best (or within 10%
+// of its goodput).
+//
+//   build/bench/planner_bench [--model M --format F] [--perf-model FILE]
+//                             [--requests 60] [--rate 1.5]
+//   (`planner_bench --help` lists every flag)
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/command_line_flags.h"
+#include "model/weight_source.h"
+#include "planner/planner.h"
+#include "tools/load_generator.h"
+#include "tools/local_cluster.h"
+#include "tools/planner_profile.h"
+
+namespace pdserve::bench {
+namespace {
+
+struct Workload {
+  std::string name;
+  planner::LengthRange prompt;
+  planner::Slo slo;
+};
+
+double RelativeError(double predicted, double measured) {
+  if (measured == 0) return predicted == 0 ? 0 : INFINITY;
+  return (predicted - measured) / measured;
+}
+
+int Main(int argc, char** argv) {
+  CommandLineFlags flags;
+  if (auto s = flags.Parse(argc, argv); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+  tools::PlannerProfileOptions profile;
+  flags.Group("Model");
+  profile.model_path =
+      flags.Str("model", PDSERVE_MODELS_DIR "/bench-configs/llama-110m.json",
+                "Model every cluster loads.");
+  profile.format = flags.Str("format", "dummy",
+                             "Model format: auto|gguf|safetensors|dummy.");
+  const std::string perf_path =
+      flags.Str("perf-model", "",
+                "A saved profile to plan with instead of profiling now.",
+                "(profile now)");
+  profile.bin_dir = PDSERVE_BINARY_DIR;
+  flags.Group("Load");
+  const int requests =
+      flags.Num<int>("requests", 60, "Requests per measured run.");
+  const double rate =
+      flags.Num<double>("rate", 1.5, "Poisson arrival rate, requests/s.");
+  const uint64_t seed = flags.Num<uint64_t>("seed", 1, "Arrivals' seed.");
+  const int top = flags.Num<int>("top", 3, "Predicted best layouts measured.");
+  profile.cores = flags.Num<int>("cores", 2, "Cores the layouts may use.");
+  if (flags.help_requested()) {
+    std::fputs(flags
+                   .Usage("planner_bench [flags]\nThe layout planner's "
+                          "predictions against measured load "
+                          "(bench/planner_bench.cc).\n")
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  if (auto s = flags.Check(); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+  auto weights = model::OpenModel(profile.model_path,
+                                  *model::ParseLoadFormat(profile.format));
+  if (!weights.ok()) {
+    std::fprintf(stderr, "%s\n", weights.status().ToString().c_str());
+    return 1;
+  }
+  const int vocab = (*weights)->config().vocab_size;
+  weights->reset();
+
+  planner::PerfModel model;
+  if (perf_path.empty()) {
+    profile.progress = [](const std::string& line) {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    };
+    auto m = tools::ProfileForPlanner(profile);
+    if (!m.ok()) {
+      std::fprintf(stderr, "profile: %s\n", m.status().ToString().c_str());
+      return 1;
+    }
+    model = *std::move(m);
+  } else {
+    auto m = planner::PerfModel::Load(perf_path);
+    if (!m.ok()) {
+      std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
+      return 1;
+    }
+    model = *std::move(m);
+  }
+
+  // Today's `pdserve local` default: 2 stages, TP 2, n-gram (4 compute
+  // threads on these cores; n-gram finds nothing to draft in random prompts,
+  // so it is predicted without speculation).
+  planner::Layout default_layout;
+  default_layout.stages = 2;
+  default_layout.tp = 2;
+  const std::vector<Workload> workloads = {
+      {"short, tight TTFT", {16, 64}, {0.2, 0.06}},
+      {"short, tight TPOT", {16, 64}, {2.0, 0.02}},
+      {"long, tight TTFT", {256, 400}, {1.0, 0.06}},
+      {"long, tight TPOT", {256, 400}, {3.0, 0.03}},
+  };
+  const planner::LengthRange output{16, 64};
+  struct Row {
+    planner::Layout layout;
+    planner::Prediction predicted;  // under this workload's SLO
+    int rank = 0;                   // 0 = today's default only
+  };
+  std::map<std::string, std::vector<Row>> rows_by_workload;
+  std::map<std::string, tools::LoadReport> measured;  // prompts|layout
+  for (const Workload& w : workloads) {
+    planner::PlanRequest request;
+    request.workload = {requests, rate, w.prompt, output, seed};
+    request.slo = w.slo;
+    request.resources.cores = profile.cores;
+    auto ranked = planner::Plan(model, request);
+    if (!ranked.ok()) {
+      std::fprintf(stderr, "%s\n", ranked.status().ToString().c_str());
+      return 1;
+    }
+    std::printf(
+        "\n== %s: prompts %d..%d, SLO TTFT p99 ≤ %.0f ms, TPOT ≤ %.0f "
+        "ms — planner's ranking ==\n%s",
+        w.name.c_str(), w.prompt.lo, w.prompt.hi, w.slo.ttft_seconds * 1e3,
+        w.slo.tpot_seconds * 1e3, planner::FormatPlan(*ranked, 6).c_str());
+    std::vector<Row>& rows = rows_by_workload[w.name];
+    for (int i = 0; i < top && i < static_cast<int>(ranked->size()); ++i) {
+      rows.push_back({(*ranked)[i].layout, (*ranked)[i].prediction, i + 1});
+    }
+    bool has_default = false;
+    for (const Row& r : rows) {
+      has_default |= r.layout.Name() == default_layout.Name();
+    }
+    if (!has_default) {
+      auto p = planner::Simulate(model, default_layout,
+                                 planner::SimRequests(request.workload), w.slo,
+                                 {.cores = profile.cores});
+      if (!p.ok()) {
+        std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
+        return 1;
+      }
+      rows.push_back({default_layout, *p, 0});
+    }
+  }
+
+  // Measure each distinct (prompts, layout) once.
+  std::printf(
+      "\n== measured (load_bench's open loop, %d requests at %.2f/s) "
+      "==\n",
+      requests, rate);
+  tools::PrintLoadHeader();
+  for (const Workload& w : workloads) {
+    const std::vector<planner::Arrival> arrivals =
+        planner::MakeArrivals({requests, rate, w.prompt, output, seed}, vocab);
+    for (const Row& row : rows_by_workload[w.name]) {
+      const std::string key =
+          absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
+      if (measured.count(key)) continue;
+      tools::LocalClusterOptions o;
+      o.model_path = profile.model_path;
+      o.format = profile.format;
+      o.bin_dir = PDSERVE_BINARY_DIR;
+      o.refresh_ms = 100;
+      o.decode_blocks = 2048;
+      o.prefill_blocks = 1024;
+      tools::ApplyLayout(row.layout, &o);
+      if (row.rank == 0) o.speculation = "ngram";  // the default as shipped
+      auto cluster = tools::LocalCluster::Start(o);
+      if (!cluster.ok()) {
+        std::fprintf(stderr, "cluster %s: %s\n", row.layout.Name().c_str(),
+                     cluster.status().ToString().c_str());
+        return 1;
+      }
+      tools::LoadReport report =
+          tools::RunLoad(key, (*cluster)->grpc_address(), arrivals,
+                         w.slo.ttft_seconds, w.slo.tpot_seconds);
+      tools::PrintLoad(report);
+      measured[key] = std::move(report);
+    }
+  }
+
+  std::printf(
+      "\n== predicted vs measured (error = (predicted − measured) / "
+      "measured; target |error| ≤ 20%%) ==\n");
+  double worst = 0;
+  int first_choice_ok = 0;
+  for (const Workload& w : workloads) {
+    std::printf(
+        "\n%s (SLO TTFT ≤ %.0f ms, TPOT ≤ %.0f ms)\n"
+        "| rank | layout | TTFT p99 pred / meas | err | TPOT p99 pred / meas "
+        "| err | goodput pred / meas | err |\n"
+        "|---|---|---|---|---|---|---|---|\n",
+        w.name.c_str(), w.slo.ttft_seconds * 1e3, w.slo.tpot_seconds * 1e3);
+    double best_measured = 0, first_measured = 0;
+    for (const Row& row : rows_by_workload[w.name]) {
+      const tools::LoadReport& m = measured[absl::StrCat(
+          w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name())];
+      const double goodput =
+          m.GoodputFor(w.slo.ttft_seconds, w.slo.tpot_seconds);
+      const double e_ttft = RelativeError(row.predicted.ttft_p99, m.ttft_p99);
+      const double e_tpot = RelativeError(row.predicted.tpot_p99, m.tpot_p99);
+      const double e_good = RelativeError(row.predicted.goodput, goodput);
+      worst = std::max(
+          {worst, std::abs(e_ttft), std::abs(e_tpot), std::abs(e_good)});
+      best_measured = std::max(best_measured, goodput);
+      if (row.rank == 1) first_measured = goodput;
+      std::printf(
+          "| %s | %s | %.0f / %.0f ms | %+.0f%% | %.1f / %.1f ms | %+.0f%% | "
+          "%.2f / %.2f /s | %+.0f%% |\n",
+          row.rank ? absl::StrCat(row.rank).c_str() : "default",
+          row.layout.Name().c_str(), row.predicted.ttft_p99 * 1e3,
+          m.ttft_p99 * 1e3, e_ttft * 100, row.predicted.tpot_p99 * 1e3,
+          m.tpot_p99 * 1e3, e_tpot * 100, row.predicted.goodput, goodput,
+          e_good * 100);
+    }
+    const bool ok = first_measured >= 0.9 * best_measured;
+    first_choice_ok += ok;
+    std::printf("first choice measured %.2f/s, best measured %.2f/s: %s\n",
+                first_measured, best_measured,
+                ok ? "within 10%" : "NOT within 10%");
+  }
+  std::printf(
+      "\nworst |error| %.0f%%; first choice within 10%% of the "
+      "measured best on %d/%zu workloads\n",
+      worst * 100, first_choice_ok, workloads.size());
+  return 0;
+}
+
+}  // namespace
+}  // namespace pdserve::bench
+
+int main(int argc, char** argv) { return pdserve::bench::Main(argc, argv); }

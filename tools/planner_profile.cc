@@ -1,0 +1,284 @@
+#include "tools/planner_profile.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "decode/decode_worker.h"
+#include "model/weight_source.h"
+#include "planner/simulator.h"
+#include "tools/load_generator.h"
+#include "tools/local_cluster.h"
+
+namespace pdserve::tools {
+namespace {
+
+void Say(const PlannerProfileOptions& o, const std::string& line) {
+  if (o.progress) o.progress(line);
+}
+
+std::vector<int32_t> RandomPrompt(int length, int vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int32_t> token(3, vocab - 1);
+  std::vector<int32_t> prompt = {1};
+  while (static_cast<int>(prompt.size()) < length) prompt.push_back(token(rng));
+  return prompt;
+}
+
+// Runs `prompts` (each to `new_tokens` tokens) through `worker` at once and
+// waits for all of them.
+absl::Status RunBatch(decode::DecodeWorker& worker, uint64_t* next_id,
+                      const std::vector<std::vector<int32_t>>& prompts,
+                      int new_tokens) {
+  absl::Mutex mu;
+  size_t finished = 0;
+  absl::Status failure;
+  decode::RequestParams params;
+  params.max_new_tokens = new_tokens;
+  params.ignore_eos = true;
+  for (const auto& prompt : prompts) {
+    auto callback = [&](const decode::TokenDelta& d) {
+      if (!d.finished) return;
+      absl::MutexLock lock(&mu);
+      ++finished;
+      if (!d.status.ok()) failure = d.status;
+    };
+    if (auto s = worker.Submit((*next_id)++, prompt, params, callback);
+        !s.ok()) {
+      return s;
+    }
+  }
+  absl::MutexLock lock(&mu);
+  auto done = [&] { return finished == prompts.size(); };
+  if (!mu.AwaitWithTimeout(absl::Condition(&done), absl::Minutes(10))) {
+    return absl::DeadlineExceededError("profiling batch did not finish");
+  }
+  return failure;
+}
+
+absl::StatusOr<planner::StepCost> ProfileConfig(
+    const PlannerProfileOptions& o, const model::WeightSource& weights,
+    planner::ComputeConfig config) {
+  const model::ModelConfig& mc = weights.config();
+  std::vector<planner::StepSample> samples;
+  absl::Mutex mu;
+  bool recording = false;
+  decode::DecodeWorkerOptions wo;
+  wo.tp_size = config.tp;
+  wo.threads_per_rank = config.threads_per_rank;
+  wo.max_running = 64;
+  wo.max_step_tokens = std::max(512, o.max_prompt);
+  const int max_context = std::min(mc.max_position_embeddings, o.max_prompt);
+  wo.num_blocks = 40 * (max_context / wo.block_size + 2);
+  wo.step_observer = [&](const decode::StepStats& s) {
+    absl::MutexLock lock(&mu);
+    if (!recording) return;
+    samples.push_back(
+        {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
+  };
+  auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
+  if (!worker.ok()) return worker.status();
+  std::mt19937_64 rng(11);
+  uint64_t next_id = 1;
+  // Warm-up: first touches of weights and KV pages are not what a serving
+  // worker sees.
+  if (auto s = RunBatch(**worker, &next_id,
+                        {RandomPrompt(64, mc.vocab_size, rng)}, 8);
+      !s.ok()) {
+    return s;
+  }
+  {
+    absl::MutexLock lock(&mu);
+    recording = true;
+  }
+  const int long_context = std::max(32, max_context * 3 / 4);
+  // Decode batches at a short and a long context.
+  for (int context : {16, long_context}) {
+    for (int batch : {1, 2, 4, 8, 16, 32}) {
+      if (context == long_context && batch > 8) break;
+      std::vector<std::vector<int32_t>> prompts;
+      for (int i = 0; i < batch; ++i) {
+        prompts.push_back(RandomPrompt(context, mc.vocab_size, rng));
+      }
+      if (auto s = RunBatch(**worker, &next_id, prompts, 10); !s.ok()) return s;
+    }
+  }
+  // Prompts prefilled alone (one step each), twice.
+  for (int rep = 0; rep < 2; ++rep) {
+    for (int length = 16; length <= max_context; length *= 2) {
+      if (auto s = RunBatch(**worker, &next_id,
+                            {RandomPrompt(length, mc.vocab_size, rng)}, 1);
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  absl::MutexLock lock(&mu);
+  auto cost = planner::StepCost::Fit(samples);
+  if (!cost.ok()) return cost.status();
+  const auto error = cost->Error(samples);
+  Say(o,
+      absl::StrFormat(
+          "  tp %d × %d threads: %zu steps, fit error median %.1f%%, max "
+          "%.1f%%; decode b1 %.1f ms, prefill 256 %.0f ms",
+          config.tp, config.threads_per_rank, samples.size(),
+          error.median * 100, error.max * 100, cost->Seconds({1, 1, 64}) * 1e3,
+          cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3));
+  return *std::move(cost);
+}
+
+struct Calibration {
+  planner::LinearCost ttft;
+  double stream = 0;
+  double handoff = 0;
+};
+
+// Least squares line through (x, y).
+planner::LinearCost FitLine(const std::vector<double>& x,
+                            const std::vector<double>& y) {
+  double mx = 0, my = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    mx += x[i] / x.size();
+    my += y[i] / y.size();
+  }
+  double sxy = 0, sxx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    sxy += (x[i] - mx) * (y[i] - my);
+    sxx += (x[i] - mx) * (x[i] - mx);
+  }
+  const double slope = sxx > 0 ? sxy / sxx : 0;
+  return {my - slope * mx, slope};
+}
+
+// Idle-cluster requests on `layout`: measured minus simulated.
+absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
+                                      const planner::PerfModel& model,
+                                      const planner::Layout& layout, int vocab,
+                                      double stream_hint) {
+  LocalClusterOptions lo;
+  lo.model_path = o.model_path;
+  lo.format = o.format;
+  lo.bin_dir = o.bin_dir;
+  lo.refresh_ms = 100;
+  ApplyLayout(layout, &lo);
+  auto cluster = LocalCluster::Start(lo);
+  if (!cluster.ok()) return cluster.status();
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(
+      (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
+  planner::PerfModel bare = model;  // steps only: what the overheads add to
+  bare.colocated_ttft = bare.disaggregated_ttft = {};
+  bare.stream_seconds = bare.handoff_seconds = 0;
+  std::mt19937_64 rng(5);
+  constexpr int kTokens = 8;
+  std::vector<double> prompts, ttft_extra, stream, first_gap_extra;
+  RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
+  const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
+  for (int rep = 0; rep < 3; ++rep) {
+    for (int length : {16, 128, long_prompt}) {
+      const std::vector<int32_t> prompt = RandomPrompt(length, vocab, rng);
+      const RequestResult r = RunRequest(*stub, prompt, kTokens);
+      if (!r.ok || r.tokens != kTokens) {
+        return absl::InternalError(absl::StrCat(
+            "calibration request on ", layout.Name(), " failed: ", r.error));
+      }
+      auto one = planner::Simulate(bare, layout, {{0, length, 1}}, {});
+      auto two = planner::Simulate(bare, layout, {{0, length, 2}}, {});
+      auto all = planner::Simulate(bare, layout, {{0, length, kTokens}}, {});
+      if (!one.ok()) return one.status();
+      const double extra = r.ttft - one->ttft_p50;
+      prompts.push_back(length);
+      ttft_extra.push_back(extra);
+      // measured (last − first) = simulated + stream − TTFT extra.
+      stream.push_back((r.tpot - all->tpot_p50) * (kTokens - 1) + extra);
+      first_gap_extra.push_back(r.first_gap - two->tpot_p50 + extra);
+    }
+  }
+  Calibration c;
+  c.ttft = FitLine(prompts, ttft_extra);
+  c.stream = planner::Percentile(stream, 0.5);
+  // measured first gap = simulated + handoff + stream − TTFT extra.
+  const double s = stream_hint >= 0 ? stream_hint : c.stream;
+  c.handoff = std::max(0.0, planner::Percentile(first_gap_extra, 0.5) - s);
+  return c;
+}
+
+}  // namespace
+
+void ApplyLayout(const planner::Layout& layout, LocalClusterOptions* o) {
+  o->colocated = layout.colocated;
+  o->prefill_groups = layout.prefill_groups;
+  o->stages = layout.stages;
+  o->prefill_threads = layout.prefill_threads;
+  o->chunk_tokens = layout.chunk_tokens;
+  o->decode_workers = layout.decode_workers;
+  o->tp = layout.tp;
+  o->decode_threads = layout.decode_threads;
+  o->max_step_tokens = layout.max_step_tokens;
+  o->max_running = layout.max_running;
+  o->speculation = layout.gamma > 0 ? "ngram" : "off";
+}
+
+absl::StatusOr<planner::PerfModel> ProfileForPlanner(
+    const PlannerProfileOptions& options) {
+  auto format = model::ParseLoadFormat(options.format);
+  if (!format.ok()) return format.status();
+  auto weights = model::OpenModel(options.model_path, *format);
+  if (!weights.ok()) return weights.status();
+  const model::ModelConfig& mc = (*weights)->config();
+  planner::PerfModel model;
+  model.model = options.model_path;
+  model.num_layers = mc.num_layers;
+  model.cores = options.cores;
+  Say(options,
+      absl::StrCat("profiling steps on ", options.model_path, " (",
+                   mc.num_layers, " layers), ", options.cores, " cores"));
+  for (int tp = 1; tp <= options.cores; tp *= 2) {
+    if (mc.num_heads % tp != 0) continue;
+    for (int threads = 1; tp * threads <= options.cores; ++threads) {
+      auto cost = ProfileConfig(options, **weights, {tp, threads});
+      if (!cost.ok()) {
+        return absl::Status(
+            cost.status().code(),
+            absl::StrCat("profiling tp ", tp, " × ", threads,
+                         " threads: ", cost.status().message()));
+      }
+      model.steps[{tp, threads}] = *std::move(cost);
+    }
+  }
+  // Colocated: one worker on every core; disaggregated: one prefill stage
+  // and one decode worker of one thread each (the smallest such layout).
+  planner::Layout colocated;
+  colocated.colocated = true;
+  colocated.decode_threads = options.cores;
+  Say(options, "calibrating request costs on " + colocated.Name());
+  auto c = Calibrate(options, model, colocated, mc.vocab_size, -1);
+  if (!c.ok()) return c.status();
+  model.colocated_ttft = c->ttft;
+  model.stream_seconds = c->stream;
+  if (options.cores >= 2) {
+    planner::Layout disaggregated;
+    Say(options, "calibrating request costs on " + disaggregated.Name());
+    auto d = Calibrate(options, model, disaggregated, mc.vocab_size, c->stream);
+    if (!d.ok()) return d.status();
+    model.disaggregated_ttft = d->ttft;
+    model.handoff_seconds = d->handoff;
+  } else {
+    model.disaggregated_ttft = model.colocated_ttft;
+  }
+  Say(options,
+      absl::StrFormat("  TTFT extra: colocated %.1f ms + %.3f ms/token, "
+                      "disaggregated %.1f ms + %.3f ms/token; stream %.2f "
+                      "ms; hand-off %.2f ms",
+                      model.colocated_ttft.base * 1e3,
+                      model.colocated_ttft.per_prompt_token * 1e3,
+                      model.disaggregated_ttft.base * 1e3,
+                      model.disaggregated_ttft.per_prompt_token * 1e3,
+                      model.stream_seconds * 1e3, model.handoff_seconds * 1e3));
+  return model;
+}
+
+}  // namespace pdserve::tools
