@@ -133,7 +133,7 @@ absl::StatusOr<planner::StepCost> ProfileConfig(
 
 struct Calibration {
   planner::LinearCost ttft;
-  double stream = 0;
+  double step_overhead = 0;
   double handoff = 0;
 };
 
@@ -154,11 +154,13 @@ planner::LinearCost FitLine(const std::vector<double>& x,
   return {my - slope * mx, slope};
 }
 
-// Idle-cluster requests on `layout`: measured minus simulated.
+// Idle-cluster requests on `layout`: measured minus simulated. With
+// `step_overhead` < 0 the decode step overhead is measured here (the
+// colocated calibration); else it is taken as given.
 absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
                                       const planner::PerfModel& model,
                                       const planner::Layout& layout, int vocab,
-                                      double stream_hint) {
+                                      double step_overhead) {
   LocalClusterOptions lo;
   lo.model_path = o.model_path;
   lo.format = o.format;
@@ -169,40 +171,55 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
-  planner::PerfModel bare = model;  // steps only: what the overheads add to
-  bare.colocated_ttft = bare.disaggregated_ttft = {};
-  bare.stream_seconds = bare.handoff_seconds = 0;
   std::mt19937_64 rng(5);
   constexpr int kTokens = 8;
-  std::vector<double> prompts, ttft_extra, stream, first_gap_extra;
+  struct Measured {
+    int prompt;
+    RequestResult result;
+  };
+  std::vector<Measured> measured;
   RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
   const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
   for (int rep = 0; rep < 3; ++rep) {
     for (int length : {16, 128, long_prompt}) {
-      const std::vector<int32_t> prompt = RandomPrompt(length, vocab, rng);
-      const RequestResult r = RunRequest(*stub, prompt, kTokens);
+      RequestResult r =
+          RunRequest(*stub, RandomPrompt(length, vocab, rng), kTokens);
       if (!r.ok || r.tokens != kTokens) {
         return absl::InternalError(absl::StrCat(
             "calibration request on ", layout.Name(), " failed: ", r.error));
       }
-      auto one = planner::Simulate(bare, layout, {{0, length, 1}}, {});
-      auto two = planner::Simulate(bare, layout, {{0, length, 2}}, {});
-      auto all = planner::Simulate(bare, layout, {{0, length, kTokens}}, {});
-      if (!one.ok()) return one.status();
-      const double extra = r.ttft - one->ttft_p50;
-      prompts.push_back(length);
-      ttft_extra.push_back(extra);
-      // measured (last − first) = simulated + stream − TTFT extra.
-      stream.push_back((r.tpot - all->tpot_p50) * (kTokens - 1) + extra);
-      first_gap_extra.push_back(r.first_gap - two->tpot_p50 + extra);
+      measured.push_back({length, std::move(r)});
     }
   }
+  // What the steps alone predict (no per-request costs yet).
+  planner::PerfModel bare = model;
+  bare.colocated_ttft = bare.disaggregated_ttft = {};
+  bare.decode_step_overhead_seconds = bare.handoff_seconds = 0;
   Calibration c;
+  if (step_overhead < 0) {
+    std::vector<double> extra;
+    for (const Measured& m : measured) {
+      auto all = planner::Simulate(bare, layout, {{0, m.prompt, kTokens}}, {});
+      if (!all.ok()) return all.status();
+      extra.push_back(m.result.tpot - all->tpot_p50);
+    }
+    step_overhead = planner::Percentile(extra, 0.5);
+  }
+  c.step_overhead = step_overhead;
+  bare.decode_step_overhead_seconds = step_overhead;
+  std::vector<double> prompts, ttft_extra, gap_extra;
+  for (const Measured& m : measured) {
+    auto one = planner::Simulate(bare, layout, {{0, m.prompt, 1}}, {});
+    auto two = planner::Simulate(bare, layout, {{0, m.prompt, 2}}, {});
+    if (!one.ok() || !two.ok()) return one.ok() ? two.status() : one.status();
+    prompts.push_back(m.prompt);
+    ttft_extra.push_back(m.result.ttft - one->ttft_p50);
+    // Every token carries the same delivery offset, so the first gap is
+    // the simulated one plus the hand-off.
+    gap_extra.push_back(m.result.first_gap - two->tpot_p50);
+  }
   c.ttft = FitLine(prompts, ttft_extra);
-  c.stream = planner::Percentile(stream, 0.5);
-  // measured first gap = simulated + handoff + stream − TTFT extra.
-  const double s = stream_hint >= 0 ? stream_hint : c.stream;
-  c.handoff = std::max(0.0, planner::Percentile(first_gap_extra, 0.5) - s);
+  c.handoff = std::max(0.0, planner::Percentile(gap_extra, 0.5));
   return c;
 }
 
@@ -258,11 +275,12 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   auto c = Calibrate(options, model, colocated, mc.vocab_size, -1);
   if (!c.ok()) return c.status();
   model.colocated_ttft = c->ttft;
-  model.stream_seconds = c->stream;
+  model.decode_step_overhead_seconds = c->step_overhead;
   if (options.cores >= 2) {
     planner::Layout disaggregated;
     Say(options, "calibrating request costs on " + disaggregated.Name());
-    auto d = Calibrate(options, model, disaggregated, mc.vocab_size, c->stream);
+    auto d = Calibrate(options, model, disaggregated, mc.vocab_size,
+                       c->step_overhead);
     if (!d.ok()) return d.status();
     model.disaggregated_ttft = d->ttft;
     model.handoff_seconds = d->handoff;
@@ -270,14 +288,15 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     model.disaggregated_ttft = model.colocated_ttft;
   }
   Say(options,
-      absl::StrFormat("  TTFT extra: colocated %.1f ms + %.3f ms/token, "
-                      "disaggregated %.1f ms + %.3f ms/token; stream %.2f "
-                      "ms; hand-off %.2f ms",
+      absl::StrFormat("  TTFT extra: colocated %.1f ms %+.3f ms/token, "
+                      "disaggregated %.1f ms %+.3f ms/token; decode step "
+                      "overhead %.2f ms; hand-off %.2f ms",
                       model.colocated_ttft.base * 1e3,
                       model.colocated_ttft.per_prompt_token * 1e3,
                       model.disaggregated_ttft.base * 1e3,
                       model.disaggregated_ttft.per_prompt_token * 1e3,
-                      model.stream_seconds * 1e3, model.handoff_seconds * 1e3));
+                      model.decode_step_overhead_seconds * 1e3,
+                      model.handoff_seconds * 1e3));
   return model;
 }
 

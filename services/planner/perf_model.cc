@@ -40,7 +40,7 @@ nlohmann::json PerfModel::ToJson() const {
           {"colocated_ttft", linear(colocated_ttft)},
           {"disaggregated_ttft", linear(disaggregated_ttft)},
           {"handoff_seconds", handoff_seconds},
-          {"stream_seconds", stream_seconds}};
+          {"decode_step_overhead_seconds", decode_step_overhead_seconds}};
 }
 
 absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
@@ -68,7 +68,8 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
     m.colocated_ttft = linear(json.at("colocated_ttft"));
     m.disaggregated_ttft = linear(json.at("disaggregated_ttft"));
     m.handoff_seconds = json.at("handoff_seconds").get<double>();
-    m.stream_seconds = json.at("stream_seconds").get<double>();
+    m.decode_step_overhead_seconds =
+        json.at("decode_step_overhead_seconds").get<double>();
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("perf model: ", e.what()));
   }

@@ -42,16 +42,19 @@ struct PerfModel {
   // compute threads of a layout that has more (processor sharing).
   int cores = 1;
   std::map<ComputeConfig, StepCost> steps;
-  // Added to the simulated time to first token, per kind of layout:
-  // measured on an idle cluster minus simulated for the same request.
+  // Added to the delivery of every token of a request (the client sees the
+  // stream this much later than the simulated steps emit it: router, gRPC,
+  // the request's set-up), per kind of layout: an idle cluster's measured
+  // TTFT minus the simulated one. It moves TTFT, not TPOT.
   LinearCost colocated_ttft;
   LinearCost disaggregated_ttft;
+  // Added to every decode worker step: a worker process streams each step's
+  // tokens and runs its scheduler between steps, which the in-process
+  // profile of the engine steps does not (idle TPOT measured − simulated).
+  double decode_step_overhead_seconds = 0;
   // Disaggregated: from the first token (sampled by the last prefill stage)
-  // to the decode worker's first step with the request.
+  // to the decode worker having the request (KV complete, admitted).
   double handoff_seconds = 0;
-  // Added to every emitted token's delivery (streaming through the router);
-  // it shifts all tokens alike, so it moves TTFT but not TPOT.
-  double stream_seconds = 0;
 
   // The step cost of `config`, or NOT_FOUND naming what was profiled.
   absl::StatusOr<const StepCost*> Step(ComputeConfig config) const;

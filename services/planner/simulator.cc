@@ -230,11 +230,10 @@ class Simulation {
     IssueMicrobatches(*group, t);
   }
 
-  void Deliver(Req& r, int tokens, double t, bool first) {
-    const double delay = first ? (layout_.colocated ? model_.colocated_ttft
-                                                    : model_.disaggregated_ttft)
-                                     .At(r.prompt)
-                               : model_.stream_seconds;
+  void Deliver(Req& r, int tokens, double t) {
+    const double delay =
+        (layout_.colocated ? model_.colocated_ttft : model_.disaggregated_ttft)
+            .At(r.prompt);
     r.deliveries.push_back(t + delay);
     r.item_tokens.push_back(tokens);
     r.emitted += tokens;
@@ -301,7 +300,7 @@ class Simulation {
 
   void PrefillDone(Req& r, double t) {
     r.kv = r.prompt;
-    Deliver(r, 1, t, /*first=*/true);  // the last stage sampled token 0
+    Deliver(r, 1, t);  // the last stage sampled token 0
     if (r.emitted >= r.output) {
       Finish(r, t);
       return;
@@ -355,7 +354,8 @@ class Simulation {
     }
     w.busy = true;
     const double start = t;
-    loop_.StartJob(w.cost->Seconds(shape), layout_.tp * layout_.decode_threads,
+    loop_.StartJob(w.cost->Seconds(shape) + model_.decode_step_overhead_seconds,
+                   layout_.tp * layout_.decode_threads,
                    [this, &w, plan = std::move(plan), start](double now) {
                      w.busy = false;
                      w.busy_seconds += now - start;
@@ -372,8 +372,7 @@ class Simulation {
       if (!p.logits) continue;
       int accepted = 0;
       while (accepted < p.drafts && accept(rng_)) ++accepted;
-      const bool first = r.emitted == 0;
-      Deliver(r, std::min(1 + accepted, r.output - r.emitted), t, first);
+      Deliver(r, std::min(1 + accepted, r.output - r.emitted), t);
       r.kv = r.history() - 1;  // the newest token is fed next step
       if (r.emitted >= r.output) {
         w.running.erase(std::find(w.running.begin(), w.running.end(), &r));

@@ -25,14 +25,14 @@ TEST(PlannerBadInputTest, MalformedPerfModelJson) {
         "{\"model\":\"m\",\"num_layers\":0,\"block_size\":16,\"cores\":2,"
         "\"configs\":[],\"colocated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
         "\"disaggregated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
-        "\"handoff_seconds\":0,\"stream_seconds\":0}",
+        "\"handoff_seconds\":0,\"decode_step_overhead_seconds\":0}",
         "{\"model\":\"m\",\"num_layers\":2,\"block_size\":16,\"cores\":2,"
         "\"configs\":[{\"tp\":1,\"threads_per_rank\":1,\"step\":{\"knots\":[2,"
         "1],\"knot_seconds\":[0.1,0.2],\"seconds_per_logit_row\":0,"
         "\"seconds_per_attended_position\":0}}],"
         "\"colocated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
         "\"disaggregated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
-        "\"handoff_seconds\":0,\"stream_seconds\":0}"}) {
+        "\"handoff_seconds\":0,\"decode_step_overhead_seconds\":0}"}) {
     auto m = PerfModel::FromJson(nlohmann::json::parse(text));
     EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << text;
   }

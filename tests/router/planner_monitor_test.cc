@@ -29,7 +29,7 @@ planner::PerfModel HandWrittenModel() {
       {"colocated_ttft", {{"base", 0.01}, {"per_prompt_token", 0}}},
       {"disaggregated_ttft", {{"base", 0.015}, {"per_prompt_token", 0}}},
       {"handoff_seconds", 0.005},
-      {"stream_seconds", 0.001}};
+      {"decode_step_overhead_seconds", 0.001}};
   auto model = planner::PerfModel::FromJson(json);
   EXPECT_TRUE(model.ok()) << model.status();
   return *model;

@@ -156,6 +156,14 @@ std::vector<Binary> Binaries() {
                 {"--stop", "(none)"},
                 {"--tls-ca", "(none)"},
                 {"--logprobs", "-1"}}});
+  b.push_back({"pdserve plan",
+               std::string(HELP_PDSERVE) + " plan",
+               {"Model and profile", "Workload", "SLO and resources"},
+               {{"--perf-model", "(none)"},
+                {"--profile", "1"},
+                {"--rate", "1.5"},
+                {"--slo-tpot-ms", "60"},
+                {"--cores", "2"}}});
   b.push_back({"pdserve generate",
                std::string(HELP_PDSERVE) + " generate",
                {"Model", "KV cache", "Request", "Sampling"},
@@ -183,6 +191,15 @@ std::vector<Binary> Binaries() {
                 {"--slo-ttft-ms", "200"},
                 {"--short-prompt", "16:64"},
                 {"--only", ""}}});
+#endif
+#ifdef HELP_PLANNER_BENCH
+  b.push_back({"planner_bench",
+               HELP_PLANNER_BENCH,
+               {"Model", "Load"},
+               {{"--requests", "60"},
+                {"--rate", "1.5"},
+                {"--perf-model", "(profile now)"},
+                {"--top", "3"}}});
 #endif
 #ifdef HELP_PREFILL_BENCH
   b.push_back({"prefill_bench",
@@ -262,7 +279,8 @@ TEST(HelpTest, PdserveListsItsCommands) {
     const CommandResult r = RunCommand(pdserve + help);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     EXPECT_EQ(r.err, "");
-    for (const char* command : {"generate", "local", "client", "help"}) {
+    for (const char* command :
+         {"generate", "local", "client", "plan", "help"}) {
       EXPECT_NE(r.out.find("\n  " + std::string(command) + " "),
                 std::string::npos)
           << command << "\n"
@@ -285,7 +303,7 @@ TEST(HelpTest, PdserveListsItsCommands) {
   EXPECT_NE(unknown.err.find("unknown command 'frobnicate'"), std::string::npos)
       << unknown.err;
   // `pdserve help COMMAND` is `pdserve COMMAND --help`.
-  for (const char* command : {"generate", "local", "client"}) {
+  for (const char* command : {"generate", "local", "client", "plan"}) {
     SCOPED_TRACE(command);
     const CommandResult via_help = RunCommand(pdserve + " help " + command);
     const CommandResult via_flag =

@@ -1,0 +1,82 @@
+// `pdserve plan` for real on stories260K: it profiles this machine (decode
+// worker steps in process, idle requests on real clusters), saves the
+// profile, ranks layouts and prints flags `pdserve local` accepts; the saved
+// profile plans the same ranking again without profiling; bad flags are
+// precise errors.
+#include <string>
+
+#include "gtest/gtest.h"
+#include "planner/perf_model.h"
+#include "testing/shell.h"
+
+namespace pdserve::planner {
+namespace {
+
+const std::string kPdserve = PDSERVE_BINARY;
+const std::string kModel = std::string(PDSERVE_MODELS_DIR) + "/stories260K";
+
+std::string RunPlan(const std::string& args, int* code) {
+  const auto r = testing::RunShell(kPdserve + " plan " + args, ".");
+  *code = r.code;
+  return r.output;
+}
+
+// The ranking table and what follows it (progress lines precede it).
+std::string FromTable(const std::string& output) {
+  const size_t at = output.find("workload:");
+  return at == std::string::npos ? "" : output.substr(at);
+}
+
+TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
+  const std::string perf = ::testing::TempDir() + "/stories_perf.json";
+  const std::string workload =
+      " --rate 20 --requests 100 --prompt 16:120 --output 8:32 "
+      "--slo-ttft-ms 200 --slo-tpot-ms 10 --cores 2";
+  int code = 0;
+  const std::string profiled =
+      RunPlan("--model " + kModel + " --profile-max-prompt 128 --perf-model " +
+                  perf + workload,
+              &code);
+  ASSERT_EQ(code, 0) << profiled;
+  EXPECT_NE(profiled.find("tp 1 × 2 threads"), std::string::npos) << profiled;
+  EXPECT_NE(profiled.find("best: "), std::string::npos) << profiled;
+  EXPECT_NE(profiled.find("pdserve local --model " + kModel + " "),
+            std::string::npos);
+  EXPECT_NE(profiled.find("ConfigMap pdserve-layout:"), std::string::npos);
+
+  auto model = PerfModel::Load(perf);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->steps.size(), 3u);  // tp1×1, tp1×2, tp2×1
+  EXPECT_GT(model->colocated_ttft.base, 0);
+  for (const auto& [config, cost] : model->steps) {
+    // More tokens never cost less per step than one.
+    EXPECT_GE(cost.Seconds({128, 1, 8256}), cost.Seconds({1, 1, 1}));
+  }
+
+  const std::string replanned = RunPlan(
+      "--profile 0 --model " + kModel + " --perf-model " + perf + workload,
+      &code);
+  ASSERT_EQ(code, 0) << replanned;
+  EXPECT_EQ(FromTable(replanned), FromTable(profiled));
+}
+
+TEST(PlanCommandTest, BadFlagsArePreciseErrors) {
+  int code = 0;
+  std::string out = RunPlan("--profile 0", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("--profile 0 needs --perf-model FILE"), std::string::npos)
+      << out;
+  out = RunPlan("--profile 0 --perf-model /nonexistent.json", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("cannot read /nonexistent.json"), std::string::npos)
+      << out;
+  out = RunPlan("--prompt 9:3", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("'9:3' is not a length range"), std::string::npos) << out;
+  out = RunPlan("--cores 0", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("must be positive"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace pdserve::planner
