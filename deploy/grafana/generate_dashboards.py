@@ -146,6 +146,27 @@ def overview():
          "decode {{worker_id}} (TP={{tp}})")], "percentunit",
         description="Mean busy share of a prefill group's stages vs the "
         "share of wall time a decode worker spends in steps: the P:D view")
+    d.row("Layout planner (router --planner-perf-model)")
+    d.panel("Recommended layout", [
+        ("max by (layout, local_flags) (pdserve_planner_recommended_layout)",
+         "{{layout}}")],
+        description="The layout the planner predicts serves the observed "
+        "workload best under its SLO (the series' local_flags label holds "
+        "the pdserve local flags; pdserve plan prints the Kubernetes values)")
+    d.panel("Predicted p99 of the recommended layout", [
+        ("max(pdserve_planner_predicted_ttft_p99_seconds)", "TTFT p99"),
+        ("max(pdserve_planner_predicted_tpot_p99_seconds)", "TPOT p99")],
+        "s")
+    d.panel("Capacity vs observed rate", [
+        ("max(pdserve_planner_capacity_requests_per_second)",
+         "capacity (95% within SLO)"),
+        ("max(pdserve_planner_observed_request_rate)", "observed")], "reqps")
+    d.panel("Headroom and desired replicas", [
+        ("max(pdserve_planner_headroom_ratio)", "headroom (capacity / rate)"),
+        ("max(pdserve_planner_desired_replicas)", "desired replicas")],
+        description="desired replicas = ceil(rate / capacity): what an HPA "
+        "on this External metric with averageValue 1 scales to "
+        "(deploy/README.md)")
     return d
 
 

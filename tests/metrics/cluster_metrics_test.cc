@@ -36,6 +36,7 @@
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/decode.grpc.pb.h"
 #include "prefill_worker/worker_test_util.h"
+#include "router/planner_monitor.h"
 #include "router/router_metrics.h"
 #include "testing/golden.h"
 
@@ -112,6 +113,23 @@ TEST(ClusterMetricsTest, EveryDashboardExpressionReturnsDataFromRealWorkers) {
   auto router_server = MetricsServer::Start("127.0.0.1", 0, router_registry);
   ASSERT_TRUE(router_server.ok()) << router_server.status();
   targets.push_back((*router_server)->address());
+  // The router's online planner on the same registry (the dashboards' planner
+  // row): a two-point step cost is enough to plan with; it evaluates once,
+  // after the load.
+  router::PlannerMonitorOptions planner_options;
+  {
+    auto step =
+        planner::StepCost::Fit({{{1, 1, 16}, 0.002}, {{64, 1, 2080}, 0.01}});
+    ASSERT_TRUE(step.ok()) << step.status();
+    planner_options.model.model = "stories260K";
+    planner_options.model.num_layers = 5;
+    planner_options.model.steps[{1, 1}] = *step;
+    planner_options.model.steps[{1, 2}] = *step;
+  }
+  planner_options.interval = absl::Hours(1);
+  auto planner_monitor = router::PlannerMonitor::Start(
+      planner_options, [&router] { return router.Served(); }, *router_registry);
+  ASSERT_TRUE(planner_monitor.ok()) << planner_monitor.status();
 
   // ---- Prometheus -----------------------------------------------------------
   const int prom_port = FreePort();
@@ -190,6 +208,8 @@ TEST(ClusterMetricsTest, EveryDashboardExpressionReturnsDataFromRealWorkers) {
     ASSERT_EQ(scored.prompt_logprobs_size(),
               static_cast<int>(cases.front().prompt_ids.size()) - 1);
   }
+
+  ASSERT_TRUE((*planner_monitor)->EvaluateNow().ok());
 
   // ---- Wait for scrapes after the load, then check every expression --------
   {
