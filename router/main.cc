@@ -242,6 +242,10 @@ int Main(int argc, char** argv) {
       "planner-cores", 2, "Cores (compute threads) one layout may use.");
   const double planner_interval_s = flags.Num<double>(
       "planner-interval-s", 30, "Seconds between planner evaluations.");
+  const bool planner_router_on_cores = flags.Bool(
+      "planner-router-on-cores", false,
+      "1: this router streams on the workers' cores (one machine); 0: it has "
+      "its own (a pod of its own).");
   if (flags.help_requested()) {
     std::fputs(flags.Usage(kSynopsis, kNotes).c_str(), stdout);
     return 0;
@@ -403,10 +407,12 @@ int Main(int argc, char** argv) {
     po.model = *std::move(perf);
     po.slo = {planner_slo_ttft_ms / 1e3, planner_slo_tpot_ms / 1e3};
     po.resources.cores = planner_cores;
+    po.resources.router_shares_cores = planner_router_on_cores;
     po.interval = absl::Seconds(planner_interval_s);
     absl::StatusOr<std::unique_ptr<PlannerMonitor>> started =
         PlannerMonitor::Start(
-            std::move(po), [&router_metrics] { return router_metrics.Served(); },
+            std::move(po),
+            [&router_metrics] { return router_metrics.Served(); },
             *metrics_registry);
     if (!started.ok()) return Fail(started.status());
     planner_monitor = *std::move(started);

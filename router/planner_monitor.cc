@@ -82,6 +82,7 @@ double PlannerMonitor::Capacity(const planner::Layout& layout,
                                 const planner::WorkloadSpec& workload) const {
   planner::SimOptions sim;
   sim.cores = options_.resources.cores;
+  sim.router_shares_cores = options_.resources.router_shares_cores;
   auto holds = [&](double rate) {
     planner::WorkloadSpec w = workload;
     w.rate = rate;

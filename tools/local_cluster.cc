@@ -591,6 +591,19 @@ std::vector<RestartEvent> LocalCluster::Supervise() {
   return events;
 }
 
+std::vector<pid_t> LocalCluster::pids() const {
+  std::vector<pid_t> out;
+  auto add = [&out](const std::unique_ptr<process::ChildProcess>& child) {
+    if (child != nullptr && child->pid() > 0) out.push_back(child->pid());
+  };
+  add(router_);
+  for (const Group& g : groups_) {
+    for (const auto& stage : g.stages) add(stage);
+  }
+  for (const auto& d : decodes_) add(d);
+  return out;
+}
+
 std::string LocalCluster::Describe() const {
   std::string out = absl::StrCat(
       "pdserve local cluster: model '", options_.model_name, "' (",

@@ -170,6 +170,10 @@ class LocalCluster {
   const std::map<std::string, std::string>& metrics_addresses() const {
     return metrics_addresses_;
   }
+  // Every running process, the router first (then the stages, then the
+  // decode workers): for reading their CPU time (the layout planner's
+  // calibration).
+  std::vector<pid_t> pids() const;
   // The endpoints, for people.
   std::string Describe() const;
   // A process's log, for test failures ("router", "decode-0",

@@ -69,6 +69,10 @@ absl::Status RunPlan(int argc, char** argv) {
   request.resources.allow_oversubscription = flags.Bool(
       "oversubscribe", false,
       "1: also consider layouts with more compute threads than cores.");
+  request.resources.router_shares_cores = flags.Bool(
+      "router-on-cores", true,
+      "1: the router (and clients) stream on the same cores as the workers "
+      "(pdserve local, one machine); 0: they have their own (Kubernetes).");
   const int rows = flags.Num<int>("show", 10, "Ranked layouts to print.");
   if (flags.help_requested()) {
     std::fputs(

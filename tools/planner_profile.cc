@@ -1,9 +1,13 @@
 #include "tools/planner_profile.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -135,7 +139,30 @@ struct Calibration {
   planner::LinearCost ttft;
   double step_overhead = 0;
   double handoff = 0;
+  double delivery_cpu = 0;  // router + client CPU seconds per token
 };
+
+// CPU seconds (user + system) process `pid` used so far; 0 if unreadable.
+double ProcessCpuSeconds(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), {});
+  const size_t name_end = stat.rfind(')');  // the name may hold spaces
+  if (name_end == std::string::npos) return 0;
+  std::istringstream fields(stat.substr(name_end + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {  // utime 14, stime 15
+    if (i >= 14) ticks += std::strtod(field.c_str(), nullptr);
+  }
+  return ticks / sysconf(_SC_CLK_TCK);
+}
+
+double OwnCpuSeconds() {
+  rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 // Least squares line through (x, y).
 planner::LinearCost FitLine(const std::vector<double>& x,
@@ -179,6 +206,11 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   };
   std::vector<Measured> measured;
   RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
+  // Router + this client's CPU over the requests: what streaming costs
+  // outside the workers.
+  const pid_t router_pid = (*cluster)->pids().front();
+  const double cpu_before = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
+  int delivered = 0;
   const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
   for (int rep = 0; rep < 3; ++rep) {
     for (int length : {16, 128, long_prompt}) {
@@ -188,14 +220,17 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
         return absl::InternalError(absl::StrCat(
             "calibration request on ", layout.Name(), " failed: ", r.error));
       }
+      delivered += r.tokens;
       measured.push_back({length, std::move(r)});
     }
   }
+  const double cpu_after = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
   // What the steps alone predict (no per-request costs yet).
   planner::PerfModel bare = model;
   bare.colocated_ttft = bare.disaggregated_ttft = {};
   bare.decode_step_overhead_seconds = bare.handoff_seconds = 0;
   Calibration c;
+  c.delivery_cpu = std::max(0.0, (cpu_after - cpu_before) / delivered);
   if (step_overhead < 0) {
     std::vector<double> extra;
     for (const Measured& m : measured) {
@@ -276,6 +311,7 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   if (!c.ok()) return c.status();
   model.colocated_ttft = c->ttft;
   model.decode_step_overhead_seconds = c->step_overhead;
+  model.delivery_cpu_seconds = c->delivery_cpu;
   if (options.cores >= 2) {
     planner::Layout disaggregated;
     Say(options, "calibrating request costs on " + disaggregated.Name());
@@ -290,13 +326,15 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   Say(options,
       absl::StrFormat("  TTFT extra: colocated %.1f ms %+.3f ms/token, "
                       "disaggregated %.1f ms %+.3f ms/token; decode step "
-                      "overhead %.2f ms; hand-off %.2f ms",
+                      "overhead %.2f ms; hand-off %.2f ms; router + client "
+                      "CPU %.3f ms/token",
                       model.colocated_ttft.base * 1e3,
                       model.colocated_ttft.per_prompt_token * 1e3,
                       model.disaggregated_ttft.base * 1e3,
                       model.disaggregated_ttft.per_prompt_token * 1e3,
                       model.decode_step_overhead_seconds * 1e3,
-                      model.handoff_seconds * 1e3));
+                      model.handoff_seconds * 1e3,
+                      model.delivery_cpu_seconds * 1e3));
   return model;
 }
 

@@ -48,6 +48,8 @@ struct Resources {
   int cores = 2;  // compute threads the layout may run without sharing cores
   // Allow layouts with more compute threads than cores (they share them).
   bool allow_oversubscription = false;
+  // The router (and, on one machine, the clients) run on these cores too.
+  bool router_shares_cores = true;
 };
 
 // Every layout within `resources` whose compute configurations `model`

@@ -40,7 +40,8 @@ nlohmann::json PerfModel::ToJson() const {
           {"colocated_ttft", linear(colocated_ttft)},
           {"disaggregated_ttft", linear(disaggregated_ttft)},
           {"handoff_seconds", handoff_seconds},
-          {"decode_step_overhead_seconds", decode_step_overhead_seconds}};
+          {"decode_step_overhead_seconds", decode_step_overhead_seconds},
+          {"delivery_cpu_seconds", delivery_cpu_seconds}};
 }
 
 absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
@@ -70,8 +71,13 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
     m.handoff_seconds = json.at("handoff_seconds").get<double>();
     m.decode_step_overhead_seconds =
         json.at("decode_step_overhead_seconds").get<double>();
+    m.delivery_cpu_seconds = json.value("delivery_cpu_seconds", 0.0);
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("perf model: ", e.what()));
+  }
+  if (!(m.delivery_cpu_seconds >= 0) || !(m.handoff_seconds >= 0)) {
+    return absl::InvalidArgumentError(
+        "perf model: handoff_seconds and delivery_cpu_seconds must be ≥ 0");
   }
   if (m.num_layers < 1 || m.block_size < 1 || m.cores < 1) {
     return absl::InvalidArgumentError(

@@ -55,6 +55,11 @@ struct PerfModel {
   // Disaggregated: from the first token (sampled by the last prefill stage)
   // to the decode worker having the request (KV complete, admitted).
   double handoff_seconds = 0;
+  // CPU seconds outside the workers per streamed token: the router's gRPC
+  // and HTTP streaming and (measured on one machine) the client's. On the
+  // cores the workers compute on, it competes with them
+  // (SimOptions::router_shares_cores).
+  double delivery_cpu_seconds = 0;
 
   // The step cost of `config`, or NOT_FOUND naming what was profiled.
   absl::StatusOr<const StepCost*> Step(ComputeConfig config) const;

@@ -31,6 +31,7 @@ absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
   SimOptions options;
   options.cores = request.resources.cores;
   options.ngram_acceptance = request.ngram_acceptance;
+  options.router_shares_cores = request.resources.router_shares_cores;
   options.seed = request.workload.seed;
   std::vector<RankedLayout> ranked;
   absl::Status last_error;

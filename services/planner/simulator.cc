@@ -235,6 +235,9 @@ class Simulation {
         (layout_.colocated ? model_.colocated_ttft : model_.disaggregated_ttft)
             .At(r.prompt);
     r.deliveries.push_back(t + delay);
+    if (options_.router_shares_cores && model_.delivery_cpu_seconds > 0) {
+      loop_.StartJob(model_.delivery_cpu_seconds * tokens, 1, [](double) {});
+    }
     r.item_tokens.push_back(tokens);
     r.emitted += tokens;
   }

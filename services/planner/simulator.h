@@ -65,6 +65,9 @@ struct SimOptions {
   // Probability that an n-gram draft token is accepted (layouts with γ > 0).
   double ngram_acceptance = 0;
   uint64_t seed = 1;  // of the acceptance draws
+  // The router (and client) stream on the same cores as the workers: each
+  // streamed token's PerfModel::delivery_cpu_seconds competes with them.
+  bool router_shares_cores = true;
 };
 
 // INVALID_ARGUMENT for an empty request list or a layout with nothing in it;

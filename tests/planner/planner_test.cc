@@ -153,6 +153,28 @@ TEST(SimulatorTest, OversubscribedCoresAreShared) {
   EXPECT_NEAR(shared->ttft_p50, 2 * alone->ttft_p50, 1e-9);
 }
 
+TEST(SimulatorTest, StreamingCpuSlowsWorkersOnlyOnSharedCores) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.delivery_cpu_seconds = 0.005;  // a quarter of a decode step
+  Layout coloc;                        // one worker on both cores
+  coloc.colocated = true;
+  coloc.decode_threads = 2;
+  const std::vector<SimRequest> one = {{0, 16, 20}};
+  auto shared = Simulate(model, coloc, one, Slo{}, {.cores = 2});
+  auto own = Simulate(model, coloc, one, Slo{},
+                      {.cores = 2, .router_shares_cores = false});
+  ASSERT_TRUE(shared.ok() && own.ok());
+  // Each token's 5 ms of streaming overlaps the next 20 ms step and takes a
+  // third of the cores meanwhile (3 threads on 2): the step stretches.
+  EXPECT_GT(shared->tpot_p50, own->tpot_p50 * 1.1);
+  // With a spare core it would not.
+  auto spare = Simulate(model, coloc, one, Slo{}, {.cores = 3});
+  ASSERT_TRUE(spare.ok());
+  EXPECT_NEAR(spare->tpot_p50, own->tpot_p50, 1e-9);
+}
+
 TEST(SimulatorTest, LongPromptsStallYoungerDecodesInAColocatedWorker) {
   // A decode admitted after a long prompt waits for the prompt's chunk:
   // the ITL spike disaggregation exists to remove.
