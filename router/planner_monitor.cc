@@ -125,15 +125,9 @@ absl::Status PlannerMonitor::EvaluateNow() {
   prompt_mean_.Set(prompt_mean);
   output_mean_.Set(output_mean);
 
-  auto around = [](double mean) {
-    const int m = std::max(1, static_cast<int>(std::lround(mean)));
-    return planner::LengthRange{std::max(1, m / 2), std::max(1, m * 3 / 2)};
-  };
   planner::PlanRequest request;
-  request.workload.requests = options_.simulated_requests;
-  request.workload.rate = rate;
-  request.workload.prompt = around(prompt_mean);
-  request.workload.output = around(output_mean);
+  request.workload = planner::WorkloadFromMeans(options_.simulated_requests,
+                                                rate, prompt_mean, output_mean);
   request.slo = options_.slo;
   request.resources = options_.resources;
   auto ranked = planner::Plan(options_.model, request);

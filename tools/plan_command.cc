@@ -6,13 +6,91 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/command_line_flags.h"
+#include "httplib.h"
+#include "metrics/exposition.h"
 #include "planner/planner.h"
 #include "process/child_process.h"
+#include "router/router_metrics.h"
 #include "tools/commands.h"
 #include "tools/planner_profile.h"
 
 namespace pdserve::tools {
+namespace {
+
+// The router's served totals in one scrape of its /metrics.
+absl::StatusOr<metrics::ServedTotals> ScrapeServed(const std::string& url) {
+  const size_t scheme = url.find("://");
+  const size_t slash =
+      scheme == std::string::npos ? scheme : url.find('/', scheme + 3);
+  if (scheme == std::string::npos || url.substr(0, scheme) != "http" ||
+      slash == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--router-metrics '", url, "' is not http://HOST:PORT/PATH"));
+  }
+  httplib::Client client(url.substr(0, slash));
+  client.set_connection_timeout(5);
+  client.set_read_timeout(10);
+  auto res = client.Get(url.substr(slash));
+  if (!res || res->status != 200) {
+    return absl::UnavailableError(
+        absl::StrCat("GET ", url, ": ",
+                     res ? absl::StrCat("HTTP ", res->status)
+                         : httplib::to_string(res.error())));
+  }
+  auto samples = metrics::ParseExposition(res->body);
+  if (!samples.ok()) return samples.status();
+  metrics::ServedTotals totals;
+  bool seen = false;
+  for (const metrics::Sample& s : *samples) {
+    // Successful requests: the router observes e2e once for each.
+    if (s.name == "pdserve_router_e2e_seconds_count") {
+      totals.requests += static_cast<int64_t>(s.value);
+      seen = true;
+    } else if (s.name == "pdserve_router_prompt_tokens_total") {
+      totals.prompt_tokens += s.value;
+    } else if (s.name == "pdserve_router_output_tokens_total") {
+      totals.output_tokens += s.value;
+    }
+  }
+  if (!seen) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        url, " has no pdserve_router_e2e_seconds_count: not a pdserve router"));
+  }
+  return totals;
+}
+
+// Rate and mean lengths the router served over `window_s`.
+absl::StatusOr<planner::WorkloadSpec> WorkloadFromRouter(const std::string& url,
+                                                         double window_s,
+                                                         int requests) {
+  auto before = ScrapeServed(url);
+  if (!before.ok()) return before.status();
+  const absl::Time start = absl::Now();
+  absl::SleepFor(absl::Seconds(window_s));
+  auto after = ScrapeServed(url);
+  if (!after.ok()) return after.status();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const int64_t served = after->requests - before->requests;
+  if (served <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the router finished no request in the ", window_s,
+                     " s window: nothing to plan for (lengthen --window-s)"));
+  }
+  planner::WorkloadSpec spec = planner::WorkloadFromMeans(
+      requests, served / seconds,
+      (after->prompt_tokens - before->prompt_tokens) / served,
+      (after->output_tokens - before->output_tokens) / served);
+  std::fprintf(stderr,
+               "router served %lld requests in %.1f s: %.2f req/s, prompt "
+               "%d..%d, output %d..%d tokens (uniform around the means)\n",
+               static_cast<long long>(served), seconds, spec.rate,
+               spec.prompt.lo, spec.prompt.hi, spec.output.lo, spec.output.hi);
+  return spec;
+}
+
+}  // namespace
 
 absl::Status RunPlan(int argc, char** argv) {
   CommandLineFlags flags;
@@ -50,6 +128,14 @@ absl::Status RunPlan(int argc, char** argv) {
       flags.Str("output", "16:64", "Output length range LO:HI, tokens.");
   request.workload.seed =
       flags.Num<uint64_t>("seed", 1, "Seed of the simulated arrivals.");
+  const std::string router_metrics = flags.Str(
+      "router-metrics", "",
+      "http://H:P/metrics of a running router: take the rate and mean "
+      "prompt/output lengths from its counters over --window-s instead of "
+      "--rate/--prompt/--output.",
+      "(none)");
+  const double window_s = flags.Num<double>(
+      "window-s", 30, "With --router-metrics: seconds between the scrapes.");
   request.ngram_acceptance = flags.Num<double>(
       "acceptance", 0,
       "n-gram draft acceptance to plan speculation with (read it off "
@@ -94,13 +180,21 @@ absl::Status RunPlan(int argc, char** argv) {
   if (request.resources.cores < 1 || request.workload.requests < 1 ||
       !(request.workload.rate > 0) || !(request.slo.ttft_seconds > 0) ||
       !(request.slo.tpot_seconds > 0) || request.ngram_acceptance < 0 ||
-      request.ngram_acceptance >= 1 || profile.max_prompt < 32) {
+      !(window_s > 0) || request.ngram_acceptance >= 1 ||
+      profile.max_prompt < 32) {
     return absl::InvalidArgumentError(
-        "--cores, --requests, --rate and the SLOs must be positive, "
+        "--cores, --requests, --rate, --window-s and the SLOs must be "
+        "positive, "
         "--acceptance in [0, 1), --profile-max-prompt ≥ 32");
   }
   request.workload.prompt = *prompt;
   request.workload.output = *output;
+  if (!router_metrics.empty()) {
+    auto observed =
+        WorkloadFromRouter(router_metrics, window_s, request.workload.requests);
+    if (!observed.ok()) return observed.status();
+    request.workload = *observed;
+  }
   profile.cores = request.resources.cores;
 
   planner::PerfModel model;
@@ -129,9 +223,11 @@ absl::Status RunPlan(int argc, char** argv) {
   std::printf(
       "workload: %.2f req/s, prompt %d..%d, output %d..%d tokens; SLO p99 "
       "TTFT ≤ %.0f ms, TPOT ≤ %.0f ms; %d cores\n\n%s\n",
-      request.workload.rate, prompt->lo, prompt->hi, output->lo, output->hi,
-      request.slo.ttft_seconds * 1e3, request.slo.tpot_seconds * 1e3,
-      request.resources.cores, planner::FormatPlan(*ranked, rows).c_str());
+      request.workload.rate, request.workload.prompt.lo,
+      request.workload.prompt.hi, request.workload.output.lo,
+      request.workload.output.hi, request.slo.ttft_seconds * 1e3,
+      request.slo.tpot_seconds * 1e3, request.resources.cores,
+      planner::FormatPlan(*ranked, rows).c_str());
   const planner::Layout& best = ranked->front().layout;
   std::printf("best: %s\n  pdserve local --model %s %s\n\nKubernetes:\n%s",
               best.Name().c_str(), profile.model_path.c_str(),

@@ -1,5 +1,7 @@
 #include "planner/workload.h"
 
+#include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "absl/strings/numbers.h"
@@ -17,6 +19,20 @@ absl::StatusOr<LengthRange> ParseLengthRange(const std::string& text) {
         "'", text, "' is not a length range LO:HI with 1 <= LO <= HI"));
   }
   return r;
+}
+
+WorkloadSpec WorkloadFromMeans(int requests, double rate, double prompt_mean,
+                               double output_mean) {
+  auto around = [](double mean) {
+    const int m = std::max(1, static_cast<int>(std::lround(mean)));
+    return LengthRange{std::max(1, m / 2), std::max(1, m * 3 / 2)};
+  };
+  WorkloadSpec spec;
+  spec.requests = requests;
+  spec.rate = rate;
+  spec.prompt = around(prompt_mean);
+  spec.output = around(output_mean);
+  return spec;
 }
 
 std::vector<Arrival> MakeArrivals(const WorkloadSpec& spec, int vocab) {

@@ -37,4 +37,9 @@ struct Arrival {
 // `vocab` ≥ 4.
 std::vector<Arrival> MakeArrivals(const WorkloadSpec& spec, int vocab);
 
+// A workload known only by its rate and mean lengths (what a router's
+// counters give): lengths uniform in [m/2, 3m/2] around each mean.
+WorkloadSpec WorkloadFromMeans(int requests, double rate, double prompt_mean,
+                               double output_mean);
+
 }  // namespace pdserve::planner

@@ -3,11 +3,15 @@
 // profile, ranks layouts and prints flags `pdserve local` accepts; the saved
 // profile plans the same ranking again without profiling; bad flags are
 // precise errors.
+#include <atomic>
 #include <string>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "planner/perf_model.h"
 #include "testing/shell.h"
+#include "tools/load_generator.h"
+#include "tools/local_cluster.h"
 
 namespace pdserve::planner {
 namespace {
@@ -58,6 +62,62 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
       &code);
   ASSERT_EQ(code, 0) << replanned;
   EXPECT_EQ(FromTable(replanned), FromTable(profiled));
+}
+
+TEST(PlanCommandTest, TakesTheWorkloadFromARunningRouter) {
+  const std::string perf = ::testing::TempDir() + "/stories_perf_router.json";
+  int code = 0;
+  const std::string profiled = RunPlan(
+      "--model " + kModel + " --profile-max-prompt 64 --perf-model " + perf,
+      &code);
+  ASSERT_EQ(code, 0) << profiled;
+
+  tools::LocalClusterOptions o;
+  o.model_path = kModel;
+  o.bin_dir = PDSERVE_BIN_DIR;
+  o.colocated = true;
+  o.tp = 1;
+  o.speculation = "off";
+  o.metrics_port_base = 0;
+  auto cluster = tools::LocalCluster::Start(o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::string metrics =
+      "http://" + (*cluster)->metrics_addresses().at("router") + "/metrics";
+  // Requests of 20-token prompts and 10 tokens out, for as long as the plan
+  // watches the router.
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::thread load([&] {
+    std::vector<int32_t> prompt(20, 5);
+    prompt[0] = 1;
+    while (!stop) {
+      const auto r = tools::RunRequest((*cluster)->grpc_address(), prompt, 10);
+      EXPECT_TRUE(r.ok) << r.error;
+      ++sent;
+    }
+  });
+  const std::string planned =
+      RunPlan("--profile 0 --perf-model " + perf + " --router-metrics " +
+                  metrics + " --window-s 3",
+              &code);
+  stop = true;
+  load.join();
+  ASSERT_EQ(code, 0) << planned;
+  EXPECT_GT(sent.load(), 3);
+  // Means 20 and 10 become the ranges [m/2, 3m/2].
+  EXPECT_NE(planned.find("prompt 10..30, output 5..15 tokens"),
+            std::string::npos)
+      << planned;
+  EXPECT_NE(planned.find("best: "), std::string::npos) << planned;
+
+  const std::string not_router =
+      RunPlan("--profile 0 --perf-model " + perf + " --router-metrics http://" +
+                  (*cluster)->metrics_addresses().at("decode-0") +
+                  "/metrics --window-s 0.1",
+              &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(not_router.find("not a pdserve router"), std::string::npos)
+      << not_router;
 }
 
 TEST(PlanCommandTest, BadFlagsArePreciseErrors) {
