@@ -1,11 +1,11 @@
 // Every supported family (Llama 3.1 with llama3 RoPE, Llama with linear /
 // dynamic / yarn RoPE and attention biases, Qwen2.5, Qwen3, Mistral with a
-// sliding window) against the independent float64 reference
-// (tests/model/reference/hf_reference.py): greedy tokens identical and
-// log-probabilities within 1e-4, through the single-process engine (one-shot
-// and chunked prefill, the tiled and the per-key attention paths, a
-// multi-token verify step), tensor-parallel shards (TP 2 and 4: above the KV
-// heads for every family with fewer than 4), pipeline stages of a
+// sliding window, Qwen2 with a window in some layers) against the independent
+// float64 reference (tests/model/reference/hf_reference.py): greedy tokens
+// identical and log-probabilities within 1e-4, through the single-process
+// engine (one-shot and chunked prefill, the tiled and the per-key attention
+// paths, a multi-token verify step), tensor-parallel shards (TP 2 and 4: above
+// the KV heads for every family with fewer than 4), pipeline stages of a
 // non-uniform split, and bf16 KV.
 #include <gtest/gtest.h>
 
@@ -344,7 +344,8 @@ TEST_P(FamiliesTest, Bf16KvStaysWithinItsRoundingOfTheReference) {
 INSTANTIATE_TEST_SUITE_P(Families, FamiliesTest,
                          ::testing::Values("llama31", "llama_linear",
                                            "llama_dynamic", "llama_yarn",
-                                           "qwen25", "qwen3", "mistral"));
+                                           "qwen25", "qwen3", "mistral",
+                                           "qwen_windowed"));
 
 // The features change the answer: the same weights without the feature give
 // other log-probabilities than the reference (so the checks above can fail).
@@ -360,6 +361,9 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
             }},
            {"llama_yarn", [](auto& c) { c.rope_scaling.attention_factor = 1; }},
            {"mistral", [](auto& c) { c.sliding_window = 0; }},
+           // Qwen's window is per layer: neither none nor every layer's.
+           {"qwen_windowed", [](auto& c) { c.sliding_window = 0; }},
+           {"qwen_windowed", [](auto& c) { c.windowed_layers.clear(); }},
        }) {
     SCOPED_TRACE(name);
     auto it = families.find(name);
