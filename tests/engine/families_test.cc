@@ -373,30 +373,7 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
     // A config-only change: rebuild the RoPE tables / window from it.
     model::ModelConfig changed = (*opened)->config();
     edit(changed);
-    struct Overridden : model::WeightSource {
-      const model::WeightSource* base;
-      model::ModelConfig c;
-      const model::ModelConfig& config() const override { return c; }
-      const std::string& description() const override {
-        return base->description();
-      }
-      bool HasTensor(std::string_view n) const override {
-        return base->HasTensor(n);
-      }
-      absl::StatusOr<model::TensorInfo> GetTensorInfo(
-          std::string_view n) const override {
-        return base->GetTensorInfo(n);
-      }
-      absl::Status ReadF32(std::string_view n, const model::Slice2D& s,
-                           float* out) const override {
-        return base->ReadF32(n, s, out);
-      }
-      absl::StatusOr<model::TokenizerSpec> tokenizer_spec() const override {
-        return base->tokenizer_spec();
-      }
-    } overridden;
-    overridden.base = opened->get();
-    overridden.c = changed;
+    testing_util::ConfigOverride overridden(**opened, changed);
     SingleEngine single(overridden);
     ASSERT_NE(single.engine, nullptr);
     const auto logits = single.Step(it->second.prompt_ids, 0);
@@ -407,6 +384,37 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
                           it->second.prompt_logprobs[k - 1]));
     }
     EXPECT_GT(worst, 1e-2);
+  }
+}
+
+// The CUDA family tests (cuda_engine_test) compare the GPU's logits with the
+// CPU engine's within kCudaFamilyLogitTolerance of max |logit|: a kernel that
+// ignored a feature must land outside it. Each feature, dropped, moves the
+// CPU engine's logits by more than that.
+TEST(FamilyFeaturesTest, EachFeatureMovesLogitsBeyondTheCudaTolerance) {
+  const auto& families = Families();
+  for (const testing_util::FamilyFeature& f : testing_util::FamilyFeatures()) {
+    SCOPED_TRACE(f.family + ": " + f.feature);
+    auto it = families.find(f.family);
+    ASSERT_NE(it, families.end());
+    auto opened = model::OpenModel(it->second.dir);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    model::ModelConfig changed = (*opened)->config();
+    f.drop(changed);
+    testing_util::ConfigOverride without(**opened, changed);
+    SingleEngine with_feature(**opened), without_feature(without);
+    ASSERT_NE(with_feature.engine, nullptr);
+    ASSERT_NE(without_feature.engine, nullptr);
+    const auto want = with_feature.Step(it->second.prompt_ids, 0);
+    const auto got = without_feature.Step(it->second.prompt_ids, 0);
+    ASSERT_EQ(got.size(), want.size());
+    double worst = 0;
+    for (size_t t = 0; t < got.size(); ++t) {
+      worst = std::max(worst, testing_util::MaxRelativeError(got[t], want[t]));
+    }
+    std::printf("[ families ] %s without %s: logits move by %.3f of max\n",
+                f.family.c_str(), f.feature.c_str(), worst);
+    EXPECT_GT(worst, 2 * testing_util::kCudaFamilyLogitTolerance);
   }
 }
 
