@@ -26,7 +26,7 @@ namespace {
 using testing_util::FamilyReference;
 using testing_util::LogProb;
 
-constexpr int kMaxNew = 16;
+constexpr int kMaxNew = testing_util::kFamilyMaxNew;
 constexpr int kBlockSize = 16;
 // The engine computes in f32 against a float64 reference: log-probabilities
 // differ by summation order, ~1e-6 at these sizes.
@@ -34,7 +34,7 @@ constexpr double kLogprobTolerance = 1e-4;
 
 const std::map<std::string, FamilyReference>& Families() {
   static const auto* families = new std::map<std::string, FamilyReference>(
-      testing_util::GenerateFamilies(FAMILIES_DIR, kMaxNew));
+      testing_util::GeneratedOrBundledFamilies(FAMILIES_DIR, kMaxNew));
   return *families;
 }
 
