@@ -205,6 +205,8 @@ TEXT_FAMILIES = {
     "qwen25": "tokenizer-qwen3",
     "llama31": "tokenizer-llama3",
     "mistral": "tokenizer-llama3",
+    # Sorts last: the text-* checkpoints above keep their seeds.
+    "qwen_windowed": "tokenizer-qwen3",
 }
 
 VOCAB = 384
