@@ -3,8 +3,8 @@
 # gathers into .gpu/ (ignored by git, never committed) the gpu test binaries
 # and cuda_engine_bench, the non-CUDA shared libraries they load (the device
 # image has CUDA, cuBLAS and NCCL but not Debian's abseil, OpenBLAS or
-# GoogleTest), glibc for a fallback loader, the models the tests read and
-# the PyTorch peer the bench runs after itself (the device cannot see
+# GoogleTest), glibc for a fallback loader, the models the tests read (and
+# the model-family checkpoints with their references), and the PyTorch peer the bench runs after itself (the device cannot see
 # ../shared). Then, with the device tool:
 #
 #   run  command: "bash .gpu/run.sh"   carry: [".gpu"]   timeout_s: 540
@@ -47,6 +47,17 @@ for lib in $(ldd "${BINARIES[@]}" | awk '/=> \//{print $3}' | sort -u); do
 done
 cp -L /lib64/ld-linux-x86-64.so.2 .gpu/glibc/
 cp -r "$MODELS/stories260K" "$MODELS/bench-configs" .gpu/models/
+# The model-family checkpoints and their float64 references, generated here
+# (the device may have no numpy) with the arguments the tests use
+# (family_reference.h, kFamilyMaxNew); run.sh points PDSERVE_FAMILIES_DIR
+# at them (~5 MB).
+REFERENCE=tests/model/reference
+/usr/bin/python3 "$REFERENCE/make_tiny_checkpoints.py" .gpu/families
+for family in $(/usr/bin/python3 -c 'import json, sys; print(" ".join(json.load(open(sys.argv[1]))))' \
+                  .gpu/families/families.json); do
+  /usr/bin/python3 "$REFERENCE/hf_reference.py" ".gpu/families/$family" --max-new 16 \
+    >".gpu/families/$family/reference.json"
+done
 cp scripts/gpu_run.sh .gpu/run.sh
 cp scripts/gpu_profile.sh .gpu/profile.sh
 cp "$PEERS/torch_decode_peer.py" .gpu/

@@ -29,6 +29,8 @@ for lib in libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
 done
 export LD_LIBRARY_PATH="$PWD/lib$cuda_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PDSERVE_MODELS_DIR="$PWD/models"
+# The family checkpoints gpu_bundle.sh generated (family_reference.h).
+export PDSERVE_FAMILIES_DIR="$PWD/families"
 
 # Binaries built on Debian 12 (glibc 2.36); on an older glibc, run them
 # through the carried loader and libc.
@@ -69,7 +71,7 @@ timeout 270 "${launch[@]}" bin/cuda_engine_bench \
 # The e2e test starts router/prefill_worker/decode_worker from bin/ (the
 # tokenizer finds its sentencepiece shim next to them).
 export PDSERVE_BIN_DIR="$PWD/bin"
-run_test 120 engine_cuda_test
+run_test 180 engine_cuda_test
 run_test 75 decode_cuda_test
 run_test 60 prefill_cuda_test
 run_test 90 e2e_cuda_cluster_test
@@ -80,7 +82,7 @@ if [ ${#launch[@]} -eq 0 ] && command -v compute-sanitizer >/dev/null; then
   timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 \
     bin/engine_cuda_attention_test >"$OUT/memcheck_attention.log" 2>&1
   echo "memcheck attention exit $? ($(grep -c 'Invalid' "$OUT/memcheck_attention.log") invalid accesses)"
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 \
     bin/engine_cuda_test >"$OUT/memcheck_engine.log" 2>&1
   echo "memcheck engine exit $? ($(grep -c 'Invalid' "$OUT/memcheck_engine.log") invalid accesses)"
   grep -m5 -A6 'Invalid' "$OUT"/memcheck_*.log || true

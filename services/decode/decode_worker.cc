@@ -243,6 +243,9 @@ struct DecodeWorker::Impl {
   // Scores the request's prompt rows, samples or verifies its token rows,
   // rolls back rejected drafts, streams; advances `row` past its rows.
   void ApplyPlanned(Planned& p, StepContext& step, size_t* row);
+  // Gives back the request's published KV blocks that no layer's sliding
+  // window reaches any more (models whose every layer windows).
+  void ReleaseKvOutsideWindow(Request* r);
   // Appends output tokens (with their logprobs when the request asked: one
   // per token), streams the delta; true if the request finished.
   bool AppendTokens(Request* r, std::span<const int32_t> tokens,
@@ -667,6 +670,7 @@ void DecodeWorker::Impl::ApplyPlanned(Planned& p, StepContext& step,
     // A prefill chunk: its KV is final, nothing sampled.
     r->KeepKv(r->kv_tokens + p.history_feed);
     r->PublishKv();
+    ReleaseKvOutsideWindow(r);
     return;
   }
   const size_t rows = p.drafts.size() + 1;
@@ -729,6 +733,15 @@ void DecodeWorker::Impl::ApplyPlanned(Planned& p, StepContext& step,
   if (AppendTokens(r, outcome->tokens, token_logprobs)) return;
   // Only accepted tokens (whose KV is final) reach the prefix cache.
   r->PublishKv();
+  ReleaseKvOutsideWindow(r);
+}
+
+void DecodeWorker::Impl::ReleaseKvOutsideWindow(Request* r) {
+  // Only when every layer windows: a layer without one reads every key.
+  // The next query is at position kv_tokens (a rolled-back verify never
+  // goes below it) and sees keys from kv_tokens + 1 - window on.
+  if (!config.EveryLayerWindowed()) return;
+  r->ReleaseKvBefore(r->kv_tokens + 1 - config.sliding_window);
 }
 
 bool DecodeWorker::Impl::AppendTokens(

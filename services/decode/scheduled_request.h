@@ -100,6 +100,11 @@ struct ScheduledRequest {
     (void)sequence->PublishFullBlocks(
         std::span<const int32_t>(history).first(kv_tokens));
   }
+  // A model whose every layer windows: blocks wholly before `position`
+  // (the first key any later query sees) go back once published.
+  void ReleaseKvBefore(int64_t position) {
+    if (sequence.has_value()) (void)sequence->ReleaseBlocksBefore(position);
+  }
   // Preemption: the blocks go back (published ones stay in the cache).
   void DropKv() {
     sequence.reset();

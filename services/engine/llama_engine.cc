@@ -203,11 +203,11 @@ class CpuBackend final : public EngineBackend {
   // writes this step's K/V into the pool.
   void WriteKv(const ForwardBatch& batch, int local_layer,
                const CpuLayerWeights& lw, kv::KvPool& pool);
-  // The first key position a query at `position` attends to.
-  int FirstVisibleKey(int position) const {
-    return config.sliding_window > 0
-               ? std::max(0, position + 1 - config.sliding_window)
-               : 0;
+  // The first key position a query at `position` attends to in this
+  // shard's layer `local_layer` (its window, if that layer has one).
+  int FirstVisibleKey(int position, int local_layer) const {
+    const int window = config.LayerWindow(shard.layer_begin + local_layer);
+    return window > 0 ? std::max(0, position + 1 - window) : 0;
   }
   void Attention(const ForwardBatch& batch, int local_layer,
                  const kv::KvPool& pool);
@@ -469,7 +469,8 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
       // With a sliding window a query also sees no key before
       // FirstVisibleKey, and blocks before the first query's window are
       // never read.
-      const int first_block = FirstVisibleKey(seq.start_position) / bs;
+      const int first_block =
+          FirstVisibleKey(seq.start_position, local_layer) / bs;
       auto for_each_block = [&](int kv, auto&& visit) {
         for (int b = first_block, first = b * bs; first < len;
              ++b, first += bs) {
@@ -484,7 +485,8 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
           for (int qi = 0; qi < queries; ++qi) {
             const int position = seq.start_position + qi % n;
             const int count = std::min(slots, position + 1 - first);
-            const int skip = std::max(0, FirstVisibleKey(position) - first);
+            const int skip =
+                std::max(0, FirstVisibleKey(position, local_layer) - first);
             if (count > skip) {
               visit(rows + int64_t{skip} * hd, qi, first + skip, count - skip);
             }
@@ -497,7 +499,7 @@ void CpuBackend::Attention(const ForwardBatch& batch, int local_layer,
       });
       for (int qi = 0; qi < queries; ++qi) {
         const int position = seq.start_position + qi % n;
-        const int lo = FirstVisibleKey(position);
+        const int lo = FirstVisibleKey(position, local_layer);
         SoftmaxInPlace(scores.data() + int64_t{qi} * len + lo,
                        position + 1 - lo);
         std::fill(output(qi), output(qi) + hd, 0.0f);
@@ -533,7 +535,8 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   const int bs = layout.block_size;
   // Keys from the block holding the first query's first visible key (0
   // without a sliding window): keys[i] is position gathered_from + i.
-  const int gathered_from = FirstVisibleKey(seq.start_position) / bs * bs;
+  const int gathered_from =
+      FirstVisibleKey(seq.start_position, local_layer) / bs * bs;
   thread_local std::vector<float> keys, values, probs;
   keys.resize(int64_t{len - gathered_from} * hd);
   values.resize(int64_t{len - gathered_from} * hd);
@@ -565,7 +568,7 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
   for (int i0 = 0; i0 < n; i0 += kQueryBlock) {
     const int rows = std::min(kQueryBlock, n - i0);
     // Key columns [key_lo, keys_end) of this block of queries.
-    const int key_lo = FirstVisibleKey(seq.start_position + i0);
+    const int key_lo = FirstVisibleKey(seq.start_position + i0, local_layer);
     const int keys_end = seq.start_position + i0 + rows;
     const int columns = keys_end - key_lo;
     const float* block_keys =
@@ -578,7 +581,7 @@ void CpuBackend::TiledAttention(const SequenceStep& seq, int64_t first_token,
     for (int i = 0; i < rows; ++i) {
       float* p = probs.data() + int64_t{i} * columns;
       const int position = seq.start_position + i0 + i;
-      const int lo = FirstVisibleKey(position) - key_lo;
+      const int lo = FirstVisibleKey(position, local_layer) - key_lo;
       const int visible = position + 1 - key_lo;
       std::fill(p, p + lo, 0.0f);
       SoftmaxInPlace(p + lo, visible - lo);

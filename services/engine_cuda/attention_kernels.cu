@@ -107,6 +107,26 @@ __device__ __forceinline__ int LocalQueryHead(const AttentionArgs& a, int kvl,
   return h >= 0 && h < a.q_heads ? h : -1;
 }
 
+// The first key position a query at `position` sees (the CPU engine's
+// window: keys p with position - p < window; 0 without a window).
+__device__ __forceinline__ int FirstVisibleKey(int position, int window) {
+  return window > 0 ? max(0, position + 1 - window) : 0;
+}
+
+// The first key any of an item's tokens [first, first + num_tokens) sees:
+// tiles and splits before it hold no visible key for the whole block. Every
+// thread computes the same value (a step's item has at most a few dozen
+// tokens).
+__device__ __forceinline__ int ItemFirstVisibleKey(const AttentionArgs& a,
+                                                   int first, int num_tokens) {
+  if (a.window <= 0) return 0;
+  int lowest = a.positions[first];
+  for (int i = 1; i < num_tokens; ++i) {
+    lowest = min(lowest, a.positions[first + i]);
+  }
+  return FirstVisibleKey(lowest, a.window);
+}
+
 // Keys [0, context) of one pool KV head of one layer, through a sequence's
 // block-table row.
 struct PagedKeys {
@@ -185,6 +205,10 @@ __global__ void __launch_bounds__(kAttentionThreads)
     key_begin = split * partition;
     key_end = min(context, key_begin + partition);
   }
+  // A sliding window: keys before every token's window are never read. A
+  // split wholly before it writes no partials; the merge starts each token
+  // at the split holding its own first visible key.
+  key_begin = max(key_begin, ItemFirstVisibleKey(a, first, num_tokens));
   if (key_begin >= key_end) return;  // the whole block: no barrier skipped
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
@@ -201,10 +225,12 @@ __global__ void __launch_bounds__(kAttentionThreads)
 
   float m[kDecodeRowsPerWarp], l[kDecodeRowsPerWarp];
   int position[kDecodeRowsPerWarp];
+  int lowest_key[kDecodeRowsPerWarp];  // the row's first visible key
 #pragma unroll
   for (int j = 0; j < kDecodeRowsPerWarp; ++j) {
     const int r = warp + kWarps * j;
     position[j] = r < rows ? a.positions[first + r / group] : -1;
+    lowest_key[j] = FirstVisibleKey(position[j], a.window);
     m[j] = -INFINITY;
     l[j] = 0.0f;
   }
@@ -286,7 +312,9 @@ __global__ void __launch_bounds__(kAttentionThreads)
       const int r = warp + kWarps * j;
       if (r < rows) {  // uniform across the warp
         const float s =
-            key < key_end && key <= position[j] ? dot[j] : -INFINITY;
+            key < key_end && key <= position[j] && key >= lowest_key[j]
+                ? dot[j]
+                : -INFINITY;
         const float new_max = fmaxf(m[j], WarpMax(s));
         const float base = new_max == -INFINITY ? 0.0f : new_max;
         const float p = exp2f(s - base);
@@ -380,9 +408,13 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const int hd = a.cache.head_dim;
   const int partition = a.header[kHeaderDecodePartition];
   const int used = min(splits, NumPartitions(a.positions[t] + 1, partition));
+  // Splits before the token's window wrote nothing (the decode kernel skips
+  // them): they start at the one holding its first visible key.
+  const int first_used = FirstVisibleKey(a.positions[t], a.window) / partition;
   const float* partial = a.partials + (t * a.q_heads + h) * splits * (hd + 2);
-  const float m = tid < used ? partial[tid * (hd + 2)] : -INFINITY;
-  const float l = tid < used ? partial[tid * (hd + 2) + 1] : 0.0f;
+  const bool live = tid >= first_used && tid < used;
+  const float m = live ? partial[tid * (hd + 2)] : -INFINITY;
+  const float l = live ? partial[tid * (hd + 2) + 1] : 0.0f;
   float block_max = WarpMax(m);
   if (lane == 0) warp_s[warp] = block_max;
   __syncthreads();
@@ -402,7 +434,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   for (int d = tid; d < hd; d += kAttentionThreads) {
     float numerator = 0.0f;
 #pragma unroll 8
-    for (int p = 0; p < used; ++p) {
+    for (int p = first_used; p < used; ++p) {
       numerator += weight_s[p] * partial[p * (hd + 2) + 2 + d];
     }
     a.out[(t * a.q_heads + h) * hd + d] =
@@ -485,8 +517,16 @@ __global__ void __launch_bounds__(kAttentionThreads, 3)
   }
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
   const int key_tiles = (context + kPrefillKeyTile - 1) / kPrefillKeyTile;
-  load(k_s, 0, 0);
-  for (int kt = 0; kt < key_tiles; ++kt) {
+  // With a sliding window, key tiles before every row's window are skipped.
+  const int first_tile =
+      ItemFirstVisibleKey(a, first, num_tokens) / kPrefillKeyTile;
+  int lowest_key[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    lowest_key[i] = FirstVisibleKey(position[i], a.window);
+  }
+  load(k_s, first_tile, 0);
+  for (int kt = first_tile; kt < key_tiles; ++kt) {
     load(v_s, kt, keys.kv_stride);
     CpAsyncWait<1>();  // K tile kt (V tile kt may still be in flight)
     __syncthreads();
@@ -514,19 +554,19 @@ __global__ void __launch_bounds__(kAttentionThreads, 3)
 
     // Causal mask and online softmax (each row's 4 lanes share its max).
     // Tiles wholly at or before both of this thread's positions (most of a
-    // long prompt's) need no mask.
+    // long prompt's), and inside both rows' windows, need no mask.
     const int key0 = kt * kPrefillKeyTile + 2 * tig;
     const bool unmasked =
-        (kt + 1) * kPrefillKeyTile - 1 <= min(position[0], position[1]);
+        (kt + 1) * kPrefillKeyTile - 1 <= min(position[0], position[1]) &&
+        kt * kPrefillKeyTile >= max(lowest_key[0], lowest_key[1]);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * n + (e & 1);
-        const float v = unmasked || key <= position[e / 2]
-                            ? s[n][e] * scale_log2
-                            : -INFINITY;
+        const bool visible = key <= position[e / 2] && key >= lowest_key[e / 2];
+        const float v = unmasked || visible ? s[n][e] * scale_log2 : -INFINITY;
         s[n][e] = v;
         tile_max[e / 2] = fmaxf(tile_max[e / 2], v);
       }

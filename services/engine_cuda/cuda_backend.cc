@@ -172,6 +172,16 @@ struct DeviceLayer {
   DeviceBuffer ffn_norm;   // f32 [hidden]
   DeviceBuffer w_gate_up;  // bf16 [2 ffn, hidden]
   DeviceBuffer w_down;     // bf16 [hidden, ffn]
+  // Family extras in f32, empty (null) when the model has none: the q/k/v
+  // biases of this rank's rows [qkv_rows], the q/k norms [head_dim], the
+  // o_proj bias [hidden].
+  DeviceBuffer qkv_bias, q_norm, k_norm, o_bias;
+
+  int64_t bytes() const {
+    return attn_norm.bytes() + wqkv.bytes() + wo.bytes() + ffn_norm.bytes() +
+           w_gate_up.bytes() + w_down.bytes() + qkv_bias.bytes() +
+           q_norm.bytes() + k_norm.bytes() + o_bias.bytes();
+  }
 };
 
 std::vector<uint16_t> ToBf16(const std::vector<float>& values) {
@@ -439,6 +449,12 @@ absl::Status CudaBackend::LoadWeights(const model::WeightSource& weights) {
           PDS_RETURN_IF_ERROR(d.wo.Upload(ToBf16(host.wo), "wo"));
           PDS_RETURN_IF_ERROR(
               d.w_gate_up.Upload(ToBf16(host.w_gate_up), "w_gate_up"));
+          // Biases and norm weights stay f32: they are added to and scale
+          // f32 activations (an empty vector uploads nothing).
+          PDS_RETURN_IF_ERROR(d.qkv_bias.Upload(host.qkv_bias, "qkv bias"));
+          PDS_RETURN_IF_ERROR(d.q_norm.Upload(host.q_norm, "q norm"));
+          PDS_RETURN_IF_ERROR(d.k_norm.Upload(host.k_norm, "k norm"));
+          PDS_RETURN_IF_ERROR(d.o_bias.Upload(host.o_bias, "o_proj bias"));
           return d.w_down.Upload(ToBf16(host.w_down), "w_down");
         }();
         if (!status.ok()) {
@@ -453,11 +469,7 @@ absl::Status CudaBackend::LoadWeights(const model::WeightSource& weights) {
   PDS_RETURN_IF_ERROR(first_error);
 
   weight_bytes_ = embedding_.bytes() + final_norm_.bytes() + lm_head_.bytes();
-  for (const DeviceLayer& d : layers_) {
-    weight_bytes_ += d.attn_norm.bytes() + d.wqkv.bytes() + d.wo.bytes() +
-                     d.ffn_norm.bytes() + d.w_gate_up.bytes() +
-                     d.w_down.bytes();
-  }
+  for (const DeviceLayer& d : layers_) weight_bytes_ += d.bytes();
   return absl::OkStatus();
 }
 
@@ -666,10 +678,16 @@ absl::Status CudaBackend::RunStep(int n, int num_logit_rows,
     }
     PDS_RETURN_IF_ERROR(Gemm(normed, n, hidden, w.wqkv, plan_.qkv_rows(),
                              qkv_.as<float>(), plan_.qkv_rows()));
+    cuda::QkvExtras extras;
+    extras.bias = w.qkv_bias.as<float>();
+    extras.q_norm = w.q_norm.as<float>();
+    extras.k_norm = w.k_norm.as<float>();
+    extras.eps = c.rms_norm_eps;
     PDS_RETURN_IF_ERROR(cuda::LaunchRopeWriteKv(
         qkv_.as<float>(), n, plan_.q_heads, positions, slots,
-        rope_cos_.as<float>(), rope_sin_.as<float>(), cache_, l, s));
+        rope_cos_.as<float>(), rope_sin_.as<float>(), cache_, l, extras, s));
     attention.layer = l;
+    attention.window = c.LayerWindow(plan_.shard.layer_begin + l);
     switch (plan.kernel) {
       case AttentionKernel::kDecode:
         PDS_RETURN_IF_ERROR(cuda::LaunchDecodeAttention(
@@ -686,12 +704,17 @@ absl::Status CudaBackend::RunStep(int n, int num_logit_rows,
     PDS_RETURN_IF_ERROR(Gemm(attn_out_.as<uint16_t>(), n, plan_.attn_width(),
                              w.wo, hidden, proj, hidden));
     PDS_RETURN_IF_ERROR(AllReduce(proj, int64_t{n} * hidden));
-    // x += attention; normed = RMSNorm(x) for the MLP.
+    // x += attention (+ the o_proj bias, after the sum so every rank adds it
+    // once); normed = RMSNorm(x) for the MLP.
+    const float* o_bias = w.o_bias.as<float>();
     if (options_.fuse_residual_norm) {
       PDS_RETURN_IF_ERROR(cuda::LaunchRmsNorm(x, proj, w.ffn_norm.as<float>(),
                                               c.rms_norm_eps, hidden, n, normed,
-                                              s));
+                                              s, o_bias));
     } else {
+      if (o_bias != nullptr) {
+        PDS_RETURN_IF_ERROR(cuda::LaunchAddRowBias(proj, o_bias, n, hidden, s));
+      }
       PDS_RETURN_IF_ERROR(cuda::LaunchAdd(x, proj, int64_t{n} * hidden, s));
       PDS_RETURN_IF_ERROR(
           cuda::LaunchRmsNorm(x, nullptr, w.ffn_norm.as<float>(),
@@ -882,29 +905,9 @@ absl::Status CudaBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
 
 }  // namespace
 
-namespace {
-
-// The family features the kernels compute. RoPE scaling of every type
-// is in the host-built cos/sin tables (BuildRopeTables), which the kernels
-// read as they are; the rest is refused rather than computed wrong.
-absl::Status CheckFeaturesImplemented(const model::ModelConfig& c) {
-  const char* missing = c.qkv_bias             ? "q/k/v projection biases"
-                        : c.o_bias             ? "the o_proj bias"
-                        : c.qk_norm            ? "per-head q/k RMSNorm"
-                        : c.sliding_window > 0 ? "a sliding attention window"
-                                               : nullptr;
-  if (missing == nullptr) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("the CUDA backend does not implement ", missing, " (",
-                   c.architecture, " model); serve it with --backend cpu"));
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(
     const model::WeightSource& weights, const EngineOptions& options,
     ShardPlan plan) {
-  PDS_RETURN_IF_ERROR(CheckFeaturesImplemented(plan.config));
   PDS_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend,
                        CudaBackend::Create(weights, options, std::move(plan)));
   return std::unique_ptr<EngineBackend>(std::move(backend));

@@ -62,15 +62,17 @@ __global__ void EmbedKernel(const __nv_bfloat16* embedding, int64_t vocab_begin,
 }
 
 __global__ void RmsNormKernel(float* x, const float* residual,
-                              const float* weight, float eps, int hidden,
-                              __nv_bfloat16* out) {
+                              const float* residual_bias, const float* weight,
+                              float eps, int hidden, __nv_bfloat16* out) {
   const int64_t row = blockIdx.x;
   float* xr = x + row * hidden;
   float sum_squares = 0.0f;
   if (residual != nullptr) {
     const float* rr = residual + row * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-      const float v = xr[i] + rr[i];
+      const float delta =
+          residual_bias != nullptr ? rr[i] + residual_bias[i] : rr[i];
+      const float v = xr[i] + delta;
       xr[i] = v;
       sum_squares += v * v;
     }
@@ -86,6 +88,12 @@ __global__ void RmsNormKernel(float* x, const float* residual,
   }
 }
 
+// Block r (one row).
+__global__ void AddRowBiasKernel(float* x, const float* bias, int cols) {
+  float* row = x + int64_t{blockIdx.x} * cols;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) row[i] += bias[i];
+}
+
 __global__ void AddKernel(float* x, const float* delta, int64_t count) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -96,17 +104,44 @@ __global__ void AddKernel(float* x, const float* delta, int64_t count) {
 // Block t (one token); its threads walk the (head, rotation pair) items of
 // the q_heads + kv_heads heads: pair j of a head is (j, j + half). One block
 // per token, not per (token, head): a 2048-token prefill of an 8B model is
-// 2048 blocks of 256 threads instead of 81920 blocks of 64.
+// 2048 blocks of 256 threads instead of 81920 blocks of 64. With family
+// extras a first pass (one warp per head, every head of q, k and v) adds the
+// biases and normalizes q and k heads; models without them skip it and its
+// barrier.
 __global__ void RopeWriteKvKernel(float* qkv, int q_heads,
                                   const int32_t* positions,
                                   const int32_t* slots, const float* rope_cos,
                                   const float* rope_sin, KvCacheView cache,
-                                  int layer) {
+                                  int layer, QkvExtras extras) {
   const int t = blockIdx.x;
   const int hd = cache.head_dim;
   const int half = hd / 2;
   const int kv_heads = cache.num_kv_heads;
   const int64_t row = int64_t{q_heads + 2 * kv_heads} * hd;
+  if (extras.bias != nullptr || extras.q_norm != nullptr ||
+      extras.k_norm != nullptr) {
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const int warps = blockDim.x / kWarp;
+    for (int head = warp; head < q_heads + 2 * kv_heads; head += warps) {
+      float* vec = qkv + t * row + int64_t{head} * hd;
+      const float* bias =
+          extras.bias != nullptr ? extras.bias + int64_t{head} * hd : nullptr;
+      const float* norm = head < q_heads              ? extras.q_norm
+                          : head < q_heads + kv_heads ? extras.k_norm
+                                                      : nullptr;
+      float sum_squares = 0.0f;
+      for (int d = lane; d < hd; d += kWarp) {
+        const float v = bias != nullptr ? vec[d] + bias[d] : vec[d];
+        vec[d] = v;
+        sum_squares += v * v;
+      }
+      if (norm == nullptr) continue;  // uniform across the warp
+      // Each lane rescales the dims it wrote itself: no barrier needed.
+      const float scale = rsqrtf(WarpSum(sum_squares) / hd + extras.eps);
+      for (int d = lane; d < hd; d += kWarp) vec[d] = vec[d] * scale * norm[d];
+    }
+    __syncthreads();  // the rotation pairs below cross warps
+  }
   const int position = positions[t];
   const int slot_index = slots[t];  // -1: padding token of a graph replay
   const float* cos_row = rope_cos + int64_t{position} * half;
@@ -158,8 +193,11 @@ __global__ void PagedAttentionKernel(AttentionArgs a, float scale) {
   const int hd = cache.head_dim;
   const int bs = cache.block_size;
   const int position = a.positions[t];
-  const int begin = part * a.partition;
-  const int end = min(begin + a.partition, position + 1);
+  // A window hides the keys before position - window + 1: partitions wholly
+  // before it come out empty, like those past the position.
+  const int first_visible = a.window > 0 ? max(0, position + 1 - a.window) : 0;
+  const int begin = max(part * a.partition, first_visible);
+  const int end = min(part * a.partition + a.partition, position + 1);
   float* partial =
       a.partials +
       ((int64_t{t} * a.q_heads + h) * a.partitions + part) * (hd + 2);
@@ -252,6 +290,8 @@ __global__ void MergePartitionsKernel(AttentionArgs a) {
   float numerator = 0.0f, denominator = 0.0f;
   for (int p = 0; p < used; ++p) {
     const float* run = partial + p * (hd + 2);
+    // An empty partition (before a sliding window) wrote no values.
+    if (run[0] == -INFINITY) continue;
     const float weight = expf(run[0] - max_score);
     denominator += weight * run[1];
     if (d < hd) numerator += weight * run[2 + d];
@@ -409,10 +449,17 @@ absl::Status LaunchEmbed(const uint16_t* embedding, int64_t vocab_begin,
 
 absl::Status LaunchRmsNorm(float* x, const float* residual, const float* weight,
                            float eps, int hidden, int num_rows, uint16_t* out,
-                           Stream stream) {
+                           Stream stream, const float* residual_bias) {
   RmsNormKernel<<<num_rows, NormThreads(hidden), 0, stream>>>(
-      x, residual, weight, eps, hidden, AsBf16(out));
+      x, residual, residual_bias, weight, eps, hidden, AsBf16(out));
   return LaunchStatus("rms_norm");
+}
+
+absl::Status LaunchAddRowBias(float* x, const float* bias, int rows, int cols,
+                              Stream stream) {
+  if (rows == 0) return absl::OkStatus();
+  AddRowBiasKernel<<<rows, 256, 0, stream>>>(x, bias, cols);
+  return LaunchStatus("add_row_bias");
 }
 
 absl::Status LaunchAdd(float* x, const float* delta, int64_t count,
@@ -425,9 +472,9 @@ absl::Status LaunchRopeWriteKv(float* qkv, int num_tokens, int q_heads,
                                const int32_t* positions, const int32_t* slots,
                                const float* rope_cos, const float* rope_sin,
                                const KvCacheView& cache, int layer,
-                               Stream stream) {
+                               const QkvExtras& extras, Stream stream) {
   RopeWriteKvKernel<<<num_tokens, 256, 0, stream>>>(
-      qkv, q_heads, positions, slots, rope_cos, rope_sin, cache, layer);
+      qkv, q_heads, positions, slots, rope_cos, rope_sin, cache, layer, extras);
   return LaunchStatus("rope_write_kv");
 }
 

@@ -24,10 +24,17 @@ absl::Status LaunchEmbed(const uint16_t* embedding, int64_t vocab_begin,
 
 // out[t] = bf16(x[t] * rsqrt(mean(x[t]^2) + eps) * weight). When `residual`
 // is given, x[t] += residual[t] first and is written back (the fused
-// residual add).
+// residual add); with `residual_bias` ([hidden]) too, x[t] += (residual[t] +
+// residual_bias), the o_proj bias added once after the TP all-reduce, in the
+// order of the CPU engine and of LaunchAddRowBias + LaunchAdd.
 absl::Status LaunchRmsNorm(float* x, const float* residual, const float* weight,
                            float eps, int hidden, int num_rows, uint16_t* out,
-                           Stream stream);
+                           Stream stream, const float* residual_bias = nullptr);
+
+// x[r] += bias for each of `rows` f32 rows of `cols` (the unfused o_proj
+// bias).
+absl::Status LaunchAddRowBias(float* x, const float* bias, int rows, int cols,
+                              Stream stream);
 
 // y[r][o] = Σ_k x[r][k] w[o][k] for r < rows <= kSmallBatchRows: bf16 x
 // [rows][in] and w [out][in], f32 y rows `ldy` apart. Decode steps are
@@ -64,23 +71,37 @@ struct KvCacheView {
   }
 };
 
-// Rotates q and k of every token by its position (rotate-half RoPE from the
-// f32 cos/sin tables [max_position, head_dim/2]), in place in `qkv`
+// The family extras applied to q/k/v before RoPE, each null when the model
+// has none: the projection biases ([q_heads + 2 kv_heads][head_dim], this
+// rank's rows, Qwen2 / attention_bias) and the per-head RMSNorm weights of q
+// and k ([head_dim], Qwen3; eps is the model's rms_norm_eps).
+struct QkvExtras {
+  const float* bias = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float eps = 1e-6f;
+};
+
+// Adds the biases and normalizes q and k per head (`extras`, when given),
+// then rotates q and k of every token by its position (rotate-half RoPE from
+// the f32 cos/sin tables [max_position, head_dim/2]), in place in `qkv`
 // ([tokens][q_heads + 2 kv_heads][head_dim], f32), and writes k and v to the
-// cache at slots[t] (block * block_size + slot; -1 writes nothing).
+// cache at slots[t] (block * block_size + slot; -1 writes nothing). The
+// order is the CPU engine's: bias, norm, RoPE.
 absl::Status LaunchRopeWriteKv(float* qkv, int num_tokens, int q_heads,
                                const int32_t* positions, const int32_t* slots,
                                const float* rope_cos, const float* rope_sin,
                                const KvCacheView& cache, int layer,
-                               Stream stream);
+                               const QkvExtras& extras, Stream stream);
 
 // Paged attention for every query token: token t (sequence token_sequence[t],
 // position positions[t]) attends causally to keys [0, positions[t]] through
-// its block-table row. Split-K: `partitions` pieces of `partition` keys each
-// produce an online-softmax run in `partials` ([tokens][q_heads][partitions]
-// [head_dim + 2] f32), which a second kernel merges into `out` ([tokens]
-// [q_heads * head_dim], bf16). q_head h reads pool KV head
-// (q_head_offset + h) / group - kv_head_offset.
+// its block-table row, or with a sliding `window` > 0 to keys
+// [positions[t] - window + 1, positions[t]] (the CPU engine's window). Split-K:
+// `partitions` pieces of `partition` keys each produce an online-softmax run in
+// `partials` ([tokens][q_heads][partitions] [head_dim + 2] f32), which a second
+// kernel merges into `out` ([tokens] [q_heads * head_dim], bf16). q_head h
+// reads pool KV head (q_head_offset + h) / group - kv_head_offset.
 struct AttentionArgs {
   const float* qkv = nullptr;
   int num_tokens = 0;
@@ -94,6 +115,7 @@ struct AttentionArgs {
   int max_blocks_per_sequence = 0;
   KvCacheView cache;
   int layer = 0;
+  int window = 0;      // this layer's sliding window; 0: the whole context
   int partition = 0;   // legacy: keys per partition
   int partitions = 1;  // legacy: partitions per token (grid size; empty
                        // ones skip)

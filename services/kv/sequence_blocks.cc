@@ -17,7 +17,8 @@ KvSequence::KvSequence(KvSequence&& other) noexcept
     : manager_(other.manager_),
       blocks_(std::move(other.blocks_)),
       num_tokens_(std::exchange(other.num_tokens_, 0)),
-      num_immutable_blocks_(std::exchange(other.num_immutable_blocks_, 0)) {
+      num_immutable_blocks_(std::exchange(other.num_immutable_blocks_, 0)),
+      num_released_blocks_(std::exchange(other.num_released_blocks_, 0)) {
   other.blocks_.clear();
 }
 
@@ -29,6 +30,7 @@ KvSequence& KvSequence::operator=(KvSequence&& other) noexcept {
     other.blocks_.clear();
     num_tokens_ = std::exchange(other.num_tokens_, 0);
     num_immutable_blocks_ = std::exchange(other.num_immutable_blocks_, 0);
+    num_released_blocks_ = std::exchange(other.num_released_blocks_, 0);
   }
   return *this;
 }
@@ -84,6 +86,13 @@ absl::Status KvSequence::Truncate(int64_t num_tokens) {
         num_immutable_blocks_ * block_size, " tokens are cached"));
   }
   const int64_t keep = (num_tokens + block_size - 1) / block_size;
+  if (keep < num_released_blocks_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("truncating to ", num_tokens,
+                     " tokens reaches blocks given back "
+                     "outside the sliding window (the first ",
+                     num_released_blocks_ * block_size, " tokens)"));
+  }
   if (keep < num_blocks()) {
     // Tail first, so the blocks least likely to be shared are evicted first.
     std::vector<BlockId> dropped(blocks_.rbegin(),
@@ -114,13 +123,29 @@ absl::Status KvSequence::PublishFullBlocks(std::span<const int32_t> tokens) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> KvSequence::ReleaseBlocksBefore(int64_t position) {
+  const int64_t block_size = manager_->block_size();
+  const int64_t before = std::min(position, num_tokens_) / block_size;
+  const int64_t until = std::min(before, num_immutable_blocks_ - 1);
+  if (until <= num_released_blocks_) return int64_t{0};
+  const std::vector<BlockId> given_back(blocks_.begin() + num_released_blocks_,
+                                        blocks_.begin() + until);
+  PDS_RETURN_IF_ERROR(manager_->Free(given_back));
+  num_released_blocks_ = until;
+  std::fill(blocks_.begin(), blocks_.begin() + until, blocks_[until]);
+  return static_cast<int64_t>(given_back.size());
+}
+
 void KvSequence::Release() {
-  if (blocks_.empty()) {
+  if (blocks_.size() <= static_cast<size_t>(num_released_blocks_)) {
+    blocks_.clear();
     num_tokens_ = 0;
     num_immutable_blocks_ = 0;
+    num_released_blocks_ = 0;
     return;
   }
-  std::vector<BlockId> reversed(blocks_.rbegin(), blocks_.rend());
+  std::vector<BlockId> reversed(blocks_.rbegin(),
+                                blocks_.rend() - num_released_blocks_);
   absl::Status status = manager_->Free(reversed);
   if (!status.ok()) {
     // Only reachable if someone else freed this sequence's references: a bug,
@@ -130,6 +155,7 @@ void KvSequence::Release() {
   blocks_.clear();
   num_tokens_ = 0;
   num_immutable_blocks_ = 0;
+  num_released_blocks_ = 0;
 }
 
 }  // namespace pdserve::kv

@@ -61,6 +61,15 @@ class KvSequence {
   // tokens are given than the sequence holds.
   [[nodiscard]] absl::Status PublishFullBlocks(std::span<const int32_t> tokens);
 
+  // Sliding windows: gives back the blocks wholly before `position` (keys no
+  // query of this sequence will read again, when every layer windows) that
+  // are already shared with the prefix cache — they stay there, evictable —
+  // keeping the last shared one, the parent the next published block
+  // chains to. Their table entries then name the first block still held:
+  // valid ids, never read or written. Returns how many blocks went back.
+  // Truncating into them afterwards is FAILED_PRECONDITION.
+  [[nodiscard]] absl::StatusOr<int64_t> ReleaseBlocksBefore(int64_t position);
+
   // Frees every block; the sequence becomes empty. Idempotent.
   void Release();
 
@@ -71,6 +80,9 @@ class KvSequence {
   // Positions the table can hold without another Reserve.
   int64_t capacity_tokens() const;
   int64_t num_immutable_blocks() const { return num_immutable_blocks_; }
+  // Table entries [0, num_released_blocks()) were given back
+  // (ReleaseBlocksBefore); the sequence holds the rest.
+  int64_t num_released_blocks() const { return num_released_blocks_; }
 
  private:
   KvBlockManager* manager_;
@@ -78,6 +90,8 @@ class KvSequence {
   int64_t num_tokens_ = 0;
   // Prefix of blocks_ shared with the prefix cache (matched or published).
   int64_t num_immutable_blocks_ = 0;
+  // Prefix of blocks_ given back by ReleaseBlocksBefore.
+  int64_t num_released_blocks_ = 0;
 };
 
 struct KvSequenceStart {

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "model/gguf_file.h"
 #include "model/tensor_layout.h"
 
@@ -155,25 +156,11 @@ TensorFormat Q4KMFormatOf(const ModelConfig& config, const std::string& name) {
   return TensorFormat::kQ4_K;
 }
 
-absl::Status WriteLlamaGguf(const std::string& path, const ModelConfig& config,
-                            const TensorValuesFn& values,
-                            const TensorFormatFn& format_of) {
-  MetadataWriter meta;
-  meta.Str("general.architecture", "llama");
-  meta.Str("general.name", "pdserve-generated");
-  meta.U32("general.alignment", kAlignment);
-  meta.U32("llama.context_length", config.max_position_embeddings);
-  meta.U32("llama.embedding_length", config.hidden_size);
-  meta.U32("llama.feed_forward_length", config.intermediate_size);
-  meta.U32("llama.block_count", config.num_layers);
-  meta.U32("llama.attention.head_count", config.num_heads);
-  meta.U32("llama.attention.head_count_kv", config.num_kv_heads);
-  meta.U32("llama.attention.key_length", config.head_dim);
-  meta.U32("llama.attention.value_length", config.head_dim);
-  meta.U32("llama.rope.dimension_count", config.head_dim);
-  meta.F32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps);
-  meta.F32("llama.rope.freq_base", config.rope_theta);
-  meta.U32("llama.vocab_size", config.vocab_size);
+namespace {
+
+// <unk>, <s>, </s>, the 256 byte tokens, then "tok<i>".
+void WritePlaceholderVocabulary(const ModelConfig& config,
+                                MetadataWriter& meta) {
   meta.Str("tokenizer.ggml.model", "llama");
   std::vector<std::string> tokens;
   std::vector<float> scores;
@@ -203,6 +190,73 @@ absl::Status WriteLlamaGguf(const std::string& path, const ModelConfig& config,
   meta.U32("tokenizer.ggml.eos_token_id", config.eos_token_id);
   meta.U32("tokenizer.ggml.unknown_token_id", 0);
   meta.Bool("tokenizer.ggml.add_bos_token", true);
+}
+
+// tokenizer.ggml.* from a GGUF vocabulary (what GgufWeightSource reads back
+// as its tokenizer_spec()).
+absl::Status WriteVocabulary(const TokenizerSpec& v, const ModelConfig& config,
+                             MetadataWriter& meta) {
+  if (v.ggml_model.empty() ||
+      static_cast<int64_t>(v.tokens.size()) != config.vocab_size ||
+      (!v.scores.empty() && v.scores.size() != v.tokens.size()) ||
+      (!v.token_types.empty() && v.token_types.size() != v.tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the vocabulary to embed must be a GGUF one (tokenizer.ggml.model "
+        "set) of exactly vocab_size (",
+        config.vocab_size, ") tokens with as many scores and types; it has ",
+        v.tokens.size(), " tokens, model \"", v.ggml_model, "\""));
+  }
+  meta.Str("tokenizer.ggml.model", v.ggml_model);
+  if (!v.ggml_pre.empty()) meta.Str("tokenizer.ggml.pre", v.ggml_pre);
+  meta.StrArray("tokenizer.ggml.tokens", v.tokens);
+  if (!v.scores.empty()) meta.F32Array("tokenizer.ggml.scores", v.scores);
+  if (!v.token_types.empty()) {
+    meta.I32Array("tokenizer.ggml.token_type", v.token_types);
+  }
+  if (!v.merges.empty()) meta.StrArray("tokenizer.ggml.merges", v.merges);
+  if (!v.chat_template.empty()) {
+    meta.Str("tokenizer.chat_template", v.chat_template);
+  }
+  const std::pair<const char*, int32_t> ids[] = {
+      {"tokenizer.ggml.bos_token_id", v.bos_token_id},
+      {"tokenizer.ggml.eos_token_id", v.eos_token_id},
+      {"tokenizer.ggml.unknown_token_id", v.unk_token_id},
+      {"tokenizer.ggml.padding_token_id", v.pad_token_id}};
+  for (const auto& [key, id] : ids) {
+    if (id >= 0) meta.U32(key, static_cast<uint32_t>(id));
+  }
+  meta.Bool("tokenizer.ggml.add_bos_token", v.add_bos);
+  meta.Bool("tokenizer.ggml.add_eos_token", v.add_eos);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteLlamaGguf(const std::string& path, const ModelConfig& config,
+                            const TensorValuesFn& values,
+                            const TensorFormatFn& format_of,
+                            const TokenizerSpec* vocabulary) {
+  MetadataWriter meta;
+  meta.Str("general.architecture", "llama");
+  meta.Str("general.name", "pdserve-generated");
+  meta.U32("general.alignment", kAlignment);
+  meta.U32("llama.context_length", config.max_position_embeddings);
+  meta.U32("llama.embedding_length", config.hidden_size);
+  meta.U32("llama.feed_forward_length", config.intermediate_size);
+  meta.U32("llama.block_count", config.num_layers);
+  meta.U32("llama.attention.head_count", config.num_heads);
+  meta.U32("llama.attention.head_count_kv", config.num_kv_heads);
+  meta.U32("llama.attention.key_length", config.head_dim);
+  meta.U32("llama.attention.value_length", config.head_dim);
+  meta.U32("llama.rope.dimension_count", config.head_dim);
+  meta.F32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps);
+  meta.F32("llama.rope.freq_base", config.rope_theta);
+  meta.U32("llama.vocab_size", config.vocab_size);
+  if (vocabulary != nullptr) {
+    PDS_RETURN_IF_ERROR(WriteVocabulary(*vocabulary, config, meta));
+  } else {
+    WritePlaceholderVocabulary(config, meta);
+  }
 
   const std::vector<ExpectedTensor> layout = LlamaTensorLayout(config);
   std::vector<TensorFormat> formats;

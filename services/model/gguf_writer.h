@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "model/model_config.h"
 #include "model/quant_formats.h"
+#include "model/weight_source.h"
 
 namespace pdserve::model {
 
@@ -27,12 +28,15 @@ using TensorFormatFn = std::function<TensorFormat(const std::string& name)>;
 // Every tensor of LlamaTensorLayout(config), llama.* metadata, and a
 // placeholder SentencePiece-style vocabulary of config.vocab_size tokens
 // (<unk>, <s>, </s>, the 256 byte tokens, then "tok<i>") that llama.cpp
-// accepts. Streams one tensor at a time. INVALID_ARGUMENT names a tensor
-// whose rows are not a whole number of its format's blocks.
-[[nodiscard]] absl::Status WriteLlamaGguf(const std::string& path,
-                                          const ModelConfig& config,
-                                          const TensorValuesFn& values,
-                                          const TensorFormatFn& format_of);
+// accepts — or, with `vocabulary`, that GGUF vocabulary (tokenizer.ggml.*:
+// a real tokenizer, e.g. another GGUF's tokenizer_spec(), of exactly
+// config.vocab_size tokens). Streams one tensor at a time. INVALID_ARGUMENT
+// names a tensor whose rows are not a whole number of its format's blocks,
+// or a vocabulary that is not GGUF's or not of the config's size.
+[[nodiscard]] absl::Status WriteLlamaGguf(
+    const std::string& path, const ModelConfig& config,
+    const TensorValuesFn& values, const TensorFormatFn& format_of,
+    const TokenizerSpec* vocabulary = nullptr);
 
 // The mix llama.cpp's Q4_K_M file type uses: Q6_K for the output head and
 // for v_proj and down_proj in the first and last eighth of the layers and

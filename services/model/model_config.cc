@@ -413,6 +413,12 @@ absl::Status ModelConfig::Validate() const {
         absl::StrCat("config key \"sliding_window\" must be positive, got ",
                      sliding_window));
   }
+  if (!windowed_layers.empty() &&
+      static_cast<int>(windowed_layers.size()) != num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config key \"layer_types\" lists ", windowed_layers.size(),
+        " layers, not num_hidden_layers (", num_layers, ")"));
+  }
   const RopeScaling& rope = rope_scaling;
   if (rope.type != RopeScalingType::kNone) {
     const std::string_view type = RopeScalingName(rope.type);
@@ -492,7 +498,16 @@ std::string ModelConfig::Identity() const {
   // The family flags: each changes hidden states or KV.
   absl::StrAppend(&identity, ";qkv_bias=", qkv_bias ? 1 : 0,
                   ";o_bias=", o_bias ? 1 : 0, ";qk_norm=", qk_norm ? 1 : 0,
-                  ";window=", sliding_window,
+                  ";window=", sliding_window);
+  if (!windowed_layers.empty()) {
+    // Which layers window: one digit per layer.
+    absl::StrAppend(&identity, "(layers=");
+    for (bool windowed : windowed_layers) {
+      absl::StrAppend(&identity, windowed ? "1" : "0");
+    }
+    absl::StrAppend(&identity, ")");
+  }
+  absl::StrAppend(&identity,
                   ";rope=", ToAbsl(RopeScalingName(rope_scaling.type)));
   const RopeScaling& r = rope_scaling;
   switch (r.type) {
@@ -601,8 +616,11 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
       RequiredInt(root, "max_position_embeddings", source_name));
   // Sliding window: Mistral attends over the last sliding_window keys in
   // every layer (transformers' default 4096 when the key is absent; null
-  // turns it off). Qwen2/Qwen3 ignore sliding_window unless
-  // use_sliding_window, which windows only some layers: not implemented.
+  // turns it off). Qwen2/Qwen3 window only with use_sliding_window (their
+  // configs ship sliding_window set and the flag false: no window), and then
+  // only some layers: as transformers' Qwen2Config derives layer_types,
+  // layer i windows when i >= max_window_layers (default 28), unless the
+  // config lists layer_types itself.
   PDS_ASSIGN_OR_RETURN(std::optional<int> window,
                        OptionalInt(root, "sliding_window", source_name));
   if (family == "mistral") {
@@ -614,27 +632,75 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   } else if (is_qwen) {
     PDS_ASSIGN_OR_RETURN(std::optional<bool> use_window,
                          OptionalBool(root, "use_sliding_window", source_name));
-    if (use_window.value_or(false)) {
-      return BadKey(source_name, "use_sliding_window",
-                    "= true is not supported (Qwen windows only the layers "
-                    "past max_window_layers)");
+    PDS_ASSIGN_OR_RETURN(std::optional<int> max_window_layers,
+                         OptionalInt(root, "max_window_layers", source_name));
+    if (max_window_layers.value_or(0) < 0) {
+      return BadKey(source_name, "max_window_layers", "must not be negative");
     }
-  }
-  // transformers >= 4.53 writes the per-layer attention kinds: they must
-  // agree with the one kind this config gives every layer.
-  if (auto it = root.find("layer_types"); it != root.end() && !it->is_null()) {
-    const std::string want =
-        config.sliding_window > 0 ? "sliding_attention" : "full_attention";
-    if (!it->is_array())
-      return BadKey(source_name, "layer_types", "must be a list");
-    for (const Json& kind : *it) {
-      if (!kind.is_string() || kind.get<std::string>() != want) {
-        return BadKey(source_name, "layer_types",
-                      absl::StrCat("must list \"", want,
-                                   "\" for every layer (mixed attention kinds "
-                                   "are not supported)"));
+    if (use_window.value_or(false)) {
+      // Qwen2Config / Qwen3Config default to 4096 when the key is absent.
+      config.sliding_window =
+          root.contains("sliding_window") ? window.value_or(0) : 4096;
+      if (window.has_value() && *window <= 0) {
+        return BadKey(source_name, "sliding_window",
+                      "must be positive with use_sliding_window");
+      }
+      config.windowed_layers.assign(config.num_layers, false);
+      for (int l = max_window_layers.value_or(28); l < config.num_layers; ++l) {
+        config.windowed_layers[l] = true;
       }
     }
+  }
+  // transformers >= 4.53 writes the per-layer attention kinds. Qwen takes
+  // them as they are; the other families window every layer or none, so
+  // their list must agree with that one kind.
+  if (auto it = root.find("layer_types"); it != root.end() && !it->is_null()) {
+    if (!it->is_array())
+      return BadKey(source_name, "layer_types", "must be a list");
+    if (is_qwen) {
+      if (static_cast<int>(it->size()) != config.num_layers) {
+        return BadKey(source_name, "layer_types",
+                      absl::StrCat("lists ", it->size(), " layers, not ",
+                                   config.num_layers));
+      }
+      std::vector<bool> windowed;
+      for (const Json& kind : *it) {
+        const bool known = kind.is_string() &&
+                           (kind.get<std::string>() == "sliding_attention" ||
+                            kind.get<std::string>() == "full_attention");
+        if (!known) {
+          return BadKey(source_name, "layer_types",
+                        "must list \"full_attention\" or "
+                        "\"sliding_attention\" for each layer");
+        }
+        windowed.push_back(kind.get<std::string>() == "sliding_attention");
+      }
+      // Without use_sliding_window transformers' sliding_window is None:
+      // "sliding_attention" layers then attend to everything.
+      if (config.sliding_window > 0) config.windowed_layers = windowed;
+    } else {
+      const std::string want =
+          config.sliding_window > 0 ? "sliding_attention" : "full_attention";
+      for (const Json& kind : *it) {
+        if (!kind.is_string() || kind.get<std::string>() != want) {
+          return BadKey(
+              source_name, "layer_types",
+              absl::StrCat("must list \"", want, "\" for every layer (", family,
+                           " has one attention kind for all layers)"));
+        }
+      }
+    }
+  }
+  // One description per meaning: no windowed layer is no window, every layer
+  // windowed is the Mistral form (an empty list).
+  if (!config.windowed_layers.empty()) {
+    bool any = false, all = true;
+    for (bool windowed : config.windowed_layers) {
+      any = any || windowed;
+      all = all && windowed;
+    }
+    if (!any) config.sliding_window = 0;
+    if (!any || all) config.windowed_layers.clear();
   }
 
   // RoPE: rope_theta and rope_scaling, or transformers v5's

@@ -105,8 +105,32 @@ struct ModelConfig {
   // head_dim) after the projections, before RoPE (Qwen3).
   bool qk_norm = false;
   // Each query attends to at most this many keys, itself included (keys at
-  // positions > position - window); 0 means the whole context (Mistral).
+  // positions > position - window), in the layers that window; 0 means the
+  // whole context in every layer.
   int sliding_window = 0;
+  // Which layers window when sliding_window > 0, one flag per layer (Qwen2/
+  // Qwen3 with use_sliding_window: the layers from max_window_layers on, or
+  // those layer_types calls "sliding_attention"). Empty: every layer
+  // (Mistral).
+  std::vector<bool> windowed_layers;
+  // The window of model layer `layer` (0: none).
+  int LayerWindow(int layer) const {
+    if (sliding_window <= 0) return 0;
+    if (windowed_layers.empty()) return sliding_window;
+    return layer >= 0 && layer < static_cast<int>(windowed_layers.size()) &&
+                   windowed_layers[layer]
+               ? sliding_window
+               : 0;
+  }
+  // True when every layer windows (then keys older than the window are never
+  // read again by any layer).
+  bool EveryLayerWindowed() const {
+    if (sliding_window <= 0) return false;
+    for (bool windowed : windowed_layers) {
+      if (!windowed) return false;
+    }
+    return true;
+  }
   RopeScaling rope_scaling;
 
   // Checks internal consistency (positive sizes, num_heads % num_kv_heads == 0,
@@ -133,12 +157,15 @@ struct ModelConfig {
 // Parses a Hugging Face config.json of model_type llama, mistral, qwen2 or
 // qwen3. `source_name` (usually the path) is included in every error.
 // Missing required keys, an unknown model_type and any key whose value the
-// engine does not implement (hidden_act other than silu, mlp_bias, Qwen's
-// use_sliding_window, an unknown rope_scaling type or field, ...) are
+// engine does not implement (hidden_act other than silu, mlp_bias, an
+// unknown rope_scaling type or field, ...) are
 // INVALID_ARGUMENT naming the key. Defaults follow each family's
 // transformers config class: head_dim = hidden_size / num_attention_heads
 // (Qwen3: 128), num_key_value_heads = num_attention_heads, Mistral's
-// sliding_window 4096 when the key is absent. With linear, dynamic or yarn
+// sliding_window 4096 when the key is absent; Qwen2/Qwen3 window only with
+// use_sliding_window, in the layers from max_window_layers on (or those
+// layer_types marks "sliding_attention"), as transformers' Qwen2Config
+// derives them. With linear, dynamic or yarn
 // rope scaling, max_position_embeddings becomes the scaled context
 // (factor x the original), which is what such a model serves.
 [[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(

@@ -1,6 +1,8 @@
 #include "speculative/truncated_weights.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -15,6 +17,16 @@ class LayerTruncatedWeights final : public model::WeightSource {
         description_(absl::StrCat(base.description(), " (first ", num_layers,
                                   " layers)")) {
     config_.num_layers = num_layers;
+    // Per-layer windows (Qwen) keep those of the layers kept, in the
+    // parser's one form: none windowed is no window, all is the empty list.
+    std::vector<bool>& windowed = config_.windowed_layers;
+    if (!windowed.empty()) {
+      windowed.resize(num_layers);
+      const int count =
+          static_cast<int>(std::count(windowed.begin(), windowed.end(), true));
+      if (count == 0) config_.sliding_window = 0;
+      if (count == 0 || count == num_layers) windowed.clear();
+    }
   }
   const model::ModelConfig& config() const override { return config_; }
   const std::string& description() const override { return description_; }

@@ -137,7 +137,11 @@ INSTANTIATE_TEST_SUITE_P(
         // Mistral (window 8): 2 stages split 2 + 1, bf16 KV.
         ClusterLayout{"text-mistral", 2, "2,1", 1, "off", "bf16"},
         // Qwen2.5 (biases, tied embeddings): TP 2, n-gram.
-        ClusterLayout{"text-qwen25", 1, "auto", 2, "ngram"}),
+        ClusterLayout{"text-qwen25", 1, "auto", 2, "ngram"},
+        // Qwen2 with a window in layers 1-2 only: 3 stages (one layer
+        // each, so a stage's local layer 0 is model layer 1 or 2), TP 2,
+        // draft model (the first, unwindowed layer).
+        ClusterLayout{"text-qwen_windowed", 3, "1,1,1", 2, "draft"}),
     [](const auto& info) { return Name(info.param); });
 
 }  // namespace

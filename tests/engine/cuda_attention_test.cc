@@ -5,7 +5,8 @@
 // float64 host computation of softmax(q k / sqrt(d)) v over the same bf16
 // keys and values. Shapes cover decode (one token, split contexts), verify
 // (several tokens per sequence), prefill chunks with a cached prefix, mixed
-// steps, GQA groups 1/2/4, head dims 8/64/128 and a TP rank's head offsets.
+// steps, GQA groups 1/2/4, head dims 8/64/128, a TP rank's head offsets and
+// sliding windows.
 // Small enough for compute-sanitizer memcheck and racecheck.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -65,6 +66,7 @@ struct Case {
   int model_kv_heads = 2;
   int tp_rank = 0, tp_size = 1;
   std::vector<Sequence> sequences;
+  int window = 0;  // sliding window (keys p with position - p < window)
 };
 
 enum class Kernel { kLegacy, kDecode, kPrefill };
@@ -157,9 +159,12 @@ class AttentionHarness {
             const float v = qkv_[t * qkv_row_ + h * hd_ + d];
             q[d] = bf16_queries ? Bf16ToFloat(FloatToBf16(v)) : v;
           }
-          std::vector<double> scores(position + 1);
+          // Keys before the window get probability 0 (score -inf).
+          const int first_key =
+              c_.window > 0 ? std::max(0, position + 1 - c_.window) : 0;
+          std::vector<double> scores(position + 1, -INFINITY);
           double max_score = -INFINITY;
-          for (int k = 0; k <= position; ++k) {
+          for (int k = first_key; k <= position; ++k) {
             const uint16_t* key = Key(s, kvh, k);
             double dot = 0;
             for (int d = 0; d < hd_; ++d) dot += q[d] * Bf16ToFloat(key[d]);
@@ -169,7 +174,7 @@ class AttentionHarness {
           double total = 0;
           for (double& sc : scores) total += (sc = std::exp(sc - max_score));
           double* o = out.data() + (int64_t{t} * q_heads_ + h) * hd_;
-          for (int k = 0; k <= position; ++k) {
+          for (int k = first_key; k <= position; ++k) {
             const uint16_t* value = Key(s, kvh, k) + cache_.kv_stride();
             for (int d = 0; d < hd_; ++d) {
               o[d] += scores[k] / total * Bf16ToFloat(value[d]);
@@ -230,6 +235,7 @@ class AttentionHarness {
     a.cache = cache_;
     a.cache.base = pool.as<uint16_t>();
     a.layer = kLayer;
+    a.window = c_.window;
     a.partials = partials.as<float>();
     a.out = out.as<uint16_t>();
     a.header = m + layout_.header;
@@ -329,6 +335,38 @@ std::vector<Case> Cases() {
   cases.push_back({"g8 d128", 128, 16, 2, 0, 1, {{10, 1}, {300, 4}}});
   cases.push_back({"g8 d128 prefill", 128, 16, 2, 0, 1, {{0, 77}}});
   cases.push_back({"d32", 32, 2, 1, 0, 1, {{0, 33}, {5, 1}}});
+  // Sliding windows (Mistral, Qwen's windowed layers): decode with whole
+  // splits and key tiles before the window, a window shorter than a key
+  // tile and a block, verify tokens whose windows start at different keys,
+  // prefill tiles partly and wholly before their rows' windows.
+  cases.push_back({"window 100 decode",
+                   128,
+                   8,
+                   2,
+                   0,
+                   1,
+                   {{0, 1}, {99, 1}, {1029, 1}, {250, 1}},
+                   100});
+  cases.push_back(
+      {"window 7 decode d64", 64, 4, 4, 0, 1, {{3, 1}, {40, 1}, {517, 1}}, 7});
+  cases.push_back(
+      {"window 37 verify", 128, 8, 2, 0, 1, {{40, 5}, {700, 5}, {3, 2}}, 37});
+  cases.push_back({"window 64 prefill",
+                   128,
+                   8,
+                   2,
+                   0,
+                   1,
+                   {{0, 300}, {200, 70}, {50, 1}},
+                   64});
+  cases.push_back({"window 8 stories d8 g2",
+                   8,
+                   8,
+                   4,
+                   0,
+                   1,
+                   {{0, 40}, {260, 1}, {100, 6}},
+                   8});
   return cases;
 }
 

@@ -13,6 +13,7 @@
 #include "engine/backend_flags.h"
 #include "engine/engine_backend.h"
 #include "engine_test_util.h"
+#include "family_reference.h"
 #include "testing/gpu.h"
 
 namespace pdserve::engine {
@@ -318,28 +319,186 @@ std::string FamilyConfig(const std::string& model_type,
          extra + "}";
 }
 
-// What the kernels do not compute is refused before any device work, naming
-// the feature: never a wrong answer.
-TEST(CudaEngineTest, FamilyFeaturesTheKernelsLackAreRefused) {
-  const std::vector<std::pair<std::string, std::string>> cases = {
-      {FamilyConfig("qwen2", ""), "q/k/v projection biases"},
-      {FamilyConfig("llama", ", \"attention_bias\": true"),
-       "q/k/v projection biases"},
-      {FamilyConfig("qwen3", ""), "per-head q/k RMSNorm"},
-      {FamilyConfig("mistral", ", \"sliding_window\": 16"),
-       "a sliding attention window"},
-  };
-  for (const auto& [config, feature] : cases) {
-    SCOPED_TRACE(config);
-    auto weights = DummyModel("refused", config);
+// ---------------------------------------------------------------------------
+// The model families on the GPU: the tiny checkpoints of
+// tests/model/reference (Llama 3.1 RoPE, Llama linear RoPE with q/k/v and
+// o_proj biases and head_dim 12, Qwen2.5 biases and tied embeddings, Qwen3
+// q/k norms, Mistral's window of 8, Qwen2's window in 2 of 3 layers) against
+// the fp32 CPU engine, which engine_families_test holds to the float64
+// reference. Dropping any of these features moves the CPU engine's logits by
+// more than twice the tolerance used here (engine_families_test,
+// EachFeatureMovesLogitsBeyondTheCudaTolerance), so a kernel that ignored
+// one fails these tests.
+
+const std::map<std::string, testing_util::FamilyReference>& Families() {
+  static const auto* families =
+      new std::map<std::string, testing_util::FamilyReference>(
+          testing_util::GeneratedOrBundledFamilies(
+              FAMILIES_DIR, testing_util::kFamilyMaxNew));
+  return *families;
+}
+
+std::unique_ptr<model::WeightSource> OpenFamily(
+    const testing_util::FamilyReference& family) {
+  auto opened = model::OpenModel(family.dir);
+  EXPECT_TRUE(opened.ok()) << opened.status();
+  return opened.ok() ? std::move(*opened) : nullptr;
+}
+
+// Scattered blocks, so neither a window nor a block boundary can hide behind
+// an identity table.
+const std::vector<int32_t> kScatteredTable = {5, 2, 7, 0, 3, 6, 1, 4};
+
+double WorstRelativeError(const std::vector<std::vector<float>>& actual,
+                          const std::vector<std::vector<float>>& expected) {
+  EXPECT_EQ(actual.size(), expected.size());
+  if (actual.size() != expected.size()) return INFINITY;
+  double worst = 0;
+  for (size_t t = 0; t < actual.size(); ++t) {
+    worst = std::max(worst, MaxRelativeError(actual[t], expected[t]));
+  }
+  return worst;
+}
+
+// Every prompt position's logits, through every attention kernel, graphs on
+// and off, prefilled at once (prefill kernel), in chunks of 7 (a cached
+// prefix) and token by token (decode steps: the decode kernel with its
+// splits, graph replays).
+TEST(CudaFamiliesTest, PromptLogitsWithinBf16ToleranceOfCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_FALSE(Families().empty());
+  for (const auto& [name, family] : Families()) {
+    SCOPED_TRACE(name);
+    auto weights = OpenFamily(family);
     ASSERT_NE(weights, nullptr);
-    EngineOptions options;
-    options.backend = Backend::kCuda;
-    auto engine = LlamaEngine::Create(*weights, options);
-    ASSERT_FALSE(engine.ok());
-    EXPECT_EQ(engine.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_NE(engine.status().message().find(feature), std::string::npos)
-        << engine.status();
+    auto cpu = testing_util::MakeEngine(*weights);
+    ASSERT_NE(cpu, nullptr);
+    auto cpu_pool = testing_util::MakePool(*cpu, 16, 8);
+    const auto expected = testing_util::PrefillAllLogits(
+        *cpu, *cpu_pool, family.prompt_ids, kScatteredTable);
+    for (AttentionKernels kernels :
+         {AttentionKernels::kAuto, AttentionKernels::kTensorCore,
+          AttentionKernels::kLegacy}) {
+      for (bool graphs : {true, false}) {
+        CudaOptions cuda;
+        cuda.attention = kernels;
+        cuda.use_graphs = graphs;
+        auto gpu = MakeCudaEngine(*weights, cuda);
+        ASSERT_NE(gpu, nullptr);
+        for (int chunk : {0, 7, 1}) {
+          auto gpu_pool = MakeDevicePool(*gpu, 16, 8);
+          ASSERT_NE(gpu_pool, nullptr);
+          const double worst = WorstRelativeError(
+              testing_util::PrefillAllLogits(*gpu, *gpu_pool, family.prompt_ids,
+                                             kScatteredTable, chunk),
+              expected);
+          std::printf(
+              "[ cuda     ] %s, attention %s, %s, chunk %d: worst logit "
+              "error %.2e of max |logit|\n",
+              name.c_str(), AttentionKernelsName(kernels),
+              graphs ? "graphs" : "eager", chunk, worst);
+          EXPECT_LT(worst, testing_util::kCudaFamilyLogitTolerance)
+              << AttentionKernelsName(kernels)
+              << (graphs ? " graphs" : " eager") << " chunk " << chunk;
+        }
+      }
+    }
+  }
+}
+
+// Greedy continuations under the bf16 criterion (bf16_agreement.h) against
+// the CPU engine's, with the tolerance measured on the family's own prompt.
+TEST(CudaFamiliesTest, GreedyTokensWithinTheBf16CriterionOfCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_FALSE(Families().empty());
+  for (const auto& [name, family] : Families()) {
+    SCOPED_TRACE(name);
+    auto weights = OpenFamily(family);
+    ASSERT_NE(weights, nullptr);
+    auto cpu = testing_util::MakeEngine(*weights);
+    ASSERT_NE(cpu, nullptr);
+    auto cpu_pool = testing_util::MakePool(*cpu, 16, 8);
+    const auto want = testing_util::GreedyGenerate(
+        *cpu, *cpu_pool, family.prompt_ids, testing_util::kFamilyMaxNew);
+    const auto reference = testing_util::ReferenceLogprobs(
+        *weights, family.prompt_ids, want, testing_util::kAgreementTopK);
+    auto prompt_pool = testing_util::MakePool(*cpu, 16, 8);
+    const auto cpu_prompt_logits = testing_util::PrefillAllLogits(
+        *cpu, *prompt_pool, family.prompt_ids, IdentityBlockTable(8));
+    for (AttentionKernels kernels :
+         {AttentionKernels::kAuto, AttentionKernels::kTensorCore,
+          AttentionKernels::kLegacy}) {
+      CudaOptions cuda;
+      cuda.attention = kernels;
+      auto gpu = MakeCudaEngine(*weights, cuda);
+      ASSERT_NE(gpu, nullptr);
+      auto measure_pool = MakeDevicePool(*gpu, 16, 8);
+      ASSERT_NE(measure_pool, nullptr);
+      const double tolerance =
+          testing_util::Bf16MarginTolerance(testing_util::WorstAbsLogitError(
+              testing_util::PrefillAllLogits(*gpu, *measure_pool,
+                                             family.prompt_ids,
+                                             IdentityBlockTable(8)),
+              cpu_prompt_logits));
+      auto gpu_pool = MakeDevicePool(*gpu, 16, 8);
+      ASSERT_NE(gpu_pool, nullptr);
+      std::vector<std::vector<float>> logits;
+      const auto got =
+          testing_util::GreedyGenerate(*gpu, *gpu_pool, family.prompt_ids,
+                                       testing_util::kFamilyMaxNew, 0, &logits);
+      const auto agreement = testing_util::CompareGreedyWithinBf16(
+          want, reference, got, testing_util::ScoresOf(got, logits), tolerance);
+      std::printf(
+          "[ cuda     ] %s, attention %s: greedy %s (tolerance %.4f)%s%s\n",
+          name.c_str(), AttentionKernelsName(kernels),
+          agreement.exact ? "exact" : "differs", tolerance,
+          agreement.exact ? "" : ": ", agreement.report.c_str());
+      EXPECT_TRUE(agreement.pass)
+          << AttentionKernelsName(kernels) << ": " << agreement.report;
+    }
+  }
+}
+
+// Tensor-parallel ranks on one GPU (host all-reduce): the biases sliced with
+// their heads (TP 4 replicates the KV heads of every family with fewer), the
+// o_proj bias added once after the sum, q/k norms and windows per rank.
+TEST(CudaFamiliesTest, TensorParallelRanksWithinBf16ToleranceOfCpuEngine) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_FALSE(Families().empty());
+  for (const auto& [name, family] : Families()) {
+    SCOPED_TRACE(name);
+    auto weights = OpenFamily(family);
+    ASSERT_NE(weights, nullptr);
+    auto cpu = testing_util::MakeEngine(*weights);
+    ASSERT_NE(cpu, nullptr);
+    auto cpu_pool = testing_util::MakePool(*cpu, 16, 8);
+    const auto expected = testing_util::PrefillAllLogits(
+        *cpu, *cpu_pool, family.prompt_ids, kScatteredTable, 7);
+    for (int tp : {2, 4}) {
+      if (weights->config().num_heads % tp != 0) continue;
+      SCOPED_TRACE(absl::StrCat("tp ", tp));
+      auto group = comm::InProcessGroup::Create(tp);
+      ASSERT_TRUE(group.ok()) << group.status();
+      std::vector<std::vector<std::vector<float>>> ranks(tp);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < tp; ++r) {
+        threads.emplace_back([&, r] {
+          auto engine = MakeCudaEngine(
+              *weights, Eager(), ShardSpec{0, -1, r, tp}, (*group)->rank(r));
+          if (engine == nullptr) return;
+          auto rank_pool = MakeDevicePool(*engine, 16, 8);
+          if (rank_pool == nullptr) return;
+          ranks[r] = testing_util::PrefillAllLogits(
+              *engine, *rank_pool, family.prompt_ids, kScatteredTable, 7);
+        });
+      }
+      for (auto& thread : threads) thread.join();
+      for (int r = 1; r < tp; ++r) EXPECT_EQ(ranks[r], ranks[0]);
+      const double worst = WorstRelativeError(ranks[0], expected);
+      std::printf("[ cuda     ] %s, TP %d: worst logit error %.2e of max\n",
+                  name.c_str(), tp, worst);
+      EXPECT_LT(worst, testing_util::kCudaFamilyLogitTolerance);
+    }
   }
 }
 

@@ -1,11 +1,11 @@
 // Every supported family (Llama 3.1 with llama3 RoPE, Llama with linear /
 // dynamic / yarn RoPE and attention biases, Qwen2.5, Qwen3, Mistral with a
-// sliding window) against the independent float64 reference
-// (tests/model/reference/hf_reference.py): greedy tokens identical and
-// log-probabilities within 1e-4, through the single-process engine (one-shot
-// and chunked prefill, the tiled and the per-key attention paths, a
-// multi-token verify step), tensor-parallel shards (TP 2 and 4: above the KV
-// heads for every family with fewer than 4), pipeline stages of a
+// sliding window, Qwen2 with a window in some layers) against the independent
+// float64 reference (tests/model/reference/hf_reference.py): greedy tokens
+// identical and log-probabilities within 1e-4, through the single-process
+// engine (one-shot and chunked prefill, the tiled and the per-key attention
+// paths, a multi-token verify step), tensor-parallel shards (TP 2 and 4: above
+// the KV heads for every family with fewer than 4), pipeline stages of a
 // non-uniform split, and bf16 KV.
 #include <gtest/gtest.h>
 
@@ -26,7 +26,7 @@ namespace {
 using testing_util::FamilyReference;
 using testing_util::LogProb;
 
-constexpr int kMaxNew = 16;
+constexpr int kMaxNew = testing_util::kFamilyMaxNew;
 constexpr int kBlockSize = 16;
 // The engine computes in f32 against a float64 reference: log-probabilities
 // differ by summation order, ~1e-6 at these sizes.
@@ -34,7 +34,7 @@ constexpr double kLogprobTolerance = 1e-4;
 
 const std::map<std::string, FamilyReference>& Families() {
   static const auto* families = new std::map<std::string, FamilyReference>(
-      testing_util::GenerateFamilies(FAMILIES_DIR, kMaxNew));
+      testing_util::GeneratedOrBundledFamilies(FAMILIES_DIR, kMaxNew));
   return *families;
 }
 
@@ -344,7 +344,8 @@ TEST_P(FamiliesTest, Bf16KvStaysWithinItsRoundingOfTheReference) {
 INSTANTIATE_TEST_SUITE_P(Families, FamiliesTest,
                          ::testing::Values("llama31", "llama_linear",
                                            "llama_dynamic", "llama_yarn",
-                                           "qwen25", "qwen3", "mistral"));
+                                           "qwen25", "qwen3", "mistral",
+                                           "qwen_windowed"));
 
 // The features change the answer: the same weights without the feature give
 // other log-probabilities than the reference (so the checks above can fail).
@@ -360,6 +361,9 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
             }},
            {"llama_yarn", [](auto& c) { c.rope_scaling.attention_factor = 1; }},
            {"mistral", [](auto& c) { c.sliding_window = 0; }},
+           // Qwen's window is per layer: neither none nor every layer's.
+           {"qwen_windowed", [](auto& c) { c.sliding_window = 0; }},
+           {"qwen_windowed", [](auto& c) { c.windowed_layers.clear(); }},
        }) {
     SCOPED_TRACE(name);
     auto it = families.find(name);
@@ -369,30 +373,7 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
     // A config-only change: rebuild the RoPE tables / window from it.
     model::ModelConfig changed = (*opened)->config();
     edit(changed);
-    struct Overridden : model::WeightSource {
-      const model::WeightSource* base;
-      model::ModelConfig c;
-      const model::ModelConfig& config() const override { return c; }
-      const std::string& description() const override {
-        return base->description();
-      }
-      bool HasTensor(std::string_view n) const override {
-        return base->HasTensor(n);
-      }
-      absl::StatusOr<model::TensorInfo> GetTensorInfo(
-          std::string_view n) const override {
-        return base->GetTensorInfo(n);
-      }
-      absl::Status ReadF32(std::string_view n, const model::Slice2D& s,
-                           float* out) const override {
-        return base->ReadF32(n, s, out);
-      }
-      absl::StatusOr<model::TokenizerSpec> tokenizer_spec() const override {
-        return base->tokenizer_spec();
-      }
-    } overridden;
-    overridden.base = opened->get();
-    overridden.c = changed;
+    testing_util::ConfigOverride overridden(**opened, changed);
     SingleEngine single(overridden);
     ASSERT_NE(single.engine, nullptr);
     const auto logits = single.Step(it->second.prompt_ids, 0);
@@ -403,6 +384,37 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
                           it->second.prompt_logprobs[k - 1]));
     }
     EXPECT_GT(worst, 1e-2);
+  }
+}
+
+// The CUDA family tests (cuda_engine_test) compare the GPU's logits with the
+// CPU engine's within kCudaFamilyLogitTolerance of max |logit|: a kernel that
+// ignored a feature must land outside it. Each feature, dropped, moves the
+// CPU engine's logits by more than that.
+TEST(FamilyFeaturesTest, EachFeatureMovesLogitsBeyondTheCudaTolerance) {
+  const auto& families = Families();
+  for (const testing_util::FamilyFeature& f : testing_util::FamilyFeatures()) {
+    SCOPED_TRACE(f.family + ": " + f.feature);
+    auto it = families.find(f.family);
+    ASSERT_NE(it, families.end());
+    auto opened = model::OpenModel(it->second.dir);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    model::ModelConfig changed = (*opened)->config();
+    f.drop(changed);
+    testing_util::ConfigOverride without(**opened, changed);
+    SingleEngine with_feature(**opened), without_feature(without);
+    ASSERT_NE(with_feature.engine, nullptr);
+    ASSERT_NE(without_feature.engine, nullptr);
+    const auto want = with_feature.Step(it->second.prompt_ids, 0);
+    const auto got = without_feature.Step(it->second.prompt_ids, 0);
+    ASSERT_EQ(got.size(), want.size());
+    double worst = 0;
+    for (size_t t = 0; t < got.size(); ++t) {
+      worst = std::max(worst, testing_util::MaxRelativeError(got[t], want[t]));
+    }
+    std::printf("[ families ] %s without %s: logits move by %.3f of max\n",
+                f.family.c_str(), f.feature.c_str(), worst);
+    EXPECT_GT(worst, 2 * testing_util::kCudaFamilyLogitTolerance);
   }
 }
 

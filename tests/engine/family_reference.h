@@ -10,14 +10,18 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "model/weight_source.h"
 #include "nlohmann/json.hpp"
 #include "testing/shell.h"
 
@@ -32,6 +36,9 @@ struct FamilyReference {
   std::vector<double> prompt_logprobs;  // of prompt[k], k >= 1
   double min_margin = 0;                // smallest top-1/top-2 logit gap
 };
+
+inline std::map<std::string, FamilyReference> ReadFamilies(
+    const std::string& dir);
 
 inline constexpr char kReferenceScripts[] =
     PDSERVE_SOURCE_DIR "/tests/model/reference";
@@ -86,8 +93,20 @@ inline std::map<std::string, FamilyReference> GenerateFamilies(
     std::ofstream(marker) << key;
   }
   if (lock_fd >= 0) ::close(lock_fd);  // releases the lock
-  const nlohmann::json names = nlohmann::json::parse(
-      pdserve::testing::ReadFileOrEmpty(out_dir + "/families.json"));
+  return ReadFamilies(out_dir);
+}
+
+// The checkpoints GenerateFamilies wrote into `dir` (families.json and each
+// folder's reference.json). Empty (and a test failure) when missing.
+inline std::map<std::string, FamilyReference> ReadFamilies(
+    const std::string& dir) {
+  std::map<std::string, FamilyReference> out;
+  const std::string list =
+      pdserve::testing::ReadFileOrEmpty(dir + "/families.json");
+  EXPECT_FALSE(list.empty()) << "no " << dir << "/families.json";
+  if (list.empty()) return out;
+  const std::string out_dir = dir;
+  const nlohmann::json names = nlohmann::json::parse(list);
   for (const auto& name : names) {
     FamilyReference f;
     f.name = name.get<std::string>();
@@ -103,6 +122,82 @@ inline std::map<std::string, FamilyReference> GenerateFamilies(
   }
   return out;
 }
+
+// The checkpoints generated where the test runs (into `out_dir`), or, where
+// $PDSERVE_FAMILIES_DIR is set, those generated there beforehand (the
+// device bundle: the device may lack numpy, so gpu_bundle.sh runs the
+// scripts here with the same arguments).
+inline std::map<std::string, FamilyReference> GeneratedOrBundledFamilies(
+    const std::string& out_dir, int max_new) {
+  if (const char* bundled = std::getenv("PDSERVE_FAMILIES_DIR");
+      bundled != nullptr && *bundled != '\0') {
+    return ReadFamilies(bundled);
+  }
+  return GenerateFamilies(out_dir, max_new);
+}
+
+// Greedy tokens the reference scripts are run with (engine_families_test and
+// the CUDA family tests; gpu_bundle.sh passes the same).
+inline constexpr int kFamilyMaxNew = 16;
+
+// A checkpoint read with an edited config: what a family gives without one
+// of its features (same weights; RoPE tables and windows follow the config).
+class ConfigOverride : public model::WeightSource {
+ public:
+  ConfigOverride(const model::WeightSource& base, model::ModelConfig config)
+      : base_(base), config_(std::move(config)) {}
+  const model::ModelConfig& config() const override { return config_; }
+  const std::string& description() const override {
+    return base_.description();
+  }
+  bool HasTensor(std::string_view name) const override {
+    return base_.HasTensor(name);
+  }
+  absl::StatusOr<model::TensorInfo> GetTensorInfo(
+      std::string_view name) const override {
+    return base_.GetTensorInfo(name);
+  }
+  absl::Status ReadF32(std::string_view name, const model::Slice2D& slice,
+                       float* out) const override {
+    return base_.ReadF32(name, slice, out);
+  }
+  absl::StatusOr<model::TokenizerSpec> tokenizer_spec() const override {
+    return base_.tokenizer_spec();
+  }
+
+ private:
+  const model::WeightSource& base_;
+  model::ModelConfig config_;
+};
+
+// Each family feature and the config edit that drops it, with the checkpoint
+// that has it: the CUDA family tests can fail only if dropping any of them
+// moves the logits beyond their bf16 tolerance (checked on the CPU engine
+// by engine_families_test).
+struct FamilyFeature {
+  std::string family;
+  std::string feature;
+  std::function<void(model::ModelConfig&)> drop;
+};
+inline std::vector<FamilyFeature> FamilyFeatures() {
+  return {
+      {"llama31", "llama3 RoPE", [](auto& c) { c.rope_scaling = {}; }},
+      {"llama_linear", "q/k/v biases", [](auto& c) { c.qkv_bias = false; }},
+      {"llama_linear", "o_proj bias", [](auto& c) { c.o_bias = false; }},
+      {"qwen25", "q/k/v biases", [](auto& c) { c.qkv_bias = false; }},
+      {"qwen3", "q/k norm", [](auto& c) { c.qk_norm = false; }},
+      {"mistral", "sliding window", [](auto& c) { c.sliding_window = 0; }},
+      {"qwen_windowed", "per-layer window (none)",
+       [](auto& c) { c.sliding_window = 0; }},
+      {"qwen_windowed", "per-layer window (every layer)",
+       [](auto& c) { c.windowed_layers.clear(); }},
+  };
+}
+
+// The CUDA backend's logits against the CPU engine's on the family
+// checkpoints: max |error| / max |logit| per position (the bound of the
+// stories260K comparisons in cuda_engine_test).
+inline constexpr double kCudaFamilyLogitTolerance = 3e-2;
 
 // log softmax(logits)[token], in double.
 inline double LogProb(std::span<const float> logits, int32_t token) {

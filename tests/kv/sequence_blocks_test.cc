@@ -201,6 +201,40 @@ TEST_F(KvSequenceTest, OnlyAcceptedTokensArePublished) {
   EXPECT_EQ(seq.num_immutable_blocks(), 0);
 }
 
+// A sliding window: published blocks wholly before the window go back (the
+// last published one stays as the parent of the next), the table keeps
+// valid ids, publishing continues the chain, rollback into them is refused
+// and Release frees only what is still held.
+TEST_F(KvSequenceTest, BlocksBeforeTheWindowGoBackOncePublished) {
+  const auto tokens = Tokens(18);
+  KvSequence seq(&manager_);
+  ASSERT_TRUE(seq.Reserve(14).ok());  // blocks 0..3
+  // Nothing published yet: nothing goes back.
+  EXPECT_EQ(*seq.ReleaseBlocksBefore(12), 0);
+  ASSERT_TRUE(seq.PublishFullBlocks(std::span(tokens).first(14)).ok());
+  ASSERT_EQ(seq.num_immutable_blocks(), 3);
+  const auto table =
+      std::vector<BlockId>(seq.block_table().begin(), seq.block_table().end());
+  // Keys from 9 on are visible: blocks 0 and 1 are wholly before, but block
+  // 2 (the last published) must stay, so 0 and 1 go.
+  EXPECT_EQ(*seq.ReleaseBlocksBefore(9), 2);
+  EXPECT_EQ(seq.num_released_blocks(), 2);
+  EXPECT_EQ(manager_.used_blocks(), 2);
+  EXPECT_THAT(seq.block_table(),
+              ElementsAreArray({table[2], table[2], table[2], table[3]}));
+  EXPECT_EQ(*seq.ReleaseBlocksBefore(9), 0);  // idempotent
+  // Growing and publishing go on: block 3 chains to block 2.
+  ASSERT_TRUE(seq.Reserve(18).ok());
+  ASSERT_TRUE(seq.PublishFullBlocks(tokens).ok());
+  EXPECT_EQ(seq.num_immutable_blocks(), 4);
+  EXPECT_EQ(*seq.ReleaseBlocksBefore(17), 1);  // block 2; block 3 stays
+  EXPECT_EQ(manager_.used_blocks(), 2);
+  // Rollback may drop held blocks, not given-back ones.
+  EXPECT_EQ(seq.Truncate(4).code(), absl::StatusCode::kFailedPrecondition);
+  seq.Release();
+  EXPECT_EQ(manager_.used_blocks(), 0);
+}
+
 TEST_F(KvSequenceTest, PublishAfterPrefixMatchExtendsTheChain) {
   auto prompt = Tokens(16);
   {

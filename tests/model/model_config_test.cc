@@ -110,6 +110,52 @@ TEST(FamilyConfigTest, Qwen25HasQkvBiasTiedEmbeddingsAndNoWindow) {
                       "model.layers.0.self_attn.o_proj.weight", {64, 64})));
 }
 
+// Qwen2's per-layer window as transformers' Qwen2Config derives it: only
+// with use_sliding_window, in the layers from max_window_layers on, or in
+// those layer_types names "sliding_attention".
+TEST(FamilyConfigTest, QwenWindowsTheLayersFromMaxWindowLayersOn) {
+  Json json = Base("qwen2");
+  json["num_hidden_layers"] = 4;
+  json["sliding_window"] = 8;
+  json["max_window_layers"] = 2;
+  json["use_sliding_window"] = false;  // Qwen2.5's shipped configs
+  ModelConfig c = ParseOrDie(json);
+  EXPECT_EQ(c.sliding_window, 0);
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(c.LayerWindow(l), 0);
+
+  json["use_sliding_window"] = true;
+  c = ParseOrDie(json);
+  EXPECT_EQ(c.sliding_window, 8);
+  EXPECT_EQ(c.windowed_layers, std::vector<bool>({false, false, true, true}));
+  EXPECT_EQ(c.LayerWindow(1), 0);
+  EXPECT_EQ(c.LayerWindow(2), 8);
+  EXPECT_FALSE(c.EveryLayerWindowed());
+  EXPECT_NE(c.Identity().find("window=8(layers=0011)"), std::string::npos)
+      << c.Identity();
+
+  json["max_window_layers"] = 0;  // every layer: the Mistral form
+  c = ParseOrDie(json);
+  EXPECT_TRUE(c.windowed_layers.empty());
+  EXPECT_TRUE(c.EveryLayerWindowed());
+  EXPECT_EQ(c.LayerWindow(0), 8);
+
+  json["max_window_layers"] = 4;  // none
+  c = ParseOrDie(json);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.LayerWindow(3), 0);
+
+  json.erase("max_window_layers");  // default 28: none of 4 layers
+  EXPECT_EQ(ParseOrDie(json).sliding_window, 0);
+
+  // layer_types, when listed, decide.
+  json["layer_types"] = {"sliding_attention", "full_attention",
+                         "sliding_attention", "full_attention"};
+  c = ParseOrDie(json);
+  EXPECT_EQ(c.windowed_layers, std::vector<bool>({true, false, true, false}));
+  json["use_sliding_window"] = false;
+  EXPECT_EQ(ParseOrDie(json).sliding_window, 0);
+}
+
 TEST(FamilyConfigTest, Qwen3HasQkNormAndItsOwnHeadDim) {
   Json json = Base("qwen3");
   json["head_dim"] = 32;  // 4 heads x 32 != hidden 64

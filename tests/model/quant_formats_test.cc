@@ -352,5 +352,52 @@ INSTANTIATE_TEST_SUITE_P(
                       TensorFormat::kQ4_K, TensorFormat::kQ6_K),
     [](const auto& info) { return std::string(TensorFormatName(info.param)); });
 
+// A real vocabulary handed to the writer comes back as the file's tokenizer
+// (a quantized model with a real tokenizer, as community GGUF files are);
+// one of another size is refused.
+TEST(GgufWriterTest, EmbedsTheGivenVocabulary) {
+  const ModelConfig base = QuantTestConfig();
+  TokenizerSpec vocabulary;
+  vocabulary.ggml_model = "llama";
+  const char* const kSpecial[] = {"<unk>", "<s>", "</s>"};
+  for (int i = 0; i < base.vocab_size; ++i) {
+    // "\u2581" is SentencePiece's word-start mark.
+    vocabulary.tokens.push_back(i < 3 ? kSpecial[i]
+                                      : "\xe2\x96\x81w" + std::to_string(i));
+    vocabulary.scores.push_back(-0.5f * i);
+    vocabulary.token_types.push_back(i == 0 ? 2 : i < 3 ? 3 : 1);
+  }
+  vocabulary.bos_token_id = 1;
+  vocabulary.eos_token_id = 2;
+  vocabulary.unk_token_id = 0;
+  vocabulary.add_bos = false;
+  ScopedTempDir dir;
+  const std::string path = dir.File("model.gguf");
+  auto q8 = [](const std::string& name) {
+    return name.find("norm") != std::string::npos ? TensorFormat::kF32
+                                                  : TensorFormat::kQ8_0;
+  };
+  ASSERT_TRUE(WriteLlamaGguf(path, base, Values, q8, &vocabulary).ok());
+  auto source = OpenModel(path);
+  ASSERT_TRUE(source.ok()) << source.status();
+  auto spec = (*source)->tokenizer_spec();
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->ggml_model, "llama");
+  EXPECT_EQ(spec->tokens, vocabulary.tokens);
+  EXPECT_EQ(spec->scores, vocabulary.scores);
+  EXPECT_EQ(spec->token_types, vocabulary.token_types);
+  EXPECT_EQ(spec->bos_token_id, 1);
+  EXPECT_EQ(spec->eos_token_id, 2);
+  EXPECT_EQ(spec->unk_token_id, 0);
+  EXPECT_FALSE(spec->add_bos);
+
+  vocabulary.tokens.pop_back();
+  const absl::Status short_vocabulary =
+      WriteLlamaGguf(dir.File("short.gguf"), base, Values, q8, &vocabulary);
+  EXPECT_EQ(short_vocabulary.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(short_vocabulary.message()),
+              ::testing::HasSubstr("exactly vocab_size (320) tokens"));
+}
+
 }  // namespace
 }  // namespace pdserve::model

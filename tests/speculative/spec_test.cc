@@ -203,6 +203,61 @@ TEST(TruncatedWeightsTest, RejectsBadLayerCounts) {
   EXPECT_EQ((*three)->config().num_layers, 3);
 }
 
+// A Qwen target whose window covers some layers: the draft keeps the windows
+// of the layers it keeps, in the config's one form (none windowed: no
+// window; all: the empty list), and stays a valid config.
+TEST(TruncatedWeightsTest, KeepsThePerLayerWindowsOfItsLayers) {
+  auto stories = model::OpenModel(pdserve::testing::Stories260KGguf());
+  ASSERT_TRUE(stories.ok());
+  struct Windowed : model::WeightSource {
+    const model::WeightSource* base = nullptr;
+    model::ModelConfig c;
+    const model::ModelConfig& config() const override { return c; }
+    const std::string& description() const override {
+      return base->description();
+    }
+    bool HasTensor(std::string_view n) const override {
+      return base->HasTensor(n);
+    }
+    absl::StatusOr<model::TensorInfo> GetTensorInfo(
+        std::string_view n) const override {
+      return base->GetTensorInfo(n);
+    }
+    absl::Status ReadF32(std::string_view n, const model::Slice2D& s,
+                         float* out) const override {
+      return base->ReadF32(n, s, out);
+    }
+    absl::StatusOr<model::TokenizerSpec> tokenizer_spec() const override {
+      return base->tokenizer_spec();
+    }
+  } windowed;
+  windowed.base = stories->get();
+  windowed.c = (*stories)->config();
+  ASSERT_EQ(windowed.c.num_layers, 5);
+  windowed.c.sliding_window = 8;
+  windowed.c.windowed_layers = {false, true, true, false, true};
+  struct Want {
+    int layers;
+    int window;
+    std::vector<bool> windowed_layers;
+  };
+  for (const Want& want : {Want{1, 0, {}}, Want{3, 8, {false, true, true}},
+                           Want{5, 8, {false, true, true, false, true}}}) {
+    auto draft = MakeLayerTruncatedWeights(windowed, want.layers);
+    ASSERT_TRUE(draft.ok()) << draft.status();
+    const model::ModelConfig& c = (*draft)->config();
+    EXPECT_TRUE(c.Validate().ok()) << c.Validate();
+    EXPECT_EQ(c.sliding_window, want.window) << want.layers;
+    EXPECT_EQ(c.windowed_layers, want.windowed_layers) << want.layers;
+  }
+  windowed.c.windowed_layers = {true, true, false, false, false};
+  auto draft = MakeLayerTruncatedWeights(windowed, 2);
+  ASSERT_TRUE(draft.ok()) << draft.status();
+  EXPECT_EQ((*draft)->config().sliding_window, 8);
+  EXPECT_TRUE((*draft)->config().windowed_layers.empty());
+  EXPECT_EQ((*draft)->config().LayerWindow(1), 8);
+}
+
 // A draft proposer reused across diverging histories (rollback to the common
 // prefix) proposes exactly what a fresh one does; the target as its own
 // draft proposes the golden greedy continuation.

@@ -20,8 +20,9 @@ Semantics worth stating:
     frequencies there depend on the longest position of the forward call;
     here token p always rotates with the frequencies of seq_len = p + 1,
     which is what transformers computes when each token is its own step.
-  * Sliding window (Mistral): query i sees keys j with i - window < j <= i,
-    transformers' sliding_window_overlay.
+  * Sliding window (Mistral; Qwen2/3 with use_sliding_window, in the layers
+    layer_types or max_window_layers make "sliding_attention"): query i sees
+    keys j with i - window < j <= i, transformers' sliding_window_overlay.
   * yarn's attention factor multiplies cos and sin, as transformers'
     rotary embedding does (so q.k scales by its square).
 """
@@ -88,10 +89,30 @@ class Config:
         )
         self.o_bias = {"llama": bias, "qwen3": bias}.get(self.model_type, False)
         self.qk_norm = self.model_type == "qwen3"
+        # The window of each layer (None: the whole context).
         if self.model_type == "mistral":
-            self.window = raw["sliding_window"] if "sliding_window" in raw else 4096
+            window = raw["sliding_window"] if "sliding_window" in raw else 4096
+            self.windows = [window] * self.layers
+        elif self.model_type in ("qwen2", "qwen3"):
+            # Qwen2Config: sliding_window only with use_sliding_window; the
+            # layer kinds from layer_types, else sliding for layer indices
+            # >= max_window_layers (default 28).
+            window = (
+                raw.get("sliding_window", 4096)
+                if raw.get("use_sliding_window", False)
+                else None
+            )
+            kinds = raw.get("layer_types") or [
+                "sliding_attention"
+                if window is not None and i >= raw.get("max_window_layers", 28)
+                else "full_attention"
+                for i in range(self.layers)
+            ]
+            self.windows = [
+                window if kind == "sliding_attention" else None for kind in kinds
+            ]
         else:
-            self.window = None  # qwen2/3 use it only with use_sliding_window
+            self.windows = [None] * self.layers
         eos = raw.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
@@ -200,14 +221,15 @@ def forward(cfg, w, ids, rows=None):
     hd, heads, kv_heads = cfg.head_dim, cfg.heads, cfg.kv_heads
     x = w["model.embed_tokens.weight"][np.array(ids)]
     cos, sin = rotary(cfg, list(range(n)))
-    # Causal mask plus the sliding window.
+    # Causal mask plus each layer's sliding window.
     i = np.arange(n)[:, None]
     j = np.arange(n)[None, :]
-    visible = j <= i
-    if cfg.window:
-        visible &= j > i - cfg.window
+    causal = j <= i
     for layer in range(cfg.layers):
         p = "model.layers.%d." % layer
+        visible = causal
+        if cfg.windows[layer]:
+            visible = causal & (j > i - cfg.windows[layer])
         h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.eps)
 
         def proj(name, bias):

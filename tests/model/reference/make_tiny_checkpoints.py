@@ -160,6 +160,26 @@ FAMILIES = {
         },
         40,
     ),
+    # Qwen2 with use_sliding_window: a window of 6 in layers 1 and 2 (from
+    # max_window_layers on), layer 0 attends to everything. (Named to sort
+    # last, so the other checkpoints keep their seeds.)
+    "qwen_windowed": (
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 112,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 256,
+            "sliding_window": 6,
+            "use_sliding_window": True,
+            "max_window_layers": 1,
+        },
+        40,
+    ),
     # Mistral: a sliding window of 8, shorter than a KV block (16) and than
     # the prompt.
     "mistral": (
@@ -185,6 +205,8 @@ TEXT_FAMILIES = {
     "qwen25": "tokenizer-qwen3",
     "llama31": "tokenizer-llama3",
     "mistral": "tokenizer-llama3",
+    # Sorts last: the text-* checkpoints above keep their seeds.
+    "qwen_windowed": "tokenizer-qwen3",
 }
 
 VOCAB = 384
