@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -181,13 +182,14 @@ planner::LinearCost FitLine(const std::vector<double>& x,
   return {my - slope * mx, slope};
 }
 
-// Idle-cluster requests on `layout`: measured minus simulated. With
-// `step_overhead` < 0 the decode step overhead is measured here (the
-// colocated calibration); else it is taken as given.
+// Idle-cluster requests on `layout`: measured minus simulated. Without
+// `step_overhead` the decode step overhead of the layout's decode
+// configuration is measured here (colocated calibrations); else it is taken
+// as given.
 absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
                                       const planner::PerfModel& model,
                                       const planner::Layout& layout, int vocab,
-                                      double step_overhead) {
+                                      std::optional<double> step_overhead) {
   LocalClusterOptions lo;
   lo.model_path = o.model_path;
   lo.format = o.format;
@@ -199,7 +201,9 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
   std::mt19937_64 rng(5);
-  constexpr int kTokens = 8;
+  // As many tokens as a typical answer, so per-request costs (channel,
+  // stream set-up) weigh on the per-token CPU as they do in serving.
+  constexpr int kTokens = 24;
   struct Measured {
     int prompt;
     RequestResult result;
@@ -226,22 +230,29 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   }
   const double cpu_after = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
   // What the steps alone predict (no per-request costs yet).
+  Calibration c;
+  c.delivery_cpu = std::max(0.0, (cpu_after - cpu_before) / delivered);
   planner::PerfModel bare = model;
   bare.colocated_ttft = bare.disaggregated_ttft = {};
   bare.decode_step_overhead_seconds = bare.handoff_seconds = 0;
-  Calibration c;
-  c.delivery_cpu = std::max(0.0, (cpu_after - cpu_before) / delivered);
-  if (step_overhead < 0) {
+  bare.calibrated.clear();
+  bare.delivery_cpu_seconds = c.delivery_cpu;  // it competes here too
+  if (!step_overhead.has_value()) {
     std::vector<double> extra;
     for (const Measured& m : measured) {
       auto all = planner::Simulate(bare, layout, {{0, m.prompt, kTokens}}, {});
       if (!all.ok()) return all.status();
       extra.push_back(m.result.tpot - all->tpot_p50);
     }
-    step_overhead = planner::Percentile(extra, 0.5);
+    // A step never takes less than half its profiled time, whatever the
+    // noise in a handful of idle requests says.
+    auto cost = model.Step({layout.tp, layout.decode_threads});
+    if (!cost.ok()) return cost.status();
+    step_overhead = std::max(planner::Percentile(extra, 0.5),
+                             -0.5 * (*cost)->Seconds({1, 1, 16}));
   }
-  c.step_overhead = step_overhead;
-  bare.decode_step_overhead_seconds = step_overhead;
+  c.step_overhead = *step_overhead;
+  bare.decode_step_overhead_seconds = *step_overhead;
   std::vector<double> prompts, ttft_extra, gap_extra;
   for (const Measured& m : measured) {
     auto one = planner::Simulate(bare, layout, {{0, m.prompt, 1}}, {});
@@ -301,22 +312,37 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
       model.steps[{tp, threads}] = *std::move(cost);
     }
   }
-  // Colocated: one worker on every core; disaggregated: one prefill stage
-  // and one decode worker of one thread each (the smallest such layout).
-  planner::Layout colocated;
-  colocated.colocated = true;
-  colocated.decode_threads = options.cores;
-  Say(options, "calibrating request costs on " + colocated.Name());
-  auto c = Calibrate(options, model, colocated, mc.vocab_size, -1);
-  if (!c.ok()) return c.status();
-  model.colocated_ttft = c->ttft;
-  model.decode_step_overhead_seconds = c->step_overhead;
-  model.delivery_cpu_seconds = c->delivery_cpu;
+  // Colocated: one worker of each profiled decode configuration (each
+  // has its own step overhead); disaggregated: one prefill stage and one
+  // decode worker of one thread each (the smallest such layout).
+  double delivery_cpu = 0;
+  for (const auto& [config, cost] : model.steps) {
+    planner::Layout colocated;
+    colocated.colocated = true;
+    colocated.tp = config.tp;
+    colocated.decode_threads = config.threads_per_rank;
+    Say(options, "calibrating request costs on " + colocated.Name());
+    auto c = Calibrate(options, model, colocated, mc.vocab_size, std::nullopt);
+    if (!c.ok()) return c.status();
+    model.calibrated[config] = {c->step_overhead, c->ttft};
+    delivery_cpu += c->delivery_cpu / model.steps.size();
+    Say(options,
+        absl::StrFormat("  TTFT extra %.1f ms %+.3f ms/token; decode step "
+                        "overhead %+.2f ms; router + client CPU %.3f ms/token",
+                        c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
+                        c->step_overhead * 1e3, c->delivery_cpu * 1e3));
+  }
+  // Configurations not calibrated (none today) fall back on tp 1 × 1.
+  const planner::PerfModel::Calibration& base =
+      model.calibrated.begin()->second;
+  model.colocated_ttft = base.colocated_ttft;
+  model.decode_step_overhead_seconds = base.step_overhead_seconds;
+  model.delivery_cpu_seconds = delivery_cpu;
   if (options.cores >= 2) {
     planner::Layout disaggregated;
     Say(options, "calibrating request costs on " + disaggregated.Name());
     auto d = Calibrate(options, model, disaggregated, mc.vocab_size,
-                       c->step_overhead);
+                       model.StepOverhead({1, 1}));
     if (!d.ok()) return d.status();
     model.disaggregated_ttft = d->ttft;
     model.handoff_seconds = d->handoff;
@@ -324,17 +350,11 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     model.disaggregated_ttft = model.colocated_ttft;
   }
   Say(options,
-      absl::StrFormat("  TTFT extra: colocated %.1f ms %+.3f ms/token, "
-                      "disaggregated %.1f ms %+.3f ms/token; decode step "
-                      "overhead %.2f ms; hand-off %.2f ms; router + client "
-                      "CPU %.3f ms/token",
-                      model.colocated_ttft.base * 1e3,
-                      model.colocated_ttft.per_prompt_token * 1e3,
+      absl::StrFormat("  disaggregated TTFT extra %.1f ms %+.3f ms/token; "
+                      "hand-off %.2f ms",
                       model.disaggregated_ttft.base * 1e3,
                       model.disaggregated_ttft.per_prompt_token * 1e3,
-                      model.decode_step_overhead_seconds * 1e3,
-                      model.handoff_seconds * 1e3,
-                      model.delivery_cpu_seconds * 1e3));
+                      model.handoff_seconds * 1e3));
   return model;
 }
 

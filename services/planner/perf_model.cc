@@ -21,6 +21,17 @@ absl::StatusOr<const StepCost*> PerfModel::Step(ComputeConfig config) const {
                    have.empty() ? "none" : absl::StrJoin(have, ", "), ")"));
 }
 
+double PerfModel::StepOverhead(ComputeConfig config) const {
+  auto it = calibrated.find(config);
+  return it != calibrated.end() ? it->second.step_overhead_seconds
+                                : decode_step_overhead_seconds;
+}
+
+LinearCost PerfModel::ColocatedTtft(ComputeConfig config) const {
+  auto it = calibrated.find(config);
+  return it != calibrated.end() ? it->second.colocated_ttft : colocated_ttft;
+}
+
 nlohmann::json PerfModel::ToJson() const {
   nlohmann::json configs = nlohmann::json::array();
   for (const auto& [c, cost] : steps) {
@@ -32,6 +43,14 @@ nlohmann::json PerfModel::ToJson() const {
     return nlohmann::json{{"base", l.base},
                           {"per_prompt_token", l.per_prompt_token}};
   };
+  nlohmann::json calibrations = nlohmann::json::array();
+  for (const auto& [c, cal] : calibrated) {
+    calibrations.push_back(
+        {{"tp", c.tp},
+         {"threads_per_rank", c.threads_per_rank},
+         {"step_overhead_seconds", cal.step_overhead_seconds},
+         {"colocated_ttft", linear(cal.colocated_ttft)}});
+  }
   return {{"model", model},
           {"num_layers", num_layers},
           {"block_size", block_size},
@@ -41,7 +60,8 @@ nlohmann::json PerfModel::ToJson() const {
           {"disaggregated_ttft", linear(disaggregated_ttft)},
           {"handoff_seconds", handoff_seconds},
           {"decode_step_overhead_seconds", decode_step_overhead_seconds},
-          {"delivery_cpu_seconds", delivery_cpu_seconds}};
+          {"delivery_cpu_seconds", delivery_cpu_seconds},
+          {"calibrated", calibrations}};
 }
 
 absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
@@ -72,6 +92,12 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
     m.decode_step_overhead_seconds =
         json.at("decode_step_overhead_seconds").get<double>();
     m.delivery_cpu_seconds = json.value("delivery_cpu_seconds", 0.0);
+    for (const auto& c : json.value("calibrated", nlohmann::json::array())) {
+      const ComputeConfig config{c.at("tp").get<int>(),
+                                 c.at("threads_per_rank").get<int>()};
+      m.calibrated[config] = {c.at("step_overhead_seconds").get<double>(),
+                              linear(c.at("colocated_ttft"))};
+    }
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("perf model: ", e.what()));
   }

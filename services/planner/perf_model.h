@@ -60,6 +60,17 @@ struct PerfModel {
   // cores the workers compute on, it competes with them
   // (SimOptions::router_shares_cores).
   double delivery_cpu_seconds = 0;
+  // Per decode configuration, where it was calibrated on a colocated
+  // cluster of its own (the profile's in-process steps and a worker
+  // process's differ by configuration: thread hand-offs, streaming); the
+  // scalars above stand in for configurations not calibrated.
+  struct Calibration {
+    double step_overhead_seconds = 0;
+    LinearCost colocated_ttft;
+  };
+  std::map<ComputeConfig, Calibration> calibrated;
+  double StepOverhead(ComputeConfig config) const;
+  LinearCost ColocatedTtft(ComputeConfig config) const;
 
   // The step cost of `config`, or NOT_FOUND naming what was profiled.
   absl::StatusOr<const StepCost*> Step(ComputeConfig config) const;

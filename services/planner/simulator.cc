@@ -232,7 +232,9 @@ class Simulation {
 
   void Deliver(Req& r, int tokens, double t) {
     const double delay =
-        (layout_.colocated ? model_.colocated_ttft : model_.disaggregated_ttft)
+        (layout_.colocated
+             ? model_.ColocatedTtft({layout_.tp, layout_.decode_threads})
+             : model_.disaggregated_ttft)
             .At(r.prompt);
     r.deliveries.push_back(t + delay);
     if (options_.router_shares_cores && model_.delivery_cpu_seconds > 0) {
@@ -357,14 +359,16 @@ class Simulation {
     }
     w.busy = true;
     const double start = t;
-    loop_.StartJob(w.cost->Seconds(shape) + model_.decode_step_overhead_seconds,
-                   layout_.tp * layout_.decode_threads,
-                   [this, &w, plan = std::move(plan), start](double now) {
-                     w.busy = false;
-                     w.busy_seconds += now - start;
-                     Apply(w, plan, now);
-                     Kick(w, now);
-                   });
+    loop_.StartJob(
+        w.cost->Seconds(shape) +
+            model_.StepOverhead({layout_.tp, layout_.decode_threads}),
+        layout_.tp * layout_.decode_threads,
+        [this, &w, plan = std::move(plan), start](double now) {
+          w.busy = false;
+          w.busy_seconds += now - start;
+          Apply(w, plan, now);
+          Kick(w, now);
+        });
   }
 
   void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {
