@@ -83,9 +83,9 @@ struct SpeculationOptions {
 
 // What one forward step did, for metrics (DecodeWorkerOptions::step_observer).
 struct StepStats {
-  int sequences = 0;      // requests in the step's batch
-  int tokens_fed = 0;     // history + draft tokens through the model
-  int logit_rows = 0;     // rows the last layer turned into logits
+  int sequences = 0;   // requests in the step's batch
+  int tokens_fed = 0;  // history + draft tokens through the model
+  int logit_rows = 0;  // rows the last layer turned into logits
   // Σ over fed tokens of the positions each attends to (its own included):
   // the attention work of the step, for the layout planner's cost model.
   int64_t attended_positions = 0;
