@@ -6,7 +6,6 @@
 #include <functional>
 #include <limits>
 #include <list>
-#include <map>
 #include <memory>
 #include <optional>
 #include <queue>
@@ -164,6 +163,8 @@ class Simulation {
 
   Prediction Run(const std::vector<SimRequest>& requests, const Slo& slo) {
     reqs_.resize(requests.size());
+    decode_of_.assign(requests.size(), nullptr);
+    group_of_.assign(requests.size(), nullptr);
     for (size_t i = 0; i < requests.size(); ++i) {
       Req& r = reqs_[i];
       r.id = static_cast<int>(i);
@@ -451,8 +452,9 @@ class Simulation {
   std::vector<Req> reqs_;
   std::vector<std::unique_ptr<DecodeSim>> decode_;
   std::vector<std::unique_ptr<GroupSim>> prefill_;
-  std::map<int, DecodeSim*> decode_of_;
-  std::map<int, GroupSim*> group_of_;
+  // By request id: where the router sent it.
+  std::vector<DecodeSim*> decode_of_;
+  std::vector<GroupSim*> group_of_;
 };
 
 }  // namespace

@@ -84,9 +84,7 @@ absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
         "counts; got ",
         token_counts.size()));
   }
-  // Knots at powers of two spanning the samples; a knot no sample brackets
-  // would be unconstrained, so knots are kept only where samples lie on
-  // both sides or on the knot itself.
+  // Knots at powers of two spanning the samples.
   StepCost cost;
   const int lo = *token_counts.begin();
   const int hi = *token_counts.rbegin();
@@ -95,16 +93,15 @@ absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
     if (k > lo) knots.push_back(k);
   }
   knots.push_back(hi);
-  // Drop knots without a sample between them and the next one (they would
-  // only be pinned by the ridge).
+  // A knot no sample reaches would only be pinned by the ridge: keep a knot
+  // once a sample lies after the previous kept one and not past it (the
+  // last knot, hi, is a sample itself).
   std::vector<double> kept = {knots.front()};
   for (size_t i = 1; i < knots.size(); ++i) {
-    const bool has_between =
-        token_counts.lower_bound(static_cast<int>(kept.back()) + 1) !=
-            token_counts.end() &&
-        *token_counts.lower_bound(static_cast<int>(kept.back()) + 1) <=
-            knots[i];
-    if (has_between || i + 1 == knots.size()) kept.push_back(knots[i]);
+    auto next = token_counts.upper_bound(static_cast<int>(kept.back()));
+    if (next != token_counts.end() && *next <= knots[i]) {
+      kept.push_back(knots[i]);
+    }
   }
   cost.knots_ = kept;
   const int num_knots = static_cast<int>(cost.knots_.size());

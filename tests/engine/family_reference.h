@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "model/config_override.h"
 #include "model/weight_source.h"
 #include "nlohmann/json.hpp"
 #include "testing/shell.h"
@@ -142,33 +143,7 @@ inline constexpr int kFamilyMaxNew = 16;
 
 // A checkpoint read with an edited config: what a family gives without one
 // of its features (same weights; RoPE tables and windows follow the config).
-class ConfigOverride : public model::WeightSource {
- public:
-  ConfigOverride(const model::WeightSource& base, model::ModelConfig config)
-      : base_(base), config_(std::move(config)) {}
-  const model::ModelConfig& config() const override { return config_; }
-  const std::string& description() const override {
-    return base_.description();
-  }
-  bool HasTensor(std::string_view name) const override {
-    return base_.HasTensor(name);
-  }
-  absl::StatusOr<model::TensorInfo> GetTensorInfo(
-      std::string_view name) const override {
-    return base_.GetTensorInfo(name);
-  }
-  absl::Status ReadF32(std::string_view name, const model::Slice2D& slice,
-                       float* out) const override {
-    return base_.ReadF32(name, slice, out);
-  }
-  absl::StatusOr<model::TokenizerSpec> tokenizer_spec() const override {
-    return base_.tokenizer_spec();
-  }
-
- private:
-  const model::WeightSource& base_;
-  model::ModelConfig config_;
-};
+using ConfigOverride = model::ConfigOverrideWeights;
 
 // Each family feature and the config edit that drops it, with the checkpoint
 // that has it: the CUDA family tests can fail only if dropping any of them
