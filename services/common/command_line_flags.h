@@ -267,13 +267,26 @@ class CommandLineFlags {
       words.push_back(text.substr(pos, end - pos));
       pos = end;
     }
-    if (!last.empty()) words.push_back(last);
+    if (last.size() + kIndent > kWidth && last.find(' ') != last.npos) {
+      // Too long for any line: "[default:" and its value on two lines.
+      const size_t space = last.find(' ');
+      words.push_back(last.substr(0, space));
+      words.push_back(last.substr(space + 1));
+    } else if (!last.empty()) {
+      words.push_back(last);
+    }
     bool line_has_word = false;
     for (std::string_view word : words) {
       if (line_has_word && used + 1 + word.size() > kWidth) {
+        // A word too long for the continuation column (a default that is
+        // an absolute path) moves left rather than past column 80.
+        const size_t indent =
+            word.size() + column <= kWidth
+                ? column
+                : std::max(kIndent, kWidth - std::min(kWidth, word.size()));
         *out += '\n';
-        out->append(column, ' ');
-        used = column;
+        out->append(indent, ' ');
+        used = indent;
         line_has_word = false;
       }
       if (line_has_word) {

@@ -251,6 +251,31 @@ TEST(CommandLineFlagsTest, UsageWrapsLongMeaningsToEightyColumns) {
   EXPECT_TRUE(continued) << usage;
 }
 
+// A default longer than the room after the meaning column (an absolute
+// path under a deep checkout) moves left instead of past column 80.
+TEST(CommandLineFlagsTest, LongDefaultMovesLeftToStayInEightyColumns) {
+  Argv args({});
+  CommandLineFlags flags;
+  ASSERT_TRUE(flags.Parse(args.argc(), args.argv()).ok());
+  flags.Group("Model");
+  const std::string path =
+      "/check/work/shared/models/bench-configs/llama-110m.json";
+  const std::string longer_path =
+      "/check/work/shared/models/bench-configs/a-model-with-a-long-name.json";
+  flags.Str("model", path, "Model every cluster loads.");
+  flags.Str("draft", longer_path, "Draft model.");
+  flags.Str("perf-model", "", "A saved profile.");
+  const std::string usage = flags.Usage("prog");
+  for (const std::string& line : Lines(usage)) {
+    EXPECT_LE(line.size(), 80u) << line;
+  }
+  EXPECT_NE(usage.find("[default: " + path + "]\n"), std::string::npos)
+      << usage;
+  // Longer than any line: the value goes on the line after "[default:".
+  EXPECT_NE(usage.find(longer_path + "]\n"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("[default:\n"), std::string::npos) << usage;
+}
+
 TEST(CommandLineFlagsTest, FlagLookedUpTwiceIsListedOnce) {
   Argv args({});
   CommandLineFlags flags;
