@@ -7,6 +7,8 @@
 //       [--formats f32,f16,q8_0,q4_k_m]
 //   build/bench/quant_bench run --model FILE.gguf [--threads 2]
 //       [--prompt 512] [--decode 64] [--repeats 3]
+//       [--quantized-matmul int8|exact]
+//   build/bench/quant_bench kernels [--rows 2048] [--cols 768] [--threads 2]
 //
 // `run` prints one JSON line: {"format", "prefill_tok_s", "decode_tok_s",
 // "weight_bytes"} with the best of --repeats runs of each.
@@ -138,6 +140,12 @@ int Run(int argc, char** argv) {
   const int prompt_len = IntFlag(argc, argv, "prompt", 512);
   const int decode_steps = IntFlag(argc, argv, "decode", 64);
   const int repeats = IntFlag(argc, argv, "repeats", 3);
+  const std::string matmul = Flag(argc, argv, "quantized-matmul", "int8");
+  if (matmul != "int8" && matmul != "exact") {
+    std::fprintf(stderr, "--quantized-matmul is int8 or exact, not %s\n",
+                 matmul.c_str());
+    return 2;
+  }
   auto weights = model::OpenModel(path);
   if (!weights.ok()) {
     std::fprintf(stderr, "%s\n",
@@ -146,6 +154,9 @@ int Run(int argc, char** argv) {
   }
   engine::EngineOptions options;
   options.num_threads = threads;
+  options.quantized_matmul = matmul == "int8"
+                                 ? engine::QuantizedMatmul::kInt8Activations
+                                 : engine::QuantizedMatmul::kExact;
   auto engine = engine::LlamaEngine::Create(**weights, options);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n",
@@ -194,9 +205,9 @@ int Run(int argc, char** argv) {
   }
   std::printf(
       "{\"engine\": \"pdserve\", \"model\": \"%s\", \"threads\": %d, "
-      "\"prefill_tok_s\": %.1f, \"decode_tok_s\": %.1f, \"weight_bytes\": "
-      "%lld}\n",
-      path.c_str(), threads, best_prefill, best_decode,
+      "\"quantized_matmul\": \"%s\", \"prefill_tok_s\": %.1f, "
+      "\"decode_tok_s\": %.1f, \"weight_bytes\": %lld}\n",
+      path.c_str(), threads, matmul.c_str(), best_prefill, best_decode,
       static_cast<long long>((*engine)->weight_bytes()));
   return 0;
 }
@@ -224,22 +235,30 @@ int Kernels(int argc, char** argv) {
              .ok()) {
       return 1;
     }
-    for (int n : {1, 4, 16, 512}) {
-      std::vector<float> x(int64_t{n} * cols, 0.01f), y(int64_t{n} * rows);
-      for (int t : {1, threads}) {
-        ThreadPool pool(t);
-        double best = 1e9;
-        for (int rep = 0; rep < (n >= 512 ? 3 : 20); ++rep) {
-          auto start = std::chrono::steady_clock::now();
-          engine::MatMul(x.data(), n, matrix, y.data(), pool);
-          best = std::min(best, Seconds(start));
+    // Quantized formats both ways: exact f32 products, int8 activations.
+    for (bool int8 : {false, true}) {
+      if (int8 && !model::IsQuantized(format)) continue;
+      matrix.set_int8_activations(int8);
+      for (int n : {1, 4, 16, 512}) {
+        std::vector<float> x(int64_t{n} * cols), y(int64_t{n} * rows);
+        for (size_t i = 0; i < x.size(); ++i)
+          x[i] = 0.01f * std::sin(0.37f * i);
+        for (int t : {1, threads}) {
+          ThreadPool pool(t);
+          double best = 1e9;
+          for (int rep = 0; rep < (n >= 512 ? 3 : 20); ++rep) {
+            auto start = std::chrono::steady_clock::now();
+            engine::MatMul(x.data(), n, matrix, y.data(), pool);
+            best = std::min(best, Seconds(start));
+          }
+          std::printf(
+              "%-5s %-5s %dx%d n=%-4d threads=%d  %9.1f us  %6.1f GB/s  %6.1f "
+              "GFLOP/s\n",
+              std::string(model::TensorFormatName(format)).c_str(),
+              int8 ? "int8" : "f32", rows, cols, n, t, best * 1e6,
+              rows * row_bytes / best / 1e9,
+              2.0 * n * rows * cols / best / 1e9);
         }
-        std::printf(
-            "%-5s %dx%d n=%-4d threads=%d  %9.1f us  %6.1f GB/s  %6.1f "
-            "GFLOP/s\n",
-            std::string(model::TensorFormatName(format)).c_str(), rows, cols, n,
-            t, best * 1e6, rows * row_bytes / best / 1e9,
-            2.0 * n * rows * cols / best / 1e9);
       }
     }
   }

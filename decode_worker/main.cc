@@ -122,6 +122,11 @@ int Main(int argc, char** argv) {
       "kv-dtype", "auto",
       "KV element type: auto|f32|bf16 (auto: f32 on CPUs, bf16 on GPUs); "
       "prefill workers must send the same.");
+  const std::string quantized_matmul_name = flags.Str(
+      "quantized-matmul", "int8",
+      "How quantized GGUF weights (Q8_0, Q4_K, Q6_K) multiply: int8 "
+      "(activations rounded to int8 per block, like llama.cpp; several times "
+      "faster) | exact (f32 products of the dequantized weights).");
   const double lease_s = flags.Num<double>(
       "kv-lease-seconds", 30.0,
       "Seconds an admitted request's KV may wait for its prefill's writes "
@@ -193,6 +198,9 @@ int Main(int argc, char** argv) {
   auto kv_dtype = engine::ParseKvDTypeFlag(kv_dtype_name);
   if (!kv_dtype.ok()) return Fail(kv_dtype.status());
   wo.kv_dtype = *kv_dtype;
+  auto quantized_matmul = engine::ParseQuantizedMatmul(quantized_matmul_name);
+  if (!quantized_matmul.ok()) return Fail(quantized_matmul.status());
+  wo.quantized_matmul = *quantized_matmul;
   auto attention = engine::ParseAttentionKernels(attention_name);
   if (!attention.ok()) return Fail(attention.status());
   wo.cuda.attention = *attention;

@@ -206,6 +206,11 @@ int Main(int argc, char** argv) {
       "kv-dtype", "auto",
       "KV element type computed and sent: auto|f32|bf16 (auto: f32 on CPUs, "
       "bf16 on GPUs); decode workers must keep the same.");
+  const std::string quantized_matmul_name = flags.Str(
+      "quantized-matmul", "int8",
+      "How quantized GGUF weights (Q8_0, Q4_K, Q6_K) multiply: int8 "
+      "(activations rounded to int8 per block, like llama.cpp; several times "
+      "faster) | exact (f32 products of the dequantized weights).");
   flags.Group("Network");
   const std::string host =
       flags.Str("host", "127.0.0.1",
@@ -251,6 +256,8 @@ int Main(int argc, char** argv) {
   if (!backend.ok()) return Fail(backend.status());
   auto kv_dtype = engine::ParseKvDTypeFlag(kv_dtype_name);
   if (!kv_dtype.ok()) return Fail(kv_dtype.status());
+  auto quantized_matmul = engine::ParseQuantizedMatmul(quantized_matmul_name);
+  if (!quantized_matmul.ok()) return Fail(quantized_matmul.status());
   auto attention = engine::ParseAttentionKernels(attention_name);
   if (!attention.ok()) return Fail(attention.status());
   rpc::BearerTokens internal_tokens;
@@ -312,6 +319,7 @@ int Main(int argc, char** argv) {
   stage_options.ucx.ucx_config = *ucx_config;
   stage_options.backend = *backend;
   stage_options.kv_dtype = *kv_dtype;
+  stage_options.quantized_matmul = *quantized_matmul;
   stage_options.cuda.device = cuda_device;
   stage_options.cuda.attention = *attention;
   // A microbatch is at most the token budget (or one chunk, if larger).

@@ -121,6 +121,7 @@ absl::Status StageProcess::Build(StageReceiver* in, const std::string& next,
   stage_options.cuda = options_.cuda;
   stage_options.structured_output = options_.structured_output;
   stage_options.kv_dtype = options_.kv_dtype;
+  stage_options.quantized_matmul = options_.quantized_matmul;
   PDS_ASSIGN_OR_RETURN(
       stage_, PipelineStage::Create(weights_, stage_options, in, sender_.get(),
                                     events, nullptr));

@@ -50,6 +50,8 @@ struct StageProcessOptions {
   engine::Backend backend = engine::Backend::kCpu;  // see PipelineStageOptions
   engine::CudaOptions cuda;
   std::optional<kv::KvDType> kv_dtype;  // unset = the backend's own
+  engine::QuantizedMatmul quantized_matmul =
+      engine::QuantizedMatmul::kInt8Activations;
   // The last stage's structured-output grammars (not owned; may be null).
   grammar::StructuredOutputCompiler* structured_output = nullptr;
 };

@@ -264,7 +264,9 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
                                    "--cuda-devices",
                                    options_.cuda_devices,
                                    "--kv-dtype",
-                                   options_.kv_dtype};
+                                   options_.kv_dtype,
+                                   "--quantized-matmul",
+                                   options_.quantized_matmul};
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
@@ -303,6 +305,8 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
                                     device,
                                     "--kv-dtype",
                                     options_.kv_dtype,
+                                    "--quantized-matmul",
+                                    options_.quantized_matmul,
                                     "--model",
                                     options_.model_path,
                                     "--format",

@@ -70,6 +70,8 @@ struct LocalClusterOptions {
   std::string cuda_devices = "0";
   // KV element type of every prefill stage and decode worker (auto|f32|bf16).
   std::string kv_dtype = "auto";
+  // How every worker multiplies quantized GGUF weights (int8|exact).
+  std::string quantized_matmul = "int8";
 
   // Every process is on this host: KV goes by shared memory (UCX endpoints
   // without peer-failure mode; dead peers are found by leases, heartbeats

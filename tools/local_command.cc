@@ -81,6 +81,11 @@ absl::Status RunLocalCluster(int argc, char** argv) {
       flags.Str("kv-dtype", o.kv_dtype,
                 "Every worker's KV element type: auto|f32|bf16 (auto: f32 on "
                 "CPUs, bf16 on GPUs).");
+  o.quantized_matmul = flags.Str(
+      "quantized-matmul", o.quantized_matmul,
+      "How every worker multiplies quantized GGUF weights: int8 "
+      "(activations rounded to int8 per block, like llama.cpp) | exact (f32 "
+      "products of the dequantized weights).");
   flags.Group("Scheduling");
   o.prefill_policy = flags.Str(
       "prefill-policy", o.prefill_policy,
@@ -137,6 +142,8 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   PDS_RETURN_IF_ERROR(engine::ParseBackend(o.backend).status());
   PDS_RETURN_IF_ERROR(engine::ParseDeviceList(o.cuda_devices).status());
   PDS_RETURN_IF_ERROR(engine::ParseKvDTypeFlag(o.kv_dtype).status());
+  PDS_RETURN_IF_ERROR(
+      engine::ParseQuantizedMatmul(o.quantized_matmul).status());
   PDS_RETURN_IF_ERROR(flags.Check());
 
   // Ctrl-C is for us: block it before the children start (they reset their

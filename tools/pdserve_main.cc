@@ -88,6 +88,11 @@ absl::Status Generate(int argc, char** argv) {
   const std::string kv_dtype_name = flags.Str(
       "kv-dtype", "auto",
       "KV element type: auto|f32|bf16 (auto: f32 on CPUs, bf16 on GPUs).");
+  const std::string quantized_matmul_name = flags.Str(
+      "quantized-matmul", "int8",
+      "How quantized GGUF weights (Q8_0, Q4_K, Q6_K) multiply: int8 "
+      "(activations rounded to int8 per block, like llama.cpp; several times "
+      "faster) | exact (f32 products of the dequantized weights).");
   flags.Group("Request");
   const std::string prompt =
       flags.Str("prompt", "", "Prompt text to continue (required).");
@@ -124,6 +129,8 @@ absl::Status Generate(int argc, char** argv) {
                        engine::ParseBackend(backend_name));
   PDS_ASSIGN_OR_RETURN(const std::optional<kv::KvDType> kv_dtype,
                        engine::ParseKvDTypeFlag(kv_dtype_name));
+  PDS_ASSIGN_OR_RETURN(const engine::QuantizedMatmul quantized_matmul,
+                       engine::ParseQuantizedMatmul(quantized_matmul_name));
   PDS_RETURN_IF_ERROR(sampling.Validate());
   if (output != "text" && output != "ids" && output != "json") {
     return absl::InvalidArgumentError(
@@ -152,6 +159,7 @@ absl::Status Generate(int argc, char** argv) {
   options.num_threads = threads;
   options.backend = backend;
   options.kv_dtype = kv_dtype;
+  options.quantized_matmul = quantized_matmul;
   options.cuda.device = cuda_device;
   options.cuda.max_sequences = 1;
   options.cuda.max_graph_batch = 1;

@@ -298,6 +298,7 @@ absl::Status DecodeWorker::Impl::Start() {
     eo.backend = options.backend;
     eo.cuda = options.cuda;
     eo.kv_dtype = options.kv_dtype;
+    eo.quantized_matmul = options.quantized_matmul;
     // Size the GPU's step buffers for what this worker's steps can hold.
     eo.cuda.max_tokens_per_step = options.max_step_tokens;
     eo.cuda.max_sequences = std::max(options.max_running, 1);

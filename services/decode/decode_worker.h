@@ -120,6 +120,9 @@ struct DecodeWorkerOptions {
   engine::CudaOptions cuda;
   // KV element type (EngineOptions::kv_dtype); unset = the backend's own.
   std::optional<kv::KvDType> kv_dtype;
+  // How quantized GGUF weights multiply (EngineOptions::quantized_matmul).
+  engine::QuantizedMatmul quantized_matmul =
+      engine::QuantizedMatmul::kInt8Activations;
   // GPU of rank r: cuda_devices[r % size]; empty = cuda.device for every rank.
   std::vector<int> cuda_devices;
   // Called on the scheduler thread after every step (no lock held). Must be

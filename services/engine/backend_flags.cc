@@ -54,6 +54,20 @@ const char* AttentionKernelsName(AttentionKernels kernels) {
   return "auto";
 }
 
+absl::StatusOr<QuantizedMatmul> ParseQuantizedMatmul(std::string_view name) {
+  for (QuantizedMatmul mode :
+       {QuantizedMatmul::kInt8Activations, QuantizedMatmul::kExact}) {
+    if (name == QuantizedMatmulName(mode)) return mode;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown quantized matmul \"", std::string(name),
+                   "\" (expected int8 or exact)"));
+}
+
+const char* QuantizedMatmulName(QuantizedMatmul mode) {
+  return mode == QuantizedMatmul::kExact ? "exact" : "int8";
+}
+
 absl::StatusOr<std::vector<int>> ParseDeviceList(std::string_view list) {
   std::vector<int> devices;
   for (absl::string_view part :

@@ -2,6 +2,7 @@
 // runs an engine (pdserve generate, decode_worker, prefill_worker):
 //   --backend cpu|cuda  --cuda-devices 0[,1,...]  --cuda-graphs 1|0
 //   --kv-dtype auto|f32|bf16  --cuda-attention auto|legacy|tensor-core
+//   --quantized-matmul int8|exact
 #pragma once
 
 #include <optional>
@@ -28,6 +29,13 @@ const char* BackendName(Backend backend);
 [[nodiscard]] absl::StatusOr<AttentionKernels> ParseAttentionKernels(
     std::string_view name);
 const char* AttentionKernelsName(AttentionKernels kernels);
+
+// --quantized-matmul: "int8" (activations rounded to int8, the default) or
+// "exact" (f32 products of the dequantized weights); INVALID_ARGUMENT names
+// the accepted values.
+[[nodiscard]] absl::StatusOr<QuantizedMatmul> ParseQuantizedMatmul(
+    std::string_view name);
+const char* QuantizedMatmulName(QuantizedMatmul mode);
 
 // "0,1,3" -> {0, 1, 3}; INVALID_ARGUMENT for anything but non-negative
 // integers separated by commas.

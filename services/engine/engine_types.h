@@ -81,6 +81,17 @@ struct CudaOptions {
   int attention_partition = 128;
 };
 
+// How the CPU backend multiplies block-quantized weights (Q8_0, Q4_K, Q6_K).
+enum class QuantizedMatmul {
+  // Activations rounded to int8 per block (llama.cpp's scheme): integer dot
+  // products, several times faster; logits within ~1e-2 of the exact
+  // product's (engine/int8_dot.h, tests/engine/quant_engine_test).
+  kInt8Activations,
+  // f32 products of the dequantized weights, bit-identical values to an f32
+  // model of the same weights up to summation order.
+  kExact,
+};
+
 struct EngineOptions {
   ShardSpec shard;
   // Threads for attention and element-wise work, counting the caller
@@ -97,6 +108,8 @@ struct EngineOptions {
   // bytes, attention math still f32); the CUDA backend only bf16. Prefill
   // and decode must agree: KvLayout reports it and the transport checks it.
   std::optional<kv::KvDType> kv_dtype;
+  // CPU only; the CUDA backend holds no block-quantized weights.
+  QuantizedMatmul quantized_matmul = QuantizedMatmul::kInt8Activations;
 };
 
 // The KV element type an engine with these settings keeps.

@@ -194,6 +194,15 @@ class CpuBackend final : public EngineBackend {
   int64_t ffn_rows() const { return p.ffn_rows(); }
 
   absl::Status Load(const model::WeightSource& weights);
+  void SetQuantizedMatmul(QuantizedMatmul mode) {
+    const bool int8 = mode == QuantizedMatmul::kInt8Activations;
+    for (CpuLayerWeights& lw : layers) {
+      for (WeightMatrix* w : {&lw.wqkv, &lw.wo, &lw.w_gate_up, &lw.w_down}) {
+        w->set_int8_activations(int8);
+      }
+    }
+    lm_head.set_int8_activations(int8);
+  }
   absl::Status AllReduce(std::vector<float>& data, int64_t count) {
     if (shard.tp_size == 1) return absl::OkStatus();
     return communicator->AllReduceSum(std::span<float>(data.data(), count));
@@ -742,6 +751,7 @@ absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
     cpu->vocab_begin = cpu->p.vocab_begin;
     cpu->vocab_end = cpu->p.vocab_end;
     PDS_RETURN_IF_ERROR(cpu->Load(weights));
+    cpu->SetQuantizedMatmul(options.quantized_matmul);
     UseSingleThreadedBlas();
     cpu->workers = std::make_unique<ThreadPool>(options.num_threads);
     backend = std::move(cpu);

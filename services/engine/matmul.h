@@ -107,6 +107,14 @@ class WeightMatrix {
   // Element (row, col) as the kernels see it (tests).
   float At(int64_t row, int64_t col) const;
 
+  // Quantized rows multiply activations rounded to int8 (per 32 values for
+  // Q8_0, per 256 for Q4_K/Q6_K, like llama.cpp) instead of the exact f32
+  // product of the dequantized weights: several times fewer instructions per
+  // weight, at a rounding error of ~1/254 per activation block (int8_dot.h).
+  // Ignored where the build has no int8 kernels (no AVX2).
+  void set_int8_activations(bool on) { int8_activations_ = on; }
+  bool int8_activations() const;
+
   struct Segment;
 
  private:
@@ -115,6 +123,7 @@ class WeightMatrix {
                      ThreadPool& pool);
   std::vector<std::shared_ptr<const Segment>> segments_;
   int64_t rows_ = 0, cols_ = 0;
+  bool int8_activations_ = false;
 };
 
 // y[n, w.rows()] = x[n, w.cols()] · w^T, spread over `pool`. Quantized rows

@@ -8,6 +8,7 @@
 #include "common/float16.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "engine/int8_dot.h"
 #include "engine/matmul.h"
 #include "engine/panel_kernel.h"
 
@@ -478,6 +479,15 @@ void SegmentPanels(const WeightMatrix::Segment& s, const float* x, int64_t n,
   }
 }
 
+// Output rows [r0, r1) of a quantized segment against every activation row,
+// the activations already rounded to int8.
+void SegmentInt8Dots(const WeightMatrix::Segment& s,
+                     const internal::Int8Activations& x, float* y, int64_t ldy,
+                     int64_t r0, int64_t r1) {
+  internal::Int8RowDots(s.format, s.data + r0 * s.row_bytes, s.row_bytes,
+                        r1 - r0, s.cols, x, y + s.row_offset + r0, ldy);
+}
+
 // Outputs of a segment whose rows are stored in interleaved RoPE order come
 // out in that order: move them into HF rotate-half order.
 void UninterleaveOutputs(const WeightMatrix::Segment& s, float* y, int64_t n,
@@ -634,6 +644,16 @@ float WeightMatrix::At(int64_t row, int64_t col) const {
   return 0.0f;
 }
 
+bool WeightMatrix::int8_activations() const {
+  if (!int8_activations_ || !internal::Int8ActivationKernelsAvailable()) {
+    return false;
+  }
+  for (const auto& s : segments_) {
+    if (model::IsQuantized(s->format)) return true;
+  }
+  return false;
+}
+
 void MatMul(const float* x, int64_t n, const WeightMatrix& w, float* y,
             ThreadPool& pool) {
   if (n <= 0 || w.rows() == 0) return;
@@ -648,6 +668,21 @@ void MatMul(const float* x, int64_t n, const WeightMatrix& w, float* y,
   for (size_t i = 0; i < segments.size(); ++i) {
     first_panel[i + 1] = first_panel[i] + segments[i]->panels();
   }
+  // Activations rounded once per product, before the threads split rows.
+  const bool int8 = w.int8_activations();
+  // The buffer is the calling thread's; the pool's threads read it through
+  // this reference (a thread_local named in the lambda would be their own).
+  thread_local internal::Int8Activations calling_thread_rounded;
+  internal::Int8Activations& rounded = calling_thread_rounded;
+  if (int8) {
+    bool q8_0 = false, k_quants = false;
+    for (const auto& s : segments) {
+      q8_0 |= s->format == TensorFormat::kQ8_0;
+      k_quants |=
+          s->format == TensorFormat::kQ4_K || s->format == TensorFormat::kQ6_K;
+    }
+    rounded.Quantize(x, n, w.cols(), q8_0, k_quants);
+  }
   pool.ParallelRanges(
       first_panel.back(),
       [&](int64_t first, int64_t last) {
@@ -655,7 +690,14 @@ void MatMul(const float* x, int64_t n, const WeightMatrix& w, float* y,
           const int64_t a = std::max(first, first_panel[i]);
           const int64_t b = std::min(last, first_panel[i + 1]);
           if (a >= b) continue;
-          SegmentPanels(*segments[i], x, n, y, w.rows(), a - first_panel[i],
+          const WeightMatrix::Segment& s = *segments[i];
+          if (int8 && model::IsQuantized(s.format)) {
+            SegmentInt8Dots(
+                s, rounded, y, w.rows(), (a - first_panel[i]) * kPanelRows,
+                std::min(s.rows, (b - first_panel[i]) * kPanelRows));
+            continue;
+          }
+          SegmentPanels(s, x, n, y, w.rows(), a - first_panel[i],
                         b - first_panel[i]);
         }
       },

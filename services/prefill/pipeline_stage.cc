@@ -27,6 +27,7 @@ absl::StatusOr<std::unique_ptr<PipelineStage>> PipelineStage::Create(
   engine_options.num_threads = options.threads;
   engine_options.backend = options.backend;
   engine_options.kv_dtype = options.kv_dtype;
+  engine_options.quantized_matmul = options.quantized_matmul;
   engine_options.cuda = options.cuda;
   PDS_ASSIGN_OR_RETURN(auto engine,
                        engine::LlamaEngine::Create(weights, engine_options));

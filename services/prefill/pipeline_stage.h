@@ -68,6 +68,9 @@ struct PipelineStageOptions {
   engine::CudaOptions cuda;
   // KV element type (EngineOptions::kv_dtype); unset = the backend's own.
   std::optional<kv::KvDType> kv_dtype;
+  // How quantized GGUF weights multiply (EngineOptions::quantized_matmul).
+  engine::QuantizedMatmul quantized_matmul =
+      engine::QuantizedMatmul::kInt8Activations;
   // The last stage samples each request's first token: with structured
   // output through a grammar compiled here (null: such requests fail with
   // FAILED_PRECONDITION). Not owned; outlives the stage.

@@ -10,6 +10,7 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -19,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "engine/backend_flags.h"
 #include "engine/engine_test_util.h"
 #include "gtest/gtest.h"
 #include "model/gguf_writer.h"
@@ -84,16 +86,20 @@ struct QuantLayout {
   std::string layer_split;
   int tp;
   std::string speculation;
+  // --quantized-matmul of every worker and of the single-process engine.
+  std::string quantized_matmul;
 };
 
 struct Continuation {
   std::vector<int32_t> ids;
   std::string text;
+  std::vector<float> logprobs;  // of each generated token
 };
 
 // What the single-process engine (one shard, the file's own tokenizer)
 // continues the prompt with.
-Continuation SingleProcess(const std::string& path) {
+Continuation SingleProcess(const std::string& path,
+                           engine::QuantizedMatmul quantized_matmul) {
   Continuation out;
   auto weights = model::OpenModel(path);
   EXPECT_TRUE(weights.ok()) << weights.status();
@@ -107,11 +113,21 @@ Continuation SingleProcess(const std::string& path) {
   auto prompt = (*tokenizer)->Encode(kPrompt);
   EXPECT_TRUE(prompt.ok()) << prompt.status();
   if (!prompt.ok()) return out;
-  auto engine = engine::testing_util::MakeEngine(**weights);
+  auto engine = engine::testing_util::MakeEngine(**weights, {}, nullptr, 2,
+                                                 quantized_matmul);
   if (engine == nullptr) return out;
   auto pool = engine::testing_util::MakePool(*engine, 16, 8);
-  out.ids =
-      engine::testing_util::GreedyGenerate(*engine, *pool, *prompt, kMaxNew);
+  std::vector<std::vector<float>> step_logits;
+  out.ids = engine::testing_util::GreedyGenerate(*engine, *pool, *prompt,
+                                                 kMaxNew, 0, &step_logits);
+  for (size_t i = 0; i < out.ids.size() && i < step_logits.size(); ++i) {
+    const std::vector<float>& logits = step_logits[i];
+    const double max = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (float v : logits) sum += std::exp(v - max);
+    out.logprobs.push_back(
+        static_cast<float>(logits[out.ids[i]] - max - std::log(sum)));
+  }
   auto text = (*tokenizer)->Decode(out.ids);
   EXPECT_TRUE(text.ok()) << text.status();
   if (text.ok()) out.text = *text;
@@ -143,7 +159,9 @@ TEST_P(QuantClusterTest, GreedyTextAndIdsEqualTheSingleProcessEngine) {
       model::WriteLlamaGguf(path, config, Values, format_of, &*vocabulary)
           .ok());
 
-  const Continuation want = SingleProcess(path);
+  auto quantized_matmul = engine::ParseQuantizedMatmul(layout.quantized_matmul);
+  ASSERT_TRUE(quantized_matmul.ok()) << quantized_matmul.status();
+  const Continuation want = SingleProcess(path, *quantized_matmul);
   ASSERT_FALSE(want.ids.empty());
   std::printf(
       "[ quant    ] %s: single process continues \"%s\" with %zu "
@@ -158,6 +176,7 @@ TEST_P(QuantClusterTest, GreedyTextAndIdsEqualTheSingleProcessEngine) {
   o.layer_split = layout.layer_split;
   o.tp = layout.tp;
   o.speculation = layout.speculation;
+  o.quantized_matmul = layout.quantized_matmul;
   o.draft_layers = 1;
   o.decode_blocks = 128;
   o.prefill_blocks = 64;
@@ -173,14 +192,18 @@ TEST_P(QuantClusterTest, GreedyTextAndIdsEqualTheSingleProcessEngine) {
   v1::GenerateRequest request;
   request.set_text(kPrompt);
   request.set_max_tokens(kMaxNew);
+  request.set_include_logprobs(true);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
   auto reader = stub->Generate(&context, request);
   std::vector<int32_t> ids;
+  std::vector<float> logprobs;
   std::string text;
   v1::GenerateResponse item;
   while (reader->Read(&item)) {
     ids.insert(ids.end(), item.token_ids().begin(), item.token_ids().end());
+    logprobs.insert(logprobs.end(), item.logprobs().begin(),
+                    item.logprobs().end());
     text += item.text();
   }
   const grpc::Status status = reader->Finish();
@@ -188,6 +211,15 @@ TEST_P(QuantClusterTest, GreedyTextAndIdsEqualTheSingleProcessEngine) {
                            << (*cluster)->LogTail("decode-0", 4096);
   EXPECT_EQ(ids, want.ids);
   EXPECT_EQ(text, want.text);
+  if (layout.quantized_matmul == "exact") {
+    // The workers honour --quantized-matmul: exact products across TP ranks
+    // and stages differ from one process by f32 summation order (~1e-6),
+    // while int8 activations would move these logprobs by ~1e-2.
+    ASSERT_EQ(logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < logprobs.size(); ++i) {
+      EXPECT_NEAR(logprobs[i], want.logprobs[i], 1e-3) << "token " << i;
+    }
+  }
 
   // The OpenAI completions endpoint, as a client would call it.
   const std::string http = (*cluster)->http_address();
@@ -207,9 +239,11 @@ INSTANTIATE_TEST_SUITE_P(
     Layouts, QuantClusterTest,
     ::testing::Values(
         // Q8_0: 2 prefill stages (1 + 1 layers), TP 2, n-gram speculation.
-        QuantLayout{"q8_0", TensorFormat::kQ8_0, 2, "1,1", 2, "ngram"},
-        // Q4_K_M: 2 stages, TP 2, draft-model speculation (the first layer).
-        QuantLayout{"q4_k_m", TensorFormat::kQ4_K, 2, "1,1", 2, "draft"}),
+        QuantLayout{"q8_0", TensorFormat::kQ8_0, 2, "1,1", 2, "ngram", "int8"},
+        // Q4_K_M: 2 stages, TP 2, draft-model speculation (the first
+        // layer), exact products.
+        QuantLayout{"q4_k_m", TensorFormat::kQ4_K, 2, "1,1", 2, "draft",
+                    "exact"}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -92,11 +92,13 @@ inline std::unique_ptr<model::WeightSource> OpenStories(bool gguf) {
 
 inline std::unique_ptr<LlamaEngine> MakeEngine(
     const model::WeightSource& weights, ShardSpec shard = {},
-    comm::Communicator* communicator = nullptr, int threads = 2) {
+    comm::Communicator* communicator = nullptr, int threads = 2,
+    QuantizedMatmul quantized_matmul = QuantizedMatmul::kInt8Activations) {
   EngineOptions options;
   options.shard = shard;
   options.num_threads = threads;
   options.communicator = communicator;
+  options.quantized_matmul = quantized_matmul;
   auto engine = LlamaEngine::Create(weights, options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(engine).value() : nullptr;

@@ -507,6 +507,18 @@ TEST(BackendFlagsTest, ParsesAttentionKernels) {
             std::string::npos);
 }
 
+TEST(BackendFlagsTest, ParsesQuantizedMatmul) {
+  EXPECT_EQ(*ParseQuantizedMatmul("int8"), QuantizedMatmul::kInt8Activations);
+  EXPECT_EQ(*ParseQuantizedMatmul("exact"), QuantizedMatmul::kExact);
+  EXPECT_STREQ(QuantizedMatmulName(QuantizedMatmul::kExact), "exact");
+  EXPECT_EQ(EngineOptions{}.quantized_matmul,
+            QuantizedMatmul::kInt8Activations);
+  auto bad = ParseQuantizedMatmul("f32");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("expected int8 or exact"),
+            std::string::npos);
+}
+
 TEST(BackendFlagsTest, ParsesBackendsAndDeviceLists) {
   ASSERT_TRUE(ParseBackend("cpu").ok());
   EXPECT_EQ(*ParseBackend("cpu"), Backend::kCpu);

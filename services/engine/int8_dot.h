@@ -1,0 +1,86 @@
+// Internal to services/engine: products of block-quantized weight rows
+// (Q8_0, Q4_K, Q6_K) with activations quantized to int8, as llama.cpp
+// multiplies them (its q8_0 / q8_K activation blocks).
+//
+// Why: dequantizing each weight to f32 costs about five vector ops per eight
+// weights (unpack, convert, scale, FMA), which makes quantized decode
+// compute-bound at a third of the speed its memory traffic allows. With the
+// activations in int8, 32 weights take one multiply-add of bytes into 16-bit
+// pairs and one of those pairs by the sub-block's integer scale into int32
+// lanes; floats appear once per block (Q8_0) or super-block (Q4_K, Q6_K).
+//
+// Numerics. Each activation row is rounded to int8 per block of 32 values
+// (Q8_0 weights) or 256 (K-quant weights), scale max|x|/127. The integer
+// parts are exact, so a product differs from the dequantized-weight f32
+// product only by that rounding: |x - d·q| <= d/2 per value, a relative
+// error of about 1/254 per block in the worst case and ~0.3% of a dot
+// product's magnitude on average. tests/engine/quant_engine_test states the
+// whole-model tolerance this gives.
+//
+// Determinism. Every (activation row, weight row) pair goes through the same
+// sequence of operations whatever the number of rows multiplied together, so
+// a sequence's logits do not depend on what it is batched with (a decode
+// step of 1 row, a speculative verify of 5 and a 512-token prefill chunk
+// give each row the same values).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/quant_formats.h"
+
+namespace pdserve::engine::internal {
+
+// Whether this build has the int8 kernels (AVX2; VNNI used when present).
+bool Int8ActivationKernelsAvailable();
+
+// Activation rows rounded to int8 for the formats of one matrix.
+class Int8Activations {
+ public:
+  // Rounds rows [0, n) of x (`cols` wide; cols a multiple of 32, and of 256
+  // when `for_k_quants`) per 32 values when `for_q8_0` and per 256 values
+  // (with the sum of every 16) when `for_k_quants`.
+  void Quantize(const float* x, int64_t n, int64_t cols, bool for_q8_0,
+                bool for_k_quants);
+
+  int64_t rows() const { return n_; }
+  int64_t cols() const { return cols_; }
+  // Row t of the per-32 rounding: cols int8 values and cols/32 scales.
+  const int8_t* q32(int64_t t) const { return q32_.data() + t * cols_; }
+  const float* d32(int64_t t) const { return d32_.data() + t * (cols_ / 32); }
+  // Row t of the per-256 rounding: values, cols/256 scales, cols/16 sums.
+  const int8_t* q256(int64_t t) const { return q256_.data() + t * cols_; }
+  const float* d256(int64_t t) const {
+    return d256_.data() + t * (cols_ / 256);
+  }
+  const int16_t* sums16(int64_t t) const {
+    return sums16_.data() + t * (cols_ / 16);
+  }
+  // The same sums times their block's scale, per 16 and per 32 values (the
+  // K-quant min/offset terms multiply these).
+  const float* scaled_sums16(int64_t t) const {
+    return scaled_sums16_.data() + t * (cols_ / 16);
+  }
+  const float* scaled_sums32(int64_t t) const {
+    return scaled_sums32_.data() + t * (cols_ / 32);
+  }
+
+  // Activation value (t, k) as the kernels see it (tests).
+  float Value(model::TensorFormat format, int64_t t, int64_t k) const;
+
+ private:
+  int64_t n_ = 0, cols_ = 0;
+  std::vector<int8_t> q32_, q256_;
+  std::vector<float> d32_, d256_;
+  std::vector<int16_t> sums16_;
+  std::vector<float> scaled_sums16_, scaled_sums32_;
+};
+
+// y[t·ldy + r] = Σ_k w_r[k]·x_t[k] for every activation row t of x and
+// weight rows r in [0, row_count), w_r the quantized row at
+// rows + r·row_bytes (`cols` values of `format`: Q8_0, Q4_K or Q6_K).
+void Int8RowDots(model::TensorFormat format, const uint8_t* rows,
+                 int64_t row_bytes, int64_t row_count, int64_t cols,
+                 const Int8Activations& x, float* y, int64_t ldy);
+
+}  // namespace pdserve::engine::internal
