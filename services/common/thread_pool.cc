@@ -2,8 +2,38 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace pdserve {
+namespace {
+
+// How long a thread polls for the next loop (a worker) or for the workers to
+// finish (the caller) before sleeping on a condition variable. Loops of one
+// step follow each other within microseconds; between steps the pool sleeps
+// after this long.
+constexpr std::chrono::microseconds kSpin{50};
+
+// Polls `done` until it returns true or kSpin has passed; returns its last
+// value.
+template <typename Done>
+bool SpinUntil(const Done& done) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (int i = 0;; ++i) {
+    if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() >= deadline) {
+      return done();
+    }
+  }
+}
+
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) {
@@ -36,17 +66,24 @@ void ThreadPool::RunTasks() {
 void ThreadPool::WorkerLoop() {
   uint64_t seen_generation = 0;
   while (true) {
-    {
+    const bool new_loop = SpinUntil([&] {
+      return generation_.load(std::memory_order_acquire) != seen_generation;
+    });
+    if (!new_loop) {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(
-          lock, [&] { return stopping_ || generation_ != seen_generation; });
+      work_cv_.wait(lock, [&] {
+        return stopping_ ||
+               generation_.load(std::memory_order_acquire) != seen_generation;
+      });
       if (stopping_) return;
-      seen_generation = generation_;
     }
+    seen_generation = generation_.load(std::memory_order_acquire);
     RunTasks();
-    {
+    if (active_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      // Under the mutex, so a caller between its check and its wait cannot
+      // miss this.
       std::lock_guard<std::mutex> lock(mu_);
-      if (--active_workers_ == 0) done_cv_.notify_one();
+      done_cv_.notify_one();
     }
   }
 }
@@ -63,13 +100,20 @@ void ThreadPool::ParallelFor(int64_t num_tasks,
     fn_ = &fn;
     num_tasks_ = num_tasks;
     next_task_.store(0, std::memory_order_relaxed);
-    active_workers_ = static_cast<int>(workers_.size());
-    ++generation_;
+    active_workers_.store(static_cast<int>(workers_.size()),
+                          std::memory_order_relaxed);
+    // Release: a worker that sees the new generation sees the loop above.
+    generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
   RunTasks();
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return active_workers_ == 0; });
+  auto all_done = [&] {
+    return active_workers_.load(std::memory_order_acquire) == 0;
+  };
+  if (!SpinUntil(all_done)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, all_done);
+  }
   fn_ = nullptr;
 }
 

@@ -6,6 +6,7 @@
 // (each engine / TP rank owns its own pool); it blocks until every task ran.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -43,9 +44,12 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  uint64_t generation_ = 0;  // guarded by mu_
-  int active_workers_ = 0;   // guarded by mu_
-  bool stopping_ = false;    // guarded by mu_
+  // Written under mu_; read without it by threads spinning briefly before
+  // they sleep (a decode step runs ~50 loops a few microseconds apart, and
+  // a futex wake-up costs tens of microseconds on a VM).
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> active_workers_{0};
+  bool stopping_ = false;  // guarded by mu_
   // Current loop; written under mu_ before generation_ is bumped.
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t num_tasks_ = 0;

@@ -69,17 +69,19 @@ float QuantizeBlock(const float* x, int64_t count, int8_t* q) {
 
 void Int8Activations::Quantize(const float* x, int64_t n, int64_t cols,
                                bool for_q8_0, bool for_k_quants) {
+  Resize(n, cols, for_q8_0, for_k_quants);
+  QuantizeRows(x, 0, n);
+}
+
+void Int8Activations::Resize(int64_t n, int64_t cols, bool for_q8_0,
+                             bool for_k_quants) {
   n_ = n;
   cols_ = cols;
+  for_q8_0_ = for_q8_0;
+  for_k_quants_ = for_k_quants;
   if (for_q8_0) {
     q32_.resize(n * cols);
     d32_.resize(n * (cols / 32));
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t b = 0; b < cols / 32; ++b) {
-        d32_[t * (cols / 32) + b] = QuantizeBlock(
-            x + t * cols + 32 * b, 32, q32_.data() + t * cols + 32 * b);
-      }
-    }
   }
   if (for_k_quants) {
     q256_.resize(n * cols);
@@ -87,26 +89,37 @@ void Int8Activations::Quantize(const float* x, int64_t n, int64_t cols,
     sums16_.resize(n * (cols / 16));
     scaled_sums16_.resize(n * (cols / 16));
     scaled_sums32_.resize(n * (cols / 32));
-    for (int64_t t = 0; t < n; ++t) {
-      int8_t* q = q256_.data() + t * cols;
-      for (int64_t b = 0; b < cols / 256; ++b) {
-        d256_[t * (cols / 256) + b] =
-            QuantizeBlock(x + t * cols + 256 * b, 256, q + 256 * b);
+  }
+}
+
+void Int8Activations::QuantizeRows(const float* x, int64_t t0, int64_t t1) {
+  const int64_t cols = cols_;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* row = x + t * cols;
+    if (for_q8_0_) {
+      for (int64_t b = 0; b < cols / 32; ++b) {
+        d32_[t * (cols / 32) + b] =
+            QuantizeBlock(row + 32 * b, 32, q32_.data() + t * cols + 32 * b);
       }
-      int16_t* sums = sums16_.data() + t * (cols / 16);
-      float* scaled16 = scaled_sums16_.data() + t * (cols / 16);
-      float* scaled32 = scaled_sums32_.data() + t * (cols / 32);
-      const float* d = d256_.data() + t * (cols / 256);
-      for (int64_t g = 0; g < cols / 16; ++g) {
-        int sum = 0;
-        for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
-        sums[g] = static_cast<int16_t>(sum);
-        scaled16[g] = d[g / 16] * static_cast<float>(sum);
-      }
-      for (int64_t j = 0; j < cols / 32; ++j) {
-        scaled32[j] =
-            d[j / 8] * static_cast<float>(sums[2 * j] + sums[2 * j + 1]);
-      }
+    }
+    if (!for_k_quants_) continue;
+    int8_t* q = q256_.data() + t * cols;
+    float* d = d256_.data() + t * (cols / 256);
+    for (int64_t b = 0; b < cols / 256; ++b) {
+      d[b] = QuantizeBlock(row + 256 * b, 256, q + 256 * b);
+    }
+    int16_t* sums = sums16_.data() + t * (cols / 16);
+    float* scaled16 = scaled_sums16_.data() + t * (cols / 16);
+    float* scaled32 = scaled_sums32_.data() + t * (cols / 32);
+    for (int64_t g = 0; g < cols / 16; ++g) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * g + i];
+      sums[g] = static_cast<int16_t>(sum);
+      scaled16[g] = d[g / 16] * static_cast<float>(sum);
+    }
+    for (int64_t j = 0; j < cols / 32; ++j) {
+      scaled32[j] =
+          d[j / 8] * static_cast<float>(sums[2 * j] + sums[2 * j + 1]);
     }
   }
 }

@@ -42,6 +42,10 @@ class Int8Activations {
   // (with the sum of every 16) when `for_k_quants`.
   void Quantize(const float* x, int64_t n, int64_t cols, bool for_q8_0,
                 bool for_k_quants);
+  // The same in two steps, so threads can round disjoint rows: Resize, then
+  // QuantizeRows over ranges of [0, n) (x is all n rows).
+  void Resize(int64_t n, int64_t cols, bool for_q8_0, bool for_k_quants);
+  void QuantizeRows(const float* x, int64_t t0, int64_t t1);
 
   int64_t rows() const { return n_; }
   int64_t cols() const { return cols_; }
@@ -70,6 +74,7 @@ class Int8Activations {
 
  private:
   int64_t n_ = 0, cols_ = 0;
+  bool for_q8_0_ = false, for_k_quants_ = false;
   std::vector<int8_t> q32_, q256_;
   std::vector<float> d32_, d256_;
   std::vector<int16_t> sums16_;

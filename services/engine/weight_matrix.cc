@@ -681,7 +681,13 @@ void MatMul(const float* x, int64_t n, const WeightMatrix& w, float* y,
       k_quants |=
           s->format == TensorFormat::kQ4_K || s->format == TensorFormat::kQ6_K;
     }
-    rounded.Quantize(x, n, w.cols(), q8_0, k_quants);
+    rounded.Resize(n, w.cols(), q8_0, k_quants);
+    if (n >= 16) {  // a prefill chunk: its rounding spread over the threads
+      pool.ParallelRanges(
+          n, [&](int64_t t0, int64_t t1) { rounded.QuantizeRows(x, t0, t1); });
+    } else {
+      rounded.QuantizeRows(x, 0, n);
+    }
   }
   pool.ParallelRanges(
       first_panel.back(),

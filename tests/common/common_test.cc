@@ -2,10 +2,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "common/float16.h"
@@ -49,6 +51,30 @@ TEST(ThreadPoolTest, ManyConsecutiveLoopsDoNotDeadlock) {
     pool.ParallelFor(4, [&](int64_t t) { sum.fetch_add(t); });
   }
   EXPECT_EQ(sum.load(), 2000 * 6);
+}
+
+// Workers poll for the next loop for a short while, then sleep: loops back
+// to back (polling), loops after a pause longer than the poll (woken from
+// sleep), and a pool destroyed while its workers still poll.
+TEST(ThreadPoolTest, LoopsWhilePollingAfterSleepingAndAtDestruction) {
+  for (int threads : {2, 4}) {
+    std::atomic<int64_t> sum{0};
+    {
+      ThreadPool pool(threads);
+      for (int round = 0; round < 40; ++round) {
+        pool.ParallelFor(8, [&](int64_t t) { sum.fetch_add(t); });
+        if (round % 4 == 3) {
+          std::this_thread::sleep_for(std::chrono::microseconds(300));
+        }
+      }
+    }
+    EXPECT_EQ(sum.load(), 40 * 28);
+    for (int i = 0; i < 20; ++i) {
+      ThreadPool pool(threads);
+      pool.ParallelFor(3, [&](int64_t t) { sum.fetch_add(t); });
+    }
+    EXPECT_EQ(sum.load(), 40 * 28 + 20 * 3);
+  }
 }
 
 TEST(MappedFileTest, MapsContentsAndReportsMissingFiles) {
