@@ -205,9 +205,20 @@ absl::StatusOr<ModelConfig> LlamaConfigFromGguf(const GgufFile& gguf) {
     config.rope_theta = static_cast<float>(theta);
   }
   if (gguf.FindMetadata(key("attention.sliding_window")) != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        gguf.path(), ": ", key("attention.sliding_window"),
-        " is not supported in GGUF files (use the Hugging Face checkpoint)"));
+    // In a llama GGUF this is Mistral's window, over every layer (llama.cpp's
+    // converter writes config.json's sliding_window). Qwen2/Qwen3 window only
+    // the layers from max_window_layers on, which GGUF files do not record.
+    if (arch != "llama") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          gguf.path(), ": ", key("attention.sliding_window"),
+          " is not supported for ", arch,
+          " GGUF files (which layers window, max_window_layers, is not "
+          "recorded; use the Hugging Face checkpoint)"));
+    }
+    PDS_ASSIGN_OR_RETURN(
+        std::optional<int> window,
+        OptionalPositiveInt(gguf, key("attention.sliding_window")));
+    config.sliding_window = window.value_or(0);
   }
   // The family flags come from the tensors the file holds (llama.cpp has no
   // metadata for them): Qwen2's q/k/v biases, Qwen3's q/k norms.

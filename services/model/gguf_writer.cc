@@ -251,6 +251,16 @@ absl::Status WriteLlamaGguf(const std::string& path, const ModelConfig& config,
   meta.U32("llama.rope.dimension_count", config.head_dim);
   meta.F32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps);
   meta.F32("llama.rope.freq_base", config.rope_theta);
+  if (config.sliding_window > 0) {
+    if (!config.windowed_layers.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path,
+          ": a sliding window over some layers only cannot be written "
+          "to a llama GGUF (its attention.sliding_window covers every "
+          "layer)"));
+    }
+    meta.U32("llama.attention.sliding_window", config.sliding_window);
+  }
   meta.U32("llama.vocab_size", config.vocab_size);
   if (vocabulary != nullptr) {
     PDS_RETURN_IF_ERROR(WriteVocabulary(*vocabulary, config, meta));

@@ -25,6 +25,7 @@
 #include "engine_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "model/config_override.h"
 #include "model/gguf_writer.h"
 #include "model/quant_formats.h"
 #include "model/tensor_layout.h"
@@ -511,6 +512,61 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       return std::string(model::TensorFormatName(info.param));
     });
+
+// A llama GGUF's attention.sliding_window is Mistral's window over every
+// layer: the file with the key computes what the windowless file computes
+// under a config with that window (the engine's Mistral path, checked
+// against the float64 reference in families_test), and differs from the
+// windowless file once a query has more keys than the window.
+TEST(GgufSlidingWindowTest, IsMistralsWindowOverEveryLayer) {
+  model::ModelConfig windowed = TestConfig();
+  windowed.sliding_window = 8;
+  model::ModelConfig full = windowed;
+  full.sliding_window = 0;
+  model::testing::ScopedTempDir dir;
+  auto f32 = [](const std::string&) { return TensorFormat::kF32; };
+  const std::string windowed_path = dir.File("windowed.gguf");
+  const std::string full_path = dir.File("full.gguf");
+  ASSERT_TRUE(
+      model::WriteLlamaGguf(windowed_path, windowed, ModelValues, f32).ok());
+  ASSERT_TRUE(model::WriteLlamaGguf(full_path, full, ModelValues, f32).ok());
+  auto windowed_file = model::OpenModel(windowed_path);
+  auto full_file = model::OpenModel(full_path);
+  ASSERT_TRUE(windowed_file.ok()) << windowed_file.status();
+  ASSERT_TRUE(full_file.ok()) << full_file.status();
+  EXPECT_EQ((*windowed_file)->config().sliding_window, 8);
+  model::ConfigOverrideWeights full_with_window(**full_file, windowed);
+
+  const std::vector<int32_t> prompt = Prompt(40, windowed.vocab_size);
+  const auto table = IdentityBlockTable(16);
+  auto logits = [&](const model::WeightSource& weights) {
+    auto engine = MakeEngine(weights);
+    EXPECT_NE(engine, nullptr);
+    if (engine == nullptr) return std::vector<std::vector<float>>{};
+    return PrefillAllLogits(*engine, *MakePool(*engine, 16, 16), prompt, table);
+  };
+  const auto from_file = logits(**windowed_file);
+  const auto from_config = logits(full_with_window);
+  const auto without = logits(**full_file);
+  ASSERT_EQ(from_file.size(), prompt.size());
+  ASSERT_EQ(from_config.size(), prompt.size());
+  ASSERT_EQ(without.size(), prompt.size());
+  for (size_t t = 0; t < prompt.size(); ++t) {
+    EXPECT_EQ(from_file[t], from_config[t]) << "position " << t;
+    if (t < 8) {
+      EXPECT_LT(MaxRelativeError(from_file[t], without[t]), 1e-6) << t;
+    } else {
+      EXPECT_GT(MaxRelativeError(from_file[t], without[t]), 1e-3) << t;
+    }
+  }
+  // A window over some layers only has no GGUF spelling.
+  model::ModelConfig some_layers = windowed;
+  some_layers.windowed_layers = {false, true};
+  const absl::Status refused = model::WriteLlamaGguf(
+      dir.File("some.gguf"), some_layers, ModelValues, f32);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("some layers only"));
+}
 
 TEST(QuantizedModelTest, TensorParallelSplitThatCutsABlockIsRefused) {
   // hidden 256 with 4 heads of 64: under TP = 2 each rank would hold 128

@@ -181,6 +181,21 @@ TEST_F(GgufSyntheticTest, TheUnmodifiedTinyModelOpens) {
   EXPECT_TRUE(Open(Tiny()).ok());
 }
 
+// llama.attention.sliding_window is Mistral's window, over every layer.
+TEST_F(GgufSyntheticTest, LlamaSlidingWindowWindowsEveryLayer) {
+  testing::GgufBuilder builder = Tiny();
+  builder.AddU32("llama.attention.sliding_window", 4);
+  ASSERT_TRUE(Open(builder).ok());
+  auto weights = OpenModel(path_, LoadFormat::kGguf);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  const ModelConfig& config = (*weights)->config();
+  EXPECT_EQ(config.sliding_window, 4);
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    EXPECT_EQ(config.LayerWindow(layer), 4) << layer;
+  }
+  EXPECT_TRUE(config.EveryLayerWindowed());
+}
+
 TEST_F(GgufSyntheticTest, UnsupportedTensorTypeNamesTensorAndType) {
   testing::GgufBuilder builder = Tiny();
   builder.tensors()[3].ggml_type = 2;  // Q4_0
@@ -326,9 +341,23 @@ TEST_F(GgufSyntheticTest, FamilyFeaturesTheReaderCannotMapAreRefused) {
     ExpectFails(builder, "llama.rope.scaling.factor");
   }
   {
+    // Qwen's window covers the layers from max_window_layers on, which a
+    // GGUF does not say.
     testing::GgufBuilder builder = Tiny();
-    builder.AddU32("llama.attention.sliding_window", 4);
-    ExpectFails(builder, "llama.attention.sliding_window is not supported");
+    builder.RemoveMetadata("general.architecture");
+    builder.AddStr("general.architecture", "qwen2");
+    builder.RenameMetadataPrefix("llama.", "qwen2.");
+    ASSERT_TRUE(Open(builder).ok()) << Open(builder);
+    builder.AddU32("qwen2.attention.sliding_window", 4);
+    ExpectFails(builder,
+                "qwen2.attention.sliding_window is not supported for qwen2 "
+                "GGUF files (which layers window, max_window_layers, is not "
+                "recorded");
+  }
+  {
+    testing::GgufBuilder builder = Tiny();
+    builder.AddU32("llama.attention.sliding_window", 0);
+    ExpectFails(builder, "llama.attention.sliding_window");
   }
   {
     testing::GgufBuilder builder = Tiny();

@@ -228,6 +228,15 @@ bool GgufBuilder::RemoveMetadata(const std::string& key) {
   return false;
 }
 
+void GgufBuilder::RenameMetadataPrefix(const std::string& from,
+                                       const std::string& to) {
+  for (auto& entry : metadata_) {
+    if (entry.first.rfind(from, 0) == 0) {
+      entry.first = to + entry.first.substr(from.size());
+    }
+  }
+}
+
 std::string GgufBuilder::Build() const {
   auto align = [&](uint64_t value) {
     return (value + alignment - 1) / alignment * alignment;

@@ -68,6 +68,9 @@ class GgufBuilder {
   void AddF32Array(const std::string& key, const std::vector<float>& values);
   void AddI32Array(const std::string& key, const std::vector<int32_t>& values);
   bool RemoveMetadata(const std::string& key);
+  // Every key starting with `from` starts with `to` instead ("llama." ->
+  // "qwen2.", to turn the tiny llama file into another architecture's).
+  void RenameMetadataPrefix(const std::string& from, const std::string& to);
 
   void AddTensor(Tensor tensor) { tensors_.push_back(std::move(tensor)); }
   std::vector<Tensor>& tensors() { return tensors_; }
