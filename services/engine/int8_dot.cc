@@ -200,6 +200,26 @@ struct FloatLanes {
   }
 };
 
+// Pointers to the rounding of R activation rows from t0.
+template <int R>
+struct ActivationRows {
+  const int8_t* q[R];
+  const float* d[R];         // one scale per block (32 or 256 values)
+  const int16_t* sums[R];    // K-quant rounding: Σ q per 16 values
+  const float* scaled16[R];  // ... times d
+  const float* scaled32[R];  // ... per 32 values, times d
+  ActivationRows(const Int8Activations& x, int64_t t0, bool k_quants) {
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      q[t] = k_quants ? x.q256(t0 + t) : x.q32(t0 + t);
+      d[t] = k_quants ? x.d256(t0 + t) : x.d32(t0 + t);
+      sums[t] = k_quants ? x.sums16(t0 + t) : nullptr;
+      scaled16[t] = k_quants ? x.scaled_sums16(t0 + t) : nullptr;
+      scaled32[t] = k_quants ? x.scaled_sums32(t0 + t) : nullptr;
+    }
+  }
+};
+
 // The kernels below take C weight rows `row_bytes` apart and R activation
 // rows from t0, and write y[t·ldy + c]. Each (t, c) pair runs the same
 // operations in the same order for every R and C.
@@ -211,13 +231,9 @@ template <int R, int C>
 void Q8_0Dots(const uint8_t* rows, int64_t row_bytes, int64_t cols,
               const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
   FloatLanes<R, C> lanes;
-  const int8_t* q[R];
-  const float* d[R];
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-    q[t] = x.q32(t0 + t);
-    d[t] = x.d32(t0 + t);
-  }
+  const ActivationRows<R> a(x, t0, /*k_quants=*/false);
+  const auto& q = a.q;
+  const auto& d = a.d;
   for (int64_t b = 0; b < cols / 32; ++b) {
     __m256i w[C], w_abs[C];
     float dw[C];
@@ -280,15 +296,10 @@ template <int R, int C>
 void Q4_KDots(const uint8_t* rows, int64_t row_bytes, int64_t cols,
               const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
   FloatLanes<R, C> lanes;
-  const int8_t* q[R];
-  const float* d[R];
-  const int16_t* sums[R];
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-    q[t] = x.q256(t0 + t);
-    d[t] = x.d256(t0 + t);
-    sums[t] = x.sums16(t0 + t);
-  }
+  const ActivationRows<R> a(x, t0, /*k_quants=*/true);
+  const auto& q = a.q;
+  const auto& d = a.d;
+  const auto& sums = a.sums;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < cols / 256; ++b) {
     const uint8_t* block[C];
@@ -362,15 +373,10 @@ template <int R, int C>
 void Q6_KDots(const uint8_t* rows, int64_t row_bytes, int64_t cols,
               const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
   FloatLanes<R, C> lanes;
-  const int8_t* q[R];
-  const float* d[R];
-  const int16_t* sums[R];
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-    q[t] = x.q256(t0 + t);
-    d[t] = x.d256(t0 + t);
-    sums[t] = x.sums16(t0 + t);
-  }
+  const ActivationRows<R> a(x, t0, /*k_quants=*/true);
+  const auto& q = a.q;
+  const auto& d = a.d;
+  const auto& sums = a.sums;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i low2 = _mm256_set1_epi8(0x03);
   for (int64_t b = 0; b < cols / 256; ++b) {
@@ -501,15 +507,10 @@ template <int R, int C>
 void Q4_KDotsWide(const uint8_t* rows, int64_t row_bytes, int64_t cols,
                   const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
   WideLanes<R, C> lanes;
-  const int8_t* q[R];
-  const float* d[R];
-  const float* sums[R];
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-    q[t] = x.q256(t0 + t);
-    d[t] = x.d256(t0 + t);
-    sums[t] = x.scaled_sums32(t0 + t);
-  }
+  const ActivationRows<R> a(x, t0, /*k_quants=*/true);
+  const auto& q = a.q;
+  const auto& d = a.d;
+  const auto& sums = a.scaled32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i shifts = HalfShifts(0, 4);
   for (int64_t b = 0; b < cols / 256; ++b) {
@@ -580,15 +581,10 @@ template <int R, int C>
 void Q6_KDotsWide(const uint8_t* rows, int64_t row_bytes, int64_t cols,
                   const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
   WideLanes<R, C> lanes;
-  const int8_t* q[R];
-  const float* d[R];
-  const float* sums[R];
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-    q[t] = x.q256(t0 + t);
-    d[t] = x.d256(t0 + t);
-    sums[t] = x.scaled_sums16(t0 + t);
-  }
+  const ActivationRows<R> a(x, t0, /*k_quants=*/true);
+  const auto& q = a.q;
+  const auto& d = a.d;
+  const auto& sums = a.scaled16;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i low2 = _mm512_set1_epi8(0x03);
   const __m512i shifts_lo = HalfShifts(0, 2);

@@ -13,6 +13,7 @@
 // panels go through the f32 micro-kernel in the same order). 1e-4 leaves 40x
 // headroom and is still 100x below the effect of any real error (a wrong
 // block, scale or nibble moves logits by > 1e-2).
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -90,32 +91,48 @@ std::vector<float> Decode(TensorFormat format, const uint8_t* data,
   return values;
 }
 
+// A kRows x kCols matrix of random weights stored in `format`, as a
+// WeightMatrix over the stored bytes and as packed f32 of their dequantized
+// values (the reference product).
+struct StoredMatrix {
+  static constexpr int64_t kRows = 72, kCols = 1024;  // 4 panels + a partial
+  std::vector<uint8_t> stored;
+  std::vector<float> dequantized;
+  WeightMatrix matrix;
+  std::optional<PackedMatrix> reference;
+
+  StoredMatrix(TensorFormat format, uint32_t seed) {
+    stored = Encode(format, RandomValues(kRows * kCols, seed), kRows, kCols);
+    const int64_t row_bytes = model::RowBytes(format, kCols);
+    dequantized = Decode(format, stored.data(), row_bytes, kRows, kCols);
+    EXPECT_TRUE(matrix
+                    .AppendStored(format, stored.data(), row_bytes, kRows,
+                                  kCols, 0, nullptr)
+                    .ok());
+    auto packed = PackedMatrix::Pack(dequantized.data(), kRows, kCols);
+    EXPECT_TRUE(packed.ok()) << packed.status();
+    if (packed.ok()) reference = std::move(*packed);
+  }
+};
+
 class WeightMatrixTest : public ::testing::TestWithParam<TensorFormat> {};
 
 TEST_P(WeightMatrixTest, EqualsF32ProductOfTheDequantizedRows) {
   const TensorFormat format = GetParam();
-  constexpr int64_t kRows = 72, kCols = 1024;  // rows: 4 panels + a partial
-  const std::vector<float> w = RandomValues(kRows * kCols, 1);
-  const std::vector<uint8_t> stored = Encode(format, w, kRows, kCols);
-  const int64_t row_bytes = model::RowBytes(format, kCols);
-  const std::vector<float> dequantized =
-      Decode(format, stored.data(), row_bytes, kRows, kCols);
+  constexpr int64_t kRows = StoredMatrix::kRows, kCols = StoredMatrix::kCols;
+  StoredMatrix m(format, 1);
+  ASSERT_TRUE(m.reference.has_value());
+  const WeightMatrix& matrix = m.matrix;
+  const PackedMatrix& reference = *m.reference;
   ThreadPool pool(2);
-  WeightMatrix matrix;
-  ASSERT_TRUE(matrix
-                  .AppendStored(format, stored.data(), row_bytes, kRows, kCols,
-                                0, nullptr)
-                  .ok());
-  auto reference = PackedMatrix::Pack(dequantized.data(), kRows, kCols);
-  ASSERT_TRUE(reference.ok());
-  EXPECT_EQ(matrix.At(37, 500), dequantized[37 * kCols + 500]);
+  EXPECT_EQ(matrix.At(37, 500), m.dequantized[37 * kCols + 500]);
   // Row-dot (1-4 rows), panel decode (5-64) and blocked prefill (300 rows:
   // 1.2 MB of activations) paths.
   for (int64_t n : {1, 2, 3, 4, 5, 7, 16, 300}) {
     const std::vector<float> x = RandomValues(n * kCols, 100 + n);
     std::vector<float> got(n * kRows), want(n * kRows);
     MatMul(x.data(), n, matrix, got.data(), pool);
-    PackedMatMul(x.data(), n, *reference, want.data(), pool);
+    PackedMatMul(x.data(), n, reference, want.data(), pool);
     EXPECT_LT(MaxRelativeError(got, want), 1e-5)
         << model::TensorFormatName(format) << " n " << n;
   }
@@ -169,20 +186,12 @@ TEST_P(WeightMatrixTest, Int8ActivationsEqualProductOfTheRoundedActivations) {
   if (!internal::Int8ActivationKernelsAvailable()) {
     GTEST_SKIP() << "no int8 kernels in this build";
   }
-  constexpr int64_t kRows = 72, kCols = 1024;
-  const std::vector<float> w = RandomValues(kRows * kCols, 3);
-  const std::vector<uint8_t> stored = Encode(format, w, kRows, kCols);
-  const int64_t row_bytes = model::RowBytes(format, kCols);
-  const std::vector<float> dequantized =
-      Decode(format, stored.data(), row_bytes, kRows, kCols);
-  auto reference = PackedMatrix::Pack(dequantized.data(), kRows, kCols);
-  ASSERT_TRUE(reference.ok());
+  constexpr int64_t kRows = StoredMatrix::kRows, kCols = StoredMatrix::kCols;
+  StoredMatrix m(format, 3);
+  ASSERT_TRUE(m.reference.has_value());
+  WeightMatrix& matrix = m.matrix;
+  const PackedMatrix& reference = *m.reference;
   ThreadPool pool(2);
-  WeightMatrix matrix;
-  ASSERT_TRUE(matrix
-                  .AppendStored(format, stored.data(), row_bytes, kRows, kCols,
-                                0, nullptr)
-                  .ok());
   matrix.set_int8_activations(true);
   ASSERT_TRUE(matrix.int8_activations());
   const bool q8_0 = format == TensorFormat::kQ8_0;
@@ -206,7 +215,7 @@ TEST_P(WeightMatrixTest, Int8ActivationsEqualProductOfTheRoundedActivations) {
     EXPECT_LE(worst_rounding, 0.5 + 1e-4) << "n " << n;
     std::vector<float> got(n * kRows), want(n * kRows);
     MatMul(x.data(), n, matrix, got.data(), pool);
-    PackedMatMul(x_rounded.data(), n, *reference, want.data(), pool);
+    PackedMatMul(x_rounded.data(), n, reference, want.data(), pool);
     EXPECT_LT(MaxRelativeError(got, want), 1e-5)
         << model::TensorFormatName(format) << " n " << n;
     // Row by row alone: the same bits.
