@@ -67,6 +67,11 @@ int Main(int argc, char** argv) {
   const uint64_t seed = flags.Num<uint64_t>("seed", 1, "Arrivals' seed.");
   const int top = flags.Num<int>("top", 3, "Predicted best layouts measured.");
   profile.cores = flags.Num<int>("cores", 2, "Cores the layouts may use.");
+  const bool oversubscribe = flags.Bool(
+      "oversubscribe", false,
+      "1: also rank layouts with up to twice as many compute threads as "
+      "cores, one per decode rank and prefill stage (today's default has 4 "
+      "on 2).");
   if (flags.help_requested()) {
     std::fputs(flags
                    .Usage("planner_bench [flags]\nThe layout planner's "
@@ -135,6 +140,7 @@ int Main(int argc, char** argv) {
     request.workload = {requests, rate, w.prompt, output, seed};
     request.slo = w.slo;
     request.resources.cores = profile.cores;
+    request.resources.allow_oversubscription = oversubscribe;
     auto ranked = planner::Plan(model, request);
     if (!ranked.ok()) {
       std::fprintf(stderr, "%s\n", ranked.status().ToString().c_str());

@@ -154,7 +154,9 @@ absl::Status RunPlan(int argc, char** argv) {
       "cores", 2, "Cores the cluster may use (compute threads in all).");
   request.resources.allow_oversubscription = flags.Bool(
       "oversubscribe", false,
-      "1: also consider layouts with more compute threads than cores.");
+      "1: also consider layouts with up to twice as many compute threads "
+      "as cores, one thread per decode rank and prefill stage (the cores "
+      "are shared by each step's measured CPU demand).");
   request.resources.router_shares_cores = flags.Bool(
       "router-on-cores", true,
       "1: the router (and clients) stream on the same cores as the workers "

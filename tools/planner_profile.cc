@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -65,9 +67,20 @@ absl::Status RunBatch(decode::DecodeWorker& worker, uint64_t* next_id,
   return failure;
 }
 
-absl::StatusOr<planner::StepCost> ProfileConfig(
-    const PlannerProfileOptions& o, const model::WeightSource& weights,
-    planner::ComputeConfig config) {
+double ProcessCpuSecondsNow() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+struct ProfiledConfig {
+  planner::StepCost cost;
+  double busy_cores = 1;  // process CPU seconds per wall second of steps
+};
+
+absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
+                                             const model::WeightSource& weights,
+                                             planner::ComputeConfig config) {
   const model::ModelConfig& mc = weights.config();
   std::vector<planner::StepSample> samples;
   absl::Mutex mu;
@@ -100,6 +113,10 @@ absl::StatusOr<planner::StepCost> ProfileConfig(
     absl::MutexLock lock(&mu);
     recording = true;
   }
+  // The worker runs steps back to back from here: the process's CPU time
+  // over the wall time is the cores a step keeps busy.
+  const double cpu_start = ProcessCpuSecondsNow();
+  const auto wall_start = std::chrono::steady_clock::now();
   const int long_context = std::max(32, max_context * 3 / 4);
   // Decode batches at a short and a long context.
   for (int context : {16, long_context}) {
@@ -122,6 +139,12 @@ absl::StatusOr<planner::StepCost> ProfileConfig(
       }
     }
   }
+  const double busy_cores = std::clamp(
+      (ProcessCpuSecondsNow() - cpu_start) /
+          std::max(1e-9, std::chrono::duration<double>(
+                             std::chrono::steady_clock::now() - wall_start)
+                             .count()),
+      0.1, static_cast<double>(config.threads()));
   absl::MutexLock lock(&mu);
   auto cost = planner::StepCost::Fit(samples);
   if (!cost.ok()) return cost.status();
@@ -129,11 +152,12 @@ absl::StatusOr<planner::StepCost> ProfileConfig(
   Say(o,
       absl::StrFormat(
           "  tp %d × %d threads: %zu steps, fit error median %.1f%%, max "
-          "%.1f%%; decode b1 %.1f ms, prefill 256 %.0f ms",
+          "%.1f%%; decode b1 %.1f ms, prefill 256 %.0f ms; %.2f cores busy",
           config.tp, config.threads_per_rank, samples.size(),
           error.median * 100, error.max * 100, cost->Seconds({1, 1, 64}) * 1e3,
-          cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3));
-  return *std::move(cost);
+          cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3,
+          busy_cores));
+  return ProfiledConfig{*std::move(cost), busy_cores};
 }
 
 struct Calibration {
@@ -302,14 +326,15 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   for (int tp = 1; tp <= options.cores; tp *= 2) {
     if (mc.num_heads % tp != 0) continue;
     for (int threads = 1; tp * threads <= options.cores; ++threads) {
-      auto cost = ProfileConfig(options, **weights, {tp, threads});
-      if (!cost.ok()) {
+      auto profiled = ProfileConfig(options, **weights, {tp, threads});
+      if (!profiled.ok()) {
         return absl::Status(
-            cost.status().code(),
+            profiled.status().code(),
             absl::StrCat("profiling tp ", tp, " × ", threads,
-                         " threads: ", cost.status().message()));
+                         " threads: ", profiled.status().message()));
       }
-      model.steps[{tp, threads}] = *std::move(cost);
+      model.steps[{tp, threads}] = std::move(profiled->cost);
+      model.busy_cores[{tp, threads}] = profiled->busy_cores;
     }
   }
   // Colocated: one worker of each profiled decode configuration (each

@@ -46,7 +46,9 @@ struct Layout {
 // What the cluster may use.
 struct Resources {
   int cores = 2;  // compute threads the layout may run without sharing cores
-  // Allow layouts with more compute threads than cores (they share them).
+  // Also enumerate layouts with up to twice as many compute threads as
+  // cores (they share them), each decode rank and prefill stage on one
+  // thread.
   bool allow_oversubscription = false;
   // The router (and, on one machine, the clients) run on these cores too.
   bool router_shares_cores = true;

@@ -21,6 +21,11 @@ absl::StatusOr<const StepCost*> PerfModel::Step(ComputeConfig config) const {
                    have.empty() ? "none" : absl::StrJoin(have, ", "), ")"));
 }
 
+double PerfModel::BusyCores(ComputeConfig config) const {
+  auto it = busy_cores.find(config);
+  return it != busy_cores.end() ? it->second : config.threads();
+}
+
 double PerfModel::StepOverhead(ComputeConfig config) const {
   auto it = calibrated.find(config);
   return it != calibrated.end() ? it->second.step_overhead_seconds
@@ -35,9 +40,13 @@ LinearCost PerfModel::ColocatedTtft(ComputeConfig config) const {
 nlohmann::json PerfModel::ToJson() const {
   nlohmann::json configs = nlohmann::json::array();
   for (const auto& [c, cost] : steps) {
-    configs.push_back({{"tp", c.tp},
-                       {"threads_per_rank", c.threads_per_rank},
-                       {"step", cost.ToJson()}});
+    nlohmann::json entry = {{"tp", c.tp},
+                            {"threads_per_rank", c.threads_per_rank},
+                            {"step", cost.ToJson()}};
+    if (auto busy = busy_cores.find(c); busy != busy_cores.end()) {
+      entry["busy_cores"] = busy->second;
+    }
+    configs.push_back(std::move(entry));
   }
   auto linear = [](const LinearCost& l) {
     return nlohmann::json{{"base", l.base},
@@ -81,6 +90,16 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
       auto cost = StepCost::FromJson(c.at("step"));
       if (!cost.ok()) return cost.status();
       m.steps[config] = *std::move(cost);
+      if (c.contains("busy_cores")) {
+        const double busy = c.at("busy_cores").get<double>();
+        if (!(busy > 0) || busy > config.threads()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("perf model: busy_cores of tp ", config.tp, " x ",
+                           config.threads_per_rank, " threads must be in (0, ",
+                           config.threads(), "], got ", busy));
+        }
+        m.busy_cores[config] = busy;
+      }
     }
     auto linear = [](const nlohmann::json& j) {
       return LinearCost{j.at("base").get<double>(),

@@ -69,6 +69,12 @@ struct PerfModel {
     LinearCost colocated_ttft;
   };
   std::map<ComputeConfig, Calibration> calibrated;
+  // Cores a step of each configuration keeps busy on average (process CPU
+  // time over wall time while profiling): below threads() where ranks wait
+  // on each other (a TP all-reduce blocks rather than spins). Processor
+  // sharing charges a layout this demand; unprofiled: threads().
+  std::map<ComputeConfig, double> busy_cores;
+  double BusyCores(ComputeConfig config) const;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;
 

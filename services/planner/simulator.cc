@@ -35,9 +35,10 @@ class EventLoop {
  public:
   explicit EventLoop(int cores) : cores_(cores) {}
 
-  // Starts a job of `work` seconds (at full speed) holding `threads` cores.
-  void StartJob(double work, int threads, std::function<void(double)> done) {
-    jobs_.push_back(Job{std::max(work, 0.0), threads, std::move(done)});
+  // Starts a job of `work` seconds (at full speed) keeping `demand` cores
+  // busy (its threads, or fewer where they wait on each other).
+  void StartJob(double work, double demand, std::function<void(double)> done) {
+    jobs_.push_back(Job{std::max(work, 0.0), demand, std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -80,7 +81,7 @@ class EventLoop {
  private:
   struct Job {
     double remaining;
-    int threads;
+    double demand;
     std::function<void(double)> done;
   };
   struct Timer {
@@ -92,9 +93,9 @@ class EventLoop {
     }
   };
   double Rate() const {
-    int demand = 0;
-    for (const Job& j : jobs_) demand += j.threads;
-    return demand > cores_ ? static_cast<double>(cores_) / demand : 1.0;
+    double demand = 0;
+    for (const Job& j : jobs_) demand += j.demand;
+    return demand > cores_ ? cores_ / demand : 1.0;
   }
 
   int cores_;
@@ -284,7 +285,7 @@ class Simulation {
     if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
     stage.busy = true;
     const double start = t;
-    loop_.StartJob(work, layout_.prefill_threads,
+    loop_.StartJob(work, model_.BusyCores({1, layout_.prefill_threads}),
                    [this, &g, s, mb, last, start](double now) {
                      StageSim& st = g.stages[s];
                      st.busy = false;
@@ -363,7 +364,7 @@ class Simulation {
     loop_.StartJob(
         w.cost->Seconds(shape) +
             model_.StepOverhead({layout_.tp, layout_.decode_threads}),
-        layout_.tp * layout_.decode_threads,
+        model_.BusyCores({layout_.tp, layout_.decode_threads}),
         [this, &w, plan = std::move(plan), start](double now) {
           w.busy = false;
           w.busy_seconds += now - start;

@@ -153,6 +153,39 @@ TEST(SimulatorTest, OversubscribedCoresAreShared) {
   EXPECT_NEAR(shared->ttft_p50, 2 * alone->ttft_p50, 1e-9);
 }
 
+// A configuration whose threads wait on each other (TP ranks at an
+// all-reduce) keeps fewer cores busy than it has threads; sharing charges
+// the measured demand: two workers of 2 threads at 1.5 busy cores each on
+// 2 cores run at 2 / 3 speed, not 1 / 2.
+TEST(SimulatorTest, SharingChargesTheMeasuredBusyCores) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.busy_cores[{1, 2}] = 1.5;
+  EXPECT_EQ(model.BusyCores({1, 2}), 1.5);
+  EXPECT_EQ(model.BusyCores({2, 1}), 2.0);  // not measured: its threads
+  Layout two;
+  two.colocated = true;
+  two.decode_workers = 2;
+  two.decode_threads = 2;
+  const std::vector<SimRequest> both = {{0, 64, 1}, {0, 64, 1}};
+  auto shared = Simulate(model, two, both, Slo{}, {.cores = 2});
+  auto alone = Simulate(model, two, both, Slo{}, {.cores = 4});
+  ASSERT_TRUE(shared.ok() && alone.ok());
+  EXPECT_NEAR(shared->ttft_p50, 1.5 * alone->ttft_p50, 1e-9);
+  // Kept in the saved model; a demand above the threads is refused.
+  auto loaded = PerfModel::FromJson(model.ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->BusyCores({1, 2}), 1.5);
+  nlohmann::json bad = model.ToJson();
+  for (auto& c : bad["configs"]) {
+    if (c["threads_per_rank"] == 2) c["busy_cores"] = 2.5;
+  }
+  auto refused = PerfModel::FromJson(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("busy_cores"), std::string::npos);
+}
+
 TEST(SimulatorTest, StreamingCpuSlowsWorkersOnlyOnSharedCores) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
@@ -207,6 +240,24 @@ TEST(PlannerTest, EnumerationStaysWithinTheCores) {
     }
     EXPECT_TRUE(colocated && disaggregated);
   }
+  // With oversubscription, up to twice the cores' threads: among them
+  // today's default, 2 prefill stages + a TP 2 decode worker on 2 cores.
+  Resources shared{2};
+  shared.allow_oversubscription = true;
+  int most = 0;
+  bool default_layout = false;
+  for (const Layout& l : EnumerateLayouts(shared, model, 0)) {
+    EXPECT_LE(l.Threads(), 4) << l.Name();
+    if (l.Threads() > 2) {  // sharing: no thread pools
+      EXPECT_EQ(l.decode_threads, 1) << l.Name();
+      if (!l.colocated) EXPECT_EQ(l.prefill_threads, 1) << l.Name();
+    }
+    most = std::max(most, l.Threads());
+    default_layout |= !l.colocated && l.stages == 2 && l.prefill_threads == 1 &&
+                      l.tp == 2 && l.decode_threads == 1;
+  }
+  EXPECT_EQ(most, 4);
+  EXPECT_TRUE(default_layout);
 }
 
 TEST(PlannerTest, RanksByGoodputThenHeadroom) {
