@@ -121,7 +121,15 @@ absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
     std::vector<double> a(n * n, 0.0), b(n, 0.0), row(n);
     for (const StepSample& s : samples) {
       HatWeights(cost.knots_, s.shape.tokens, &hat);
-      for (int i = 0; i < num_knots; ++i) row[i] = hat[i];
+      // Unknown i is the rise from knot i-1 to knot i (i = 0: knot 0's
+      // value), so the non-negativity below keeps L non-decreasing: a
+      // step of more tokens never costs less (noisy samples of a small
+      // model fitted a 128-token step below a 1-token one otherwise).
+      double suffix = 0;
+      for (int i = num_knots - 1; i >= 0; --i) {
+        suffix += hat[i];
+        row[i] = suffix;
+      }
       row[num_knots] = s.shape.logit_rows / max_rows;
       row[num_knots + 1] = s.shape.attended_positions / max_attended;
       for (int i = 0; i < n; ++i) {
@@ -151,8 +159,12 @@ absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
     if (most_negative < 0) break;
     pinned[most_negative] = true;
   }
-  cost.knot_seconds_.assign(x.begin(), x.begin() + num_knots);
-  for (double& v : cost.knot_seconds_) v = std::max(v, 0.0);
+  cost.knot_seconds_.assign(num_knots, 0.0);
+  double level = 0;
+  for (int i = 0; i < num_knots; ++i) {
+    level += std::max(x[i], 0.0);
+    cost.knot_seconds_[i] = level;
+  }
   cost.seconds_per_logit_row_ = std::max(x[num_knots], 0.0) / max_rows;
   cost.seconds_per_attended_position_ =
       std::max(x[num_knots + 1], 0.0) / max_attended;

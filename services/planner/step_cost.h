@@ -16,7 +16,8 @@
 // Fitting is linear least squares weighted by 1/seconds (relative error, so
 // 20 ms decode steps count as much as 3 s prefill steps), with coefficients
 // kept ≥ 0 (an active set: a negative one is pinned to 0 and the rest
-// refitted), since no feature makes a step faster.
+// refitted), since no feature makes a step faster; L's unknowns are its rises
+// from knot to knot, so L never falls as the tokens grow.
 #pragma once
 
 #include <cstdint>
