@@ -247,8 +247,12 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  auto model =
-      model::OpenModel(base.model_path, *model::ParseLoadFormat(base.format));
+  auto format = model::ParseLoadFormat(base.format);
+  if (!format.ok()) {
+    std::fprintf(stderr, "%s\n", format.status().ToString().c_str());
+    return 2;
+  }
+  auto model = model::OpenModel(base.model_path, *format);
   if (!model.ok()) {
     std::fprintf(stderr, "%s\n", model.status().ToString().c_str());
     return 1;

@@ -85,8 +85,12 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
   }
-  auto weights = model::OpenModel(profile.model_path,
-                                  *model::ParseLoadFormat(profile.format));
+  auto format = model::ParseLoadFormat(profile.format);
+  if (!format.ok()) {
+    std::fprintf(stderr, "%s\n", format.status().ToString().c_str());
+    return 2;
+  }
+  auto weights = model::OpenModel(profile.model_path, *format);
   if (!weights.ok()) {
     std::fprintf(stderr, "%s\n", weights.status().ToString().c_str());
     return 1;

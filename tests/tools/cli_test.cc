@@ -110,6 +110,15 @@ TEST(PdserveGenerateTest, ClearErrorsForBadInput) {
   EXPECT_EQ(bad_flag.exit_code, 1);
   EXPECT_NE(bad_flag.out.find("top_p"), std::string::npos) << bad_flag.out;
 
+  auto bad_matmul = RunPdserve("generate --model " +
+                               Quote(pdserve::testing::Stories260KDir()) +
+                               " --prompt hi --quantized-matmul f32");
+  EXPECT_EQ(bad_matmul.exit_code, 1);
+  EXPECT_NE(bad_matmul.out.find("unknown quantized matmul \"f32\" (expected "
+                                "int8 or exact)"),
+            std::string::npos)
+      << bad_matmul.out;
+
   auto no_command = RunPdserve("frobnicate");
   EXPECT_EQ(no_command.exit_code, 2);
 }
