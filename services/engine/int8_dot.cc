@@ -65,6 +65,39 @@ float QuantizeBlock(const float* x, int64_t count, int8_t* q) {
   return max / 127.0f;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define PDSERVE_INT8_VNNI 1
+#endif
+
+// The packed Q8_0 kernel multiplies q + 128 (unsigned) by the weights'
+// signed bytes, which only VNNI's dot product takes without saturating; the
+// weights are repacked per product, which pays from about 16 rows.
+bool PackedQ8_0Worthwhile(int64_t rows) {
+#if defined(PDSERVE_INT8_AVX2) && defined(PDSERVE_INT8_VNNI)
+  return rows >= 16;
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
+// Bytes 4j..4j+3 of block l of each group of 8 go to chunk j, lane l; an
+// int8 q becomes q + 128 as an unsigned byte (its top bit flipped).
+void PackQ8_0Activations(const int8_t* q, int64_t blocks, uint8_t* out) {
+  const int64_t groups = (blocks + kQ8_0GroupBlocks - 1) / kQ8_0GroupBlocks;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int j = 0; j < 8; ++j) {
+      for (int l = 0; l < kQ8_0GroupBlocks; ++l) {
+        const int64_t b = g * kQ8_0GroupBlocks + l;
+        uint32_t four = 0;
+        if (b < blocks) std::memcpy(&four, q + 32 * b + 4 * j, 4);
+        four ^= 0x80808080u;
+        std::memcpy(out + 256 * g + 32 * j + 4 * l, &four, 4);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void Int8Activations::Quantize(const float* x, int64_t n, int64_t cols,
@@ -79,9 +112,15 @@ void Int8Activations::Resize(int64_t n, int64_t cols, bool for_q8_0,
   cols_ = cols;
   for_q8_0_ = for_q8_0;
   for_k_quants_ = for_k_quants;
+  q8_0_padded_blocks_ =
+      (cols / 32 + kQ8_0GroupBlocks - 1) / kQ8_0GroupBlocks * kQ8_0GroupBlocks;
+  packed_q8_0_.clear();
   if (for_q8_0) {
     q32_.resize(n * cols);
-    d32_.resize(n * (cols / 32));
+    d32_.resize(n * q8_0_padded_blocks_);
+    if (PackedQ8_0Worthwhile(n)) {
+      packed_q8_0_.resize(n * q8_0_padded_blocks_ * 32);
+    }
   }
   if (for_k_quants) {
     q256_.resize(n * cols);
@@ -97,9 +136,16 @@ void Int8Activations::QuantizeRows(const float* x, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const float* row = x + t * cols;
     if (for_q8_0_) {
-      for (int64_t b = 0; b < cols / 32; ++b) {
-        d32_[t * (cols / 32) + b] =
-            QuantizeBlock(row + 32 * b, 32, q32_.data() + t * cols + 32 * b);
+      const int64_t blocks = cols / 32;
+      float* d = d32_.data() + t * q8_0_padded_blocks_;
+      int8_t* q = q32_.data() + t * cols;
+      for (int64_t b = 0; b < blocks; ++b) {
+        d[b] = QuantizeBlock(row + 32 * b, 32, q + 32 * b);
+      }
+      std::fill(d + blocks, d + q8_0_padded_blocks_, 0.0f);
+      if (has_packed_q8_0()) {
+        PackQ8_0Activations(q, blocks,
+                            packed_q8_0_.data() + t * q8_0_padded_blocks_ * 32);
       }
     }
     if (!for_k_quants_) continue;
@@ -224,43 +270,422 @@ struct ActivationRows {
 // rows from t0, and write y[t·ldy + c]. Each (t, c) pair runs the same
 // operations in the same order for every R and C.
 
-// Q8_0: per block of 32, Σ w·x = (d_w·d_x)·Σ q_w·q_x. vpdpbusd multiplies
-// unsigned by signed bytes, so |q_w| goes unsigned and q_w's sign moves onto
-// q_x (the products are unchanged).
+// Q8_0: per block of 32, Σ w·x = (d_w·d_x)·Σ q_w·q_x. Both kernels below
+// bring the integer sums of a group of 8 blocks into lane l = block 8g + l
+// of one vector, then take one float step per group,
+//   acc = fma(float(sums), d_w · d_x, acc),
+// the same operations in both, so a row's result does not depend on which
+// kernel its batch size picked.
+inline __m256 Q8_0FloatStep(__m256i sums, __m256 dw, __m256 dx, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), acc);
+}
+
+// The f16 scales of the 8 Q8_0 blocks from `first` as floats; with kTail,
+// zero from block `count` on.
+template <bool kTail>
+inline __m256 Q8_0GroupScales(const uint8_t* first, int64_t count) {
+  auto scale = [&](int l) -> int16_t {
+    if (kTail && l >= count) return 0;
+    int16_t h;
+    std::memcpy(&h, first + l * model::kQ8_0Bytes, 2);
+    return h;
+  };
+  const __m128i halves = _mm_setr_epi16(scale(0), scale(1), scale(2), scale(3),
+                                        scale(4), scale(5), scale(6), scale(7));
+#ifdef __F16C__
+  return _mm256_cvtph_ps(halves);
+#else
+  alignas(16) uint16_t h[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(h), halves);
+  return _mm256_setr_ps(F16ToFloat(h[0]), F16ToFloat(h[1]), F16ToFloat(h[2]),
+                        F16ToFloat(h[3]), F16ToFloat(h[4]), F16ToFloat(h[5]),
+                        F16ToFloat(h[6]), F16ToFloat(h[7]));
+#endif
+}
+
+// Weight rows read in place (decode, verify): per block, vpdpbusd of |q_w|
+// (unsigned) by q_x carrying q_w's sign gives 8 partial sums; vphaddd pairs
+// and one 128-bit lane exchange bring 8 blocks' sums into one vector. One
+// group of blocks [g0, g0 + 8), of which the first `count` are real when
+// kTail.
+template <int R, int C, bool kTail>
+inline void Q8_0Group(const uint8_t* rows, int64_t row_bytes,
+                      const ActivationRows<R>& a, int64_t g0, int64_t count,
+                      FloatLanes<R, C>& lanes) {
+  const __m256i zero = _mm256_setzero_si256();
+  // Per pair, the sums of blocks g0..g0+3 and g0+4..g0+7 as
+  // [b0 b1 b2 b3 | b0 b1 b2 b3] (low and high halves of each block's lanes).
+  __m256i quads[2][R][C];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m256i pairs[2][R][C];
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; ++p) {
+      __m256i dots[2][R][C];
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {
+        const int l = 4 * h + 2 * p + i;
+        const int64_t b = g0 + l;
+        if (kTail && l >= count) {
+#pragma GCC unroll 4
+          for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) dots[i][t][c] = zero;
+          }
+          continue;
+        }
+        __m256i w[C], w_abs[C];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          w[c] = Load32(rows + c * row_bytes + b * model::kQ8_0Bytes + 2);
+          w_abs[c] = _mm256_sign_epi8(w[c], w[c]);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m256i xq = Load32(a.q[t] + 32 * b);
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) {
+            dots[i][t][c] =
+                DotBytes(zero, w_abs[c], _mm256_sign_epi8(xq, w[c]));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          pairs[p][t][c] = _mm256_hadd_epi32(dots[0][t][c], dots[1][t][c]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        quads[h][t][c] = _mm256_hadd_epi32(pairs[0][t][c], pairs[1][t][c]);
+      }
+    }
+  }
+  __m256 dw[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    dw[c] = Q8_0GroupScales<kTail>(
+        rows + c * row_bytes + g0 * model::kQ8_0Bytes, count);
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    const __m256 dx = _mm256_loadu_ps(a.d[t] + g0);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i sums = _mm256_add_epi32(
+          _mm256_permute2x128_si256(quads[0][t][c], quads[1][t][c], 0x20),
+          _mm256_permute2x128_si256(quads[0][t][c], quads[1][t][c], 0x31));
+      lanes.acc[t][c] = Q8_0FloatStep(sums, dw[c], dx, lanes.acc[t][c]);
+    }
+  }
+}
+
 template <int R, int C>
 void Q8_0Dots(const uint8_t* rows, int64_t row_bytes, int64_t cols,
               const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
   FloatLanes<R, C> lanes;
   const ActivationRows<R> a(x, t0, /*k_quants=*/false);
-  const auto& q = a.q;
-  const auto& d = a.d;
-  for (int64_t b = 0; b < cols / 32; ++b) {
-    __m256i w[C], w_abs[C];
-    float dw[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* block = rows + c * row_bytes + b * model::kQ8_0Bytes;
-      dw[c] = LoadF16(block);
-      w[c] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(block + 18),
-                                 reinterpret_cast<const __m128i*>(block + 2));
-      w_abs[c] = _mm256_sign_epi8(w[c], w[c]);
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) {
-      const __m256i xq = Load32(q[t] + 32 * b);
-      const float dx = d[t][b];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        const __m256i dot = DotBytes(_mm256_setzero_si256(), w_abs[c],
-                                     _mm256_sign_epi8(xq, w[c]));
-        lanes.acc[t][c] =
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[c] * dx),
-                            lanes.acc[t][c]);
-      }
-    }
+  const int64_t blocks = cols / 32;
+  int64_t g0 = 0;
+  for (; g0 + kQ8_0GroupBlocks <= blocks; g0 += kQ8_0GroupBlocks) {
+    Q8_0Group<R, C, false>(rows, row_bytes, a, g0, kQ8_0GroupBlocks, lanes);
+  }
+  if (g0 < blocks) {
+    Q8_0Group<R, C, true>(rows, row_bytes, a, g0, blocks - g0, lanes);
   }
   lanes.Store(y, ldy);
 }
+
+#ifdef PDSERVE_INT8_VNNI
+// Q8_0 weight rows repacked for the prefill kernel, in tiles of
+// kPackedQ8_0TileRows rows (two where a 512-bit vector holds a chunk of each;
+// a missing last row is zeros). Per group of 8 blocks a tile holds its 8
+// chunks of 32 bytes per row in the activations' packed order (chunk j of
+// every row together), the rows' 8 block scales as floats, then
+// -128·Σ q_w per block (the unsigned activations carry +128 per value;
+// starting each sum there cancels it).
+#ifdef PDSERVE_INT8_AVX512
+constexpr int kPackedQ8_0TileRows = 2;
+#else
+constexpr int kPackedQ8_0TileRows = 1;
+#endif
+constexpr int64_t kPackedQ8_0GroupBytes = kPackedQ8_0TileRows * (256 + 32 + 32);
+
+// Transposes 8 rows of 8 32-bit elements: v[j] lane l becomes v[l] lane j.
+inline void Transpose8x8(__m256i v[8]) {
+  __m256i t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Packs weight rows [0, row_count) into tiles at out.
+void PackQ8_0Weights(const uint8_t* rows, int64_t row_bytes, int64_t row_count,
+                     int64_t blocks, uint8_t* out) {
+  constexpr int kTile = kPackedQ8_0TileRows;
+  const int64_t groups = (blocks + kQ8_0GroupBlocks - 1) / kQ8_0GroupBlocks;
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t r = 0; r < row_count; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    uint8_t* tile = out + r / kTile * groups * kPackedQ8_0GroupBytes;
+    const int i = r % kTile;  // the row's place in its tile
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* group = tile + g * kPackedQ8_0GroupBytes;
+      alignas(32) float scales[kQ8_0GroupBlocks];
+      __m256i v[kQ8_0GroupBlocks];
+#pragma GCC unroll 8
+      for (int l = 0; l < kQ8_0GroupBlocks; ++l) {
+        const int64_t b = g * kQ8_0GroupBlocks + l;
+        const uint8_t* block = row + b * model::kQ8_0Bytes;
+        const bool real = b < blocks;
+        scales[l] = real ? LoadF16(block) : 0.0f;
+        v[l] = real ? Load32(block + 2) : _mm256_setzero_si256();
+      }
+      Transpose8x8(v);
+      __m256i sums = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(group + 32 * (kTile * j + i)), v[j]);
+        sums = DotBytes(sums, ones, v[j]);
+      }
+      std::memcpy(group + 256 * kTile + 32 * i, scales, sizeof(scales));
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(group + 288 * kTile + 32 * i),
+          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7)));
+    }
+  }
+  // A missing last row of a tile: zero weights, scales and offsets.
+  if (row_count % kTile != 0) {
+    uint8_t* tile = out + row_count / kTile * groups * kPackedQ8_0GroupBytes;
+    for (int i = row_count % kTile; i < kTile; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* group = tile + g * kPackedQ8_0GroupBytes;
+        for (int j = 0; j < 8; ++j) {
+          std::memset(group + 32 * (kTile * j + i), 0, 32);
+        }
+        std::memset(group + 256 * kTile + 32 * i, 0, 32);
+        std::memset(group + 288 * kTile + 32 * i, 0, 32);
+      }
+    }
+  }
+}
+
+#ifndef PDSERVE_INT8_AVX512
+// R packed activation rows from t0 by C packed weight rows (tiles of one
+// row): each of a group's 8 chunks is one vpdpbusd per pair (4 bytes of each
+// of 8 blocks), so a group costs a pair 8 integer ops and one float step.
+template <int R, int C>
+void PackedQ8_0Dots(const uint8_t* tiles, int64_t groups,
+                    const Int8Activations& x, int64_t t0, float* y, int64_t ldy,
+                    int64_t rows_left) {
+  FloatLanes<R, C> lanes;
+  const uint8_t* xq[R];
+  const float* dx[R];
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    xq[t] = x.packed_q8_0(t0 + t);
+    dx[t] = x.d32(t0 + t);
+  }
+  const int64_t tile_stride = groups * kPackedQ8_0GroupBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = tiles + g * kPackedQ8_0GroupBytes;
+    __m256i sums[R][C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i offset = Load32(w + c * tile_stride + 288);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) sums[t][c] = offset;
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m256i wj[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) wj[c] = Load32(w + c * tile_stride + 32 * j);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m256i xj = Load32(xq[t] + 256 * g + 32 * j);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c)
+          sums[t][c] = DotBytes(sums[t][c], xj, wj[c]);
+      }
+    }
+    __m256 dw[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      dw[c] = _mm256_loadu_ps(
+          reinterpret_cast<const float*>(w + c * tile_stride + 256));
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      const __m256 dxg = _mm256_loadu_ps(dx[t] + kQ8_0GroupBlocks * g);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        lanes.acc[t][c] =
+            Q8_0FloatStep(sums[t][c], dw[c], dxg, lanes.acc[t][c]);
+      }
+    }
+  }
+  (void)rows_left;  // tiles of one row: every row is real
+  lanes.Store(y, ldy);
+}
+#else
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// The same with tiles of two rows: one 512-bit vpdpbusd per chunk multiplies
+// a chunk of each row of a tile (its halves) by the activation chunk in both
+// halves, and the float step runs on both rows' 8 lanes at once, lane for
+// lane the 256-bit step. C tiles, 2C weight rows, rows_left of them real.
+template <int R, int C>
+void PackedQ8_0Dots(const uint8_t* tiles, int64_t groups,
+                    const Int8Activations& x, int64_t t0, float* y, int64_t ldy,
+                    int64_t rows_left) {
+  __m512 acc[R][C];
+  const uint8_t* xq[R];
+  const float* dx[R];
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    xq[t] = x.packed_q8_0(t0 + t);
+    dx[t] = x.d32(t0 + t);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm512_setzero_ps();
+  }
+  const int64_t tile_stride = groups * kPackedQ8_0GroupBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = tiles + g * kPackedQ8_0GroupBytes;
+    __m512i sums[R][C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i offset = _mm512_loadu_si512(w + c * tile_stride + 576);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) sums[t][c] = offset;
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wj[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        wj[c] = _mm512_loadu_si512(w + c * tile_stride + 64 * j);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m512i xj =
+            _mm512_broadcast_i64x4(Load32(xq[t] + 256 * g + 32 * j));
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          sums[t][c] = _mm512_dpbusd_epi32(sums[t][c], xj, wj[c]);
+        }
+      }
+    }
+    __m512 dw[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      dw[c] = _mm512_loadu_ps(w + c * tile_stride + 512);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      const __m512 dxg =
+          _mm512_broadcast_f32x8(_mm256_loadu_ps(dx[t] + kQ8_0GroupBlocks * g));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        acc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][c]),
+                                    _mm512_mul_ps(dw[c], dxg), acc[t][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      y[t * ldy + 2 * c] =
+          FloatLanes<1, 1>::HorizontalSum(_mm512_castps512_ps256(acc[t][c]));
+      if (2 * c + 1 < rows_left) {
+        y[t * ldy + 2 * c + 1] = FloatLanes<1, 1>::HorizontalSum(
+            _mm512_extractf32x8_ps(acc[t][c], 1));
+      }
+    }
+  }
+}
+#pragma GCC diagnostic pop
+#endif  // PDSERVE_INT8_AVX512
+
+// Activation rows [t0, t1) against C tiles of packed weight rows.
+template <int C>
+void PackedQ8_0RowGroups(const uint8_t* tiles, int64_t groups,
+                         const Int8Activations& x, int64_t t0, int64_t t1,
+                         float* y, int64_t ldy, int64_t rows_left) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {
+    PackedQ8_0Dots<4, C>(tiles, groups, x, t, y + t * ldy, ldy, rows_left);
+  }
+  switch (t1 - t) {
+    case 3:
+      return PackedQ8_0Dots<3, C>(tiles, groups, x, t, y + t * ldy, ldy,
+                                  rows_left);
+    case 2:
+      return PackedQ8_0Dots<2, C>(tiles, groups, x, t, y + t * ldy, ldy,
+                                  rows_left);
+    case 1:
+      return PackedQ8_0Dots<1, C>(tiles, groups, x, t, y + t * ldy, ldy,
+                                  rows_left);
+    default:
+      return;
+  }
+}
+
+void PackedQ8_0RowDots(const uint8_t* rows, int64_t row_bytes,
+                       int64_t row_count, int64_t cols,
+                       const Int8Activations& x, float* y, int64_t ldy) {
+  constexpr int kTile = kPackedQ8_0TileRows;
+  const int64_t blocks = cols / 32;
+  const int64_t groups = (blocks + kQ8_0GroupBlocks - 1) / kQ8_0GroupBlocks;
+  const int64_t tile_stride = groups * kPackedQ8_0GroupBytes;
+  const int64_t tiles = (row_count + kTile - 1) / kTile;
+  thread_local std::vector<uint8_t> packed;
+  packed.resize(tiles * tile_stride);
+  PackQ8_0Weights(rows, row_bytes, row_count, blocks, packed.data());
+  // Activation rows in blocks that stay in L2 while the tiles pass over them.
+  const int64_t block_rows = std::max<int64_t>(4, (64 << 10) / cols / 4 * 4);
+  for (int64_t t0 = 0; t0 < x.rows(); t0 += block_rows) {
+    const int64_t t1 = std::min(x.rows(), t0 + block_rows);
+    int64_t i = 0;
+#ifdef PDSERVE_INT8_AVX512  // 32 vector registers: 3 tiles x 4 rows
+    for (; i + 3 <= tiles; i += 3) {
+      PackedQ8_0RowGroups<3>(packed.data() + i * tile_stride, groups, x, t0, t1,
+                             y + i * kTile, ldy, row_count - i * kTile);
+    }
+#endif
+    for (; i + 2 <= tiles; i += 2) {
+      PackedQ8_0RowGroups<2>(packed.data() + i * tile_stride, groups, x, t0, t1,
+                             y + i * kTile, ldy, row_count - i * kTile);
+    }
+    for (; i < tiles; ++i) {
+      PackedQ8_0RowGroups<1>(packed.data() + i * tile_stride, groups, x, t0, t1,
+                             y + i * kTile, ldy, row_count - i * kTile);
+    }
+  }
+}
+#endif  // PDSERVE_INT8_VNNI
 
 // The 8 six-bit scales and 8 mins of a Q4_K block as bytes 0-7 and 8-15
 // (model::Q4KScaleMin's unpacking, four at a time).
@@ -711,6 +1136,11 @@ bool Int8ActivationKernelsAvailable() { return true; }
 void Int8RowDots(TensorFormat format, const uint8_t* rows, int64_t row_bytes,
                  int64_t row_count, int64_t cols, const Int8Activations& x,
                  float* y, int64_t ldy) {
+#ifdef PDSERVE_INT8_VNNI
+  if (format == TensorFormat::kQ8_0 && x.has_packed_q8_0()) {
+    return PackedQ8_0RowDots(rows, row_bytes, row_count, cols, x, y, ldy);
+  }
+#endif
   // Activation rows in blocks that stay in L1/L2 while the weight rows pass
   // over them, K-quant rows two at a time (each activation load feeds two
   // weight rows).

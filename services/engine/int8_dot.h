@@ -7,7 +7,9 @@
 // compute-bound at a third of the speed its memory traffic allows. With the
 // activations in int8, 32 weights take one multiply-add of bytes into 16-bit
 // pairs and one of those pairs by the sub-block's integer scale into int32
-// lanes; floats appear once per block (Q8_0) or super-block (Q4_K, Q6_K).
+// lanes; floats appear once per 8 blocks (Q8_0) or super-block (Q4_K, Q6_K).
+// Prefill chunks (16 rows and more, VNNI) repack each Q8_0 weight row per
+// product so that one vpdpbusd covers 4 values of each of 8 blocks.
 //
 // Numerics. Each activation row is rounded to int8 per block of 32 values
 // (Q8_0 weights) or 256 (K-quant weights), scale max|x|/127. The integer
@@ -18,7 +20,8 @@
 // whole-model tolerance this gives.
 //
 // Determinism. Every (activation row, weight row) pair goes through the same
-// sequence of operations whatever the number of rows multiplied together, so
+// float operations in the same order whatever the number of rows multiplied
+// together (the integer parts may be summed in another order, exactly), so
 // a sequence's logits do not depend on what it is batched with (a decode
 // step of 1 row, a speculative verify of 5 and a 512-token prefill chunk
 // give each row the same values).
@@ -30,6 +33,12 @@
 #include "model/quant_formats.h"
 
 namespace pdserve::engine::internal {
+
+// Q8_0 products sum the integer dot products of 8 blocks into the 8 lanes of
+// one vector before any float arithmetic: per group of 8 blocks, one
+// convert, one scale product and one FMA (per block that was 5 ops per 32
+// multiply-adds, more than the integer work).
+inline constexpr int64_t kQ8_0GroupBlocks = 8;
 
 // Whether this build has the int8 kernels (AVX2; VNNI used when present).
 bool Int8ActivationKernelsAvailable();
@@ -49,9 +58,21 @@ class Int8Activations {
 
   int64_t rows() const { return n_; }
   int64_t cols() const { return cols_; }
-  // Row t of the per-32 rounding: cols int8 values and cols/32 scales.
+  // Row t of the per-32 rounding: cols int8 values and its block scales,
+  // zero-padded to a whole group of kQ8_0GroupBlocks.
   const int8_t* q32(int64_t t) const { return q32_.data() + t * cols_; }
-  const float* d32(int64_t t) const { return d32_.data() + t * (cols_ / 32); }
+  const float* d32(int64_t t) const {
+    return d32_.data() + t * q8_0_padded_blocks_;
+  }
+  // Whether rows also come in the packed Q8_0 form below (wide inputs on
+  // VNNI machines: prefill chunks).
+  bool has_packed_q8_0() const { return !packed_q8_0_.empty(); }
+  // Row t of the per-32 rounding packed for the prefill kernel: per group
+  // of 8 blocks, 8 chunks of 32 bytes; chunk j holds bytes 4j..4j+3 of each
+  // block of the group, as q + 128 (unsigned), padding blocks 128.
+  const uint8_t* packed_q8_0(int64_t t) const {
+    return packed_q8_0_.data() + t * q8_0_padded_blocks_ * 32;
+  }
   // Row t of the per-256 rounding: values, cols/256 scales, cols/16 sums.
   const int8_t* q256(int64_t t) const { return q256_.data() + t * cols_; }
   const float* d256(int64_t t) const {
@@ -73,9 +94,10 @@ class Int8Activations {
   float Value(model::TensorFormat format, int64_t t, int64_t k) const;
 
  private:
-  int64_t n_ = 0, cols_ = 0;
+  int64_t n_ = 0, cols_ = 0, q8_0_padded_blocks_ = 0;
   bool for_q8_0_ = false, for_k_quants_ = false;
   std::vector<int8_t> q32_, q256_;
+  std::vector<uint8_t> packed_q8_0_;
   std::vector<float> d32_, d256_;
   std::vector<int16_t> sums16_;
   std::vector<float> scaled_sums16_, scaled_sums32_;
