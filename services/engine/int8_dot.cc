@@ -81,6 +81,66 @@ bool PackedQ8_0Worthwhile(int64_t rows) {
 #endif
 }
 
+// The packed K-quant kernel is 512-bit; its weights are repacked per
+// product, which pays from about 16 rows.
+bool PackedKQuantsWorthwhile(int64_t rows) {
+#if defined(PDSERVE_INT8_AVX512)
+  return rows >= 16;
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
+#ifdef PDSERVE_INT8_AVX2
+// Transposes 8 rows of 8 32-bit elements: v[j] lane l becomes v[l] lane j.
+inline void Transpose8x8(__m256i v[8]) {
+  __m256i t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
+
+// Sub-blocks of a K-quant block in packed lane order: the even ones, then
+// the odd ones (the lanes a 128-bit vphaddd tree sums separately).
+constexpr int kPackedSubBlock[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+void PackKQuantActivations(const int8_t* q, int64_t blocks, int8_t* out) {
+#ifdef PDSERVE_INT8_AVX2
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          q + 256 * b + 32 * kPackedSubBlock[i]));
+    }
+    Transpose8x8(v);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 256 * b + 32 * j),
+                          v[j]);
+    }
+  }
+#else
+  (void)q, (void)blocks, (void)out;
+#endif
+}
+
 // Bytes 4j..4j+3 of block l of each group of 8 go to chunk j, lane l; an
 // int8 q becomes q + 128 as an unsigned byte (its top bit flipped).
 void PackQ8_0Activations(const int8_t* q, int64_t blocks, uint8_t* out) {
@@ -122,9 +182,13 @@ void Int8Activations::Resize(int64_t n, int64_t cols, bool for_q8_0,
       packed_q8_0_.resize(n * q8_0_padded_blocks_ * 32);
     }
   }
+  k_padded_blocks_ = (cols / 256 + kKQuantGroupBlocks - 1) /
+                     kKQuantGroupBlocks * kKQuantGroupBlocks;
+  packed_k_.clear();
   if (for_k_quants) {
     q256_.resize(n * cols);
-    d256_.resize(n * (cols / 256));
+    d256_.resize(n * k_padded_blocks_);
+    if (PackedKQuantsWorthwhile(n)) packed_k_.resize(n * cols);
     sums16_.resize(n * (cols / 16));
     scaled_sums16_.resize(n * (cols / 16));
     scaled_sums32_.resize(n * (cols / 32));
@@ -150,9 +214,13 @@ void Int8Activations::QuantizeRows(const float* x, int64_t t0, int64_t t1) {
     }
     if (!for_k_quants_) continue;
     int8_t* q = q256_.data() + t * cols;
-    float* d = d256_.data() + t * (cols / 256);
+    float* d = d256_.data() + t * k_padded_blocks_;
     for (int64_t b = 0; b < cols / 256; ++b) {
       d[b] = QuantizeBlock(row + 256 * b, 256, q + 256 * b);
+    }
+    std::fill(d + cols / 256, d + k_padded_blocks_, 0.0f);
+    if (has_packed_k()) {
+      PackKQuantActivations(q, cols / 256, packed_k_.data() + t * cols);
     }
     int16_t* sums = sums16_.data() + t * (cols / 16);
     float* scaled16 = scaled_sums16_.data() + t * (cols / 16);
@@ -416,28 +484,6 @@ constexpr int kPackedQ8_0TileRows = 1;
 #endif
 constexpr int64_t kPackedQ8_0GroupBytes = kPackedQ8_0TileRows * (256 + 32 + 32);
 
-// Transposes 8 rows of 8 32-bit elements: v[j] lane l becomes v[l] lane j.
-inline void Transpose8x8(__m256i v[8]) {
-  __m256i t[8], u[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
 // Packs weight rows [0, row_count) into tiles at out.
 void PackQ8_0Weights(const uint8_t* rows, int64_t row_bytes, int64_t row_count,
                      int64_t blocks, uint8_t* out) {
@@ -629,28 +675,54 @@ void PackedQ8_0Dots(const uint8_t* tiles, int64_t groups,
 #pragma GCC diagnostic pop
 #endif  // PDSERVE_INT8_AVX512
 
-// Activation rows [t0, t1) against C tiles of packed weight rows.
-template <int C>
-void PackedQ8_0RowGroups(const uint8_t* tiles, int64_t groups,
-                         const Int8Activations& x, int64_t t0, int64_t t1,
-                         float* y, int64_t ldy, int64_t rows_left) {
+// Activation rows [t0, t1) in groups of 4 against C tiles of packed weight
+// rows from tile i: dots.operator()<R, C>(i, t) multiplies R rows from t.
+template <int C, typename Dots>
+void PackedRowGroups(const Dots& dots, int64_t i, int64_t t0, int64_t t1) {
   int64_t t = t0;
-  for (; t + 4 <= t1; t += 4) {
-    PackedQ8_0Dots<4, C>(tiles, groups, x, t, y + t * ldy, ldy, rows_left);
-  }
+  for (; t + 4 <= t1; t += 4) dots.template operator()<4, C>(i, t);
   switch (t1 - t) {
     case 3:
-      return PackedQ8_0Dots<3, C>(tiles, groups, x, t, y + t * ldy, ldy,
-                                  rows_left);
+      return dots.template operator()<3, C>(i, t);
     case 2:
-      return PackedQ8_0Dots<2, C>(tiles, groups, x, t, y + t * ldy, ldy,
-                                  rows_left);
+      return dots.template operator()<2, C>(i, t);
     case 1:
-      return PackedQ8_0Dots<1, C>(tiles, groups, x, t, y + t * ldy, ldy,
-                                  rows_left);
+      return dots.template operator()<1, C>(i, t);
     default:
       return;
   }
+}
+
+// Every activation row of x against `tiles` tiles of packed weight rows of
+// tile_bytes each. Weight rows are packed a span at a time, `pack(i0, i1)`
+// writing tiles [i0, i1) to the start of the buffer, and the span stays in
+// L2 while blocks of activation rows pass over it; kernels take up to
+// kMaxTiles tiles at a time (as many as the vector registers hold).
+template <int kMaxTiles, typename Pack, typename Dots>
+void ForEachPackedTile(const Int8Activations& x, int64_t cols, int64_t tiles,
+                       int64_t tile_bytes, const Pack& pack, const Dots& dots) {
+  const int64_t span =
+      std::max<int64_t>(kMaxTiles, (256 << 10) / tile_bytes / 6 * 6);
+  const int64_t block_rows = std::max<int64_t>(4, (64 << 10) / cols / 4 * 4);
+  for (int64_t i0 = 0; i0 < tiles; i0 += span) {
+    const int64_t i1 = std::min(tiles, i0 + span);
+    pack(i0, i1);
+    for (int64_t t0 = 0; t0 < x.rows(); t0 += block_rows) {
+      const int64_t t1 = std::min(x.rows(), t0 + block_rows);
+      int64_t i = i0;
+      if constexpr (kMaxTiles >= 3) {
+        for (; i + 3 <= i1; i += 3) PackedRowGroups<3>(dots, i, t0, t1);
+      }
+      for (; i + 2 <= i1; i += 2) PackedRowGroups<2>(dots, i, t0, t1);
+      for (; i < i1; ++i) PackedRowGroups<1>(dots, i, t0, t1);
+    }
+  }
+}
+
+// The packing buffer of each thread (a span of tiles).
+CacheAlignedVector<uint8_t>& PackedWeightBuffer() {
+  thread_local CacheAlignedVector<uint8_t> packed;
+  return packed;
 }
 
 void PackedQ8_0RowDots(const uint8_t* rows, int64_t row_bytes,
@@ -661,29 +733,24 @@ void PackedQ8_0RowDots(const uint8_t* rows, int64_t row_bytes,
   const int64_t groups = (blocks + kQ8_0GroupBlocks - 1) / kQ8_0GroupBlocks;
   const int64_t tile_stride = groups * kPackedQ8_0GroupBytes;
   const int64_t tiles = (row_count + kTile - 1) / kTile;
-  thread_local std::vector<uint8_t> packed;
-  packed.resize(tiles * tile_stride);
-  PackQ8_0Weights(rows, row_bytes, row_count, blocks, packed.data());
-  // Activation rows in blocks that stay in L2 while the tiles pass over them.
-  const int64_t block_rows = std::max<int64_t>(4, (64 << 10) / cols / 4 * 4);
-  for (int64_t t0 = 0; t0 < x.rows(); t0 += block_rows) {
-    const int64_t t1 = std::min(x.rows(), t0 + block_rows);
-    int64_t i = 0;
-#ifdef PDSERVE_INT8_AVX512  // 32 vector registers: 3 tiles x 4 rows
-    for (; i + 3 <= tiles; i += 3) {
-      PackedQ8_0RowGroups<3>(packed.data() + i * tile_stride, groups, x, t0, t1,
-                             y + i * kTile, ldy, row_count - i * kTile);
-    }
-#endif
-    for (; i + 2 <= tiles; i += 2) {
-      PackedQ8_0RowGroups<2>(packed.data() + i * tile_stride, groups, x, t0, t1,
-                             y + i * kTile, ldy, row_count - i * kTile);
-    }
-    for (; i < tiles; ++i) {
-      PackedQ8_0RowGroups<1>(packed.data() + i * tile_stride, groups, x, t0, t1,
-                             y + i * kTile, ldy, row_count - i * kTile);
-    }
-  }
+  CacheAlignedVector<uint8_t>& packed = PackedWeightBuffer();
+  int64_t first = 0;  // the first tile in the buffer
+  // 512-bit: 32 vector registers hold 3 tiles x 4 rows.
+  constexpr int kMaxTiles = kTile == 2 ? 3 : 2;
+  ForEachPackedTile<kMaxTiles>(
+      x, cols, tiles, tile_stride,
+      [&](int64_t i0, int64_t i1) {
+        first = i0;
+        const int64_t r1 = std::min(row_count, i1 * kTile);
+        packed.resize((i1 - i0) * tile_stride);
+        PackQ8_0Weights(rows + i0 * kTile * row_bytes, row_bytes,
+                        r1 - i0 * kTile, blocks, packed.data());
+      },
+      [&]<int R, int C>(int64_t i, int64_t t) {
+        PackedQ8_0Dots<R, C>(packed.data() + (i - first) * tile_stride, groups,
+                             x, t, y + t * ldy + i * kTile, ldy,
+                             row_count - i * kTile);
+      });
 }
 #endif  // PDSERVE_INT8_VNNI
 
@@ -926,38 +993,72 @@ inline __m512i HalvesByteMask(int j) {
                             BroadcastByteMask(j + 1), 1);
 }
 
-// Q4_K: a chunk's 32 bytes, loaded into both halves and shifted by 0 | 4,
-// are its two sub-blocks' 64 values in order.
-template <int R, int C>
-void Q4_KDotsWide(const uint8_t* rows, int64_t row_bytes, int64_t cols,
-                  const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
-  WideLanes<R, C> lanes;
-  const ActivationRows<R> a(x, t0, /*k_quants=*/true);
-  const auto& q = a.q;
-  const auto& d = a.d;
-  const auto& sums = a.scaled32;
+// vphaddd within each 128-bit lane of 512-bit vectors: [a0+a1, a2+a3,
+// b0+b1, b2+b3] per lane.
+inline __m512i HorizontalPairSums(__m512i a, __m512i b) {
+  const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+  return _mm512_add_epi32(
+      _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(2, 0, 2, 0))),
+      _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+// Q4_K in AVX-512 builds. Per block b (256 values) of a pair, the exact
+// integers E_b = Σ_{j even} sc_j·Σ q_w·q_x and O_b (odd sub-blocks j), and
+// per group of 4 blocks one float step on [E_0..E_3 | O_0..O_3]:
+//   acc -= mins_b · (d_x·Σ q_x per sub-block)   for each real block b,
+//   acc = fma(float(E|O), [d_0..d_3 | d_0..d_3] · [d_x0..d_x3 | ...], acc),
+// both kernels below (in-place rows for decode, packed rows for prefill)
+// with the same float operations.
+inline __m256 Q4_KGroupStep(__m256i even_odd, __m256 d, __m256 dx, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(even_odd), _mm256_mul_ps(d, dx),
+                         acc);
+}
+
+// min_j · dmin of a Q4_K block as floats, lane j = sub-block j.
+inline __m256 Q4_KMins(const uint8_t* block, __m128i scales_and_mins) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                           _mm_srli_si128(scales_and_mins, 8))),
+                       _mm256_set1_ps(LoadF16(block + 2)));
+}
+
+// In place: a chunk's 32 bytes, loaded into both halves and shifted by 0 | 4,
+// are its two sub-blocks' 64 values in order (even sub-block low, odd high);
+// vpmaddubsw and vpdpwssd by the sub-block scales sum each half, and a
+// vphaddd tree over the group's 4 blocks gives [E_0..E_3 | O_0..O_3].
+template <int R, int C, bool kTail>
+inline void Q4_KGroupWide(const uint8_t* rows, int64_t row_bytes,
+                          const ActivationRows<R>& a, int64_t g0, int64_t count,
+                          FloatLanes<R, C>& lanes) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i shifts = HalfShifts(0, 4);
-  for (int64_t b = 0; b < cols / 256; ++b) {
+  __m512i isum[kKQuantGroupBlocks][R][C];
+  alignas(16) float d_super[C][kKQuantGroupBlocks];
+#pragma GCC unroll 4
+  for (int s = 0; s < kKQuantGroupBlocks; ++s) {
+    const int64_t b = g0 + s;
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) isum[s][t][c] = _mm512_setzero_si512();
+    }
+    if (kTail && s >= count) {  // padding of the last group
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) d_super[c][s] = 0.0f;
+      continue;
+    }
     const uint8_t* block[C];
     __m512i scales[C];
-    __m512i isum[R][C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       block[c] = rows + c * row_bytes + b * model::kQ4_KBytes;
+      d_super[c][s] = LoadF16(block[c]);
       const __m128i scales_and_mins = Q4KScalesAndMins(block[c] + 4);
       scales[c] = _mm512_broadcast_i32x4(scales_and_mins);
-      // min_j · dmin, subtracted against Σ q_x · d_x per sub-block.
-      const __m256 mins = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(
-              _mm256_cvtepu8_epi32(_mm_srli_si128(scales_and_mins, 8))),
-          _mm256_set1_ps(LoadF16(block[c] + 2)));
+      const __m256 mins = Q4_KMins(block[c], scales_and_mins);
 #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
-        isum[t][c] = _mm512_setzero_si512();
-        lanes.terms[t][c] = _mm512_castps256_ps512(
-            _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sums[t] + 8 * b),
-                             _mm512_castps512_ps256(lanes.terms[t][c])));
+        lanes.acc[t][c] = _mm256_fnmadd_ps(
+            mins, _mm256_loadu_ps(a.scaled32[t] + 8 * b), lanes.acc[t][c]);
       }
     }
 #pragma GCC unroll 4
@@ -973,25 +1074,250 @@ void Q4_KDotsWide(const uint8_t* rows, int64_t row_bytes, int64_t cols,
             _mm512_shuffle_epi8(scales[c], HalvesByteMask(2 * chunk));
 #pragma GCC unroll 4
         for (int t = 0; t < R; ++t) {
-          isum[t][c] = _mm512_dpwssd_epi32(
-              isum[t][c],
-              _mm512_maddubs_epi16(w, Load64(q[t] + 256 * b + 64 * chunk)),
+          isum[s][t][c] = _mm512_dpwssd_epi32(
+              isum[s][t][c],
+              _mm512_maddubs_epi16(w, Load64(a.q[t] + 256 * b + 64 * chunk)),
               scale);
         }
       }
     }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    const __m256 dx =
+        _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a.d[t] + g0));
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      const __m512 d_super = _mm512_set1_ps(LoadF16(block[c]));
+      // 128-bit lane k of `quarters`: the 4 blocks' sums of lanes 4k..4k+3
+      // (lanes 0-7 even sub-blocks, 8-15 odd).
+      const __m512i quarters =
+          HorizontalPairSums(HorizontalPairSums(isum[0][t][c], isum[1][t][c]),
+                             HorizontalPairSums(isum[2][t][c], isum[3][t][c]));
+      const __m512i halves =
+          _mm512_shuffle_i64x2(quarters, quarters, _MM_SHUFFLE(3, 1, 2, 0));
+      const __m256i even_odd = _mm256_add_epi32(
+          _mm512_castsi512_si256(halves), _mm512_extracti64x4_epi64(halves, 1));
+      const __m128 d4 = _mm_load_ps(d_super[c]);
+      lanes.acc[t][c] =
+          Q4_KGroupStep(even_odd, _mm256_set_m128(d4, d4), dx, lanes.acc[t][c]);
+    }
+  }
+}
+
+template <int R, int C>
+void Q4_KDotsWide(const uint8_t* rows, int64_t row_bytes, int64_t cols,
+                  const Int8Activations& x, int64_t t0, float* y, int64_t ldy) {
+  FloatLanes<R, C> lanes;
+  const ActivationRows<R> a(x, t0, /*k_quants=*/true);
+  const int64_t blocks = cols / 256;
+  int64_t g0 = 0;
+  for (; g0 + kKQuantGroupBlocks <= blocks; g0 += kKQuantGroupBlocks) {
+    Q4_KGroupWide<R, C, false>(rows, row_bytes, a, g0, kKQuantGroupBlocks,
+                               lanes);
+  }
+  if (g0 < blocks) {
+    Q4_KGroupWide<R, C, true>(rows, row_bytes, a, g0, blocks - g0, lanes);
+  }
+  lanes.Store(y, ldy);
+}
+
+// Q4_K weight rows repacked for the prefill kernel in tiles of two rows.
+// Per block: 8 chunks of 64 bytes (32 per row: values 4j..4j+3 of the
+// sub-blocks in kPackedSubBlock order, one unsigned byte each), the rows'
+// sub-block scales as int32 in the same order (2 x 8), and their
+// min_j · dmin as floats in sub-block order (2 x 8); per group of 4 blocks
+// then [d_0..d_3 | d_0..d_3] per row (2 x 8 floats).
+constexpr int64_t kPackedQ4_KBlockBytes = 512 + 64 + 64;
+constexpr int64_t kPackedQ4_KGroupBytes =
+    kKQuantGroupBlocks * kPackedQ4_KBlockBytes + 64;
+
+void PackQ4_KWeights(const uint8_t* rows, int64_t row_bytes, int64_t row_count,
+                     int64_t blocks, uint8_t* out) {
+  const int64_t groups = (blocks + kKQuantGroupBlocks - 1) / kKQuantGroupBlocks;
+  const int64_t tile_bytes = groups * kPackedQ4_KGroupBytes;
+  const int64_t tiles = (row_count + 1) / 2;
+  std::memset(out, 0, tiles * tile_bytes);  // padding blocks and rows
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m128i order =
+      _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int64_t r = 0; r < row_count; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    uint8_t* tile = out + r / 2 * tile_bytes;
+    const int i = static_cast<int>(r % 2);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * model::kQ4_KBytes;
+      uint8_t* group = tile + b / kKQuantGroupBlocks * kPackedQ4_KGroupBytes;
+      uint8_t* packed = group + b % kKQuantGroupBlocks * kPackedQ4_KBlockBytes;
+      __m256i v[8];  // sub-blocks 0..7
+#pragma GCC unroll 4
+      for (int chunk = 0; chunk < 4; ++chunk) {
+        const __m256i bytes = Load32(block + 16 + 32 * chunk);
+        v[2 * chunk] = _mm256_and_si256(bytes, nibble);
+        v[2 * chunk + 1] =
+            _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      }
+      __m256i lanes[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) lanes[p] = v[kPackedSubBlock[p]];
+      Transpose8x8(lanes);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(packed + 64 * j + 32 * i), lanes[j]);
+      }
+      const __m128i scales_and_mins = Q4KScalesAndMins(block + 4);
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(packed + 512 + 32 * i),
+          _mm256_cvtepu8_epi32(_mm_shuffle_epi8(scales_and_mins, order)));
+      _mm256_storeu_ps(reinterpret_cast<float*>(packed + 576 + 32 * i),
+                       Q4_KMins(block, scales_and_mins));
+      float* d = reinterpret_cast<float*>(
+          group + kKQuantGroupBlocks * kPackedQ4_KBlockBytes + 32 * i);
+      d[b % kKQuantGroupBlocks] = d[b % kKQuantGroupBlocks + 4] =
+          LoadF16(block);
+    }
+  }
+}
+
+// R packed activation rows from t0 by C tiles of packed Q4_K rows: per
+// chunk one vpdpbusd per pair gives 4 values of each sub-block of both
+// rows; vpmulld by the sub-block scales and a vphaddd tree over the group's
+// blocks give each row's [E_0..E_3 | O_0..O_3] in its half.
+template <int R, int C>
+void PackedQ4_KDots(const uint8_t* tiles, int64_t blocks,
+                    const Int8Activations& x, int64_t t0, float* y, int64_t ldy,
+                    int64_t rows_left) {
+  __m512 acc[R][C];
+  const int8_t* xq[R];
+  const float* dx[R];
+  const float* sums[R];
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    xq[t] = x.packed_k(t0 + t);
+    dx[t] = x.d256(t0 + t);
+    sums[t] = x.scaled_sums32(t0 + t);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm512_setzero_ps();
+  }
+  const int64_t groups = (blocks + kKQuantGroupBlocks - 1) / kKQuantGroupBlocks;
+  const int64_t tile_stride = groups * kPackedQ4_KGroupBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = tiles + g * kPackedQ4_KGroupBytes;
+    __m512i pairs[R][C];  // the first two blocks' vphaddd
+    __m512i tree[R][C];   // ... and the group's
+    for (int s = 0; s < kKQuantGroupBlocks; ++s) {
+      const int64_t b = g * kKQuantGroupBlocks + s;
+      __m512i sub[R][C];
+      if (b < blocks) {
+        const uint8_t* w = group + s * kPackedQ4_KBlockBytes;
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m512 scaled =
+              _mm512_broadcast_f32x8(_mm256_loadu_ps(sums[t] + 8 * b));
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) {
+            sub[t][c] = _mm512_setzero_si512();
+            acc[t][c] = _mm512_fnmadd_ps(
+                _mm512_loadu_ps(w + c * tile_stride + 576), scaled, acc[t][c]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          __m512i wj[C];
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) {
+            wj[c] = _mm512_loadu_si512(w + c * tile_stride + 64 * j);
+          }
+#pragma GCC unroll 4
+          for (int t = 0; t < R; ++t) {
+            const __m512i xj =
+                _mm512_broadcast_i64x4(Load32(xq[t] + 256 * b + 32 * j));
+#pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) {
+              sub[t][c] = _mm512_dpbusd_epi32(sub[t][c], wj[c], xj);
+            }
+          }
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const __m512i scale = _mm512_loadu_si512(w + c * tile_stride + 512);
+#pragma GCC unroll 4
+          for (int t = 0; t < R; ++t) {
+            sub[t][c] = _mm512_mullo_epi32(sub[t][c], scale);
+          }
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) sub[t][c] = _mm512_setzero_si512();
+        }
+      }
 #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
-        lanes.acc[t][c] = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(isum[t][c]),
-            _mm512_mul_ps(d_super, _mm512_set1_ps(d[t][b])), lanes.acc[t][c]);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          if (s % 2 == 0) {
+            tree[t][c] = sub[t][c];
+          } else if (s == 1) {
+            pairs[t][c] = HorizontalPairSums(tree[t][c], sub[t][c]);
+          } else {
+            tree[t][c] = HorizontalPairSums(
+                pairs[t][c], HorizontalPairSums(tree[t][c], sub[t][c]));
+          }
+        }
+      }
+    }
+    const uint8_t* d = group + kKQuantGroupBlocks * kPackedQ4_KBlockBytes;
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      const __m512 dxg =
+          _mm512_broadcast_f32x4(_mm_loadu_ps(dx[t] + kKQuantGroupBlocks * g));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        acc[t][c] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(tree[t][c]),
+            _mm512_mul_ps(_mm512_loadu_ps(d + c * tile_stride), dxg),
+            acc[t][c]);
       }
     }
   }
-  lanes.Store(y, ldy);
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      y[t * ldy + 2 * c] =
+          FloatLanes<1, 1>::HorizontalSum(_mm512_castps512_ps256(acc[t][c]));
+      if (2 * c + 1 < rows_left) {
+        y[t * ldy + 2 * c + 1] = FloatLanes<1, 1>::HorizontalSum(
+            _mm512_extractf32x8_ps(acc[t][c], 1));
+      }
+    }
+  }
+}
+
+void PackedQ4_KRowDots(const uint8_t* rows, int64_t row_bytes,
+                       int64_t row_count, int64_t cols,
+                       const Int8Activations& x, float* y, int64_t ldy) {
+  const int64_t blocks = cols / 256;
+  const int64_t groups = (blocks + kKQuantGroupBlocks - 1) / kKQuantGroupBlocks;
+  const int64_t tile_stride = groups * kPackedQ4_KGroupBytes;
+  const int64_t tiles = (row_count + 1) / 2;
+  CacheAlignedVector<uint8_t>& packed = PackedWeightBuffer();
+  int64_t first = 0;  // the first tile in the buffer
+  ForEachPackedTile<2>(
+      x, cols, tiles, tile_stride,
+      [&](int64_t i0, int64_t i1) {
+        first = i0;
+        const int64_t r1 = std::min(row_count, 2 * i1);
+        packed.resize((i1 - i0) * tile_stride);
+        PackQ4_KWeights(rows + 2 * i0 * row_bytes, row_bytes, r1 - 2 * i0,
+                        blocks, packed.data());
+      },
+      [&]<int R, int C>(int64_t i, int64_t t) {
+        PackedQ4_KDots<R, C>(packed.data() + (i - first) * tile_stride, blocks,
+                             x, t, y + t * ldy + 2 * i, ldy, row_count - 2 * i);
+      });
 }
 
 // [g x 8, g+1 x 8 | g+2 x 8, g+3 x 8] (bytes, per 128-bit lane).
@@ -1139,6 +1465,11 @@ void Int8RowDots(TensorFormat format, const uint8_t* rows, int64_t row_bytes,
 #ifdef PDSERVE_INT8_VNNI
   if (format == TensorFormat::kQ8_0 && x.has_packed_q8_0()) {
     return PackedQ8_0RowDots(rows, row_bytes, row_count, cols, x, y, ldy);
+  }
+#endif
+#ifdef PDSERVE_INT8_AVX512
+  if (format == TensorFormat::kQ4_K && x.has_packed_k()) {
+    return PackedQ4_KRowDots(rows, row_bytes, row_count, cols, x, y, ldy);
   }
 #endif
   // Activation rows in blocks that stay in L1/L2 while the weight rows pass

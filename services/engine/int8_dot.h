@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "model/quant_formats.h"
@@ -39,6 +40,30 @@ namespace pdserve::engine::internal {
 // convert, one scale product and one FMA (per block that was 5 ops per 32
 // multiply-adds, more than the integer work).
 inline constexpr int64_t kQ8_0GroupBlocks = 8;
+// Q4_K products (AVX-512 builds) likewise sum the integers of 4 blocks of
+// 256, split into even and odd sub-blocks of 32, into the 8 lanes of one
+// vector per float step.
+inline constexpr int64_t kKQuantGroupBlocks = 4;
+
+// Allocations on 64-byte (cache line) boundaries: the kernels' 512-bit loads
+// of packed rows are whole cache lines only then (a split line costs a
+// second load; measured 1.4-2x on whole products with 16-byte-aligned
+// vectors).
+template <typename T>
+struct CacheAlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+  CacheAlignedAllocator() = default;
+  template <typename U>
+  CacheAlignedAllocator(const CacheAlignedAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), kAlignment));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlignment); }
+  bool operator==(const CacheAlignedAllocator&) const { return true; }
+};
+template <typename T>
+using CacheAlignedVector = std::vector<T, CacheAlignedAllocator<T>>;
 
 // Whether this build has the int8 kernels (AVX2; VNNI used when present).
 bool Int8ActivationKernelsAvailable();
@@ -73,10 +98,20 @@ class Int8Activations {
   const uint8_t* packed_q8_0(int64_t t) const {
     return packed_q8_0_.data() + t * q8_0_padded_blocks_ * 32;
   }
-  // Row t of the per-256 rounding: values, cols/256 scales, cols/16 sums.
+  // Row t of the per-256 rounding: values, cols/256 scales (zero-padded to
+  // a whole group of kKQuantGroupBlocks), cols/16 sums.
   const int8_t* q256(int64_t t) const { return q256_.data() + t * cols_; }
   const float* d256(int64_t t) const {
-    return d256_.data() + t * (cols_ / 256);
+    return d256_.data() + t * k_padded_blocks_;
+  }
+  // Whether rows also come in the packed K-quant form below (wide inputs on
+  // AVX-512 VNNI machines: prefill chunks).
+  bool has_packed_k() const { return !packed_k_.empty(); }
+  // Row t of the per-256 rounding packed for the prefill kernel: per block
+  // of 256, 8 chunks of 32 bytes; chunk j holds values 4j..4j+3 of the
+  // block's sub-blocks of 32 in the order 0, 2, 4, 6, 1, 3, 5, 7.
+  const int8_t* packed_k(int64_t t) const {
+    return packed_k_.data() + t * cols_;
   }
   const int16_t* sums16(int64_t t) const {
     return sums16_.data() + t * (cols_ / 16);
@@ -94,13 +129,13 @@ class Int8Activations {
   float Value(model::TensorFormat format, int64_t t, int64_t k) const;
 
  private:
-  int64_t n_ = 0, cols_ = 0, q8_0_padded_blocks_ = 0;
+  int64_t n_ = 0, cols_ = 0, q8_0_padded_blocks_ = 0, k_padded_blocks_ = 0;
   bool for_q8_0_ = false, for_k_quants_ = false;
-  std::vector<int8_t> q32_, q256_;
-  std::vector<uint8_t> packed_q8_0_;
-  std::vector<float> d32_, d256_;
-  std::vector<int16_t> sums16_;
-  std::vector<float> scaled_sums16_, scaled_sums32_;
+  CacheAlignedVector<int8_t> q32_, q256_, packed_k_;
+  CacheAlignedVector<uint8_t> packed_q8_0_;
+  CacheAlignedVector<float> d32_, d256_;
+  CacheAlignedVector<int16_t> sums16_;
+  CacheAlignedVector<float> scaled_sums16_, scaled_sums32_;
 };
 
 // y[t·ldy + r] = Σ_k w_r[k]·x_t[k] for every activation row t of x and

@@ -84,7 +84,7 @@ class INT8_DOT_FORMATS : public ::testing::TestWithParam<TensorFormat> {};
 TEST_P(INT8_DOT_FORMATS, EqualsFloat64ProductOfTheRoundedActivations) {
   const TensorFormat format = GetParam();
   if (!Int8ActivationKernelsAvailable()) GTEST_SKIP() << "no int8 kernels";
-  for (int64_t cols : {int64_t{768}, int64_t{800}}) {
+  for (int64_t cols : {int64_t{768}, int64_t{800}, int64_t{1280}}) {
     if (cols % model::BlockElements(format) != 0) continue;
     SCOPED_TRACE(cols);
     constexpr int64_t kRows = 37;
