@@ -66,11 +66,50 @@ inline void LoadPanelStep(const uint16_t* p, __m256* lo, __m256* hi) {
 // for the last panel. Every loop over R is unrolled so the accumulators stay
 // in registers (a rolled epilogue made GCC spill all twelve on every k step:
 // 3x slower).
+#ifdef __AVX512F__
+// 16 panel weights of one k step as one 512-bit vector.
+inline __m512 LoadPanelStep512(const float* p) { return _mm512_load_ps(p); }
+inline __m512 LoadPanelStep512(const uint16_t* p) {
+  return _mm512_cvtph_ps(
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 template <int R, typename W>
 void MicroKernel(const float* __restrict x, int64_t row_stride,
                  int64_t k_stride, const W* __restrict panel, int64_t kc,
                  float* __restrict y, int64_t ldy, int64_t cols,
                  bool accumulate) {
+#ifdef __AVX512F__
+  // One 512-bit vector per row: half the FMAs of the 256-bit pair below,
+  // the same products summed in the same order per output (measured 1.6x
+  // on 512-row prefill products, Zen 5).
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, uint16_t>) {
+    __m512 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m512 w = LoadPanelStep512(panel + k * kPanelRows);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(
+            _mm512_set1_ps(x[r * row_stride + k * k_stride]), w, acc[r]);
+      }
+    }
+    const __mmask16 mask = cols == kPanelRows
+                               ? __mmask16{0xFFFF}
+                               : static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* out = y + r * ldy;
+      if (accumulate) {
+        acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, out));
+      }
+      _mm512_mask_storeu_ps(out, mask, acc[r]);
+    }
+    return;
+  }
+#endif
   __m256 lo[R], hi[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
