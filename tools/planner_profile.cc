@@ -261,10 +261,16 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   bare.decode_step_overhead_seconds = bare.handoff_seconds = 0;
   bare.calibrated.clear();
   bare.delivery_cpu_seconds = c.delivery_cpu;  // it competes here too
+  // Idle requests against the fitted step times: the offsets calibrate the
+  // typical step (the spread's median is ~1), and a handful of random
+  // spread draws would only add noise to them.
+  planner::SimOptions fitted_steps;
+  fitted_steps.step_spread = false;
   if (!step_overhead.has_value()) {
     std::vector<double> extra;
     for (const Measured& m : measured) {
-      auto all = planner::Simulate(bare, layout, {{0, m.prompt, kTokens}}, {});
+      auto all = planner::Simulate(bare, layout, {{0, m.prompt, kTokens}}, {},
+                                   fitted_steps);
       if (!all.ok()) return all.status();
       extra.push_back(m.result.tpot - all->tpot_p50);
     }
@@ -279,8 +285,10 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   bare.decode_step_overhead_seconds = *step_overhead;
   std::vector<double> prompts, ttft_extra, gap_extra;
   for (const Measured& m : measured) {
-    auto one = planner::Simulate(bare, layout, {{0, m.prompt, 1}}, {});
-    auto two = planner::Simulate(bare, layout, {{0, m.prompt, 2}}, {});
+    auto one =
+        planner::Simulate(bare, layout, {{0, m.prompt, 1}}, {}, fitted_steps);
+    auto two =
+        planner::Simulate(bare, layout, {{0, m.prompt, 2}}, {}, fitted_steps);
     if (!one.ok() || !two.ok()) return one.ok() ? two.status() : one.status();
     prompts.push_back(m.prompt);
     ttft_extra.push_back(m.result.ttft - one->ttft_p50);

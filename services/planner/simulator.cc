@@ -126,7 +126,8 @@ class Simulation {
         layout_(layout),
         options_(options),
         loop_(options.cores),
-        rng_(options.seed) {}
+        rng_(options.seed),
+        spread_rng_(options.seed ^ 0x9E3779B97F4A7C15ull) {}
 
   absl::Status Init() {
     auto decode_cost =
@@ -281,7 +282,7 @@ class Simulation {
     const bool last = s + 1 == static_cast<int>(g.stages.size());
     // The layers' share of the step; the LM head only on the last stage.
     shape.logit_rows = 0;
-    double work = g.cost->Seconds(shape) * stage.share;
+    double work = g.cost->Seconds(shape) * Spread(*g.cost) * stage.share;
     if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
     stage.busy = true;
     const double start = t;
@@ -362,7 +363,7 @@ class Simulation {
     w.busy = true;
     const double start = t;
     loop_.StartJob(
-        w.cost->Seconds(shape) +
+        w.cost->Seconds(shape) * Spread(*w.cost) +
             model_.StepOverhead({layout_.tp, layout_.decode_threads}),
         model_.BusyCores({layout_.tp, layout_.decode_threads}),
         [this, &w, plan = std::move(plan), start](double now) {
@@ -449,7 +450,17 @@ class Simulation {
   const Layout& layout_;
   const SimOptions options_;
   EventLoop loop_;
+  // The factor a step of `cost` takes its fitted time by this time.
+  double Spread(const StepCost& cost) {
+    if (!options_.step_spread || cost.spread().empty()) return 1.0;
+    return cost.SpreadAt(
+        std::uniform_real_distribution<double>(0.0, 1.0)(spread_rng_));
+  }
+
   std::mt19937_64 rng_;
+  // Its own stream, so turning the spread on or off leaves the acceptance
+  // draws as they were.
+  std::mt19937_64 spread_rng_;
   std::vector<Req> reqs_;
   std::vector<std::unique_ptr<DecodeSim>> decode_;
   std::vector<std::unique_ptr<GroupSim>> prefill_;

@@ -64,7 +64,10 @@ struct SimOptions {
   int cores = 2;
   // Probability that an n-gram draft token is accepted (layouts with γ > 0).
   double ngram_acceptance = 0;
-  uint64_t seed = 1;  // of the acceptance draws
+  uint64_t seed = 1;  // of the acceptance and spread draws
+  // Scale each step by a draw from its configuration's measured spread
+  // (StepCost::SpreadAt); off, every step takes its fitted time.
+  bool step_spread = true;
   // The router (and client) stream on the same cores as the workers: each
   // streamed token's PerfModel::delivery_cpu_seconds competes with them.
   bool router_shares_cores = true;

@@ -5,8 +5,14 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace pdserve::planner {
+
+namespace {
+// Quantiles kept of a fit's measured / fitted step times.
+constexpr int kSpreadQuantiles = 32;
+}  // namespace
 namespace {
 
 // Weights of the hat functions at `knots` for x: two neighbours share 1
@@ -168,7 +174,47 @@ absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
   cost.seconds_per_logit_row_ = std::max(x[num_knots], 0.0) / max_rows;
   cost.seconds_per_attended_position_ =
       std::max(x[num_knots + 1], 0.0) / max_attended;
+  std::vector<double> ratios;
+  for (const StepSample& s : samples) {
+    const double fitted = cost.Seconds(s.shape);
+    if (fitted > 0) ratios.push_back(s.seconds / fitted);
+  }
+  std::sort(ratios.begin(), ratios.end());
+  // kSpreadQuantiles evenly spaced quantiles (the midpoints of as many
+  // equal shares of the samples).
+  std::vector<double> quantiles;
+  for (int i = 0; i < kSpreadQuantiles && !ratios.empty(); ++i) {
+    const size_t at = std::min(
+        ratios.size() - 1,
+        static_cast<size_t>((i + 0.5) / kSpreadQuantiles * ratios.size()));
+    quantiles.push_back(ratios[at]);
+  }
+  PDS_RETURN_IF_ERROR(cost.SetSpread(std::move(quantiles)));
   return cost;
+}
+
+double StepCost::SpreadAt(double u) const {
+  if (spread_.empty()) return 1.0;
+  const size_t i =
+      std::min(spread_.size() - 1,
+               static_cast<size_t>(std::max(0.0, u) *
+                                   static_cast<double>(spread_.size())));
+  return spread_[i];
+}
+
+absl::Status StepCost::SetSpread(std::vector<double> quantiles) {
+  for (double q : quantiles) {
+    if (!(q > 0) || !std::isfinite(q)) {
+      return absl::InvalidArgumentError(
+          "step cost: spread quantiles must be finite and > 0");
+    }
+  }
+  if (!std::is_sorted(quantiles.begin(), quantiles.end())) {
+    return absl::InvalidArgumentError(
+        "step cost: spread quantiles must be ascending");
+  }
+  spread_ = std::move(quantiles);
+  return absl::OkStatus();
 }
 
 double StepCost::Seconds(const StepShape& shape) const {
@@ -203,7 +249,8 @@ nlohmann::json StepCost::ToJson() const {
   return {{"knots", knots_},
           {"knot_seconds", knot_seconds_},
           {"seconds_per_logit_row", seconds_per_logit_row_},
-          {"seconds_per_attended_position", seconds_per_attended_position_}};
+          {"seconds_per_attended_position", seconds_per_attended_position_},
+          {"spread", spread_}};
 }
 
 absl::StatusOr<StepCost> StepCost::FromJson(const nlohmann::json& json) {
@@ -215,6 +262,11 @@ absl::StatusOr<StepCost> StepCost::FromJson(const nlohmann::json& json) {
         json.at("seconds_per_logit_row").get<double>();
     cost.seconds_per_attended_position_ =
         json.at("seconds_per_attended_position").get<double>();
+    // Profiles written before the spread was measured have none.
+    if (json.contains("spread")) {
+      PDS_RETURN_IF_ERROR(
+          cost.SetSpread(json.at("spread").get<std::vector<double>>()));
+    }
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("step cost: ", e.what()));
   }

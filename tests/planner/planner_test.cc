@@ -4,6 +4,7 @@
 // processor sharing); enumeration stays within the cores.
 #include "planner/planner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -64,6 +65,46 @@ TEST(StepCostTest, JsonRoundTrip) {
   ASSERT_TRUE(back.ok()) << back.status();
   StepShape s{77, 5, 4000};
   EXPECT_DOUBLE_EQ(back->Seconds(s), cost->Seconds(s));
+}
+
+TEST(StepCostTest, SpreadIsTheMeasuredOverFittedQuantiles) {
+  const std::vector<StepSample> samples = Samples(0.05, 4);
+  auto cost = StepCost::Fit(samples);
+  ASSERT_TRUE(cost.ok()) << cost.status();
+  std::vector<double> ratios;
+  for (const StepSample& s : samples) {
+    ratios.push_back(s.seconds / cost->Seconds(s.shape));
+  }
+  std::sort(ratios.begin(), ratios.end());
+  const std::vector<double>& spread = cost->spread();
+  ASSERT_EQ(spread.size(), 32u);
+  EXPECT_TRUE(std::is_sorted(spread.begin(), spread.end()));
+  EXPECT_EQ(spread.front(), ratios.front());  // the lowest share's midpoint
+  EXPECT_EQ(spread.back(), ratios.back());
+  EXPECT_LT(spread.front(), 1.0);
+  EXPECT_GT(spread.back(), 1.0);
+  EXPECT_EQ(cost->SpreadAt(0.0), spread.front());
+  EXPECT_EQ(cost->SpreadAt(0.9999), spread.back());
+  EXPECT_EQ(cost->SpreadAt(0.5), spread[16]);
+
+  auto back = StepCost::FromJson(cost->ToJson());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->spread(), spread);
+  // A profile from before the spread was measured loads without one.
+  nlohmann::json old = cost->ToJson();
+  old.erase("spread");
+  auto without = StepCost::FromJson(old);
+  ASSERT_TRUE(without.ok()) << without.status();
+  EXPECT_EQ(without->SpreadAt(0.7), 1.0);
+  for (const nlohmann::json& bad :
+       {nlohmann::json::array({1.2, 0.9}), nlohmann::json::array({-1.0}),
+        nlohmann::json::array({0.0, 1.0})}) {
+    nlohmann::json j = cost->ToJson();
+    j["spread"] = bad;
+    EXPECT_EQ(StepCost::FromJson(j).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad.dump();
+  }
 }
 
 PerfModel ModelWith(const StepCost& cost) {
@@ -136,6 +177,40 @@ TEST(SimulatorTest, QueueingMatchesMD1) {
     const double wait = rho * s / (2 * (1 - rho));
     EXPECT_NEAR(p->ttft_mean, s + wait, 0.03 * (s + wait)) << "rho " << rho;
   }
+}
+
+TEST(SimulatorTest, StepSpreadMatchesMG1) {
+  // The M/D/1 queue above with every step taking 0.5 S or 1.5 S at even odds
+  // (a spread of two quantiles): an M/G/1 queue, whose mean wait is
+  // λ·E[S²] / (2(1 − ρ)) = ρ·S·1.25 / (2(1 − ρ)), 1.25x the deterministic
+  // wait. With the spread switched off it is M/D/1 again.
+  auto fitted = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(fitted.ok());
+  StepCost cost = *fitted;
+  ASSERT_TRUE(cost.SetSpread({0.5, 1.5}).ok());
+  PerfModel model = ModelWith(cost);
+  const double s = cost.Seconds({1, 1, 1});
+  Layout l;
+  l.colocated = true;
+  l.max_step_tokens = 1;
+  l.max_running = 1;
+  const double rho = 0.7;
+  WorkloadSpec w;
+  w.requests = 40000;
+  w.rate = rho / s;
+  w.prompt = {1, 1};
+  w.output = {1, 1};
+  auto p = Simulate(model, l, SimRequests(w), Slo{});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const double wait = rho * s * 1.25 / (2 * (1 - rho));
+  EXPECT_NEAR(p->ttft_mean, s + wait, 0.03 * (s + wait));
+  SimOptions off;
+  off.step_spread = false;
+  auto fixed = Simulate(model, l, SimRequests(w), Slo{}, off);
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  const double fixed_wait = rho * s / (2 * (1 - rho));
+  EXPECT_NEAR(fixed->ttft_mean, s + fixed_wait, 0.03 * (s + fixed_wait));
+  EXPECT_GT(p->ttft_p99, fixed->ttft_p99);
 }
 
 // TTFT of two workers of 2 threads each, one prompt each, on 2 cores over
