@@ -3,7 +3,10 @@
 // tight-TPOT SLO asks the planner for its ranking, and measures the top 3 of
 // each and today's `pdserve local` default with the same open-loop arrivals
 // (load_bench's generator) on real clusters. Each distinct layout runs once
-// per prompt range; its goodput under each SLO comes from the same requests.
+// per prompt range and round (--repeats, rounds alternating their order);
+// its goodput under each SLO comes from the same requests, and with several
+// rounds every measured figure is the median of the rounds (the range is
+// printed beside it: this VM's speed moves by ±25% within minutes).
 //
 // Printed per workload: predicted vs measured TTFT p99, TPOT p99 and goodput
 // for every measured layout with the relative errors (target: within 20%),
@@ -11,8 +14,9 @@
 // of its goodput).
 //
 //   build/bench/planner_bench [--model M --format F] [--perf-model FILE]
-//                             [--requests 60] [--rate 1.5]
+//                             [--requests 60] [--rate 1.5] [--repeats 1]
 //   (`planner_bench --help` lists every flag)
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -20,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/command_line_flags.h"
 #include "model/weight_source.h"
 #include "planner/planner.h"
@@ -35,6 +40,30 @@ struct Workload {
   planner::LengthRange prompt;
   planner::Slo slo;
 };
+
+// The median of a metric over the measured rounds, and its range.
+struct Spread {
+  double median = 0, lo = 0, hi = 0;
+  size_t rounds = 0;
+  // " [lo–hi]" with `decimals` after scaling, or nothing for one round.
+  std::string Range(double scale, int decimals) const {
+    if (rounds < 2) return "";
+    return absl::StrFormat(" [%.*f–%.*f]", decimals, lo * scale, decimals,
+                           hi * scale);
+  }
+};
+
+Spread Median(std::vector<double> values) {
+  Spread s;
+  s.rounds = values.size();
+  if (values.empty()) return s;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  s.median = n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+  s.lo = values.front();
+  s.hi = values.back();
+  return s;
+}
 
 double RelativeError(double predicted, double measured) {
   if (measured == 0) return predicted == 0 ? 0 : INFINITY;
@@ -66,6 +95,10 @@ int Main(int argc, char** argv) {
       flags.Num<double>("rate", 1.5, "Poisson arrival rate, requests/s.");
   const uint64_t seed = flags.Num<uint64_t>("seed", 1, "Arrivals' seed.");
   const int top = flags.Num<int>("top", 3, "Predicted best layouts measured.");
+  const int repeats = flags.Num<int>(
+      "repeats", 1,
+      "Measured runs per layout; figures are their medians (odd: a run's own "
+      "value).");
   profile.cores = flags.Num<int>("cores", 2, "Cores the layouts may use.");
   const bool oversubscribe = flags.Bool(
       "oversubscribe", false,
@@ -83,6 +116,10 @@ int Main(int argc, char** argv) {
   }
   if (auto s = flags.Check(); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+  if (repeats < 1) {
+    std::fprintf(stderr, "--repeats must be at least 1, got %d\n", repeats);
     return 2;
   }
   auto format = model::ParseLoadFormat(profile.format);
@@ -138,7 +175,8 @@ int Main(int argc, char** argv) {
     int rank = 0;                   // 0 = today's default only
   };
   std::map<std::string, std::vector<Row>> rows_by_workload;
-  std::map<std::string, tools::LoadReport> measured;  // prompts|layout
+  // prompts|layout → one report per round
+  std::map<std::string, std::vector<tools::LoadReport>> measured;
   for (const Workload& w : workloads) {
     planner::PlanRequest request;
     request.workload = {requests, rate, w.prompt, output, seed};
@@ -175,19 +213,35 @@ int Main(int argc, char** argv) {
     }
   }
 
-  // Measure each distinct (prompts, layout) once.
+  // Measure each distinct (prompts, layout) once per round; odd rounds go
+  // through them in reverse, so the VM's drift over a run falls on every
+  // layout alike.
   std::printf(
-      "\n== measured (load_bench's open loop, %d requests at %.2f/s) "
-      "==\n",
-      requests, rate);
+      "\n== measured (load_bench's open loop, %d requests at %.2f/s, %d "
+      "round%s) ==\n",
+      requests, rate, repeats, repeats == 1 ? "" : "s");
   tools::PrintLoadHeader();
+  struct Run {
+    std::string key;
+    planner::LengthRange prompt;
+    Row row;
+    const Workload* workload;
+  };
+  std::vector<Run> runs;
   for (const Workload& w : workloads) {
-    const std::vector<planner::Arrival> arrivals =
-        planner::MakeArrivals({requests, rate, w.prompt, output, seed}, vocab);
     for (const Row& row : rows_by_workload[w.name]) {
       const std::string key =
           absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
-      if (measured.count(key)) continue;
+      bool seen = false;
+      for (const Run& r : runs) seen |= r.key == key;
+      if (!seen) runs.push_back({key, w.prompt, row, &w});
+    }
+  }
+  for (int round = 0; round < repeats; ++round) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const Run& run = runs[round % 2 == 0 ? i : runs.size() - 1 - i];
+      const std::vector<planner::Arrival> arrivals = planner::MakeArrivals(
+          {requests, rate, run.prompt, output, seed}, vocab);
       tools::LocalClusterOptions o;
       o.model_path = profile.model_path;
       o.format = profile.format;
@@ -195,19 +249,19 @@ int Main(int argc, char** argv) {
       o.refresh_ms = 100;
       o.decode_blocks = 2048;
       o.prefill_blocks = 1024;
-      tools::ApplyLayout(row.layout, &o);
-      if (row.rank == 0) o.speculation = "ngram";  // the default as shipped
+      tools::ApplyLayout(run.row.layout, &o);
+      if (run.row.rank == 0) o.speculation = "ngram";  // the default as shipped
       auto cluster = tools::LocalCluster::Start(o);
       if (!cluster.ok()) {
-        std::fprintf(stderr, "cluster %s: %s\n", row.layout.Name().c_str(),
+        std::fprintf(stderr, "cluster %s: %s\n", run.row.layout.Name().c_str(),
                      cluster.status().ToString().c_str());
         return 1;
       }
-      tools::LoadReport report =
-          tools::RunLoad(key, (*cluster)->grpc_address(), arrivals,
-                         w.slo.ttft_seconds, w.slo.tpot_seconds);
+      tools::LoadReport report = tools::RunLoad(
+          run.key, (*cluster)->grpc_address(), arrivals,
+          run.workload->slo.ttft_seconds, run.workload->slo.tpot_seconds);
       tools::PrintLoad(report);
-      measured[key] = std::move(report);
+      measured[run.key].push_back(std::move(report));
     }
   }
 
@@ -225,25 +279,34 @@ int Main(int argc, char** argv) {
         w.name.c_str(), w.slo.ttft_seconds * 1e3, w.slo.tpot_seconds * 1e3);
     double best_measured = 0, first_measured = 0;
     for (const Row& row : rows_by_workload[w.name]) {
-      const tools::LoadReport& m = measured[absl::StrCat(
+      const std::vector<tools::LoadReport>& reports = measured[absl::StrCat(
           w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name())];
-      const double goodput =
-          m.GoodputFor(w.slo.ttft_seconds, w.slo.tpot_seconds);
-      const double e_ttft = RelativeError(row.predicted.ttft_p99, m.ttft_p99);
-      const double e_tpot = RelativeError(row.predicted.tpot_p99, m.tpot_p99);
+      std::vector<double> ttfts, tpots, goodputs;
+      for (const tools::LoadReport& m : reports) {
+        ttfts.push_back(m.ttft_p99);
+        tpots.push_back(m.tpot_p99);
+        goodputs.push_back(
+            m.GoodputFor(w.slo.ttft_seconds, w.slo.tpot_seconds));
+      }
+      const Spread ttft = Median(ttfts), tpot = Median(tpots),
+                   goodput_spread = Median(goodputs);
+      const double goodput = goodput_spread.median;
+      const double e_ttft = RelativeError(row.predicted.ttft_p99, ttft.median);
+      const double e_tpot = RelativeError(row.predicted.tpot_p99, tpot.median);
       const double e_good = RelativeError(row.predicted.goodput, goodput);
       worst = std::max(
           {worst, std::abs(e_ttft), std::abs(e_tpot), std::abs(e_good)});
       best_measured = std::max(best_measured, goodput);
       if (row.rank == 1) first_measured = goodput;
       std::printf(
-          "| %s | %s | %.0f / %.0f ms | %+.0f%% | %.1f / %.1f ms | %+.0f%% | "
-          "%.2f / %.2f /s | %+.0f%% |\n",
+          "| %s | %s | %.0f / %.0f ms%s | %+.0f%% | %.1f / %.1f ms%s | %+.0f%% "
+          "| %.2f / %.2f /s%s | %+.0f%% |\n",
           row.rank ? absl::StrCat(row.rank).c_str() : "default",
           row.layout.Name().c_str(), row.predicted.ttft_p99 * 1e3,
-          m.ttft_p99 * 1e3, e_ttft * 100, row.predicted.tpot_p99 * 1e3,
-          m.tpot_p99 * 1e3, e_tpot * 100, row.predicted.goodput, goodput,
-          e_good * 100);
+          ttft.median * 1e3, ttft.Range(1e3, 0).c_str(), e_ttft * 100,
+          row.predicted.tpot_p99 * 1e3, tpot.median * 1e3,
+          tpot.Range(1e3, 1).c_str(), e_tpot * 100, row.predicted.goodput,
+          goodput, goodput_spread.Range(1, 2).c_str(), e_good * 100);
     }
     const bool ok = first_measured >= 0.9 * best_measured;
     first_choice_ok += ok;
