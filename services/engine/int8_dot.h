@@ -8,8 +8,9 @@
 // activations in int8, 32 weights take one multiply-add of bytes into 16-bit
 // pairs and one of those pairs by the sub-block's integer scale into int32
 // lanes; floats appear once per 8 blocks (Q8_0) or super-block (Q4_K, Q6_K).
-// Prefill chunks (16 rows and more, VNNI) repack each Q8_0 weight row per
-// product so that one vpdpbusd covers 4 values of each of 8 blocks.
+// Prefill chunks (16 rows and more; VNNI for Q8_0, AVX-512 for Q4_K) repack
+// each weight row per product so that one vpdpbusd covers 4 values of each
+// of 8 blocks (Q8_0) or sub-blocks (Q4_K).
 //
 // Numerics. Each activation row is rounded to int8 per block of 32 values
 // (Q8_0 weights) or 256 (K-quant weights), scale max|x|/127. The integer
