@@ -598,6 +598,54 @@ void PackedQ8_0Dots(const uint8_t* tiles, int64_t groups,
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// A packed group's 8 chunks for R activation rows x C tiles of two rows:
+// sums[t][c] += vpdpbusd of each chunk of tile c (a row in each 256-bit
+// half) and activation row t's chunk (in both halves), x[t] + offset being
+// the group's first chunk. kUnsignedWeights: the weights are the unsigned
+// operand (Q4_K values), else the activations are (Q8_0's, stored +128).
+template <bool kUnsignedWeights, int R, int C, typename X>
+inline void PackedGroupDots(const uint8_t* w, int64_t tile_stride,
+                            const X* const (&x)[R], int64_t offset,
+                            __m512i (&sums)[R][C]) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    __m512i wj[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      wj[c] = _mm512_loadu_si512(w + c * tile_stride + 64 * j);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      const __m512i xj = _mm512_broadcast_i64x4(Load32(x[t] + offset + 32 * j));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        sums[t][c] = kUnsignedWeights
+                         ? _mm512_dpbusd_epi32(sums[t][c], wj[c], xj)
+                         : _mm512_dpbusd_epi32(sums[t][c], xj, wj[c]);
+      }
+    }
+  }
+}
+
+// y[t·ldy + 2c + i] = the sum of half i of acc[t][c] (a tile's rows), for
+// the rows_left of the 2C rows that exist.
+template <int R, int C>
+inline void StoreTileHalves(const __m512 (&acc)[R][C], float* y, int64_t ldy,
+                            int64_t rows_left) {
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      y[t * ldy + 2 * c] =
+          FloatLanes<1, 1>::HorizontalSum(_mm512_castps512_ps256(acc[t][c]));
+      if (2 * c + 1 < rows_left) {
+        y[t * ldy + 2 * c + 1] = FloatLanes<1, 1>::HorizontalSum(
+            _mm512_extractf32x8_ps(acc[t][c], 1));
+      }
+    }
+  }
+}
+
 // The same with tiles of two rows: one 512-bit vpdpbusd per chunk multiplies
 // a chunk of each row of a tile (its halves) by the activation chunk in both
 // halves, and the float step runs on both rows' 8 lanes at once, lane for
@@ -626,23 +674,8 @@ void PackedQ8_0Dots(const uint8_t* tiles, int64_t groups,
 #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) sums[t][c] = offset;
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      __m512i wj[C];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        wj[c] = _mm512_loadu_si512(w + c * tile_stride + 64 * j);
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        const __m512i xj =
-            _mm512_broadcast_i64x4(Load32(xq[t] + 256 * g + 32 * j));
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          sums[t][c] = _mm512_dpbusd_epi32(sums[t][c], xj, wj[c]);
-        }
-      }
-    }
+    PackedGroupDots</*kUnsignedWeights=*/false>(w, tile_stride, xq, 256 * g,
+                                                sums);
     __m512 dw[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
@@ -659,18 +692,7 @@ void PackedQ8_0Dots(const uint8_t* tiles, int64_t groups,
       }
     }
   }
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      y[t * ldy + 2 * c] =
-          FloatLanes<1, 1>::HorizontalSum(_mm512_castps512_ps256(acc[t][c]));
-      if (2 * c + 1 < rows_left) {
-        y[t * ldy + 2 * c + 1] = FloatLanes<1, 1>::HorizontalSum(
-            _mm512_extractf32x8_ps(acc[t][c], 1));
-      }
-    }
-  }
+  StoreTileHalves(acc, y, ldy, rows_left);
 }
 #pragma GCC diagnostic pop
 #endif  // PDSERVE_INT8_AVX512
@@ -1221,23 +1243,8 @@ void PackedQ4_KDots(const uint8_t* tiles, int64_t blocks,
                 _mm512_loadu_ps(w + c * tile_stride + 576), scaled, acc[t][c]);
           }
         }
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          __m512i wj[C];
-#pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) {
-            wj[c] = _mm512_loadu_si512(w + c * tile_stride + 64 * j);
-          }
-#pragma GCC unroll 4
-          for (int t = 0; t < R; ++t) {
-            const __m512i xj =
-                _mm512_broadcast_i64x4(Load32(xq[t] + 256 * b + 32 * j));
-#pragma GCC unroll 4
-            for (int c = 0; c < C; ++c) {
-              sub[t][c] = _mm512_dpbusd_epi32(sub[t][c], wj[c], xj);
-            }
-          }
-        }
+        PackedGroupDots</*kUnsignedWeights=*/true>(w, tile_stride, xq, 256 * b,
+                                                   sub);
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
           const __m512i scale = _mm512_loadu_si512(w + c * tile_stride + 512);
@@ -1282,18 +1289,7 @@ void PackedQ4_KDots(const uint8_t* tiles, int64_t blocks,
       }
     }
   }
-#pragma GCC unroll 4
-  for (int t = 0; t < R; ++t) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      y[t * ldy + 2 * c] =
-          FloatLanes<1, 1>::HorizontalSum(_mm512_castps512_ps256(acc[t][c]));
-      if (2 * c + 1 < rows_left) {
-        y[t * ldy + 2 * c + 1] = FloatLanes<1, 1>::HorizontalSum(
-            _mm512_extractf32x8_ps(acc[t][c], 1));
-      }
-    }
-  }
+  StoreTileHalves(acc, y, ldy, rows_left);
 }
 
 void PackedQ4_KRowDots(const uint8_t* rows, int64_t row_bytes,

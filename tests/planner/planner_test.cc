@@ -154,6 +154,26 @@ TEST(SimulatorTest, PipelineOfStagesAddsUpToTheWholeModel) {
   }
 }
 
+// A colocated worker that runs one 1-token step at a time, and requests of
+// prompt 1 and output 1 arriving at `rate`: each request is one step,
+// served FIFO.
+Layout OneStepAtATime() {
+  Layout l;
+  l.colocated = true;
+  l.max_step_tokens = 1;
+  l.max_running = 1;
+  return l;
+}
+
+std::vector<SimRequest> SingleStepRequests(double rate) {
+  WorkloadSpec w;
+  w.requests = 40000;
+  w.rate = rate;
+  w.prompt = {1, 1};
+  w.output = {1, 1};
+  return SimRequests(w);
+}
+
 TEST(SimulatorTest, QueueingMatchesMD1) {
   // Prompt 1, output 1, a token budget of 1: every request is one step of
   // the same length S, served FIFO — an M/D/1 queue, whose mean wait is
@@ -162,17 +182,9 @@ TEST(SimulatorTest, QueueingMatchesMD1) {
   ASSERT_TRUE(cost.ok());
   PerfModel model = ModelWith(*cost);
   const double s = cost->Seconds({1, 1, 1});
-  Layout l;
-  l.colocated = true;
-  l.max_step_tokens = 1;
-  l.max_running = 1;
   for (double rho : {0.3, 0.7}) {
-    WorkloadSpec w;
-    w.requests = 40000;
-    w.rate = rho / s;
-    w.prompt = {1, 1};
-    w.output = {1, 1};
-    auto p = Simulate(model, l, SimRequests(w), Slo{});
+    auto p =
+        Simulate(model, OneStepAtATime(), SingleStepRequests(rho / s), Slo{});
     ASSERT_TRUE(p.ok()) << p.status();
     const double wait = rho * s / (2 * (1 - rho));
     EXPECT_NEAR(p->ttft_mean, s + wait, 0.03 * (s + wait)) << "rho " << rho;
@@ -190,23 +202,15 @@ TEST(SimulatorTest, StepSpreadMatchesMG1) {
   ASSERT_TRUE(cost.SetSpread({0.5, 1.5}).ok());
   PerfModel model = ModelWith(cost);
   const double s = cost.Seconds({1, 1, 1});
-  Layout l;
-  l.colocated = true;
-  l.max_step_tokens = 1;
-  l.max_running = 1;
   const double rho = 0.7;
-  WorkloadSpec w;
-  w.requests = 40000;
-  w.rate = rho / s;
-  w.prompt = {1, 1};
-  w.output = {1, 1};
-  auto p = Simulate(model, l, SimRequests(w), Slo{});
+  const std::vector<SimRequest> requests = SingleStepRequests(rho / s);
+  auto p = Simulate(model, OneStepAtATime(), requests, Slo{});
   ASSERT_TRUE(p.ok()) << p.status();
   const double wait = rho * s * 1.25 / (2 * (1 - rho));
   EXPECT_NEAR(p->ttft_mean, s + wait, 0.03 * (s + wait));
   SimOptions off;
   off.step_spread = false;
-  auto fixed = Simulate(model, l, SimRequests(w), Slo{}, off);
+  auto fixed = Simulate(model, OneStepAtATime(), requests, Slo{}, off);
   ASSERT_TRUE(fixed.ok()) << fixed.status();
   const double fixed_wait = rho * s / (2 * (1 - rho));
   EXPECT_NEAR(fixed->ttft_mean, s + fixed_wait, 0.03 * (s + fixed_wait));
