@@ -174,21 +174,21 @@ void Int8Activations::Resize(int64_t n, int64_t cols, bool for_q8_0,
   for_k_quants_ = for_k_quants;
   q8_0_padded_blocks_ =
       (cols / 32 + kQ8_0GroupBlocks - 1) / kQ8_0GroupBlocks * kQ8_0GroupBlocks;
-  packed_q8_0_.clear();
+  // The packed forms keep their storage between products (resizing from
+  // empty would zero-fill every product's buffer before it is written).
+  has_packed_q8_0_ = for_q8_0 && PackedQ8_0Worthwhile(n);
   if (for_q8_0) {
     q32_.resize(n * cols);
     d32_.resize(n * q8_0_padded_blocks_);
-    if (PackedQ8_0Worthwhile(n)) {
-      packed_q8_0_.resize(n * q8_0_padded_blocks_ * 32);
-    }
+    if (has_packed_q8_0_) packed_q8_0_.resize(n * q8_0_padded_blocks_ * 32);
   }
   k_padded_blocks_ = (cols / 256 + kKQuantGroupBlocks - 1) /
                      kKQuantGroupBlocks * kKQuantGroupBlocks;
-  packed_k_.clear();
+  has_packed_k_ = for_k_quants && PackedKQuantsWorthwhile(n);
   if (for_k_quants) {
     q256_.resize(n * cols);
     d256_.resize(n * k_padded_blocks_);
-    if (PackedKQuantsWorthwhile(n)) packed_k_.resize(n * cols);
+    if (has_packed_k_) packed_k_.resize(n * cols);
     sums16_.resize(n * (cols / 16));
     scaled_sums16_.resize(n * (cols / 16));
     scaled_sums32_.resize(n * (cols / 32));
@@ -1158,7 +1158,16 @@ void PackQ4_KWeights(const uint8_t* rows, int64_t row_bytes, int64_t row_count,
   const int64_t groups = (blocks + kKQuantGroupBlocks - 1) / kKQuantGroupBlocks;
   const int64_t tile_bytes = groups * kPackedQ4_KGroupBytes;
   const int64_t tiles = (row_count + 1) / 2;
-  std::memset(out, 0, tiles * tile_bytes);  // padding blocks and rows
+  // Zeros where no real block or row writes: the last group of each tile
+  // (padding blocks, and d entries past the last block) and, with an odd
+  // row count, the last tile's second row. Real blocks overwrite the rest.
+  if (row_count % 2 != 0) {
+    std::memset(out + (tiles - 1) * tile_bytes, 0, tile_bytes);
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    std::memset(out + t * tile_bytes + (groups - 1) * kPackedQ4_KGroupBytes, 0,
+                kPackedQ4_KGroupBytes);
+  }
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m128i order =
       _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, -1, -1, -1, -1, -1, -1, -1, -1);

@@ -92,7 +92,7 @@ class Int8Activations {
   }
   // Whether rows also come in the packed Q8_0 form below (wide inputs on
   // VNNI machines: prefill chunks).
-  bool has_packed_q8_0() const { return !packed_q8_0_.empty(); }
+  bool has_packed_q8_0() const { return has_packed_q8_0_; }
   // Row t of the per-32 rounding packed for the prefill kernel: per group
   // of 8 blocks, 8 chunks of 32 bytes; chunk j holds bytes 4j..4j+3 of each
   // block of the group, as q + 128 (unsigned), padding blocks 128.
@@ -107,7 +107,7 @@ class Int8Activations {
   }
   // Whether rows also come in the packed K-quant form below (wide inputs on
   // AVX-512 VNNI machines: prefill chunks).
-  bool has_packed_k() const { return !packed_k_.empty(); }
+  bool has_packed_k() const { return has_packed_k_; }
   // Row t of the per-256 rounding packed for the prefill kernel: per block
   // of 256, 8 chunks of 32 bytes; chunk j holds values 4j..4j+3 of the
   // block's sub-blocks of 32 in the order 0, 2, 4, 6, 1, 3, 5, 7.
@@ -132,6 +132,7 @@ class Int8Activations {
  private:
   int64_t n_ = 0, cols_ = 0, q8_0_padded_blocks_ = 0, k_padded_blocks_ = 0;
   bool for_q8_0_ = false, for_k_quants_ = false;
+  bool has_packed_q8_0_ = false, has_packed_k_ = false;
   CacheAlignedVector<int8_t> q32_, q256_, packed_k_;
   CacheAlignedVector<uint8_t> packed_q8_0_;
   CacheAlignedVector<float> d32_, d256_;

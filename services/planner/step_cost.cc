@@ -10,10 +10,9 @@
 namespace pdserve::planner {
 
 namespace {
+
 // Quantiles kept of a fit's measured / fitted step times.
 constexpr int kSpreadQuantiles = 32;
-}  // namespace
-namespace {
 
 // Weights of the hat functions at `knots` for x: two neighbours share 1
 // (linear interpolation); past the ends the last segment is extended, so a
