@@ -99,6 +99,10 @@ int Main(int argc, char** argv) {
       "repeats", 1,
       "Measured runs per layout; figures are their medians (odd: a run's own "
       "value).");
+  const int replications = flags.Num<int>(
+      "replications", 15,
+      "Simulation runs per predicted layout (different step-time draws); "
+      "predictions are their medians.");
   profile.cores = flags.Num<int>("cores", 2, "Cores the layouts may use.");
   const bool oversubscribe = flags.Bool(
       "oversubscribe", false,
@@ -118,8 +122,11 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
   }
-  if (repeats < 1) {
-    std::fprintf(stderr, "--repeats must be at least 1, got %d\n", repeats);
+  if (repeats < 1 || replications < 1) {
+    std::fprintf(stderr,
+                 "--repeats and --replications must be at least 1, got %d "
+                 "and %d\n",
+                 repeats, replications);
     return 2;
   }
   auto format = model::ParseLoadFormat(profile.format);
@@ -183,6 +190,7 @@ int Main(int argc, char** argv) {
     request.slo = w.slo;
     request.resources.cores = profile.cores;
     request.resources.allow_oversubscription = oversubscribe;
+    request.replications = replications;
     auto ranked = planner::Plan(model, request);
     if (!ranked.ok()) {
       std::fprintf(stderr, "%s\n", ranked.status().ToString().c_str());
@@ -202,9 +210,9 @@ int Main(int argc, char** argv) {
       has_default |= r.layout.Name() == default_layout.Name();
     }
     if (!has_default) {
-      auto p = planner::Simulate(model, default_layout,
-                                 planner::SimRequests(request.workload), w.slo,
-                                 {.cores = profile.cores});
+      auto p = planner::Simulate(
+          model, default_layout, planner::SimRequests(request.workload), w.slo,
+          {.cores = profile.cores, .seed = seed, .replications = replications});
       if (!p.ok()) {
         std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
         return 1;

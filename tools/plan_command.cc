@@ -128,6 +128,10 @@ absl::Status RunPlan(int argc, char** argv) {
       flags.Str("output", "16:64", "Output length range LO:HI, tokens.");
   request.workload.seed =
       flags.Num<uint64_t>("seed", 1, "Seed of the simulated arrivals.");
+  request.replications = flags.Num<int>(
+      "replications", 15,
+      "Simulation runs per layout with different step-time draws; figures "
+      "are their medians (the goodput column shows the runs' range).");
   const std::string router_metrics = flags.Str(
       "router-metrics", "",
       "http://H:P/metrics of a running router: take the rate and mean "
@@ -183,11 +187,10 @@ absl::Status RunPlan(int argc, char** argv) {
       !(request.workload.rate > 0) || !(request.slo.ttft_seconds > 0) ||
       !(request.slo.tpot_seconds > 0) || request.ngram_acceptance < 0 ||
       !(window_s > 0) || request.ngram_acceptance >= 1 ||
-      profile.max_prompt < 32) {
+      profile.max_prompt < 32 || request.replications < 1) {
     return absl::InvalidArgumentError(
-        "--cores, --requests, --rate, --window-s and the SLOs must be "
-        "positive, "
-        "--acceptance in [0, 1), --profile-max-prompt ≥ 32");
+        "--cores, --requests, --replications, --rate, --window-s and the SLOs "
+        "must be positive, --acceptance in [0, 1), --profile-max-prompt ≥ 32");
   }
   request.workload.prompt = *prompt;
   request.workload.output = *output;

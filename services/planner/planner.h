@@ -1,8 +1,11 @@
 // The layout planner: for a workload, an SLO and the cores at hand, predicts
 // every candidate layout (layout.h) by simulation (simulator.h) on the
 // fitted performance model (perf_model.h) and ranks them — most goodput
-// first; among layouts within 2% of the best goodput, the one with the most
-// SLO headroom (the smaller of TTFT-p99 and TPOT-p99 slack, relative).
+// first (the median over simulation replications); among layouts within 2%
+// of the best goodput, first those whose worst replication is within 2% of
+// the best worst one (the layouts a slow stretch of steps hurts least), then
+// the one with the most SLO headroom (the smaller of TTFT-p99 and TPOT-p99
+// slack, relative).
 #pragma once
 
 #include <string>
@@ -24,6 +27,8 @@ struct PlanRequest {
   double ngram_acceptance = 0;
   // Layouts to predict besides the enumerated ones (e.g. today's default).
   std::vector<Layout> extra;
+  // Simulation runs per layout (SimOptions::replications); ≥ 1.
+  int replications = 15;
 };
 
 struct RankedLayout {

@@ -469,6 +469,34 @@ class Simulation {
   std::vector<GroupSim*> group_of_;
 };
 
+// Each figure's median over the runs (the mean of the middle two for an
+// even count, as planner_bench takes its rounds'), with goodput's range.
+Prediction MedianPrediction(const std::vector<Prediction>& runs) {
+  auto median = [&runs](double Prediction::*field) {
+    std::vector<double> v;
+    for (const Prediction& p : runs) v.push_back(p.*field);
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  };
+  Prediction out;
+  for (double Prediction::*field :
+       {&Prediction::ttft_mean, &Prediction::ttft_p50, &Prediction::ttft_p99,
+        &Prediction::tpot_p50, &Prediction::tpot_p99, &Prediction::itl_p50,
+        &Prediction::itl_p99, &Prediction::goodput, &Prediction::slo_attainment,
+        &Prediction::tokens_per_s, &Prediction::duration,
+        &Prediction::decode_utilisation, &Prediction::prefill_utilisation}) {
+    out.*field = median(field);
+  }
+  out.goodput_low = out.goodput_high = runs.front().goodput;
+  for (const Prediction& p : runs) {
+    out.goodput_low = std::min(out.goodput_low, p.goodput);
+    out.goodput_high = std::max(out.goodput_high, p.goodput);
+  }
+  out.replications = static_cast<int>(runs.size());
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<Prediction> Simulate(const PerfModel& model,
@@ -490,13 +518,23 @@ absl::StatusOr<Prediction> Simulate(const PerfModel& model,
                      "no more stages than layers"));
   }
   if (options.cores < 1 || !(options.ngram_acceptance >= 0) ||
-      options.ngram_acceptance >= 1) {
+      options.ngram_acceptance >= 1 || options.replications < 1) {
     return absl::InvalidArgumentError(
-        "simulation needs ≥ 1 core and an acceptance in [0, 1)");
+        "simulation needs ≥ 1 core, an acceptance in [0, 1) and ≥ 1 "
+        "replication");
   }
-  Simulation sim(model, layout, options);
-  if (absl::Status s = sim.Init(); !s.ok()) return s;
-  return sim.Run(requests, slo);
+  const bool draws =
+      options.step_spread || (layout.gamma > 0 && options.ngram_acceptance > 0);
+  const int runs = draws ? options.replications : 1;
+  std::vector<Prediction> predictions;
+  for (int i = 0; i < runs; ++i) {
+    SimOptions run = options;
+    run.seed = options.seed + static_cast<uint64_t>(i);
+    Simulation sim(model, layout, run);
+    if (absl::Status s = sim.Init(); !s.ok()) return s;
+    predictions.push_back(sim.Run(requests, slo));
+  }
+  return MedianPrediction(predictions);
 }
 
 }  // namespace pdserve::planner

@@ -58,6 +58,11 @@ struct Prediction {
   // Busy share of the decode workers' and prefill stages' time.
   double decode_utilisation = 0;
   double prefill_utilisation = 0;
+  // Over SimOptions::replications runs every figure above is the median of
+  // the runs' figures; these are the lowest and highest goodput of a run
+  // (equal to `goodput` for one run).
+  double goodput_low = 0, goodput_high = 0;
+  int replications = 1;
 };
 
 struct SimOptions {
@@ -71,6 +76,14 @@ struct SimOptions {
   // The router (and client) stream on the same cores as the workers: each
   // streamed token's PerfModel::delivery_cpu_seconds competes with them.
   bool router_shares_cores = true;
+  // Runs with different spread and acceptance draws (seeds seed, seed + 1,
+  // ...), summarised by each figure's median — as planner_bench takes the
+  // median of its measured rounds. One run's p99 over a few dozen requests
+  // is its largest value or close to it, and another draw of step times
+  // moves it by 10-30%: a single run predicts one sample of the p99, not
+  // its typical value. Without draws (no spread, no speculation) one run is
+  // all runs, and one is made.
+  int replications = 1;
 };
 
 // INVALID_ARGUMENT for an empty request list or a layout with nothing in it;

@@ -69,6 +69,9 @@ TEST(PlannerBadInputTest, LayoutsAndWorkloadsOutOfRange) {
   PlanRequest empty;
   empty.workload.requests = 0;
   EXPECT_EQ(Plan(m, empty).status().code(), absl::StatusCode::kInvalidArgument);
+  auto none = Simulate(m, l, {{0, 8, 2}}, Slo{}, {.replications = 0});
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().message().find("replication"), std::string::npos);
 }
 
 }  // namespace

@@ -217,6 +217,60 @@ TEST(SimulatorTest, StepSpreadMatchesMG1) {
   EXPECT_GT(p->ttft_p99, fixed->ttft_p99);
 }
 
+TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
+  // Five runs with different step-time draws: every figure is the median of
+  // the five single runs with seeds seed .. seed + 4, and the goodput range
+  // is theirs.
+  auto fitted = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(fitted.ok());
+  StepCost cost = *fitted;
+  ASSERT_TRUE(cost.SetSpread({0.6, 0.9, 1.0, 1.3, 2.5}).ok());
+  const PerfModel model = ModelWith(cost);
+  Layout coloc;
+  coloc.colocated = true;
+  WorkloadSpec w;
+  w.requests = 60;
+  w.rate = 4;
+  w.prompt = {16, 300};
+  w.output = {8, 32};
+  const std::vector<SimRequest> requests = SimRequests(w);
+  const Slo slo{0.3, 0.04};
+  std::vector<Prediction> runs;
+  for (uint64_t seed = 7; seed < 12; ++seed) {
+    auto p = Simulate(model, coloc, requests, slo, {.seed = seed});
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->replications, 1);
+    runs.push_back(*p);
+  }
+  auto five =
+      Simulate(model, coloc, requests, slo, {.seed = 7, .replications = 5});
+  ASSERT_TRUE(five.ok()) << five.status();
+  EXPECT_EQ(five->replications, 5);
+  auto sorted = [&runs](double Prediction::*field) {
+    std::vector<double> v;
+    for (const Prediction& p : runs) v.push_back(p.*field);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  for (double Prediction::*field :
+       {&Prediction::ttft_p50, &Prediction::ttft_p99, &Prediction::tpot_p99,
+        &Prediction::goodput, &Prediction::duration}) {
+    EXPECT_DOUBLE_EQ((*five).*field, sorted(field)[2]);
+  }
+  EXPECT_DOUBLE_EQ(five->goodput_low, sorted(&Prediction::goodput).front());
+  EXPECT_DOUBLE_EQ(five->goodput_high, sorted(&Prediction::goodput).back());
+  // The draws differ from run to run (a replication that reused its seed
+  // would show one value five times).
+  EXPECT_LT(sorted(&Prediction::ttft_p99).front(),
+            sorted(&Prediction::ttft_p99).back());
+  // Without draws (no spread, no speculation) one run is all of them.
+  auto fixed = Simulate(model, coloc, requests, slo,
+                        {.step_spread = false, .replications = 5});
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  EXPECT_EQ(fixed->replications, 1);
+  EXPECT_EQ(fixed->goodput_low, fixed->goodput_high);
+}
+
 // TTFT of two workers of 2 threads each, one prompt each, on 2 cores over
 // the same on 4 (-1 if a simulation fails).
 double TwoWorkersOnTwoCoresSlowdown(const PerfModel& model) {
@@ -337,21 +391,43 @@ TEST(PlannerTest, EnumerationStaysWithinTheCores) {
   EXPECT_TRUE(default_layout);
 }
 
-TEST(PlannerTest, RanksByGoodputThenHeadroom) {
-  auto cost = StepCost::Fit(Samples(0, 1));
-  ASSERT_TRUE(cost.ok());
-  const PerfModel model = ModelWith(*cost);
+TEST(PlannerTest, RanksByGoodputThenWorstRunThenHeadroom) {
+  auto fitted = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(fitted.ok());
+  StepCost cost = *fitted;
+  ASSERT_TRUE(cost.SetSpread({0.7, 0.9, 1.0, 1.1, 1.8}).ok());
+  const PerfModel model = ModelWith(cost);
   PlanRequest request;
   request.workload.requests = 60;
   request.workload.rate = 3;
   request.slo = {1.0, 0.05};
+  request.replications = 5;
   auto ranked = Plan(model, request);
   ASSERT_TRUE(ranked.ok()) << ranked.status();
   ASSERT_GT(ranked->size(), 3u);
   const double best = ranked->front().prediction.goodput;
+  double best_low = 0;
   for (const RankedLayout& r : *ranked) {
     EXPECT_LE(r.prediction.goodput, best * 1.02 + 1e-12) << r.layout.Name();
+    EXPECT_EQ(r.prediction.replications, 5) << r.layout.Name();
+    if (r.prediction.goodput >= 0.98 * best) {
+      best_low = std::max(best_low, r.prediction.goodput_low);
+    }
   }
+  // Goodput ties (within 2% of the best) are ordered: those whose worst run
+  // is within 2% of the best worst run first, then by headroom.
+  bool robust_seen_after_fragile = false, fragile_seen = false;
+  for (const RankedLayout& r : *ranked) {
+    if (r.prediction.goodput < 0.98 * best) break;
+    const bool robust = r.prediction.goodput_low >= 0.98 * best_low;
+    robust_seen_after_fragile |= robust && fragile_seen;
+    fragile_seen |= !robust;
+  }
+  EXPECT_FALSE(robust_seen_after_fragile);
+  EXPECT_GE(ranked->front().prediction.goodput_low, 0.98 * best_low);
+  request.replications = 0;
+  EXPECT_EQ(Plan(model, request).status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_NE(FormatPlan(*ranked, 3).find(ranked->front().layout.Name()),
             std::string::npos);
 }
