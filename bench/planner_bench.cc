@@ -87,6 +87,10 @@ int Main(int argc, char** argv) {
       flags.Str("perf-model", "",
                 "A saved profile to plan with instead of profiling now.",
                 "(profile now)");
+  const std::string save_path = flags.Str(
+      "save-perf-model", "",
+      "Where to save the profile made now (to re-plan the same run later).",
+      "(not saved)");
   profile.bin_dir = PDSERVE_BINARY_DIR;
   flags.Group("Load");
   const int requests =
@@ -154,6 +158,12 @@ int Main(int argc, char** argv) {
       return 1;
     }
     model = *std::move(m);
+    if (!save_path.empty()) {
+      if (auto s = model.Save(save_path); !s.ok()) {
+        std::fprintf(stderr, "%s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
   } else {
     auto m = planner::PerfModel::Load(perf_path);
     if (!m.ok()) {
