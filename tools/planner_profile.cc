@@ -12,7 +12,6 @@
 #include <random>
 #include <sstream>
 #include <thread>
-#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -79,24 +78,6 @@ struct ProfiledConfig {
   double busy_cores = 1;  // process CPU seconds per wall second of steps
 };
 
-// An in-process decode worker of `config` sized for the profile's prompts,
-// reporting every step to `observer`.
-absl::StatusOr<std::unique_ptr<decode::DecodeWorker>> ProfilingWorker(
-    const PlannerProfileOptions& o, const model::WeightSource& weights,
-    planner::ComputeConfig config,
-    std::function<void(const decode::StepStats&)> observer) {
-  decode::DecodeWorkerOptions wo;
-  wo.tp_size = config.tp;
-  wo.threads_per_rank = config.threads_per_rank;
-  wo.max_running = 64;
-  wo.max_step_tokens = std::max(512, o.max_prompt);
-  const int max_context =
-      std::min(weights.config().max_position_embeddings, o.max_prompt);
-  wo.num_blocks = 40 * (max_context / wo.block_size + 2);
-  wo.step_observer = std::move(observer);
-  return decode::DecodeWorker::Create(weights, nullptr, wo);
-}
-
 absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
                                              const model::WeightSource& weights,
                                              planner::ComputeConfig config) {
@@ -104,14 +85,20 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
   std::vector<planner::StepSample> samples;
   absl::Mutex mu;
   bool recording = false;
+  decode::DecodeWorkerOptions wo;
+  wo.tp_size = config.tp;
+  wo.threads_per_rank = config.threads_per_rank;
+  wo.max_running = 64;
+  wo.max_step_tokens = std::max(512, o.max_prompt);
   const int max_context = std::min(mc.max_position_embeddings, o.max_prompt);
-  auto worker =
-      ProfilingWorker(o, weights, config, [&](const decode::StepStats& s) {
-        absl::MutexLock lock(&mu);
-        if (!recording) return;
-        samples.push_back(
-            {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
-      });
+  wo.num_blocks = 40 * (max_context / wo.block_size + 2);
+  wo.step_observer = [&](const decode::StepStats& s) {
+    absl::MutexLock lock(&mu);
+    if (!recording) return;
+    samples.push_back(
+        {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
+  };
+  auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
   if (!worker.ok()) return worker.status();
   std::mt19937_64 rng(11);
   uint64_t next_id = 1;
@@ -171,106 +158,6 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
           cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3,
           busy_cores));
   return ProfiledConfig{*std::move(cost), busy_cores};
-}
-
-// A decode worker of `config` and a one-thread worker prefilling
-// 256-token prompts one after another (a prefill stage's work) computing at
-// the same time on the profile's cores, for `seconds`. Each one's speed is
-// the median over its steps of fitted over measured time (1: not slowed),
-// counted while both ran.
-struct SideBySide {
-  double decode_speed = 1;
-  double prefill_speed = 1;
-  size_t decode_steps = 0, prefill_steps = 0;
-};
-
-absl::StatusOr<SideBySide> MeasureSideBySide(const PlannerProfileOptions& o,
-                                             const model::WeightSource& weights,
-                                             const planner::PerfModel& model,
-                                             planner::ComputeConfig config,
-                                             double seconds) {
-  constexpr planner::ComputeConfig kStage{1, 1};
-  auto decode_cost = model.Step(config);
-  auto stage_cost = model.Step(kStage);
-  if (!decode_cost.ok()) return decode_cost.status();
-  if (!stage_cost.ok()) return stage_cost.status();
-  // One switch for both recorders: a step counts only while the other
-  // worker still computes.
-  absl::Mutex mu;
-  bool recording = false;
-  std::vector<planner::StepSample> decode_steps, stage_steps;
-  auto recorder = [&](std::vector<planner::StepSample>* into) {
-    return [&mu, &recording, into](const decode::StepStats& s) {
-      absl::MutexLock lock(&mu);
-      if (!recording) return;
-      into->push_back(
-          {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
-    };
-  };
-  auto decoder = ProfilingWorker(o, weights, config, recorder(&decode_steps));
-  if (!decoder.ok()) return decoder.status();
-  auto prefiller = ProfilingWorker(o, weights, kStage, recorder(&stage_steps));
-  if (!prefiller.ok()) return prefiller.status();
-  const int vocab = weights.config().vocab_size;
-  const int prompt = std::min(256, o.max_prompt);
-  uint64_t decode_id = 1, stage_id = 1;
-  std::mt19937_64 decode_rng(21), stage_rng(22);
-  for (auto [worker, id, rng] :
-       {std::tuple{decoder->get(), &decode_id, &decode_rng},
-        std::tuple{prefiller->get(), &stage_id, &stage_rng}}) {
-    if (auto s = RunBatch(*worker, id, {RandomPrompt(64, vocab, *rng)}, 4);
-        !s.ok()) {
-      return s;
-    }
-  }
-  {
-    absl::MutexLock lock(&mu);
-    recording = true;
-  }
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-          std::chrono::duration<double>(seconds));
-  auto stop_recording = [&] {
-    absl::MutexLock lock(&mu);
-    recording = false;
-  };
-  absl::Status decode_status, stage_status;
-  std::thread decode_thread([&] {
-    while (decode_status.ok() && std::chrono::steady_clock::now() < deadline) {
-      std::vector<std::vector<int32_t>> prompts;
-      for (int i = 0; i < 4; ++i) {
-        prompts.push_back(RandomPrompt(96, vocab, decode_rng));
-      }
-      decode_status = RunBatch(**decoder, &decode_id, prompts, 24);
-    }
-    stop_recording();
-  });
-  while (stage_status.ok() && std::chrono::steady_clock::now() < deadline) {
-    stage_status = RunBatch(**prefiller, &stage_id,
-                            {RandomPrompt(prompt, vocab, stage_rng)}, 1);
-  }
-  stop_recording();
-  decode_thread.join();
-  if (!decode_status.ok()) return decode_status;
-  if (!stage_status.ok()) return stage_status;
-  auto speed = [](const planner::StepCost& cost,
-                  const std::vector<planner::StepSample>& steps) {
-    std::vector<double> ratios;
-    for (const planner::StepSample& s : steps) {
-      ratios.push_back(cost.Seconds(s.shape) / s.seconds);
-    }
-    return ratios.empty() ? 1.0 : planner::Percentile(ratios, 0.5);
-  };
-  absl::MutexLock lock(&mu);
-  if (decode_steps.empty() || stage_steps.empty()) {
-    return absl::InternalError(
-        "side-by-side profile: a worker finished no step while the other "
-        "computed");
-  }
-  return SideBySide{speed(**decode_cost, decode_steps),
-                    speed(**stage_cost, stage_steps), decode_steps.size(),
-                    stage_steps.size()};
 }
 
 struct Calibration {
@@ -457,42 +344,6 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
       model.steps[{tp, threads}] = std::move(profiled->cost);
       model.busy_cores[{tp, threads}] = profiled->busy_cores;
     }
-  }
-  // Decode configurations that oversubscribe the cores beside a one-thread
-  // prefill stage: how they share them, measured side by side (the
-  // simulator's processor sharing would slow both alike).
-  const planner::ComputeConfig stage{1, 1};
-  for (const auto& [config, cost] : model.steps) {
-    const double stage_demand = model.BusyCores(stage);
-    if (config.threads_per_rank != 1 ||
-        model.BusyCores(config) + stage_demand <= options.cores) {
-      continue;
-    }
-    auto side = MeasureSideBySide(options, **weights, model, config, 8.0);
-    if (!side.ok()) return side.status();
-    // Water-filling that gives the stage what it got and the decode steps
-    // the rest reproduces both speeds: the stage keeps its weight and
-    // demand; the decode steps get demand (cores − stage's) / speed and a
-    // weight in the ratio of what each got.
-    const double decode_speed = std::clamp(side->decode_speed, 0.05, 1.0);
-    const double stage_speed = std::clamp(side->prefill_speed, 0.05, 1.0);
-    const double stage_got = stage_speed * stage_demand;
-    const double decode_got = options.cores - stage_got;
-    if (decode_got <= 0) continue;
-    planner::PerfModel::Sharing share;
-    share.demand = std::clamp(decode_got / decode_speed, 0.1,
-                              static_cast<double>(config.threads()));
-    share.weight = stage_demand * decode_got / stage_got;
-    model.sharing[config] = share;
-    Say(options,
-        absl::StrFormat(
-            "  side by side with a prefill stage, tp %d × %d: decode at "
-            "%.2f, prefill at %.2f of full speed (%zu, %zu steps); "
-            "processor sharing would give both %.2f",
-            config.tp, config.threads_per_rank, side->decode_speed,
-            side->prefill_speed, side->decode_steps, side->prefill_steps,
-            std::min(1.0, options.cores /
-                              (model.BusyCores(config) + stage_demand))));
   }
   // Colocated: one worker of each profiled decode configuration (each
   // has its own step overhead); disaggregated: one prefill stage and one

@@ -1,6 +1,5 @@
 #include "planner/perf_model.h"
 
-#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -27,12 +26,6 @@ double PerfModel::BusyCores(ComputeConfig config) const {
   return it != busy_cores.end() ? it->second : config.threads();
 }
 
-PerfModel::Sharing PerfModel::SharingOf(ComputeConfig config) const {
-  auto it = sharing.find(config);
-  if (it != sharing.end()) return it->second;
-  return {BusyCores(config), BusyCores(config)};
-}
-
 double PerfModel::StepOverhead(ComputeConfig config) const {
   auto it = calibrated.find(config);
   return it != calibrated.end() ? it->second.step_overhead_seconds
@@ -52,10 +45,6 @@ nlohmann::json PerfModel::ToJson() const {
                             {"step", cost.ToJson()}};
     if (auto busy = busy_cores.find(c); busy != busy_cores.end()) {
       entry["busy_cores"] = busy->second;
-    }
-    if (auto share = sharing.find(c); share != sharing.end()) {
-      entry["sharing"] = {{"demand", share->second.demand},
-                          {"weight", share->second.weight}};
     }
     configs.push_back(std::move(entry));
   }
@@ -110,19 +99,6 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
                            config.threads(), "], got ", busy));
         }
         m.busy_cores[config] = busy;
-      }
-      if (c.contains("sharing")) {
-        const Sharing share{c.at("sharing").at("demand").get<double>(),
-                            c.at("sharing").at("weight").get<double>()};
-        if (!(share.demand > 0) || share.demand > config.threads() ||
-            !(share.weight > 0) || !std::isfinite(share.weight)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "perf model: sharing of tp ", config.tp, " x ",
-              config.threads_per_rank, " threads needs a demand in (0, ",
-              config.threads(), "] and a finite weight > 0, got ", share.demand,
-              " and ", share.weight));
-        }
-        m.sharing[config] = share;
       }
     }
     auto linear = [](const nlohmann::json& j) {

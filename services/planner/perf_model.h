@@ -75,22 +75,6 @@ struct PerfModel {
   // sharing charges a layout this demand; unprofiled: threads().
   std::map<ComputeConfig, double> busy_cores;
   double BusyCores(ComputeConfig config) const;
-  // How a configuration's steps share the cores with a prefill stage's
-  // when the busy threads outnumber them (the simulator gives the cores out
-  // in proportion to `weight`, none more than its `demand`; a step's speed
-  // is what it gets over its demand). Measured by running a decode worker
-  // of the configuration and a one-thread prefill beside each other
-  // (tools/planner_profile.h): on the dev VM a TP 2 decode worker slowed by
-  // far less than equal sharing of its 1.8 busy cores says, because Linux
-  // favours a thread that wakes from a short sleep (a rank between layers)
-  // over one that has computed for long. Unmeasured: demand and weight
-  // both BusyCores — every job slows alike (processor sharing).
-  struct Sharing {
-    double demand = 1;
-    double weight = 1;
-  };
-  std::map<ComputeConfig, Sharing> sharing;
-  Sharing SharingOf(ComputeConfig config) const;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;
 

@@ -29,21 +29,16 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The event core: compute jobs share `cores`, timers fire at fixed times.
-// When the jobs' demand exceeds the cores, the cores go out in proportion
-// to the jobs' weights, none getting more than its demand (water-filling),
-// and a job runs at what it gets over its demand. With weight = demand (a
-// configuration not measured beside a prefill stage) that is processor
-// sharing: all jobs slow alike.
+// The event core: compute jobs share `cores` (processor sharing), timers fire
+// at fixed times.
 class EventLoop {
  public:
   explicit EventLoop(int cores) : cores_(cores) {}
 
-  // Starts a job of `work` seconds (at full speed) keeping `share.demand`
-  // cores busy (its threads, or fewer where they wait on each other).
-  void StartJob(double work, PerfModel::Sharing share,
-                std::function<void(double)> done) {
-    jobs_.push_back(Job{std::max(work, 0.0), share, 1.0, std::move(done)});
+  // Starts a job of `work` seconds (at full speed) keeping `demand` cores
+  // busy (its threads, or fewer where they wait on each other).
+  void StartJob(double work, double demand, std::function<void(double)> done) {
+    jobs_.push_back(Job{std::max(work, 0.0), demand, std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -53,16 +48,15 @@ class EventLoop {
   // Runs until nothing is left.
   void Run() {
     while (!jobs_.empty() || !timers_.empty()) {
-      SetRates();
+      const double rate = Rate();
       double job_end = kInf;
-      for (const Job& j : jobs_) {
-        if (j.rate > 0) job_end = std::min(job_end, j.remaining / j.rate);
-      }
+      for (const Job& j : jobs_)
+        job_end = std::min(job_end, j.remaining / rate);
       job_end += now_;
       const double timer_at = timers_.empty() ? kInf : timers_.top().time;
       const double next = std::min(job_end, timer_at);
       const double elapsed = next - now_;
-      for (Job& j : jobs_) j.remaining -= elapsed * j.rate;
+      for (Job& j : jobs_) j.remaining -= elapsed * rate;
       now_ = next;
       if (timer_at <= job_end) {
         auto fn = timers_.top().fn;
@@ -87,8 +81,7 @@ class EventLoop {
  private:
   struct Job {
     double remaining;
-    PerfModel::Sharing share;
-    double rate;  // share of full speed (SetRates)
+    double demand;
     std::function<void(double)> done;
   };
   struct Timer {
@@ -99,35 +92,10 @@ class EventLoop {
       return time != o.time ? time > o.time : order > o.order;
     }
   };
-  // Water-filling: each round, the jobs whose weighted part of the cores
-  // left covers their demand run at full speed, and the others divide what
-  // those leave.
-  void SetRates() {
-    std::vector<Job*> open;
-    for (Job& j : jobs_) open.push_back(&j);
-    double left = cores_;
-    while (!open.empty()) {
-      double weights = 0;
-      for (const Job* j : open) weights += j->share.weight;
-      std::vector<Job*> short_of;
-      double taken = 0;
-      for (Job* j : open) {
-        if (left * j->share.weight / weights >= j->share.demand) {
-          j->rate = 1;
-          taken += j->share.demand;
-        } else {
-          short_of.push_back(j);
-        }
-      }
-      if (short_of.size() == open.size()) {
-        for (Job* j : open) {
-          j->rate = left * j->share.weight / weights / j->share.demand;
-        }
-        break;
-      }
-      left = std::max(0.0, left - taken);
-      open = std::move(short_of);
-    }
+  double Rate() const {
+    double demand = 0;
+    for (const Job& j : jobs_) demand += j.demand;
+    return demand > cores_ ? cores_ / demand : 1.0;
   }
 
   int cores_;
@@ -273,8 +241,7 @@ class Simulation {
             .At(r.prompt);
     r.deliveries.push_back(t + delay);
     if (options_.router_shares_cores && model_.delivery_cpu_seconds > 0) {
-      loop_.StartJob(model_.delivery_cpu_seconds * tokens, {1, 1},
-                     [](double) {});
+      loop_.StartJob(model_.delivery_cpu_seconds * tokens, 1, [](double) {});
     }
     r.item_tokens.push_back(tokens);
     r.emitted += tokens;
@@ -319,7 +286,7 @@ class Simulation {
     if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
     stage.busy = true;
     const double start = t;
-    loop_.StartJob(work, model_.SharingOf({1, layout_.prefill_threads}),
+    loop_.StartJob(work, model_.BusyCores({1, layout_.prefill_threads}),
                    [this, &g, s, mb, last, start](double now) {
                      StageSim& st = g.stages[s];
                      st.busy = false;
@@ -398,7 +365,7 @@ class Simulation {
     loop_.StartJob(
         w.cost->Seconds(shape) * Spread(*w.cost) +
             model_.StepOverhead({layout_.tp, layout_.decode_threads}),
-        model_.SharingOf({layout_.tp, layout_.decode_threads}),
+        model_.BusyCores({layout_.tp, layout_.decode_threads}),
         [this, &w, plan = std::move(plan), start](double now) {
           w.busy = false;
           w.busy_seconds += now - start;

@@ -18,9 +18,8 @@
 // exact arrivals load_bench sends (workload.h).
 //
 // Cores: every busy compute job (a decode step, a stage's microbatch) holds
-// its threads; when a layout has more busy threads than `cores`, the jobs
-// share them as measured (PerfModel::Sharing): unmeasured, all slow alike
-// (processor sharing), as the OS would share the cores.
+// its threads; when a layout has more busy threads than `cores`, all jobs
+// slow down alike (processor sharing), as the OS would share the cores.
 //
 // Not modelled (measured into the fitted per-request costs instead): router,
 // gRPC and UCX CPU time; KV capacity and preemption (the planner sizes KV

@@ -317,53 +317,6 @@ TEST(SimulatorTest, SharingChargesTheMeasuredBusyCores) {
   EXPECT_NE(refused.status().message().find("busy_cores"), std::string::npos);
 }
 
-// Measured sharing (PerfModel::Sharing): a TP 2 decode worker beside a
-// one-thread prefill stage on 2 cores, measured to leave the stage at full
-// speed and itself at half — demand 2, weight 1 against the stage's 1 and
-// 1. A long prompt prefilled while another request decodes then takes its
-// time alone; processor sharing (3 busy cores' demand on 2) would slow it
-// by 1.5.
-TEST(SimulatorTest, MeasuredSharingGivesEachJobItsMeasuredSpeed) {
-  auto cost = StepCost::Fit(Samples(0, 1));
-  ASSERT_TRUE(cost.ok());
-  PerfModel model = ModelWith(*cost);
-  model.busy_cores[{1, 1}] = 1;
-  model.busy_cores[{2, 1}] = 2;
-  Layout disagg;
-  disagg.tp = 2;
-  disagg.chunk_tokens = 512;
-  const SimRequest decoding{0, 16, 200};  // decodes for seconds
-  const SimRequest prompt{0.05, 400, 1};  // one prefill chunk, no decode
-  const SimOptions exact{.step_spread = false};
-  auto alone = Simulate(model, disagg, {prompt}, Slo{}, exact);
-  auto shared_alike = Simulate(model, disagg, {decoding, prompt}, Slo{}, exact);
-  model.sharing[{2, 1}] = {2, 1};
-  auto measured = Simulate(model, disagg, {decoding, prompt}, Slo{}, exact);
-  ASSERT_TRUE(alone.ok() && shared_alike.ok() && measured.ok());
-  const double prefill = alone->ttft_p99;
-  // The prompt's TTFT is the larger of the two requests'.
-  EXPECT_NEAR(measured->ttft_p99, prefill, 1e-9);
-  EXPECT_NEAR(shared_alike->ttft_p99, 1.5 * prefill, 0.02 * prefill);
-  // The decoding request pays instead: half speed for P rather than 2/3
-  // for 1.5 P — the same 0.5 P lost over its whole stream (the cores do the
-  // same work either way), in fewer, longer gaps.
-  EXPECT_NEAR(measured->tpot_p99, shared_alike->tpot_p99, 1e-9);
-  EXPECT_GT(measured->itl_p99, 1.3 * shared_alike->itl_p99);
-  // Kept in the saved model; a demand above the threads is refused.
-  auto loaded = PerfModel::FromJson(model.ToJson());
-  ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_EQ(loaded->SharingOf({2, 1}).demand, 2);
-  EXPECT_EQ(loaded->SharingOf({2, 1}).weight, 1);
-  EXPECT_EQ(loaded->SharingOf({1, 1}).weight, 1);  // unmeasured: busy cores
-  nlohmann::json bad = model.ToJson();
-  for (auto& c : bad["configs"]) {
-    if (c["tp"] == 2) c["sharing"]["demand"] = 3;
-  }
-  auto refused = PerfModel::FromJson(bad);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("sharing"), std::string::npos);
-}
-
 TEST(SimulatorTest, StreamingCpuSlowsWorkersOnlyOnSharedCores) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
