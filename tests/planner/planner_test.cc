@@ -118,6 +118,16 @@ PerfModel ModelWith(const StepCost& cost) {
   return m;
 }
 
+// ModelWith the fit of the hand-written cost function, each step scaled by
+// a draw from `quantiles`.
+PerfModel ModelWithSpread(std::vector<double> quantiles) {
+  auto fitted = StepCost::Fit(Samples(0, 1));
+  EXPECT_TRUE(fitted.ok()) << fitted.status();
+  StepCost cost = fitted.ok() ? *fitted : StepCost();
+  EXPECT_TRUE(cost.SetSpread(std::move(quantiles)).ok());
+  return ModelWith(cost);
+}
+
 TEST(SimulatorTest, IdleRequestIsItsSteps) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
@@ -221,11 +231,7 @@ TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
   // Five runs with different step-time draws: every figure is the median of
   // the five single runs with seeds seed .. seed + 4, and the goodput range
   // is theirs.
-  auto fitted = StepCost::Fit(Samples(0, 1));
-  ASSERT_TRUE(fitted.ok());
-  StepCost cost = *fitted;
-  ASSERT_TRUE(cost.SetSpread({0.6, 0.9, 1.0, 1.3, 2.5}).ok());
-  const PerfModel model = ModelWith(cost);
+  const PerfModel model = ModelWithSpread({0.6, 0.9, 1.0, 1.3, 2.5});
   Layout coloc;
   coloc.colocated = true;
   WorkloadSpec w;
@@ -392,11 +398,7 @@ TEST(PlannerTest, EnumerationStaysWithinTheCores) {
 }
 
 TEST(PlannerTest, RanksByGoodputThenWorstRunThenHeadroom) {
-  auto fitted = StepCost::Fit(Samples(0, 1));
-  ASSERT_TRUE(fitted.ok());
-  StepCost cost = *fitted;
-  ASSERT_TRUE(cost.SetSpread({0.7, 0.9, 1.0, 1.1, 1.8}).ok());
-  const PerfModel model = ModelWith(cost);
+  const PerfModel model = ModelWithSpread({0.7, 0.9, 1.0, 1.1, 1.8});
   PlanRequest request;
   request.workload.requests = 60;
   request.workload.rate = 3;
