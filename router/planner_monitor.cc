@@ -12,11 +12,12 @@ absl::StatusOr<std::unique_ptr<PlannerMonitor>> PlannerMonitor::Start(
     metrics::MetricsRegistry& registry) {
   if (!(options.slo.ttft_seconds > 0) || !(options.slo.tpot_seconds > 0) ||
       options.interval <= absl::ZeroDuration() || options.resources.cores < 1 ||
-      options.simulated_requests < 1 || !(options.capacity_attainment > 0) ||
-      options.capacity_attainment > 1) {
+      options.simulated_requests < 1 || options.replications < 1 ||
+      !(options.capacity_attainment > 0) || options.capacity_attainment > 1) {
     return absl::InvalidArgumentError(
-        "planner monitor: the SLOs, interval, cores and simulated requests "
-        "must be positive and the capacity attainment in (0, 1]");
+        "planner monitor: the SLOs, interval, cores, simulated requests and "
+        "replications must be positive and the capacity attainment in (0, "
+        "1]");
   }
   std::unique_ptr<PlannerMonitor> monitor(
       new PlannerMonitor(std::move(options), std::move(totals), registry));
@@ -130,6 +131,7 @@ absl::Status PlannerMonitor::EvaluateNow() {
                                                 rate, prompt_mean, output_mean);
   request.slo = options_.slo;
   request.resources = options_.resources;
+  request.replications = options_.replications;
   auto ranked = planner::Plan(options_.model, request);
   if (!ranked.ok()) return ranked.status();
   const planner::RankedLayout& best = ranked->front();

@@ -123,6 +123,12 @@ TEST(PlannerMonitorTest, RefusesImpossibleOptions) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
+  options.slo = {2, 0.06};
+  options.replications = 0;
+  auto none = PlannerMonitor::Start(
+      options, [] { return metrics::ServedTotals{}; }, registry);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().message().find("replications"), std::string::npos);
 }
 
 }  // namespace
