@@ -10,6 +10,8 @@
 //
 // Printed per workload: predicted vs measured TTFT p99, TPOT p99 and goodput
 // for every measured layout with the relative errors (target: within 20%),
+// the machine's speed before its runs relative to the start of measuring
+// (a fixed computation timed on every core: below 1, the VM was slower),
 // and whether the planner's first choice is the measured best (or within 10%
 // of its goodput).
 //
@@ -17,10 +19,12 @@
 //                             [--requests 60] [--rate 1.5] [--repeats 1]
 //   (`planner_bench --help` lists every flag)
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -68,6 +72,36 @@ Spread Median(std::vector<double> values) {
 double RelativeError(double predicted, double measured) {
   if (measured == 0) return predicted == 0 ? 0 : INFINITY;
   return (predicted - measured) / measured;
+}
+
+// Seconds a fixed amount of arithmetic takes on `threads` threads at once
+// (median of 5): this VM's speed right now. Its cores are shared with other
+// tenants and its speed drifts by ±20% over minutes, so the bench takes it
+// before every measured run to tell the machine's drift from the model's
+// error.
+double ReferenceSeconds(int threads) {
+  std::vector<double> times;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> workers;
+    std::vector<float> sums(threads);
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&sums, t] {
+        std::vector<float> values(64 * 1024, 1.0f);  // 256 KiB: in L2
+        for (int pass = 0; pass < 20000; ++pass) {   // ~50-100 ms
+          for (float& v : values) v = v * 0.999f + 0.001f;
+        }
+        sums[t] = values.front();
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count());
+    if (sums.front() < 0) std::printf("unreachable\n");  // keeps the work
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
 }
 
 int Main(int argc, char** argv) {
@@ -262,6 +296,10 @@ int Main(int argc, char** argv) {
       if (!seen) runs.push_back({key, w.prompt, row, &w});
     }
   }
+  // The machine's speed when the measuring starts; each run's is printed
+  // relative to it.
+  const double reference_start = ReferenceSeconds(profile.cores);
+  std::map<std::string, std::vector<double>> speed;  // by run key, per round
   for (int round = 0; round < repeats; ++round) {
     for (size_t i = 0; i < runs.size(); ++i) {
       const Run& run = runs[round % 2 == 0 ? i : runs.size() - 1 - i];
@@ -276,6 +314,9 @@ int Main(int argc, char** argv) {
       o.prefill_blocks = 1024;
       tools::ApplyLayout(run.row.layout, &o);
       if (run.row.rank == 0 && default_ngram) o.speculation = "ngram";
+      // Before the cluster starts, so that nothing else computes.
+      speed[run.key].push_back(reference_start /
+                               ReferenceSeconds(profile.cores));
       auto cluster = tools::LocalCluster::Start(o);
       if (!cluster.ok()) {
         std::fprintf(stderr, "cluster %s: %s\n", run.row.layout.Name().c_str(),
@@ -287,6 +328,8 @@ int Main(int argc, char** argv) {
           run.workload->slo.ttft_seconds, run.workload->slo.tpot_seconds);
       tools::PrintLoad(report);
       measured[run.key].push_back(std::move(report));
+      std::printf("  machine speed before this run: %.2fx the start's\n",
+                  speed[run.key].back());
     }
   }
 
@@ -299,13 +342,15 @@ int Main(int argc, char** argv) {
     std::printf(
         "\n%s (SLO TTFT ≤ %.0f ms, TPOT ≤ %.0f ms)\n"
         "| rank | layout | TTFT p99 pred / meas | err | TPOT p99 pred / meas "
-        "| err | goodput pred / meas | err |\n"
-        "|---|---|---|---|---|---|---|---|\n",
+        "| err | goodput pred / meas | err | machine speed |\n"
+        "|---|---|---|---|---|---|---|---|---|\n",
         w.name.c_str(), w.slo.ttft_seconds * 1e3, w.slo.tpot_seconds * 1e3);
     double best_measured = 0, first_measured = 0;
     for (const Row& row : rows_by_workload[w.name]) {
-      const std::vector<tools::LoadReport>& reports = measured[absl::StrCat(
-          w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name())];
+      const std::string key =
+          absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
+      const std::vector<tools::LoadReport>& reports = measured[key];
+      const Spread machine = Median(speed[key]);
       std::vector<double> ttfts, tpots, goodputs;
       for (const tools::LoadReport& m : reports) {
         ttfts.push_back(m.ttft_p99);
@@ -325,13 +370,18 @@ int Main(int argc, char** argv) {
       if (row.rank == 1) first_measured = goodput;
       std::printf(
           "| %s | %s | %.0f / %.0f ms%s | %+.0f%% | %.1f / %.1f ms%s | %+.0f%% "
-          "| %.2f / %.2f /s%s | %+.0f%% |\n",
+          "| %.2f / %.2f /s%s | %+.0f%% | %.2fx%s |\n",
           row.rank ? absl::StrCat(row.rank).c_str() : "default",
           row.layout.Name().c_str(), row.predicted.ttft_p99 * 1e3,
           ttft.median * 1e3, ttft.Range(1e3, 0).c_str(), e_ttft * 100,
           row.predicted.tpot_p99 * 1e3, tpot.median * 1e3,
           tpot.Range(1e3, 1).c_str(), e_tpot * 100, row.predicted.goodput,
-          goodput, goodput_spread.Range(1, 2).c_str(), e_good * 100);
+          goodput, goodput_spread.Range(1, 2).c_str(), e_good * 100,
+          machine.median, machine.Range(1, 2).c_str());
+    }
+    if (top < 1) {
+      std::printf("no first choice measured (--top %d)\n", top);
+      continue;
     }
     const bool ok = first_measured >= 0.9 * best_measured;
     first_choice_ok += ok;
