@@ -57,15 +57,14 @@ struct Spread {
   }
 };
 
-Spread Median(std::vector<double> values) {
+Spread OverRounds(const std::vector<double>& values) {
   Spread s;
   s.rounds = values.size();
   if (values.empty()) return s;
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  s.median = n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-  s.lo = values.front();
-  s.hi = values.back();
+  s.median = planner::Median(values);
+  const auto [lo, hi] = std::minmax_element(values.begin(), values.end());
+  s.lo = *lo;
+  s.hi = *hi;
   return s;
 }
 
@@ -100,8 +99,7 @@ double ReferenceSeconds(int threads) {
             .count());
     if (sums.front() < 0) std::printf("unreachable\n");  // keeps the work
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return planner::Median(std::move(times));
 }
 
 int Main(int argc, char** argv) {
@@ -350,7 +348,7 @@ int Main(int argc, char** argv) {
       const std::string key =
           absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
       const std::vector<tools::LoadReport>& reports = measured[key];
-      const Spread machine = Median(speed[key]);
+      const Spread machine = OverRounds(speed[key]);
       std::vector<double> ttfts, tpots, goodputs;
       for (const tools::LoadReport& m : reports) {
         ttfts.push_back(m.ttft_p99);
@@ -358,8 +356,8 @@ int Main(int argc, char** argv) {
         goodputs.push_back(
             m.GoodputFor(w.slo.ttft_seconds, w.slo.tpot_seconds));
       }
-      const Spread ttft = Median(ttfts), tpot = Median(tpots),
-                   goodput_spread = Median(goodputs);
+      const Spread ttft = OverRounds(ttfts), tpot = OverRounds(tpots),
+                   goodput_spread = OverRounds(goodputs);
       const double goodput = goodput_spread.median;
       const double e_ttft = RelativeError(row.predicted.ttft_p99, ttft.median);
       const double e_tpot = RelativeError(row.predicted.tpot_p99, tpot.median);

@@ -227,11 +227,13 @@ absl::Status RunPlan(int argc, char** argv) {
   if (!ranked.ok()) return ranked.status();
   std::printf(
       "workload: %.2f req/s, prompt %d..%d, output %d..%d tokens; SLO p99 "
-      "TTFT ≤ %.0f ms, TPOT ≤ %.0f ms; %d cores\n\n%s\n",
+      "TTFT ≤ %.0f ms, TPOT ≤ %.0f ms; %d cores; figures are medians of %d "
+      "simulation run(s) per layout\n\n%s\n",
       request.workload.rate, request.workload.prompt.lo,
       request.workload.prompt.hi, request.workload.output.lo,
       request.workload.output.hi, request.slo.ttft_seconds * 1e3,
       request.slo.tpot_seconds * 1e3, request.resources.cores,
+      ranked->front().prediction.replications,
       planner::FormatPlan(*ranked, rows).c_str());
   const planner::Layout& best = ranked->front().layout;
   std::printf("best: %s\n  pdserve local --model %s %s\n\nKubernetes:\n%s",

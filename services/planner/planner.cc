@@ -96,7 +96,7 @@ std::string FormatPlan(const std::vector<RankedLayout>& ranked, int rows) {
   std::string out = absl::StrFormat(
       "%-4s %-44s %9s %9s %9s %9s %9s %9s %11s %6s %6s\n", "rank", "layout",
       "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "goodput",
-      "(runs' range)", "dec%", "pre%");
+      "runs' range", "dec%", "pre%");
   for (int i = 0; i < static_cast<int>(ranked.size()) && i < rows; ++i) {
     const RankedLayout& r = ranked[i];
     const Prediction& p = r.prediction;

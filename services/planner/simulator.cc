@@ -25,6 +25,13 @@ double Percentile(std::vector<double> values, double p) {
   return values[i];
 }
 
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -469,15 +476,12 @@ class Simulation {
   std::vector<GroupSim*> group_of_;
 };
 
-// Each figure's median over the runs (the mean of the middle two for an
-// even count, as planner_bench takes its rounds'), with goodput's range.
+// Each figure's median over the runs, with goodput's range.
 Prediction MedianPrediction(const std::vector<Prediction>& runs) {
   auto median = [&runs](double Prediction::*field) {
     std::vector<double> v;
     for (const Prediction& p : runs) v.push_back(p.*field);
-    std::sort(v.begin(), v.end());
-    const size_t n = v.size();
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    return Median(std::move(v));
   };
   Prediction out;
   for (double Prediction::*field :

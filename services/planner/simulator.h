@@ -97,4 +97,9 @@ absl::StatusOr<Prediction> Simulate(const PerfModel& model,
 // p-quantile as load_bench computes it: sorted[min(n − 1, ⌊p·n⌋)].
 double Percentile(std::vector<double> values, double p);
 
+// The middle value, or the mean of the middle two for an even count (how
+// replications and planner_bench's measured rounds are summarised); 0 for
+// none.
+double Median(std::vector<double> values);
+
 }  // namespace pdserve::planner

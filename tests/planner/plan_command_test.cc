@@ -4,6 +4,7 @@
 // profile plans the same ranking again without profiling; bad flags are
 // precise errors.
 #include <atomic>
+#include <regex>
 #include <string>
 #include <thread>
 
@@ -62,6 +63,30 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
       &code);
   ASSERT_EQ(code, 0) << replanned;
   EXPECT_EQ(FromTable(replanned), FromTable(profiled));
+
+  // One simulation run per layout: every goodput's range over the runs is
+  // that one run's value. The default runs 15 (the profile's step spread
+  // gives them different draws).
+  auto ranges = [](const std::string& table) {
+    std::vector<std::pair<std::string, std::string>> out;
+    static const std::regex kRange(R"(\[(\d+\.\d\d)-(\d+\.\d\d)\])");
+    for (std::sregex_iterator it(table.begin(), table.end(), kRange), end;
+         it != end; ++it) {
+      out.emplace_back((*it)[1], (*it)[2]);
+    }
+    return out;
+  };
+  const std::string single =
+      RunPlan("--profile 0 --replications 1 --model " + kModel +
+                  " --perf-model " + perf + workload,
+              &code);
+  ASSERT_EQ(code, 0) << single;
+  ASSERT_FALSE(ranges(single).empty()) << single;
+  for (const auto& [lo, hi] : ranges(single)) EXPECT_EQ(lo, hi) << single;
+  EXPECT_NE(single.find("medians of 1 simulation run(s)"), std::string::npos)
+      << single;
+  EXPECT_NE(profiled.find("medians of 15 simulation run(s)"), std::string::npos)
+      << profiled;
 }
 
 TEST(PlanCommandTest, TakesTheWorkloadFromARunningRouter) {
@@ -136,6 +161,9 @@ TEST(PlanCommandTest, BadFlagsArePreciseErrors) {
   out = RunPlan("--cores 0", &code);
   EXPECT_EQ(code, 1);
   EXPECT_NE(out.find("must be positive"), std::string::npos) << out;
+  out = RunPlan("--replications 0", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("--replications"), std::string::npos) << out;
 }
 
 }  // namespace

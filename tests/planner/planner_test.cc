@@ -387,7 +387,9 @@ TEST(PlannerTest, EnumerationStaysWithinTheCores) {
     EXPECT_LE(l.Threads(), 4) << l.Name();
     if (l.Threads() > 2) {  // sharing: no thread pools
       EXPECT_EQ(l.decode_threads, 1) << l.Name();
-      if (!l.colocated) EXPECT_EQ(l.prefill_threads, 1) << l.Name();
+      if (!l.colocated) {
+        EXPECT_EQ(l.prefill_threads, 1) << l.Name();
+      }
     }
     most = std::max(most, l.Threads());
     default_layout |= !l.colocated && l.stages == 2 && l.prefill_threads == 1 &&
