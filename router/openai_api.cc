@@ -112,57 +112,6 @@ absl::Status ReadPrompts(const json& body, std::vector<PromptInput>* out) {
   return absl::OkStatus();
 }
 
-absl::Status ReadMessages(const json& body, std::vector<ChatMessage>* out) {
-  auto it = body.find("messages");
-  if (it == body.end() || it->is_null()) {
-    return FieldError("messages", "is required");
-  }
-  if (!it->is_array() || it->empty()) {
-    return FieldError("messages", "must be a non-empty array");
-  }
-  for (const json& message : *it) {
-    if (!message.is_object()) {
-      return FieldError("messages", "must hold objects");
-    }
-    auto role = message.find("role");
-    if (role == message.end() || !role->is_string()) {
-      return FieldError("messages[].role", "is required");
-    }
-    std::string role_name = role->get<std::string>();
-    if (role_name != "system" && role_name != "user" &&
-        role_name != "assistant" && role_name != "developer") {
-      return FieldError("messages[].role",
-                        "must be system, developer, user or assistant");
-    }
-    if (role_name == "developer") role_name = "system";
-    auto content = message.find("content");
-    if (content == message.end() || content->is_null()) {
-      return FieldError("messages[].content", "is required");
-    }
-    std::string text;
-    if (content->is_string()) {
-      text = content->get<std::string>();
-    } else if (content->is_array()) {
-      // Content parts: only text parts exist for a text model.
-      for (const json& part : *content) {
-        auto type = part.is_object() ? part.find("type") : part.end();
-        if (!part.is_object() || type == part.end() || *type != "text" ||
-            !part.contains("text") || !part["text"].is_string()) {
-          return FieldError(
-              "messages[].content",
-              "parts must be {\"type\": \"text\", \"text\": ...}");
-        }
-        text += part["text"].get<std::string>();
-      }
-    } else {
-      return FieldError("messages[].content",
-                        "must be a string or an array of text parts");
-    }
-    out->push_back({std::move(role_name), std::move(text)});
-  }
-  return absl::OkStatus();
-}
-
 using ojson = nlohmann::ordered_json;
 
 absl::Status MessageError(size_t index, std::string_view field,

@@ -1,17 +1,24 @@
 #include "tools/planner_profile.h"
 
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -78,27 +85,57 @@ struct ProfiledConfig {
   double busy_cores = 1;  // process CPU seconds per wall second of steps
 };
 
-absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
-                                             const model::WeightSource& weights,
-                                             planner::ComputeConfig config) {
-  const model::ModelConfig& mc = weights.config();
-  std::vector<planner::StepSample> samples;
-  absl::Mutex mu;
-  bool recording = false;
+// An in-process decode worker of `config` sized for the profile's prompts,
+// reporting every step to `observer`.
+absl::StatusOr<std::unique_ptr<decode::DecodeWorker>> ProfilingWorker(
+    const PlannerProfileOptions& o, const model::WeightSource& weights,
+    planner::ComputeConfig config,
+    std::function<void(const decode::StepStats&)> observer) {
   decode::DecodeWorkerOptions wo;
   wo.tp_size = config.tp;
   wo.threads_per_rank = config.threads_per_rank;
   wo.max_running = 64;
   wo.max_step_tokens = std::max(512, o.max_prompt);
-  const int max_context = std::min(mc.max_position_embeddings, o.max_prompt);
+  const int max_context =
+      std::min(weights.config().max_position_embeddings, o.max_prompt);
   wo.num_blocks = 40 * (max_context / wo.block_size + 2);
-  wo.step_observer = [&](const decode::StepStats& s) {
-    absl::MutexLock lock(&mu);
-    if (!recording) return;
-    samples.push_back(
-        {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
-  };
-  auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
+  wo.step_observer = std::move(observer);
+  return decode::DecodeWorker::Create(weights, nullptr, wo);
+}
+
+// Records a worker's steps while switched on.
+class StepRecorder {
+ public:
+  std::function<void(const decode::StepStats&)> Observer() {
+    return [this](const decode::StepStats& s) {
+      absl::MutexLock lock(&mu_);
+      if (!recording_) return;
+      samples_.push_back(
+          {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
+    };
+  }
+  void Record(bool on) {
+    absl::MutexLock lock(&mu_);
+    recording_ = on;
+  }
+  std::vector<planner::StepSample> Take() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(samples_, {});
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool recording_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<planner::StepSample> samples_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
+                                             const model::WeightSource& weights,
+                                             planner::ComputeConfig config) {
+  const model::ModelConfig& mc = weights.config();
+  const int max_context = std::min(mc.max_position_embeddings, o.max_prompt);
+  StepRecorder recorder;
+  auto worker = ProfilingWorker(o, weights, config, recorder.Observer());
   if (!worker.ok()) return worker.status();
   std::mt19937_64 rng(11);
   uint64_t next_id = 1;
@@ -109,10 +146,7 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
       !s.ok()) {
     return s;
   }
-  {
-    absl::MutexLock lock(&mu);
-    recording = true;
-  }
+  recorder.Record(true);
   // The worker runs steps back to back from here: the process's CPU time
   // over the wall time is the cores a step keeps busy.
   const double cpu_start = ProcessCpuSecondsNow();
@@ -145,7 +179,7 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
                              std::chrono::steady_clock::now() - wall_start)
                              .count()),
       0.1, static_cast<double>(config.threads()));
-  absl::MutexLock lock(&mu);
+  const std::vector<planner::StepSample> samples = recorder.Take();
   auto cost = planner::StepCost::Fit(samples);
   if (!cost.ok()) return cost.status();
   const auto error = cost->Error(samples);
@@ -158,6 +192,131 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
           cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3,
           busy_cores));
   return ProfiledConfig{*std::move(cost), busy_cores};
+}
+
+// Processes that compute without pause beside the profile, as a prefill
+// stage does through a microbatch: each is a fork of this process that runs
+// arithmetic on its stack only (after fork() in a threaded process nothing
+// may touch a lock or the heap), dies with its parent, and is killed and
+// reaped on destruction. What they leave out of a stage's work is memory
+// traffic: they measure how the OS shares the cores, not the memory bus.
+class BusyProcesses {
+ public:
+  explicit BusyProcesses(int count) {
+    const pid_t parent = getpid();
+    for (int i = 0; i < count; ++i) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) _exit(0);
+        volatile double x = 1;
+        for (;;) x = x * 0.999999 + 1e-6;
+      }
+      if (pid > 0) pids_.push_back(pid);
+    }
+  }
+  ~BusyProcesses() {
+    for (pid_t pid : pids_) kill(pid, SIGKILL);
+    for (pid_t pid : pids_) waitpid(pid, nullptr, 0);
+  }
+  BusyProcesses(const BusyProcesses&) = delete;
+  BusyProcesses& operator=(const BusyProcesses&) = delete;
+
+  int started() const { return static_cast<int>(pids_.size()); }
+  std::vector<double> CpuSeconds() const;
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
+// How a gang `config` (≥ 2 threads that wait on each other) shares the
+// cores with 1, 2, ... busy one-thread processes, for every count that
+// oversubscribes the cores up to the planner's limit (twice the cores'
+// threads; at most three counts: the first, the middle and the last). The
+// gang serves decode batches throughout; its speed with others is the median
+// over its steps of fitted over measured time, divided by the same alone in
+// interleaved windows (the VM's drift falls on both alike).
+absl::StatusOr<std::vector<planner::PerfModel::GangSharing>> MeasureGangSharing(
+    const PlannerProfileOptions& o, const model::WeightSource& weights,
+    planner::ComputeConfig config, const planner::StepCost& cost) {
+  std::vector<int> counts;
+  const int first = std::max(1, o.cores - config.threads() + 1);
+  const int last = 2 * o.cores - config.threads();
+  for (int m : {first, (first + last) / 2, last}) {
+    if (m >= first && m <= last && (counts.empty() || counts.back() != m)) {
+      counts.push_back(m);
+    }
+  }
+  if (counts.empty()) return std::vector<planner::PerfModel::GangSharing>{};
+  StepRecorder recorder;
+  auto worker = ProfilingWorker(o, weights, config, recorder.Observer());
+  if (!worker.ok()) return worker.status();
+  const int vocab = weights.config().vocab_size;
+  std::mt19937_64 rng(21);
+  uint64_t next_id = 1;
+  auto serve = [&](double seconds) -> absl::Status {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::vector<std::vector<int32_t>> prompts;
+      for (int i = 0; i < 4; ++i)
+        prompts.push_back(RandomPrompt(96, vocab, rng));
+      if (auto s = RunBatch(**worker, &next_id, prompts, 24); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  };
+  if (auto s = serve(0.3); !s.ok()) return s;  // warm-up
+  std::map<int, std::vector<double>> ratios;   // by count of others; 0 alone
+  std::map<int, std::vector<double>> other_share;
+  for (int round = 0; round < 2; ++round) {
+    for (int m : counts) {
+      for (int others : {0, m}) {
+        std::optional<BusyProcesses> busy;
+        if (others > 0) {
+          busy.emplace(others);
+          if (busy->started() != others) {
+            return absl::InternalError("gang sharing: fork() failed");
+          }
+          // Let the scheduler place them before counting.
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        const std::vector<double> cpu_start =
+            busy ? busy->CpuSeconds() : std::vector<double>{};
+        const auto wall_start = std::chrono::steady_clock::now();
+        recorder.Record(true);
+        absl::Status served = serve(1.0);
+        recorder.Record(false);
+        if (!served.ok()) return served;
+        const double wall = std::chrono::duration<double>(
+                                std::chrono::steady_clock::now() - wall_start)
+                                .count();
+        for (const planner::StepSample& step : recorder.Take()) {
+          ratios[others].push_back(cost.Seconds(step.shape) / step.seconds);
+        }
+        if (busy) {
+          const std::vector<double> cpu_end = busy->CpuSeconds();
+          for (size_t i = 0; i < cpu_end.size(); ++i) {
+            other_share[others].push_back((cpu_end[i] - cpu_start[i]) / wall);
+          }
+        }
+      }
+    }
+  }
+  if (ratios[0].empty()) {
+    return absl::InternalError("gang sharing: no step was measured alone");
+  }
+  const double alone = planner::Median(ratios[0]);
+  std::vector<planner::PerfModel::GangSharing> table;
+  for (int m : counts) {
+    if (ratios[m].empty() || other_share[m].empty()) {
+      return absl::InternalError(absl::StrCat(
+          "gang sharing: no step was measured beside ", m, " processes"));
+    }
+    table.push_back({m,
+                     std::clamp(planner::Median(ratios[m]) / alone, 0.01, 1.0),
+                     std::clamp(planner::Median(other_share[m]), 0.01, 1.0)});
+  }
+  return table;
 }
 
 struct Calibration {
@@ -180,6 +339,12 @@ double ProcessCpuSeconds(pid_t pid) {
     if (i >= 14) ticks += std::strtod(field.c_str(), nullptr);
   }
   return ticks / sysconf(_SC_CLK_TCK);
+}
+
+std::vector<double> BusyProcesses::CpuSeconds() const {
+  std::vector<double> seconds;
+  for (pid_t pid : pids_) seconds.push_back(ProcessCpuSeconds(pid));
+  return seconds;
 }
 
 double OwnCpuSeconds() {
@@ -343,6 +508,25 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
       }
       model.steps[{tp, threads}] = std::move(profiled->cost);
       model.busy_cores[{tp, threads}] = profiled->busy_cores;
+    }
+  }
+  // Before the calibrations: they subtract what the simulator predicts,
+  // which uses these.
+  for (const auto& [config, cost] : model.steps) {
+    if (config.threads() < 2) continue;
+    auto table = MeasureGangSharing(options, **weights, config, cost);
+    if (!table.ok()) return table.status();
+    if (table->empty()) continue;
+    model.gang_sharing[config] = *table;
+    for (const planner::PerfModel::GangSharing& g : *table) {
+      const double demand = model.BusyCores(config) + g.others;
+      Say(options,
+          absl::StrFormat(
+              "  tp %d × %d threads beside %d busy process%s: steps at %.2f, "
+              "each process at %.2f of full speed (processor sharing: %.2f)",
+              config.tp, config.threads_per_rank, g.others,
+              g.others == 1 ? "" : "es", g.gang_speed, g.other_speed,
+              std::min(1.0, options.cores / demand)));
     }
   }
   // Colocated: one worker of each profiled decode configuration (each

@@ -75,6 +75,25 @@ struct PerfModel {
   // sharing charges a layout this demand; unprofiled: threads().
   std::map<ComputeConfig, double> busy_cores;
   double BusyCores(ComputeConfig config) const;
+  // How a configuration of several threads that wait on each other (TP
+  // ranks at every all-reduce, a rank's threads at every matmul) shares the
+  // cores with `others` one-thread compute processes when together they want
+  // more cores than there are. Measured in the profile with the gang's steps
+  // beside `others` processes that compute without pause (what a prefill
+  // stage does during a microbatch): `gang_speed` is its steps' speed
+  // relative to alone, `other_speed` each process's CPU share. Why measured:
+  // processor sharing gives every thread the same share, but a gang only
+  // advances while all of its threads run, and Linux does not schedule them
+  // together — planner_bench run 10 measured the TPOT p99 of both 4-thread
+  // layouts 33-34% above the processor-sharing prediction while their
+  // prefill (TTFT p99) was within 8%.
+  struct GangSharing {
+    int others = 1;
+    double gang_speed = 1;
+    double other_speed = 1;
+  };
+  // By configuration, in increasing `others`.
+  std::map<ComputeConfig, std::vector<GangSharing>> gang_sharing;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;
 

@@ -36,16 +36,23 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The event core: compute jobs share `cores` (processor sharing), timers fire
-// at fixed times.
+// The event core: compute jobs share `cores`, timers fire at fixed times.
+// While the jobs want more cores than there are, every job slows alike
+// (processor sharing) — except one gang (a job of several threads that wait
+// on each other) among one-thread jobs, whose measured sharing
+// (PerfModel::gang_sharing) sets its speed and theirs.
 class EventLoop {
  public:
+  using GangTable = std::vector<PerfModel::GangSharing>;
   explicit EventLoop(int cores) : cores_(cores) {}
 
   // Starts a job of `work` seconds (at full speed) keeping `demand` cores
-  // busy (its threads, or fewer where they wait on each other).
-  void StartJob(double work, double demand, std::function<void(double)> done) {
-    jobs_.push_back(Job{std::max(work, 0.0), demand, std::move(done)});
+  // busy (its threads, or fewer where they wait on each other). A gang
+  // passes its measured sharing (`gang`, else nullptr) and `threads` ≥ 2.
+  void StartJob(double work, double demand, std::function<void(double)> done,
+                int threads = 1, const GangTable* gang = nullptr) {
+    jobs_.push_back(
+        Job{std::max(work, 0.0), demand, threads, gang, 1.0, std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -55,15 +62,15 @@ class EventLoop {
   // Runs until nothing is left.
   void Run() {
     while (!jobs_.empty() || !timers_.empty()) {
-      const double rate = Rate();
+      SetRates();
       double job_end = kInf;
       for (const Job& j : jobs_)
-        job_end = std::min(job_end, j.remaining / rate);
+        job_end = std::min(job_end, j.remaining / j.rate);
       job_end += now_;
       const double timer_at = timers_.empty() ? kInf : timers_.top().time;
       const double next = std::min(job_end, timer_at);
       const double elapsed = next - now_;
-      for (Job& j : jobs_) j.remaining -= elapsed * rate;
+      for (Job& j : jobs_) j.remaining -= elapsed * j.rate;
       now_ = next;
       if (timer_at <= job_end) {
         auto fn = timers_.top().fn;
@@ -89,6 +96,9 @@ class EventLoop {
   struct Job {
     double remaining;
     double demand;
+    int threads;
+    const GangTable* gang;
+    double rate;  // of full speed (SetRates)
     std::function<void(double)> done;
   };
   struct Timer {
@@ -99,10 +109,55 @@ class EventLoop {
       return time != o.time ? time > o.time : order > o.order;
     }
   };
-  double Rate() const {
+  double ProcessorSharing(double demand) const {
+    return demand > cores_ ? cores_ / demand : 1.0;
+  }
+  void SetRates() {
     double demand = 0;
     for (const Job& j : jobs_) demand += j.demand;
-    return demand > cores_ ? cores_ / demand : 1.0;
+    const double shared = ProcessorSharing(demand);
+    for (Job& j : jobs_) j.rate = shared;
+    if (shared >= 1) return;
+    Job* gang = nullptr;
+    int others = 0;
+    double other_demand = 0;
+    for (Job& j : jobs_) {
+      if (j.threads > 1) {
+        if (gang != nullptr) return;  // two gangs: not measured together
+        gang = &j;
+      } else {
+        ++others;
+        other_demand += j.demand;
+      }
+    }
+    if (gang == nullptr || gang->gang == nullptr || others == 0) return;
+    const GangTable& table = *gang->gang;
+    // The measured entry for this many others; between two, linear; fewer
+    // than measured: processor sharing; more: the last entry slowed further
+    // as processor sharing slows from there.
+    const PerfModel::GangSharing* below = nullptr;
+    const PerfModel::GangSharing* above = nullptr;
+    for (const PerfModel::GangSharing& g : table) {
+      if (g.others <= others) below = &g;
+      if (g.others >= others && above == nullptr) above = &g;
+    }
+    if (below == nullptr) return;
+    double gang_speed = below->gang_speed, other_speed = below->other_speed;
+    if (above != nullptr && above != below) {
+      const double f = static_cast<double>(others - below->others) /
+                       (above->others - below->others);
+      gang_speed += f * (above->gang_speed - below->gang_speed);
+      other_speed += f * (above->other_speed - below->other_speed);
+    } else if (above == nullptr) {
+      const double per_other = other_demand / others;
+      const double further =
+          shared / ProcessorSharing(gang->demand + below->others * per_other);
+      gang_speed *= further;
+      other_speed *= further;
+    }
+    for (Job& j : jobs_) {
+      j.rate = std::clamp(&j == gang ? gang_speed : other_speed, 1e-3, 1.0);
+    }
   }
 
   int cores_;
@@ -260,6 +315,14 @@ class Simulation {
     if (!layout_.colocated) --group_of_[r.id]->assigned;
   }
 
+  // The measured sharing of a configuration of several threads, if the
+  // model has it and the options use it.
+  const EventLoop::GangTable* GangOf(ComputeConfig config) const {
+    if (!options_.measured_gang_sharing || config.threads() < 2) return nullptr;
+    auto it = model_.gang_sharing.find(config);
+    return it == model_.gang_sharing.end() ? nullptr : &it->second;
+  }
+
   // ---- Prefill pipeline -------------------------------------------------
 
   void IssueMicrobatches(GroupSim& g, double t) {
@@ -293,24 +356,26 @@ class Simulation {
     if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
     stage.busy = true;
     const double start = t;
-    loop_.StartJob(work, model_.BusyCores({1, layout_.prefill_threads}),
-                   [this, &g, s, mb, last, start](double now) {
-                     StageSim& st = g.stages[s];
-                     st.busy = false;
-                     st.busy_seconds += now - start;
-                     if (last) {
-                       --g.in_flight;
-                       for (const prefill::ChunkWork& c : mb->chunks) {
-                         if (c.final_chunk)
-                           PrefillDone(reqs_[c.request_id], now);
-                       }
-                       IssueMicrobatches(g, now);
-                     } else {
-                       g.stages[s + 1].queue.push_back(mb);
-                       StartStage(g, s + 1, now);
-                     }
-                     StartStage(g, s, now);
-                   });
+    const ComputeConfig stage_config{1, layout_.prefill_threads};
+    loop_.StartJob(
+        work, model_.BusyCores(stage_config),
+        [this, &g, s, mb, last, start](double now) {
+          StageSim& st = g.stages[s];
+          st.busy = false;
+          st.busy_seconds += now - start;
+          if (last) {
+            --g.in_flight;
+            for (const prefill::ChunkWork& c : mb->chunks) {
+              if (c.final_chunk) PrefillDone(reqs_[c.request_id], now);
+            }
+            IssueMicrobatches(g, now);
+          } else {
+            g.stages[s + 1].queue.push_back(mb);
+            StartStage(g, s + 1, now);
+          }
+          StartStage(g, s, now);
+        },
+        stage_config.threads(), GangOf(stage_config));
   }
 
   void PrefillDone(Req& r, double t) {
@@ -369,16 +434,17 @@ class Simulation {
     }
     w.busy = true;
     const double start = t;
+    const ComputeConfig config{layout_.tp, layout_.decode_threads};
     loop_.StartJob(
-        w.cost->Seconds(shape) * Spread(*w.cost) +
-            model_.StepOverhead({layout_.tp, layout_.decode_threads}),
-        model_.BusyCores({layout_.tp, layout_.decode_threads}),
+        w.cost->Seconds(shape) * Spread(*w.cost) + model_.StepOverhead(config),
+        model_.BusyCores(config),
         [this, &w, plan = std::move(plan), start](double now) {
           w.busy = false;
           w.busy_seconds += now - start;
           Apply(w, plan, now);
           Kick(w, now);
-        });
+        },
+        config.threads(), GangOf(config));
   }
 
   void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {
