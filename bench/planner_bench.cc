@@ -150,8 +150,8 @@ int Main(int argc, char** argv) {
       "1: also rank layouts with up to twice as many compute threads as "
       "cores, one per decode rank and prefill stage (today's default has 4 "
       "on 2).");
-  const bool gang_sharing = flags.Bool(
-      "gang-sharing", true,
+  const bool core_sharing = flags.Bool(
+      "core-sharing", true,
       "0: plan with processor sharing only, ignoring the profile's measured "
       "gang sharing (the table prints processor sharing's predictions beside "
       "the planner's either way).");
@@ -218,8 +218,8 @@ int Main(int argc, char** argv) {
   // The same model without the measured gang sharing: every job slows alike
   // where the cores are oversubscribed.
   planner::PerfModel processor_sharing = model;
-  processor_sharing.gang_sharing.clear();
-  if (!gang_sharing) model = processor_sharing;
+  processor_sharing.core_sharing.clear();
+  if (!core_sharing) model = processor_sharing;
 
   // Today's `pdserve local` default: 2 stages, TP 2 (4 compute threads on
   // these cores), measured as predicted: without speculation unless

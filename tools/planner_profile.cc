@@ -2,14 +2,14 @@
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -26,6 +26,7 @@
 #include "decode/decode_worker.h"
 #include "model/weight_source.h"
 #include "planner/simulator.h"
+#include "process/child_process.h"
 #include "tools/load_generator.h"
 #include "tools/local_cluster.h"
 
@@ -194,60 +195,135 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
   return ProfiledConfig{*std::move(cost), busy_cores};
 }
 
-// Processes that compute without pause beside the profile, as a prefill
-// stage does through a microbatch: each is a fork of this process that runs
-// arithmetic on its stack only (after fork() in a threaded process nothing
-// may touch a lock or the heap), dies with its parent, and is killed and
-// reaped on destruction. What they leave out of a stage's work is memory
-// traffic: they measure how the OS shares the cores, not the memory bus.
-class BusyProcesses {
+double MonotonicSeconds() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Busy prefill stages beside the profile: `pdserve-cluster prefill-load`
+// processes (one-thread prefill, a prompt after another), each logging its
+// steps' start and end to a file. Paused (SIGSTOP) and resumed (SIGCONT) so
+// that a chosen number of them computes in a window.
+class PrefillLoads {
  public:
-  explicit BusyProcesses(int count) {
-    const pid_t parent = getpid();
+  static absl::StatusOr<std::unique_ptr<PrefillLoads>> Start(
+      const PlannerProfileOptions& o, int count, int prompt_tokens) {
+    std::string binary = absl::StrCat(o.bin_dir, "/pdserve-cluster");
+    if (!process::IsExecutableFile(binary)) {
+      return absl::NotFoundError(
+          absl::StrCat("no pdserve-cluster binary at ", binary,
+                       " (the profile's prefill load; build it, or set the "
+                       "bin dir)"));
+    }
+    char pattern[] = "/tmp/pdserve-profile.XXXXXX";
+    if (mkdtemp(pattern) == nullptr) {
+      return absl::UnavailableError("cannot create a work folder in /tmp");
+    }
+    auto loads = std::unique_ptr<PrefillLoads>(new PrefillLoads(pattern));
     for (int i = 0; i < count; ++i) {
-      const pid_t pid = fork();
-      if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        if (getppid() != parent) _exit(0);
-        volatile double x = 1;
-        for (;;) x = x * 0.999999 + 1e-6;
+      process::SpawnOptions spawn;
+      spawn.binary = binary;
+      spawn.args = {"prefill-load",
+                    "--model",
+                    o.model_path,
+                    "--format",
+                    o.format,
+                    "--prompt-tokens",
+                    absl::StrCat(prompt_tokens)};
+      spawn.log_path = absl::StrCat(loads->dir_, "/load-", i, ".log");
+      spawn.stop_grace = absl::Milliseconds(500);
+      auto child = process::ChildProcess::Spawn(spawn);
+      if (!child.ok()) return child.status();
+      loads->children_.push_back(*std::move(child));
+    }
+    // Ready once every one has logged two steps (the model loaded, the
+    // first step's page faults behind it).
+    const double deadline = MonotonicSeconds() + 120;
+    for (size_t i = 0; i < loads->children_.size(); ++i) {
+      while (loads->Steps(i, 0, INFINITY).size() < 2) {
+        if (!loads->children_[i]->Running()) {
+          return absl::InternalError(absl::StrCat(
+              "prefill load exited: ", loads->children_[i]->LogTail(512)));
+        }
+        if (MonotonicSeconds() > deadline) {
+          return absl::DeadlineExceededError(
+              "prefill load logged no step in 120 s");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
-      if (pid > 0) pids_.push_back(pid);
+    }
+    loads->Run(0);
+    return loads;
+  }
+  ~PrefillLoads() {
+    Run(static_cast<int>(children_.size()));  // a stopped one ignores TERM
+    children_.clear();
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  // The first `count` compute, the others are paused.
+  void Run(int count) {
+    for (int i = 0; i < static_cast<int>(children_.size()); ++i) {
+      children_[i]->Signal(i < count ? SIGCONT : SIGSTOP);
     }
   }
-  ~BusyProcesses() {
-    for (pid_t pid : pids_) kill(pid, SIGKILL);
-    for (pid_t pid : pids_) waitpid(pid, nullptr, 0);
-  }
-  BusyProcesses(const BusyProcesses&) = delete;
-  BusyProcesses& operator=(const BusyProcesses&) = delete;
+  int size() const { return static_cast<int>(children_.size()); }
 
-  int started() const { return static_cast<int>(pids_.size()); }
-  std::vector<double> CpuSeconds() const;
+  // Seconds of load `i`'s steps that started and ended within [from, to]
+  // (a step across a pause would count the pause).
+  std::vector<double> Steps(size_t i, double from, double to) const {
+    std::ifstream log(children_[i]->options().log_path);
+    std::vector<double> seconds;
+    double start = 0, end = 0;
+    std::string line;
+    while (std::getline(log, line)) {
+      std::istringstream fields(line);
+      if (fields >> start >> end && start >= from && end <= to) {
+        seconds.push_back(end - start);
+      }
+    }
+    return seconds;
+  }
 
  private:
-  std::vector<pid_t> pids_;
+  explicit PrefillLoads(std::string dir) : dir_(std::move(dir)) {}
+  std::string dir_;
+  std::vector<std::unique_ptr<process::ChildProcess>> children_;
 };
 
-// How a gang `config` (≥ 2 threads that wait on each other) shares the
-// cores with 1, 2, ... busy one-thread processes, for every count that
-// oversubscribes the cores up to the planner's limit (twice the cores'
-// threads; at most three counts: the first, the middle and the last). The
-// gang serves decode batches throughout; its speed with others is the median
-// over its steps of fitted over measured time, divided by the same alone in
-// interleaved windows (the VM's drift falls on both alike).
-absl::StatusOr<std::vector<planner::PerfModel::GangSharing>> MeasureGangSharing(
-    const PlannerProfileOptions& o, const model::WeightSource& weights,
-    planner::ComputeConfig config, const planner::StepCost& cost) {
+// The counts of busy stages beside decode configuration `config` that
+// oversubscribe the cores, up to the planner's limit of twice the cores'
+// threads: at most three (the first, the middle and the last).
+std::vector<int> SharingCounts(int cores, planner::ComputeConfig config) {
   std::vector<int> counts;
-  const int first = std::max(1, o.cores - config.threads() + 1);
-  const int last = 2 * o.cores - config.threads();
+  const int first = std::max(1, cores - config.threads() + 1);
+  const int last = 2 * cores - config.threads();
   for (int m : {first, (first + last) / 2, last}) {
     if (m >= first && m <= last && (counts.empty() || counts.back() != m)) {
       counts.push_back(m);
     }
   }
-  if (counts.empty()) return std::vector<planner::PerfModel::GangSharing>{};
+  return counts;
+}
+
+// How decode configuration `config` shares the cores with busy prefill
+// stages, for every count SharingCounts gives: a decode worker of the
+// configuration serves decode batches beside that many of `loads`. Its
+// speed is the median over its steps of fitted over measured time, divided
+// by the same measured alone; a stage's speed is its median step time when
+// one computes alone (the decode worker idle) over that beside the decode
+// worker. Windows alternate over two rounds, so the VM's drift falls on
+// every count alike.
+absl::StatusOr<std::vector<planner::PerfModel::CoreSharing>> MeasureCoreSharing(
+    const PlannerProfileOptions& o, const model::WeightSource& weights,
+    planner::ComputeConfig config, const planner::StepCost& cost,
+    PrefillLoads& loads) {
+  const std::vector<int> counts = SharingCounts(o.cores, config);
+  if (counts.empty() || counts.back() > loads.size()) {
+    return std::vector<planner::PerfModel::CoreSharing>{};
+  }
   StepRecorder recorder;
   auto worker = ProfilingWorker(o, weights, config, recorder.Observer());
   if (!worker.ok()) return worker.status();
@@ -255,66 +331,71 @@ absl::StatusOr<std::vector<planner::PerfModel::GangSharing>> MeasureGangSharing(
   std::mt19937_64 rng(21);
   uint64_t next_id = 1;
   auto serve = [&](double seconds) -> absl::Status {
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(seconds);
-    while (std::chrono::steady_clock::now() < deadline) {
+    const double until = MonotonicSeconds() + seconds;
+    while (MonotonicSeconds() < until) {
       std::vector<std::vector<int32_t>> prompts;
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 4; ++i) {
         prompts.push_back(RandomPrompt(96, vocab, rng));
-      if (auto s = RunBatch(**worker, &next_id, prompts, 24); !s.ok()) return s;
+      }
+      if (auto s = RunBatch(**worker, &next_id, prompts, 24); !s.ok()) {
+        return s;
+      }
     }
     return absl::OkStatus();
   };
   if (auto s = serve(0.3); !s.ok()) return s;  // warm-up
-  std::map<int, std::vector<double>> ratios;   // by count of others; 0 alone
-  std::map<int, std::vector<double>> other_share;
+  constexpr double kWindow = 1.5;
+  // Decode fitted / measured, and the stages' step seconds, by count of
+  // stages computing (0: the decode worker alone; for the stages, 0 is one
+  // stage alone).
+  std::map<int, std::vector<double>> decode_ratios, stage_seconds;
   for (int round = 0; round < 2; ++round) {
     for (int m : counts) {
-      for (int others : {0, m}) {
-        std::optional<BusyProcesses> busy;
-        if (others > 0) {
-          busy.emplace(others);
-          if (busy->started() != others) {
-            return absl::InternalError("gang sharing: fork() failed");
-          }
-          // Let the scheduler place them before counting.
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        const std::vector<double> cpu_start =
-            busy ? busy->CpuSeconds() : std::vector<double>{};
-        const auto wall_start = std::chrono::steady_clock::now();
+      for (int stages : {0, m}) {
+        loads.Run(stages);
+        const double from = MonotonicSeconds();
         recorder.Record(true);
-        absl::Status served = serve(1.0);
+        absl::Status served = serve(kWindow);
         recorder.Record(false);
         if (!served.ok()) return served;
-        const double wall = std::chrono::duration<double>(
-                                std::chrono::steady_clock::now() - wall_start)
-                                .count();
+        const double to = MonotonicSeconds();
         for (const planner::StepSample& step : recorder.Take()) {
-          ratios[others].push_back(cost.Seconds(step.shape) / step.seconds);
+          decode_ratios[stages].push_back(cost.Seconds(step.shape) /
+                                          step.seconds);
         }
-        if (busy) {
-          const std::vector<double> cpu_end = busy->CpuSeconds();
-          for (size_t i = 0; i < cpu_end.size(); ++i) {
-            other_share[others].push_back((cpu_end[i] - cpu_start[i]) / wall);
+        for (int i = 0; i < stages; ++i) {
+          for (double t : loads.Steps(i, from, to)) {
+            stage_seconds[stages].push_back(t);
           }
         }
       }
+      // One stage alone, the decode worker idle: the stages' full speed.
+      loads.Run(1);
+      const double from = MonotonicSeconds();
+      std::this_thread::sleep_for(std::chrono::duration<double>(kWindow));
+      for (double t : loads.Steps(0, from, MonotonicSeconds())) {
+        stage_seconds[0].push_back(t);
+      }
     }
   }
-  if (ratios[0].empty()) {
-    return absl::InternalError("gang sharing: no step was measured alone");
+  loads.Run(0);
+  if (decode_ratios[0].empty() || stage_seconds[0].empty()) {
+    return absl::InternalError("core sharing: no step was measured alone");
   }
-  const double alone = planner::Median(ratios[0]);
-  std::vector<planner::PerfModel::GangSharing> table;
+  const double decode_alone = planner::Median(decode_ratios[0]);
+  const double stage_alone = planner::Median(stage_seconds[0]);
+  std::vector<planner::PerfModel::CoreSharing> table;
   for (int m : counts) {
-    if (ratios[m].empty() || other_share[m].empty()) {
+    if (decode_ratios[m].empty() || stage_seconds[m].empty()) {
       return absl::InternalError(absl::StrCat(
-          "gang sharing: no step was measured beside ", m, " processes"));
+          "core sharing: no step was measured beside ", m, " stages"));
     }
-    table.push_back({m,
-                     std::clamp(planner::Median(ratios[m]) / alone, 0.01, 1.0),
-                     std::clamp(planner::Median(other_share[m]), 0.01, 1.0)});
+    table.push_back(
+        {m,
+         std::clamp(planner::Median(decode_ratios[m]) / decode_alone, 0.01,
+                    1.0),
+         std::clamp(stage_alone / planner::Median(stage_seconds[m]), 0.01,
+                    1.0)});
   }
   return table;
 }
@@ -339,12 +420,6 @@ double ProcessCpuSeconds(pid_t pid) {
     if (i >= 14) ticks += std::strtod(field.c_str(), nullptr);
   }
   return ticks / sysconf(_SC_CLK_TCK);
-}
-
-std::vector<double> BusyProcesses::CpuSeconds() const {
-  std::vector<double> seconds;
-  for (pid_t pid : pids_) seconds.push_back(ProcessCpuSeconds(pid));
-  return seconds;
 }
 
 double OwnCpuSeconds() {
@@ -512,21 +587,36 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   }
   // Before the calibrations: they subtract what the simulator predicts,
   // which uses these.
+  int most_stages = 0;
   for (const auto& [config, cost] : model.steps) {
-    if (config.threads() < 2) continue;
-    auto table = MeasureGangSharing(options, **weights, config, cost);
-    if (!table.ok()) return table.status();
-    if (table->empty()) continue;
-    model.gang_sharing[config] = *table;
-    for (const planner::PerfModel::GangSharing& g : *table) {
-      const double demand = model.BusyCores(config) + g.others;
-      Say(options,
-          absl::StrFormat(
-              "  tp %d × %d threads beside %d busy process%s: steps at %.2f, "
-              "each process at %.2f of full speed (processor sharing: %.2f)",
-              config.tp, config.threads_per_rank, g.others,
-              g.others == 1 ? "" : "es", g.gang_speed, g.other_speed,
-              std::min(1.0, options.cores / demand)));
+    const std::vector<int> counts = SharingCounts(options.cores, config);
+    if (!counts.empty()) most_stages = std::max(most_stages, counts.back());
+  }
+  if (most_stages > 0) {
+    constexpr int kLoadPrompt = 64;
+    Say(options,
+        absl::StrCat("measuring core sharing beside up to ", most_stages,
+                     " busy prefill stages (", kLoadPrompt, "-token prompts)"));
+    auto loads = PrefillLoads::Start(options, most_stages, kLoadPrompt);
+    if (!loads.ok()) return loads.status();
+    for (const auto& [config, cost] : model.steps) {
+      auto table =
+          MeasureCoreSharing(options, **weights, config, cost, **loads);
+      if (!table.ok()) return table.status();
+      if (table->empty()) continue;
+      model.core_sharing[config] = *table;
+      for (const planner::PerfModel::CoreSharing& m : *table) {
+        const double demand =
+            model.BusyCores(config) + m.others * model.BusyCores({1, 1});
+        Say(options,
+            absl::StrFormat(
+                "  tp %d × %d threads beside %d busy stage%s: decode at "
+                "%.2f, each stage at %.2f of full speed (processor sharing: "
+                "%.2f)",
+                config.tp, config.threads_per_rank, m.others,
+                m.others == 1 ? "" : "s", m.decode_speed, m.other_speed,
+                std::min(1.0, options.cores / demand)));
+      }
     }
   }
   // Colocated: one worker of each profiled decode configuration (each
@@ -573,6 +663,31 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                       model.disaggregated_ttft.per_prompt_token * 1e3,
                       model.handoff_seconds * 1e3));
   return model;
+}
+
+absl::Status RunPrefillLoad(const PlannerProfileOptions& options,
+                            int prompt_tokens, std::FILE* out) {
+  auto format = model::ParseLoadFormat(options.format);
+  if (!format.ok()) return format.status();
+  auto weights = model::OpenModel(options.model_path, *format);
+  if (!weights.ok()) return weights.status();
+  const int vocab = (*weights)->config().vocab_size;
+  auto worker = ProfilingWorker(
+      options, **weights, {1, 1}, [out](const decode::StepStats& s) {
+        const double end = MonotonicSeconds();
+        std::fprintf(out, "%.6f %.6f\n", end - s.seconds, end);
+        std::fflush(out);
+      });
+  if (!worker.ok()) return worker.status();
+  std::mt19937_64 rng(31);
+  uint64_t next_id = 1;
+  for (;;) {
+    if (auto s = RunBatch(**worker, &next_id,
+                          {RandomPrompt(prompt_tokens, vocab, rng)}, 1);
+        !s.ok()) {
+      return s;
+    }
+  }
 }
 
 }  // namespace pdserve::tools

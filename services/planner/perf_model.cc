@@ -46,14 +46,14 @@ nlohmann::json PerfModel::ToJson() const {
     if (auto busy = busy_cores.find(c); busy != busy_cores.end()) {
       entry["busy_cores"] = busy->second;
     }
-    if (auto gang = gang_sharing.find(c); gang != gang_sharing.end()) {
+    if (auto measured = core_sharing.find(c); measured != core_sharing.end()) {
       nlohmann::json sharing = nlohmann::json::array();
-      for (const GangSharing& g : gang->second) {
+      for (const CoreSharing& g : measured->second) {
         sharing.push_back({{"others", g.others},
-                           {"gang_speed", g.gang_speed},
+                           {"decode_speed", g.decode_speed},
                            {"other_speed", g.other_speed}});
       }
-      entry["gang_sharing"] = std::move(sharing);
+      entry["core_sharing"] = std::move(sharing);
     }
     configs.push_back(std::move(entry));
   }
@@ -109,21 +109,21 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
         }
         m.busy_cores[config] = busy;
       }
-      for (const auto& g : c.value("gang_sharing", nlohmann::json::array())) {
-        GangSharing sharing{g.at("others").get<int>(),
-                            g.at("gang_speed").get<double>(),
+      for (const auto& g : c.value("core_sharing", nlohmann::json::array())) {
+        CoreSharing sharing{g.at("others").get<int>(),
+                            g.at("decode_speed").get<double>(),
                             g.at("other_speed").get<double>()};
-        std::vector<GangSharing>& table = m.gang_sharing[config];
-        if (config.threads() < 2 || sharing.others < 1 ||
-            !(sharing.gang_speed > 0 && sharing.gang_speed <= 2) ||
+        std::vector<CoreSharing>& table = m.core_sharing[config];
+        if (sharing.others < 1 ||
+            !(sharing.decode_speed > 0 && sharing.decode_speed <= 2) ||
             !(sharing.other_speed > 0 && sharing.other_speed <= 2) ||
             (!table.empty() && sharing.others <= table.back().others)) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "perf model: gang_sharing of tp ", config.tp, " x ",
+              "perf model: core_sharing of tp ", config.tp, " x ",
               config.threads_per_rank,
-              " threads needs a configuration of ≥ 2 threads, others ≥ 1 in "
-              "increasing order and speeds in (0, 2]; got others ",
-              sharing.others, ", gang_speed ", sharing.gang_speed,
+              " threads needs others ≥ 1 in increasing order and speeds in "
+              "(0, 2]; got others ",
+              sharing.others, ", decode_speed ", sharing.decode_speed,
               ", other_speed ", sharing.other_speed));
         }
         table.push_back(sharing);

@@ -75,25 +75,26 @@ struct PerfModel {
   // sharing charges a layout this demand; unprofiled: threads().
   std::map<ComputeConfig, double> busy_cores;
   double BusyCores(ComputeConfig config) const;
-  // How a configuration of several threads that wait on each other (TP
-  // ranks at every all-reduce, a rank's threads at every matmul) shares the
-  // cores with `others` one-thread compute processes when together they want
-  // more cores than there are. Measured in the profile with the gang's steps
-  // beside `others` processes that compute without pause (what a prefill
-  // stage does during a microbatch): `gang_speed` is its steps' speed
-  // relative to alone, `other_speed` each process's CPU share. Why measured:
-  // processor sharing gives every thread the same share, but a gang only
-  // advances while all of its threads run, and Linux does not schedule them
-  // together — planner_bench run 10 measured the TPOT p99 of both 4-thread
-  // layouts 33-34% above the processor-sharing prediction while their
-  // prefill (TTFT p99) was within 8%.
-  struct GangSharing {
+  // How a decode configuration's steps share the cores with `others` busy
+  // prefill stages when together they want more cores than there are.
+  // Measured in the profile: a decode worker of the configuration serves
+  // decode batches beside `others` processes that prefill one prompt after
+  // another on one thread each (`pdserve-cluster prefill-load`);
+  // `decode_speed` is its steps' speed and `other_speed` each process's,
+  // both relative to running alone. Why measured: processor sharing gives
+  // every thread the same share of the CPU, but TP ranks advance only while
+  // all of them run (Linux does not schedule them together), and on a VM the
+  // processes also share the memory bus, which CPU shares do not show —
+  // planner_bench run 10 measured both 4-thread layouts' TPOT p99 33-34%
+  // above processor sharing's prediction, and run 11 the TTFT p99 of layouts
+  // of one-thread stages beside a one-thread decode worker 41-51%.
+  struct CoreSharing {
     int others = 1;
-    double gang_speed = 1;
+    double decode_speed = 1;
     double other_speed = 1;
   };
-  // By configuration, in increasing `others`.
-  std::map<ComputeConfig, std::vector<GangSharing>> gang_sharing;
+  // By decode configuration, in increasing `others`.
+  std::map<ComputeConfig, std::vector<CoreSharing>> core_sharing;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;
 

@@ -38,21 +38,22 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // The event core: compute jobs share `cores`, timers fire at fixed times.
 // While the jobs want more cores than there are, every job slows alike
-// (processor sharing) — except one gang (a job of several threads that wait
-// on each other) among one-thread jobs, whose measured sharing
-// (PerfModel::gang_sharing) sets its speed and theirs.
+// (processor sharing) — except one decode step beside jobs without a
+// measurement of their own (prefill stages, the router's streaming), where
+// the profile measured how that decode configuration shares the cores with
+// busy prefill stages (PerfModel::core_sharing): those speeds hold.
 class EventLoop {
  public:
-  using GangTable = std::vector<PerfModel::GangSharing>;
+  using SharingTable = std::vector<PerfModel::CoreSharing>;
   explicit EventLoop(int cores) : cores_(cores) {}
 
   // Starts a job of `work` seconds (at full speed) keeping `demand` cores
-  // busy (its threads, or fewer where they wait on each other). A gang
-  // passes its measured sharing (`gang`, else nullptr) and `threads` ≥ 2.
+  // busy (its threads, or fewer where they wait on each other); a decode
+  // step passes its configuration's measured sharing, if any.
   void StartJob(double work, double demand, std::function<void(double)> done,
-                int threads = 1, const GangTable* gang = nullptr) {
+                const SharingTable* sharing = nullptr) {
     jobs_.push_back(
-        Job{std::max(work, 0.0), demand, threads, gang, 1.0, std::move(done)});
+        Job{std::max(work, 0.0), demand, sharing, 1.0, std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -96,8 +97,7 @@ class EventLoop {
   struct Job {
     double remaining;
     double demand;
-    int threads;
-    const GangTable* gang;
+    const SharingTable* sharing;
     double rate;  // of full speed (SetRates)
     std::function<void(double)> done;
   };
@@ -118,45 +118,45 @@ class EventLoop {
     const double shared = ProcessorSharing(demand);
     for (Job& j : jobs_) j.rate = shared;
     if (shared >= 1) return;
-    Job* gang = nullptr;
+    Job* decode = nullptr;
     int others = 0;
     double other_demand = 0;
     for (Job& j : jobs_) {
-      if (j.threads > 1) {
-        if (gang != nullptr) return;  // two gangs: not measured together
-        gang = &j;
+      if (j.sharing != nullptr) {
+        if (decode != nullptr) return;  // two decode steps: not measured
+        decode = &j;
       } else {
         ++others;
         other_demand += j.demand;
       }
     }
-    if (gang == nullptr || gang->gang == nullptr || others == 0) return;
-    const GangTable& table = *gang->gang;
+    if (decode == nullptr || others == 0) return;
     // The measured entry for this many others; between two, linear; fewer
     // than measured: processor sharing; more: the last entry slowed further
     // as processor sharing slows from there.
-    const PerfModel::GangSharing* below = nullptr;
-    const PerfModel::GangSharing* above = nullptr;
-    for (const PerfModel::GangSharing& g : table) {
-      if (g.others <= others) below = &g;
-      if (g.others >= others && above == nullptr) above = &g;
+    const PerfModel::CoreSharing* below = nullptr;
+    const PerfModel::CoreSharing* above = nullptr;
+    for (const PerfModel::CoreSharing& m : *decode->sharing) {
+      if (m.others <= others) below = &m;
+      if (m.others >= others && above == nullptr) above = &m;
     }
     if (below == nullptr) return;
-    double gang_speed = below->gang_speed, other_speed = below->other_speed;
+    double decode_speed = below->decode_speed;
+    double other_speed = below->other_speed;
     if (above != nullptr && above != below) {
       const double f = static_cast<double>(others - below->others) /
                        (above->others - below->others);
-      gang_speed += f * (above->gang_speed - below->gang_speed);
+      decode_speed += f * (above->decode_speed - below->decode_speed);
       other_speed += f * (above->other_speed - below->other_speed);
     } else if (above == nullptr) {
       const double per_other = other_demand / others;
       const double further =
-          shared / ProcessorSharing(gang->demand + below->others * per_other);
-      gang_speed *= further;
+          shared / ProcessorSharing(decode->demand + below->others * per_other);
+      decode_speed *= further;
       other_speed *= further;
     }
     for (Job& j : jobs_) {
-      j.rate = std::clamp(&j == gang ? gang_speed : other_speed, 1e-3, 1.0);
+      j.rate = std::clamp(&j == decode ? decode_speed : other_speed, 1e-3, 1.0);
     }
   }
 
@@ -315,12 +315,12 @@ class Simulation {
     if (!layout_.colocated) --group_of_[r.id]->assigned;
   }
 
-  // The measured sharing of a configuration of several threads, if the
-  // model has it and the options use it.
-  const EventLoop::GangTable* GangOf(ComputeConfig config) const {
-    if (!options_.measured_gang_sharing || config.threads() < 2) return nullptr;
-    auto it = model_.gang_sharing.find(config);
-    return it == model_.gang_sharing.end() ? nullptr : &it->second;
+  // How a decode configuration shares the cores with busy prefill stages,
+  // if the model measured it and the options use it.
+  const EventLoop::SharingTable* SharingOf(ComputeConfig config) const {
+    if (!options_.measured_core_sharing) return nullptr;
+    auto it = model_.core_sharing.find(config);
+    return it == model_.core_sharing.end() ? nullptr : &it->second;
   }
 
   // ---- Prefill pipeline -------------------------------------------------
@@ -357,25 +357,24 @@ class Simulation {
     stage.busy = true;
     const double start = t;
     const ComputeConfig stage_config{1, layout_.prefill_threads};
-    loop_.StartJob(
-        work, model_.BusyCores(stage_config),
-        [this, &g, s, mb, last, start](double now) {
-          StageSim& st = g.stages[s];
-          st.busy = false;
-          st.busy_seconds += now - start;
-          if (last) {
-            --g.in_flight;
-            for (const prefill::ChunkWork& c : mb->chunks) {
-              if (c.final_chunk) PrefillDone(reqs_[c.request_id], now);
-            }
-            IssueMicrobatches(g, now);
-          } else {
-            g.stages[s + 1].queue.push_back(mb);
-            StartStage(g, s + 1, now);
-          }
-          StartStage(g, s, now);
-        },
-        stage_config.threads(), GangOf(stage_config));
+    loop_.StartJob(work, model_.BusyCores(stage_config),
+                   [this, &g, s, mb, last, start](double now) {
+                     StageSim& st = g.stages[s];
+                     st.busy = false;
+                     st.busy_seconds += now - start;
+                     if (last) {
+                       --g.in_flight;
+                       for (const prefill::ChunkWork& c : mb->chunks) {
+                         if (c.final_chunk)
+                           PrefillDone(reqs_[c.request_id], now);
+                       }
+                       IssueMicrobatches(g, now);
+                     } else {
+                       g.stages[s + 1].queue.push_back(mb);
+                       StartStage(g, s + 1, now);
+                     }
+                     StartStage(g, s, now);
+                   });
   }
 
   void PrefillDone(Req& r, double t) {
@@ -444,7 +443,7 @@ class Simulation {
           Apply(w, plan, now);
           Kick(w, now);
         },
-        config.threads(), GangOf(config));
+        SharingOf(config));
   }
 
   void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {

@@ -323,22 +323,25 @@ TEST(SimulatorTest, SharingChargesTheMeasuredBusyCores) {
   EXPECT_NE(refused.status().message().find("busy_cores"), std::string::npos);
 }
 
-// A gang (a TP 2 decode worker: its ranks wait on each other at every
-// all-reduce) beside a one-thread prefill stage on 2 cores runs at the
-// speeds the profile measured for that mix, where processor sharing would
-// give both 2 / 3.
-TEST(SimulatorTest, GangBesideOneThreadJobsRunsAtItsMeasuredSpeeds) {
+// A decode worker (TP 2: its ranks wait on each other at every all-reduce)
+// beside a one-thread prefill stage on 2 cores runs at the speeds the
+// profile measured for its configuration beside busy stages, where
+// processor sharing would give both 2 / 3.
+TEST(SimulatorTest, DecodeBesidePrefillRunsAtItsMeasuredSpeeds) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
   PerfModel model = ModelWith(*cost);
-  model.gang_sharing[{2, 1}] = {{1, 0.25, 1.0}};
+  model.core_sharing[{2, 1}] = {{1, 0.25, 1.0}};
+  // A stage's configuration (tp 1 × 1) is a decode configuration too; its
+  // measurement is for decode steps, never taken by a stage.
+  model.core_sharing[{1, 1}] = {{1, 0.1, 0.1}};
   Layout disaggregated;  // one one-thread stage, decode TP 2 × 1 thread
   disaggregated.tp = 2;
   const SimRequest decoding{0, 16, 200};  // decodes for seconds
   const SimRequest prompt{0.5, 200, 1};   // prefilled meanwhile
   const SimOptions measured{.cores = 2, .step_spread = false};
   SimOptions processor_sharing = measured;
-  processor_sharing.measured_gang_sharing = false;
+  processor_sharing.measured_core_sharing = false;
   auto alone = Simulate(model, disaggregated, {decoding}, Slo{}, measured);
   auto both =
       Simulate(model, disaggregated, {decoding, prompt}, Slo{}, measured);
@@ -355,7 +358,7 @@ TEST(SimulatorTest, GangBesideOneThreadJobsRunsAtItsMeasuredSpeeds) {
   EXPECT_NEAR((both->tpot_p50 - alone->tpot_p50) * 199, prefill * 0.75, 1e-9);
   // Without a measurement for the mix, processor sharing.
   PerfModel unmeasured = model;
-  unmeasured.gang_sharing[{2, 1}] = {{2, 0.25, 1.0}};
+  unmeasured.core_sharing[{2, 1}] = {{2, 0.25, 1.0}};
   auto fallback =
       Simulate(unmeasured, disaggregated, {decoding, prompt}, Slo{}, measured);
   ASSERT_TRUE(fallback.ok());
@@ -363,17 +366,17 @@ TEST(SimulatorTest, GangBesideOneThreadJobsRunsAtItsMeasuredSpeeds) {
   // Kept in the saved model.
   auto loaded = PerfModel::FromJson(model.ToJson());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  ASSERT_EQ(loaded->gang_sharing.at({2, 1}).size(), 1u);
-  EXPECT_EQ(loaded->gang_sharing.at({2, 1})[0].gang_speed, 0.25);
+  ASSERT_EQ(loaded->core_sharing.at({2, 1}).size(), 1u);
+  EXPECT_EQ(loaded->core_sharing.at({2, 1})[0].decode_speed, 0.25);
 }
 
-// More one-thread jobs than measured: the last measured speeds, slowed
-// further as processor sharing slows from that mix to this one.
-TEST(SimulatorTest, GangBesideMoreJobsThanMeasuredSlowsAsProcessorSharing) {
+// More stages than measured: the last measured speeds, slowed further as
+// processor sharing slows from that mix to this one.
+TEST(SimulatorTest, DecodeBesideMoreStagesThanMeasuredSlowsAsProcessorSharing) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
   PerfModel model = ModelWith(*cost);
-  model.gang_sharing[{2, 1}] = {{1, 0.5, 0.8}};
+  model.core_sharing[{2, 1}] = {{1, 0.5, 0.8}};
   Layout two_stages;  // two one-thread stages, decode TP 2 × 1 thread
   two_stages.stages = 2;
   two_stages.tp = 2;
@@ -384,10 +387,10 @@ TEST(SimulatorTest, GangBesideMoreJobsThanMeasuredSlowsAsProcessorSharing) {
   auto p = Simulate(model, two_stages, requests, Slo{}, options);
   ASSERT_TRUE(p.ok()) << p.status();
   // Each stage holds half the layers. Stage 0 runs the first prompt beside
-  // the gang alone (0.8). Then stage 1 runs it while stage 0 runs the
-  // second prompt: two beside the gang, processor sharing slows from 2 / 3
+  // the decode steps alone (0.8). Then stage 1 runs it while stage 0 runs the
+  // second prompt: two beside them, processor sharing slows from 2 / 3
   // (one beside it) to 2 / 4, so 0.8 × 0.75 = 0.6 — until stage 0 is done
-  // and the LM head's row runs beside the gang alone again.
+  // and the LM head's row runs beside the decode steps alone again.
   const double half = cost->Seconds({200, 0, AttendedPositions(0, 200)}) / 2;
   const double first_done =
       half / 0.8 + half / 0.6 + cost->seconds_per_logit_row() / 0.8;
