@@ -150,11 +150,6 @@ int Main(int argc, char** argv) {
       "1: also rank layouts with up to twice as many compute threads as "
       "cores, one per decode rank and prefill stage (today's default has 4 "
       "on 2).");
-  const bool core_sharing = flags.Bool(
-      "core-sharing", true,
-      "0: plan with processor sharing only, ignoring the profile's measured "
-      "gang sharing (the table prints processor sharing's predictions beside "
-      "the planner's either way).");
   if (flags.help_requested()) {
     std::fputs(flags
                    .Usage("planner_bench [flags]\nThe layout planner's "
@@ -215,12 +210,6 @@ int Main(int argc, char** argv) {
     model = *std::move(m);
   }
 
-  // The same model without the measured gang sharing: every job slows alike
-  // where the cores are oversubscribed.
-  planner::PerfModel processor_sharing = model;
-  processor_sharing.core_sharing.clear();
-  if (!core_sharing) model = processor_sharing;
-
   // Today's `pdserve local` default: 2 stages, TP 2 (4 compute threads on
   // these cores), measured as predicted: without speculation unless
   // --default-ngram. As shipped it runs n-gram, which drafts from the dummy
@@ -240,7 +229,6 @@ int Main(int argc, char** argv) {
     planner::Layout layout;
     planner::Prediction predicted;  // under this workload's SLO
     int rank = 0;                   // 0 = today's default only
-    planner::Prediction shared;     // processor sharing's prediction
   };
   std::map<std::string, std::vector<Row>> rows_by_workload;
   // prompts|layout → one report per round
@@ -279,17 +267,6 @@ int Main(int argc, char** argv) {
         return 1;
       }
       rows.push_back({default_layout, *p, 0});
-    }
-    for (Row& row : rows) {
-      auto p = planner::Simulate(
-          processor_sharing, row.layout, planner::SimRequests(request.workload),
-          w.slo,
-          {.cores = profile.cores, .seed = seed, .replications = replications});
-      if (!p.ok()) {
-        std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
-        return 1;
-      }
-      row.shared = *p;
     }
   }
 
@@ -363,9 +340,8 @@ int Main(int argc, char** argv) {
     std::printf(
         "\n%s (SLO TTFT ≤ %.0f ms, TPOT ≤ %.0f ms)\n"
         "| rank | layout | TTFT p99 pred / meas | err | TPOT p99 pred / meas "
-        "| err | goodput pred / meas | err | machine speed | processor "
-        "sharing: TTFT, TPOT p99 (err), goodput |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n",
+        "| err | goodput pred / meas | err | machine speed |\n"
+        "|---|---|---|---|---|---|---|---|---|\n",
         w.name.c_str(), w.slo.ttft_seconds * 1e3, w.slo.tpot_seconds * 1e3);
     double best_measured = 0, first_measured = 0;
     for (const Row& row : rows_by_workload[w.name]) {
@@ -392,20 +368,14 @@ int Main(int argc, char** argv) {
       if (row.rank == 1) first_measured = goodput;
       std::printf(
           "| %s | %s | %.0f / %.0f ms%s | %+.0f%% | %.1f / %.1f ms%s | %+.0f%% "
-          "| %.2f / %.2f /s%s | %+.0f%% | %.2fx%s | %.0f ms (%+.0f%%), %.1f ms "
-          "(%+.0f%%), %.2f/s (%+.0f%%) |\n",
+          "| %.2f / %.2f /s%s | %+.0f%% | %.2fx%s |\n",
           row.rank ? absl::StrCat(row.rank).c_str() : "default",
           row.layout.Name().c_str(), row.predicted.ttft_p99 * 1e3,
           ttft.median * 1e3, ttft.Range(1e3, 0).c_str(), e_ttft * 100,
           row.predicted.tpot_p99 * 1e3, tpot.median * 1e3,
           tpot.Range(1e3, 1).c_str(), e_tpot * 100, row.predicted.goodput,
           goodput, goodput_spread.Range(1, 2).c_str(), e_good * 100,
-          machine.median, machine.Range(1, 2).c_str(),
-          row.shared.ttft_p99 * 1e3,
-          RelativeError(row.shared.ttft_p99, ttft.median) * 100,
-          row.shared.tpot_p99 * 1e3,
-          RelativeError(row.shared.tpot_p99, tpot.median) * 100,
-          row.shared.goodput, RelativeError(row.shared.goodput, goodput) * 100);
+          machine.median, machine.Range(1, 2).c_str());
     }
     if (top < 1) {
       std::printf("no first choice measured (--top %d)\n", top);

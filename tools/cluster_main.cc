@@ -1,8 +1,7 @@
 // pdserve-cluster: the `local`, `client` and `plan` subcommands of `pdserve`
-// (which execs this binary for them), and `prefill-load`, which the planner's
-// profile starts beside a decode worker (tools/planner_profile.h). A separate
-// executable because these link gRPC and libprotobuf, which the single-process
-// `pdserve generate` must not load next to the tokenizer's SentencePiece.
+// (which execs this binary for them). A separate executable because these link
+// gRPC and libprotobuf, which the single-process `pdserve generate` must not
+// load next to the tokenizer's SentencePiece.
 #include <cstdio>
 #include <string>
 
@@ -18,8 +17,6 @@ int main(int argc, char** argv) {
     status = pdserve::tools::RunClient(argc, argv);
   } else if (command == "plan") {
     status = pdserve::tools::RunPlan(argc, argv);
-  } else if (command == "prefill-load") {
-    status = pdserve::tools::RunPrefillLoadCommand(argc, argv);
   } else {
     // Not meant to be run by hand: point at pdserve's own help.
     const bool help = command == "-h" || command == "--help";

@@ -15,8 +15,4 @@ namespace pdserve::tools {
 // pdserve plan: rank candidate layouts for a workload and an SLO.
 [[nodiscard]] absl::Status RunPlan(int argc, char** argv);
 
-// pdserve-cluster prefill-load: a busy prefill stage's compute for the
-// planner's profile (tools/planner_profile.h, RunPrefillLoad).
-[[nodiscard]] absl::Status RunPrefillLoadCommand(int argc, char** argv);
-
 }  // namespace pdserve::tools

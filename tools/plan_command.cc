@@ -242,32 +242,4 @@ absl::Status RunPlan(int argc, char** argv) {
   return absl::OkStatus();
 }
 
-absl::Status RunPrefillLoadCommand(int argc, char** argv) {
-  CommandLineFlags flags;
-  if (auto s = flags.Parse(argc, argv, /*first=*/2); !s.ok()) return s;
-  PlannerProfileOptions load;
-  load.model_path = flags.Str("model", "", "Model to prefill with.");
-  load.format =
-      flags.Str("format", "auto", "Model format: auto|gguf|safetensors|dummy.");
-  const int prompt_tokens =
-      flags.Num<int>("prompt-tokens", 64, "Tokens of every prompt.");
-  if (flags.help_requested()) {
-    std::fputs(flags
-                   .Usage("pdserve-cluster prefill-load [flags]\n"
-                          "Prefills prompts on one thread until killed, a "
-                          "line per step (start and end, CLOCK_MONOTONIC "
-                          "seconds): the planner profile's busy prefill "
-                          "stage.\n")
-                   .c_str(),
-               stdout);
-    return absl::OkStatus();
-  }
-  if (auto s = flags.Check(); !s.ok()) return s;
-  if (load.model_path.empty() || prompt_tokens < 1) {
-    return absl::InvalidArgumentError(
-        "prefill-load needs --model and --prompt-tokens ≥ 1");
-  }
-  return RunPrefillLoad(load, prompt_tokens, stdout);
-}
-
 }  // namespace pdserve::tools

@@ -1,24 +1,17 @@
 #include "tools/planner_profile.h"
 
 #include <grpcpp/grpcpp.h>
-#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <ctime>
-#include <filesystem>
 #include <fstream>
-#include <functional>
-#include <map>
-#include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -26,7 +19,6 @@
 #include "decode/decode_worker.h"
 #include "model/weight_source.h"
 #include "planner/simulator.h"
-#include "process/child_process.h"
 #include "tools/load_generator.h"
 #include "tools/local_cluster.h"
 
@@ -86,57 +78,27 @@ struct ProfiledConfig {
   double busy_cores = 1;  // process CPU seconds per wall second of steps
 };
 
-// An in-process decode worker of `config` sized for the profile's prompts,
-// reporting every step to `observer`.
-absl::StatusOr<std::unique_ptr<decode::DecodeWorker>> ProfilingWorker(
-    const PlannerProfileOptions& o, const model::WeightSource& weights,
-    planner::ComputeConfig config,
-    std::function<void(const decode::StepStats&)> observer) {
+absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
+                                             const model::WeightSource& weights,
+                                             planner::ComputeConfig config) {
+  const model::ModelConfig& mc = weights.config();
+  std::vector<planner::StepSample> samples;
+  absl::Mutex mu;
+  bool recording = false;
   decode::DecodeWorkerOptions wo;
   wo.tp_size = config.tp;
   wo.threads_per_rank = config.threads_per_rank;
   wo.max_running = 64;
   wo.max_step_tokens = std::max(512, o.max_prompt);
-  const int max_context =
-      std::min(weights.config().max_position_embeddings, o.max_prompt);
-  wo.num_blocks = 40 * (max_context / wo.block_size + 2);
-  wo.step_observer = std::move(observer);
-  return decode::DecodeWorker::Create(weights, nullptr, wo);
-}
-
-// Records a worker's steps while switched on.
-class StepRecorder {
- public:
-  std::function<void(const decode::StepStats&)> Observer() {
-    return [this](const decode::StepStats& s) {
-      absl::MutexLock lock(&mu_);
-      if (!recording_) return;
-      samples_.push_back(
-          {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
-    };
-  }
-  void Record(bool on) {
-    absl::MutexLock lock(&mu_);
-    recording_ = on;
-  }
-  std::vector<planner::StepSample> Take() {
-    absl::MutexLock lock(&mu_);
-    return std::exchange(samples_, {});
-  }
-
- private:
-  absl::Mutex mu_;
-  bool recording_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<planner::StepSample> samples_ ABSL_GUARDED_BY(mu_);
-};
-
-absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
-                                             const model::WeightSource& weights,
-                                             planner::ComputeConfig config) {
-  const model::ModelConfig& mc = weights.config();
   const int max_context = std::min(mc.max_position_embeddings, o.max_prompt);
-  StepRecorder recorder;
-  auto worker = ProfilingWorker(o, weights, config, recorder.Observer());
+  wo.num_blocks = 40 * (max_context / wo.block_size + 2);
+  wo.step_observer = [&](const decode::StepStats& s) {
+    absl::MutexLock lock(&mu);
+    if (!recording) return;
+    samples.push_back(
+        {{s.tokens_fed, s.logit_rows, s.attended_positions}, s.seconds});
+  };
+  auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
   if (!worker.ok()) return worker.status();
   std::mt19937_64 rng(11);
   uint64_t next_id = 1;
@@ -147,7 +109,10 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
       !s.ok()) {
     return s;
   }
-  recorder.Record(true);
+  {
+    absl::MutexLock lock(&mu);
+    recording = true;
+  }
   // The worker runs steps back to back from here: the process's CPU time
   // over the wall time is the cores a step keeps busy.
   const double cpu_start = ProcessCpuSecondsNow();
@@ -180,7 +145,7 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
                              std::chrono::steady_clock::now() - wall_start)
                              .count()),
       0.1, static_cast<double>(config.threads()));
-  const std::vector<planner::StepSample> samples = recorder.Take();
+  absl::MutexLock lock(&mu);
   auto cost = planner::StepCost::Fit(samples);
   if (!cost.ok()) return cost.status();
   const auto error = cost->Error(samples);
@@ -193,211 +158,6 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
           cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3,
           busy_cores));
   return ProfiledConfig{*std::move(cost), busy_cores};
-}
-
-double MonotonicSeconds() {
-  return std::chrono::duration<double>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// Busy prefill stages beside the profile: `pdserve-cluster prefill-load`
-// processes (one-thread prefill, a prompt after another), each logging its
-// steps' start and end to a file. Paused (SIGSTOP) and resumed (SIGCONT) so
-// that a chosen number of them computes in a window.
-class PrefillLoads {
- public:
-  static absl::StatusOr<std::unique_ptr<PrefillLoads>> Start(
-      const PlannerProfileOptions& o, int count, int prompt_tokens) {
-    std::string binary = absl::StrCat(o.bin_dir, "/pdserve-cluster");
-    if (!process::IsExecutableFile(binary)) {
-      return absl::NotFoundError(
-          absl::StrCat("no pdserve-cluster binary at ", binary,
-                       " (the profile's prefill load; build it, or set the "
-                       "bin dir)"));
-    }
-    char pattern[] = "/tmp/pdserve-profile.XXXXXX";
-    if (mkdtemp(pattern) == nullptr) {
-      return absl::UnavailableError("cannot create a work folder in /tmp");
-    }
-    auto loads = std::unique_ptr<PrefillLoads>(new PrefillLoads(pattern));
-    for (int i = 0; i < count; ++i) {
-      process::SpawnOptions spawn;
-      spawn.binary = binary;
-      spawn.args = {"prefill-load",
-                    "--model",
-                    o.model_path,
-                    "--format",
-                    o.format,
-                    "--prompt-tokens",
-                    absl::StrCat(prompt_tokens)};
-      spawn.log_path = absl::StrCat(loads->dir_, "/load-", i, ".log");
-      spawn.stop_grace = absl::Milliseconds(500);
-      auto child = process::ChildProcess::Spawn(spawn);
-      if (!child.ok()) return child.status();
-      loads->children_.push_back(*std::move(child));
-    }
-    // Ready once every one has logged two steps (the model loaded, the
-    // first step's page faults behind it).
-    const double deadline = MonotonicSeconds() + 120;
-    for (size_t i = 0; i < loads->children_.size(); ++i) {
-      while (loads->Steps(i, 0, INFINITY).size() < 2) {
-        if (!loads->children_[i]->Running()) {
-          return absl::InternalError(absl::StrCat(
-              "prefill load exited: ", loads->children_[i]->LogTail(512)));
-        }
-        if (MonotonicSeconds() > deadline) {
-          return absl::DeadlineExceededError(
-              "prefill load logged no step in 120 s");
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-    }
-    loads->Run(0);
-    return loads;
-  }
-  ~PrefillLoads() {
-    Run(static_cast<int>(children_.size()));  // a stopped one ignores TERM
-    children_.clear();
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-
-  // The first `count` compute, the others are paused.
-  void Run(int count) {
-    for (int i = 0; i < static_cast<int>(children_.size()); ++i) {
-      children_[i]->Signal(i < count ? SIGCONT : SIGSTOP);
-    }
-  }
-  int size() const { return static_cast<int>(children_.size()); }
-
-  // Seconds of load `i`'s steps that started and ended within [from, to]
-  // (a step across a pause would count the pause).
-  std::vector<double> Steps(size_t i, double from, double to) const {
-    std::ifstream log(children_[i]->options().log_path);
-    std::vector<double> seconds;
-    double start = 0, end = 0;
-    std::string line;
-    while (std::getline(log, line)) {
-      std::istringstream fields(line);
-      if (fields >> start >> end && start >= from && end <= to) {
-        seconds.push_back(end - start);
-      }
-    }
-    return seconds;
-  }
-
- private:
-  explicit PrefillLoads(std::string dir) : dir_(std::move(dir)) {}
-  std::string dir_;
-  std::vector<std::unique_ptr<process::ChildProcess>> children_;
-};
-
-// The counts of busy stages beside decode configuration `config` that
-// oversubscribe the cores, up to the planner's limit of twice the cores'
-// threads: at most three (the first, the middle and the last).
-std::vector<int> SharingCounts(int cores, planner::ComputeConfig config) {
-  std::vector<int> counts;
-  const int first = std::max(1, cores - config.threads() + 1);
-  const int last = 2 * cores - config.threads();
-  for (int m : {first, (first + last) / 2, last}) {
-    if (m >= first && m <= last && (counts.empty() || counts.back() != m)) {
-      counts.push_back(m);
-    }
-  }
-  return counts;
-}
-
-// How decode configuration `config` shares the cores with busy prefill
-// stages, for every count SharingCounts gives: a decode worker of the
-// configuration serves decode batches beside that many of `loads`. Its
-// speed is the median over its steps of fitted over measured time, divided
-// by the same measured alone; a stage's speed is its median step time when
-// one computes alone (the decode worker idle) over that beside the decode
-// worker. Windows alternate over two rounds, so the VM's drift falls on
-// every count alike.
-absl::StatusOr<std::vector<planner::PerfModel::CoreSharing>> MeasureCoreSharing(
-    const PlannerProfileOptions& o, const model::WeightSource& weights,
-    planner::ComputeConfig config, const planner::StepCost& cost,
-    PrefillLoads& loads) {
-  const std::vector<int> counts = SharingCounts(o.cores, config);
-  if (counts.empty() || counts.back() > loads.size()) {
-    return std::vector<planner::PerfModel::CoreSharing>{};
-  }
-  StepRecorder recorder;
-  auto worker = ProfilingWorker(o, weights, config, recorder.Observer());
-  if (!worker.ok()) return worker.status();
-  const int vocab = weights.config().vocab_size;
-  std::mt19937_64 rng(21);
-  uint64_t next_id = 1;
-  auto serve = [&](double seconds) -> absl::Status {
-    const double until = MonotonicSeconds() + seconds;
-    while (MonotonicSeconds() < until) {
-      std::vector<std::vector<int32_t>> prompts;
-      for (int i = 0; i < 4; ++i) {
-        prompts.push_back(RandomPrompt(96, vocab, rng));
-      }
-      if (auto s = RunBatch(**worker, &next_id, prompts, 24); !s.ok()) {
-        return s;
-      }
-    }
-    return absl::OkStatus();
-  };
-  if (auto s = serve(0.3); !s.ok()) return s;  // warm-up
-  constexpr double kWindow = 1.5;
-  // Decode fitted / measured, and the stages' step seconds, by count of
-  // stages computing (0: the decode worker alone; for the stages, 0 is one
-  // stage alone).
-  std::map<int, std::vector<double>> decode_ratios, stage_seconds;
-  for (int round = 0; round < 2; ++round) {
-    for (int m : counts) {
-      for (int stages : {0, m}) {
-        loads.Run(stages);
-        const double from = MonotonicSeconds();
-        recorder.Record(true);
-        absl::Status served = serve(kWindow);
-        recorder.Record(false);
-        if (!served.ok()) return served;
-        const double to = MonotonicSeconds();
-        for (const planner::StepSample& step : recorder.Take()) {
-          decode_ratios[stages].push_back(cost.Seconds(step.shape) /
-                                          step.seconds);
-        }
-        for (int i = 0; i < stages; ++i) {
-          for (double t : loads.Steps(i, from, to)) {
-            stage_seconds[stages].push_back(t);
-          }
-        }
-      }
-      // One stage alone, the decode worker idle: the stages' full speed.
-      loads.Run(1);
-      const double from = MonotonicSeconds();
-      std::this_thread::sleep_for(std::chrono::duration<double>(kWindow));
-      for (double t : loads.Steps(0, from, MonotonicSeconds())) {
-        stage_seconds[0].push_back(t);
-      }
-    }
-  }
-  loads.Run(0);
-  if (decode_ratios[0].empty() || stage_seconds[0].empty()) {
-    return absl::InternalError("core sharing: no step was measured alone");
-  }
-  const double decode_alone = planner::Median(decode_ratios[0]);
-  const double stage_alone = planner::Median(stage_seconds[0]);
-  std::vector<planner::PerfModel::CoreSharing> table;
-  for (int m : counts) {
-    if (decode_ratios[m].empty() || stage_seconds[m].empty()) {
-      return absl::InternalError(absl::StrCat(
-          "core sharing: no step was measured beside ", m, " stages"));
-    }
-    table.push_back(
-        {m,
-         std::clamp(planner::Median(decode_ratios[m]) / decode_alone, 0.01,
-                    1.0),
-         std::clamp(stage_alone / planner::Median(stage_seconds[m]), 0.01,
-                    1.0)});
-  }
-  return table;
 }
 
 struct Calibration {
@@ -585,40 +345,6 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
       model.busy_cores[{tp, threads}] = profiled->busy_cores;
     }
   }
-  // Before the calibrations: they subtract what the simulator predicts,
-  // which uses these.
-  int most_stages = 0;
-  for (const auto& [config, cost] : model.steps) {
-    const std::vector<int> counts = SharingCounts(options.cores, config);
-    if (!counts.empty()) most_stages = std::max(most_stages, counts.back());
-  }
-  if (most_stages > 0) {
-    constexpr int kLoadPrompt = 64;
-    Say(options,
-        absl::StrCat("measuring core sharing beside up to ", most_stages,
-                     " busy prefill stages (", kLoadPrompt, "-token prompts)"));
-    auto loads = PrefillLoads::Start(options, most_stages, kLoadPrompt);
-    if (!loads.ok()) return loads.status();
-    for (const auto& [config, cost] : model.steps) {
-      auto table =
-          MeasureCoreSharing(options, **weights, config, cost, **loads);
-      if (!table.ok()) return table.status();
-      if (table->empty()) continue;
-      model.core_sharing[config] = *table;
-      for (const planner::PerfModel::CoreSharing& m : *table) {
-        const double demand =
-            model.BusyCores(config) + m.others * model.BusyCores({1, 1});
-        Say(options,
-            absl::StrFormat(
-                "  tp %d × %d threads beside %d busy stage%s: decode at "
-                "%.2f, each stage at %.2f of full speed (processor sharing: "
-                "%.2f)",
-                config.tp, config.threads_per_rank, m.others,
-                m.others == 1 ? "" : "s", m.decode_speed, m.other_speed,
-                std::min(1.0, options.cores / demand)));
-      }
-    }
-  }
   // Colocated: one worker of each profiled decode configuration (each
   // has its own step overhead); disaggregated: one prefill stage and one
   // decode worker of one thread each (the smallest such layout).
@@ -663,31 +389,6 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                       model.disaggregated_ttft.per_prompt_token * 1e3,
                       model.handoff_seconds * 1e3));
   return model;
-}
-
-absl::Status RunPrefillLoad(const PlannerProfileOptions& options,
-                            int prompt_tokens, std::FILE* out) {
-  auto format = model::ParseLoadFormat(options.format);
-  if (!format.ok()) return format.status();
-  auto weights = model::OpenModel(options.model_path, *format);
-  if (!weights.ok()) return weights.status();
-  const int vocab = (*weights)->config().vocab_size;
-  auto worker = ProfilingWorker(
-      options, **weights, {1, 1}, [out](const decode::StepStats& s) {
-        const double end = MonotonicSeconds();
-        std::fprintf(out, "%.6f %.6f\n", end - s.seconds, end);
-        std::fflush(out);
-      });
-  if (!worker.ok()) return worker.status();
-  std::mt19937_64 rng(31);
-  uint64_t next_id = 1;
-  for (;;) {
-    if (auto s = RunBatch(**worker, &next_id,
-                          {RandomPrompt(prompt_tokens, vocab, rng)}, 1);
-        !s.ok()) {
-      return s;
-    }
-  }
 }
 
 }  // namespace pdserve::tools

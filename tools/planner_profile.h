@@ -17,7 +17,6 @@
 //     delay, and the prefill→decode hand-off.
 #pragma once
 
-#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
@@ -47,14 +46,5 @@ void ApplyLayout(const planner::Layout& layout, LocalClusterOptions* options);
 
 absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     const PlannerProfileOptions& options);
-
-// `pdserve-cluster prefill-load`: prefills random `prompt_tokens`-token
-// prompts one at a time on a one-thread worker of the model, back to back
-// until killed, writing one line per step to `out` — its start and end in
-// seconds of CLOCK_MONOTONIC. The profile runs it beside a decode worker as
-// a busy prefill stage (ProfileForPlanner, "core sharing"). Returns only on
-// an error.
-absl::Status RunPrefillLoad(const PlannerProfileOptions& options,
-                            int prompt_tokens, std::FILE* out);
 
 }  // namespace pdserve::tools

@@ -46,15 +46,6 @@ nlohmann::json PerfModel::ToJson() const {
     if (auto busy = busy_cores.find(c); busy != busy_cores.end()) {
       entry["busy_cores"] = busy->second;
     }
-    if (auto measured = core_sharing.find(c); measured != core_sharing.end()) {
-      nlohmann::json sharing = nlohmann::json::array();
-      for (const CoreSharing& g : measured->second) {
-        sharing.push_back({{"others", g.others},
-                           {"decode_speed", g.decode_speed},
-                           {"other_speed", g.other_speed}});
-      }
-      entry["core_sharing"] = std::move(sharing);
-    }
     configs.push_back(std::move(entry));
   }
   auto linear = [](const LinearCost& l) {
@@ -108,25 +99,6 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
                            config.threads(), "], got ", busy));
         }
         m.busy_cores[config] = busy;
-      }
-      for (const auto& g : c.value("core_sharing", nlohmann::json::array())) {
-        CoreSharing sharing{g.at("others").get<int>(),
-                            g.at("decode_speed").get<double>(),
-                            g.at("other_speed").get<double>()};
-        std::vector<CoreSharing>& table = m.core_sharing[config];
-        if (sharing.others < 1 ||
-            !(sharing.decode_speed > 0 && sharing.decode_speed <= 2) ||
-            !(sharing.other_speed > 0 && sharing.other_speed <= 2) ||
-            (!table.empty() && sharing.others <= table.back().others)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "perf model: core_sharing of tp ", config.tp, " x ",
-              config.threads_per_rank,
-              " threads needs others ≥ 1 in increasing order and speeds in "
-              "(0, 2]; got others ",
-              sharing.others, ", decode_speed ", sharing.decode_speed,
-              ", other_speed ", sharing.other_speed));
-        }
-        table.push_back(sharing);
       }
     }
     auto linear = [](const nlohmann::json& j) {

@@ -75,26 +75,6 @@ struct PerfModel {
   // sharing charges a layout this demand; unprofiled: threads().
   std::map<ComputeConfig, double> busy_cores;
   double BusyCores(ComputeConfig config) const;
-  // How a decode configuration's steps share the cores with `others` busy
-  // prefill stages when together they want more cores than there are.
-  // Measured in the profile: a decode worker of the configuration serves
-  // decode batches beside `others` processes that prefill one prompt after
-  // another on one thread each (`pdserve-cluster prefill-load`);
-  // `decode_speed` is its steps' speed and `other_speed` each process's,
-  // both relative to running alone. Why measured: processor sharing gives
-  // every thread the same share of the CPU, but TP ranks advance only while
-  // all of them run (Linux does not schedule them together), and on a VM the
-  // processes also share the memory bus, which CPU shares do not show —
-  // planner_bench run 10 measured both 4-thread layouts' TPOT p99 33-34%
-  // above processor sharing's prediction, and run 11 the TTFT p99 of layouts
-  // of one-thread stages beside a one-thread decode worker 41-51%.
-  struct CoreSharing {
-    int others = 1;
-    double decode_speed = 1;
-    double other_speed = 1;
-  };
-  // By decode configuration, in increasing `others`.
-  std::map<ComputeConfig, std::vector<CoreSharing>> core_sharing;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;
 

@@ -36,24 +36,16 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The event core: compute jobs share `cores`, timers fire at fixed times.
-// While the jobs want more cores than there are, every job slows alike
-// (processor sharing) — except one decode step beside jobs without a
-// measurement of their own (prefill stages, the router's streaming), where
-// the profile measured how that decode configuration shares the cores with
-// busy prefill stages (PerfModel::core_sharing): those speeds hold.
+// The event core: compute jobs share `cores` (processor sharing), timers fire
+// at fixed times.
 class EventLoop {
  public:
-  using SharingTable = std::vector<PerfModel::CoreSharing>;
   explicit EventLoop(int cores) : cores_(cores) {}
 
   // Starts a job of `work` seconds (at full speed) keeping `demand` cores
-  // busy (its threads, or fewer where they wait on each other); a decode
-  // step passes its configuration's measured sharing, if any.
-  void StartJob(double work, double demand, std::function<void(double)> done,
-                const SharingTable* sharing = nullptr) {
-    jobs_.push_back(
-        Job{std::max(work, 0.0), demand, sharing, 1.0, std::move(done)});
+  // busy (its threads, or fewer where they wait on each other).
+  void StartJob(double work, double demand, std::function<void(double)> done) {
+    jobs_.push_back(Job{std::max(work, 0.0), demand, std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -63,15 +55,15 @@ class EventLoop {
   // Runs until nothing is left.
   void Run() {
     while (!jobs_.empty() || !timers_.empty()) {
-      SetRates();
+      const double rate = Rate();
       double job_end = kInf;
       for (const Job& j : jobs_)
-        job_end = std::min(job_end, j.remaining / j.rate);
+        job_end = std::min(job_end, j.remaining / rate);
       job_end += now_;
       const double timer_at = timers_.empty() ? kInf : timers_.top().time;
       const double next = std::min(job_end, timer_at);
       const double elapsed = next - now_;
-      for (Job& j : jobs_) j.remaining -= elapsed * j.rate;
+      for (Job& j : jobs_) j.remaining -= elapsed * rate;
       now_ = next;
       if (timer_at <= job_end) {
         auto fn = timers_.top().fn;
@@ -97,8 +89,6 @@ class EventLoop {
   struct Job {
     double remaining;
     double demand;
-    const SharingTable* sharing;
-    double rate;  // of full speed (SetRates)
     std::function<void(double)> done;
   };
   struct Timer {
@@ -109,55 +99,10 @@ class EventLoop {
       return time != o.time ? time > o.time : order > o.order;
     }
   };
-  double ProcessorSharing(double demand) const {
-    return demand > cores_ ? cores_ / demand : 1.0;
-  }
-  void SetRates() {
+  double Rate() const {
     double demand = 0;
     for (const Job& j : jobs_) demand += j.demand;
-    const double shared = ProcessorSharing(demand);
-    for (Job& j : jobs_) j.rate = shared;
-    if (shared >= 1) return;
-    Job* decode = nullptr;
-    int others = 0;
-    double other_demand = 0;
-    for (Job& j : jobs_) {
-      if (j.sharing != nullptr) {
-        if (decode != nullptr) return;  // two decode steps: not measured
-        decode = &j;
-      } else {
-        ++others;
-        other_demand += j.demand;
-      }
-    }
-    if (decode == nullptr || others == 0) return;
-    // The measured entry for this many others; between two, linear; fewer
-    // than measured: processor sharing; more: the last entry slowed further
-    // as processor sharing slows from there.
-    const PerfModel::CoreSharing* below = nullptr;
-    const PerfModel::CoreSharing* above = nullptr;
-    for (const PerfModel::CoreSharing& m : *decode->sharing) {
-      if (m.others <= others) below = &m;
-      if (m.others >= others && above == nullptr) above = &m;
-    }
-    if (below == nullptr) return;
-    double decode_speed = below->decode_speed;
-    double other_speed = below->other_speed;
-    if (above != nullptr && above != below) {
-      const double f = static_cast<double>(others - below->others) /
-                       (above->others - below->others);
-      decode_speed += f * (above->decode_speed - below->decode_speed);
-      other_speed += f * (above->other_speed - below->other_speed);
-    } else if (above == nullptr) {
-      const double per_other = other_demand / others;
-      const double further =
-          shared / ProcessorSharing(decode->demand + below->others * per_other);
-      decode_speed *= further;
-      other_speed *= further;
-    }
-    for (Job& j : jobs_) {
-      j.rate = std::clamp(&j == decode ? decode_speed : other_speed, 1e-3, 1.0);
-    }
+    return demand > cores_ ? cores_ / demand : 1.0;
   }
 
   int cores_;
@@ -315,14 +260,6 @@ class Simulation {
     if (!layout_.colocated) --group_of_[r.id]->assigned;
   }
 
-  // How a decode configuration shares the cores with busy prefill stages,
-  // if the model measured it and the options use it.
-  const EventLoop::SharingTable* SharingOf(ComputeConfig config) const {
-    if (!options_.measured_core_sharing) return nullptr;
-    auto it = model_.core_sharing.find(config);
-    return it == model_.core_sharing.end() ? nullptr : &it->second;
-  }
-
   // ---- Prefill pipeline -------------------------------------------------
 
   void IssueMicrobatches(GroupSim& g, double t) {
@@ -356,8 +293,7 @@ class Simulation {
     if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
     stage.busy = true;
     const double start = t;
-    const ComputeConfig stage_config{1, layout_.prefill_threads};
-    loop_.StartJob(work, model_.BusyCores(stage_config),
+    loop_.StartJob(work, model_.BusyCores({1, layout_.prefill_threads}),
                    [this, &g, s, mb, last, start](double now) {
                      StageSim& st = g.stages[s];
                      st.busy = false;
@@ -433,17 +369,16 @@ class Simulation {
     }
     w.busy = true;
     const double start = t;
-    const ComputeConfig config{layout_.tp, layout_.decode_threads};
     loop_.StartJob(
-        w.cost->Seconds(shape) * Spread(*w.cost) + model_.StepOverhead(config),
-        model_.BusyCores(config),
+        w.cost->Seconds(shape) * Spread(*w.cost) +
+            model_.StepOverhead({layout_.tp, layout_.decode_threads}),
+        model_.BusyCores({layout_.tp, layout_.decode_threads}),
         [this, &w, plan = std::move(plan), start](double now) {
           w.busy = false;
           w.busy_seconds += now - start;
           Apply(w, plan, now);
           Kick(w, now);
-        },
-        SharingOf(config));
+        });
   }
 
   void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {

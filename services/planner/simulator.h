@@ -19,10 +19,7 @@
 //
 // Cores: every busy compute job (a decode step, a stage's microbatch) holds
 // its threads; when a layout has more busy threads than `cores`, all jobs
-// slow down alike (processor sharing), as the OS would share the cores —
-// except a decode step beside prefill stages (and the router's streaming),
-// which runs at the speeds the profile measured for its configuration beside
-// busy prefill stages (PerfModel::core_sharing).
+// slow down alike (processor sharing), as the OS would share the cores.
 //
 // Not modelled (measured into the fitted per-request costs instead): router,
 // gRPC and UCX CPU time; KV capacity and preemption (the planner sizes KV
@@ -79,9 +76,6 @@ struct SimOptions {
   // The router (and client) stream on the same cores as the workers: each
   // streamed token's PerfModel::delivery_cpu_seconds competes with them.
   bool router_shares_cores = true;
-  // A decode step beside prefill stages at their measured speeds
-  // (PerfModel::core_sharing); off, or unmeasured, processor sharing.
-  bool measured_core_sharing = true;
   // Runs with different spread and acceptance draws (seeds seed, seed + 1,
   // ...), summarised by each figure's median — as planner_bench takes the
   // median of its measured rounds. One run's p99 over a few dozen requests

@@ -44,43 +44,6 @@ TEST(PlannerBadInputTest, MalformedPerfModelJson) {
             absl::StatusCode::kNotFound);
 }
 
-// A decode configuration's measured core sharing: counts of others ≥ 1 in
-// increasing order and speeds in (0, 2].
-TEST(PlannerBadInputTest, CoreSharingOutOfRange) {
-  const nlohmann::json good = nlohmann::json::parse(
-      "{\"model\":\"m\",\"num_layers\":2,\"block_size\":16,\"cores\":2,"
-      "\"configs\":[{\"tp\":2,\"threads_per_rank\":1,\"step\":{\"knots\":"
-      "[1,2],\"knot_seconds\":[0.1,0.2],\"seconds_per_logit_row\":0,"
-      "\"seconds_per_attended_position\":0},\"core_sharing\":[{\"others\":1,"
-      "\"decode_speed\":0.5,\"other_speed\":0.9}]}],"
-      "\"colocated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
-      "\"disaggregated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
-      "\"handoff_seconds\":0,\"decode_step_overhead_seconds\":0}");
-  auto ok = PerfModel::FromJson(good);
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_EQ(ok->core_sharing.at({2, 1}).front().other_speed, 0.9);
-  const nlohmann::json entry = good["configs"][0]["core_sharing"][0];
-  auto with = [&](const char* key, nlohmann::json value) {
-    nlohmann::json bad = good;
-    bad["configs"][0]["core_sharing"][0][key] = std::move(value);
-    return bad;
-  };
-  nlohmann::json out_of_order = good;
-  out_of_order["configs"][0]["core_sharing"].push_back(entry);
-  for (const nlohmann::json& bad :
-       {with("others", 0), with("decode_speed", 0.0), with("decode_speed", 3.0),
-        with("other_speed", -1.0), with("other_speed", std::nan("")),
-        out_of_order}) {
-    auto m = PerfModel::FromJson(bad);
-    ASSERT_FALSE(m.ok()) << bad.dump();
-    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(m.status().message().find("core_s"), std::string::npos)
-        << m.status();
-  }
-  EXPECT_EQ(PerfModel::FromJson(with("others", "two")).status().code(),
-            absl::StatusCode::kInvalidArgument);
-}
-
 TEST(PlannerBadInputTest, LayoutsAndWorkloadsOutOfRange) {
   PerfModel m;
   m.num_layers = 2;
