@@ -150,6 +150,11 @@ int Main(int argc, char** argv) {
       "1: also rank layouts with up to twice as many compute threads as "
       "cores, one per decode rank and prefill stage (today's default has 4 "
       "on 2).");
+  const bool worker_metrics = flags.Bool(
+      "worker-metrics", false,
+      "1: every measured cluster's processes export Prometheus metrics on "
+      "ephemeral ports (each written to a *.metrics file in the cluster's "
+      "/tmp/pdserve-local.* folder), to scrape beside a run.");
   if (flags.help_requested()) {
     std::fputs(flags
                    .Usage("planner_bench [flags]\nThe layout planner's "
@@ -311,6 +316,7 @@ int Main(int argc, char** argv) {
       o.decode_blocks = 2048;
       o.prefill_blocks = 1024;
       tools::ApplyLayout(run.row.layout, &o);
+      if (worker_metrics) o.metrics_port_base = 0;
       if (run.row.rank == 0 && default_ngram) o.speculation = "ngram";
       // Before the cluster starts, so that nothing else computes.
       speed[run.key].push_back(reference_start /
