@@ -52,35 +52,57 @@ def sample(seconds, interval, out):
         time.sleep(interval)
 
 
-def summarize(path):
+class Run:
+    """One load run's samples: the seconds covered, CPU seconds by process
+    name, and the prefill processes seen."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.cpu = collections.Counter()
+        self.prefill_pids = set()
+
+
+def read_snapshots(path):
+    """[(time, {(pid, tid): (name, ticks)})] from a sample log; exits with
+    the file and line of anything else."""
     snapshots = []
-    for line in open(path):
-        if line.startswith('==='):
-            snapshots.append((float(line.split()[1]), {}))
-            continue
-        pid, tid, name, ticks = line.split()
-        snapshots[-1][1][(pid, tid)] = (name, int(ticks))
+    with open(path) as log:
+        for number, line in enumerate(log, 1):
+            fields = line.split()
+            try:
+                if fields and fields[0] == '===':
+                    snapshots.append((float(fields[1]), {}))
+                    continue
+                pid, tid, name, ticks = fields
+                snapshots[-1][1][(pid, tid)] = (name, int(ticks))
+            except (IndexError, ValueError):
+                sys.exit(f'{path}:{number}: not a thread_cpu.py sample line: '
+                         f'{line.strip()!r}')
+    return snapshots
+
+
+def summarize(path):
+    snapshots = read_snapshots(path)
     ticks_per_second = os.sysconf('SC_CLK_TCK')
-    runs = collections.OrderedDict()  # router pid -> [seconds, {name: cpu}]
+    runs = collections.OrderedDict()  # by router pid
     for (t0, before), (t1, after) in zip(snapshots, snapshots[1:]):
         routers = {pid for (pid, _), (name, _) in after.items()
                    if name == 'router'}
         if len(routers) != 1:
             continue
-        run = runs.setdefault(routers.pop(), [0.0, collections.Counter(),
-                                             set()])
-        run[0] += t1 - t0
+        run = runs.setdefault(routers.pop(), Run())
+        run.seconds += t1 - t0
         for key, (name, ticks) in after.items():
             if name == 'prefill_worker':
-                run[2].add(key[0])
+                run.prefill_pids.add(key[0])
             if key in before:
-                run[1][name] += (ticks - before[key][1]) / ticks_per_second
-    for router, (seconds, cpu, stages) in runs.items():
-        parts = ', '.join(f'{name} {used / seconds:.2f}'
-                          for name, used in sorted(cpu.items()))
-        print(f'router {router} ({len(stages)} prefill processes, '
-              f'{seconds:.0f} s): {parts}; sum '
-              f'{sum(cpu.values()) / seconds:.2f} cores')
+                run.cpu[name] += (ticks - before[key][1]) / ticks_per_second
+    for router, run in runs.items():
+        parts = ', '.join(f'{name} {used / run.seconds:.2f}'
+                          for name, used in sorted(run.cpu.items()))
+        print(f'router {router} ({len(run.prefill_pids)} prefill processes, '
+              f'{run.seconds:.0f} s): {parts}; sum '
+              f'{sum(run.cpu.values()) / run.seconds:.2f} cores')
 
 
 def main():
