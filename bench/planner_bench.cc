@@ -29,6 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/command_line_flags.h"
 #include "model/weight_source.h"
 #include "planner/planner.h"
@@ -131,6 +132,12 @@ int Main(int argc, char** argv) {
       flags.Num<double>("rate", 1.5, "Poisson arrival rate, requests/s.");
   const uint64_t seed = flags.Num<uint64_t>("seed", 1, "Arrivals' seed.");
   const int top = flags.Num<int>("top", 3, "Predicted best layouts measured.");
+  const std::string also_measure = flags.Str(
+      "layouts", "",
+      "Also measure these enumerated layouts wherever the planner ranks them "
+      "(names as the ranking prints them, separated by ';'), e.g. to see a "
+      "layout the planner ranks low or one that matters on another machine.",
+      "(none)");
   const int repeats = flags.Num<int>(
       "repeats", 1,
       "Measured runs per layout; figures are their medians (odd: a run's own "
@@ -258,6 +265,26 @@ int Main(int argc, char** argv) {
     std::vector<Row>& rows = rows_by_workload[w.name];
     for (int i = 0; i < top && i < static_cast<int>(ranked->size()); ++i) {
       rows.push_back({(*ranked)[i].layout, (*ranked)[i].prediction, i + 1});
+    }
+    for (absl::string_view name :
+         absl::StrSplit(also_measure, ';', absl::SkipWhitespace())) {
+      bool found = false;
+      for (size_t i = 0; i < ranked->size(); ++i) {
+        if ((*ranked)[i].layout.Name() != name) continue;
+        found = true;
+        if (static_cast<int>(i) >= top) {
+          rows.push_back({(*ranked)[i].layout, (*ranked)[i].prediction,
+                          static_cast<int>(i) + 1});
+        }
+      }
+      if (!found) {
+        std::fprintf(stderr,
+                     "--layouts: \"%s\" is not among the %zu layouts the "
+                     "planner enumerated for %s (see the ranking above; "
+                     "oversubscribed ones need --oversubscribe 1)\n",
+                     std::string(name).c_str(), ranked->size(), w.name.c_str());
+        return 2;
+      }
     }
     bool has_default = false;
     for (const Row& r : rows) {

@@ -17,7 +17,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "decode/decode_worker.h"
+#include "httplib.h"
+#include "metrics/exposition.h"
 #include "model/weight_source.h"
+#include "planner/planner.h"
 #include "planner/simulator.h"
 #include "tools/load_generator.h"
 #include "tools/local_cluster.h"
@@ -301,6 +304,163 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   return c;
 }
 
+// The busy seconds a cluster's workers have counted so far, summed over
+// its processes of each kind.
+struct BusySeconds {
+  double prefill = 0;  // pdserve_prefill_stage_busy_seconds_total
+  double decode = 0;   // pdserve_decode_step_seconds_sum
+};
+
+absl::StatusOr<BusySeconds> ScrapeBusySeconds(const LocalCluster& cluster) {
+  BusySeconds busy;
+  bool prefill_seen = false, decode_seen = false;
+  for (const auto& [name, address] : cluster.metrics_addresses()) {
+    httplib::Client client(absl::StrCat("http://", address));
+    client.set_connection_timeout(5);
+    client.set_read_timeout(10);
+    auto res = client.Get("/metrics");
+    if (!res || res->status != 200) {
+      return absl::UnavailableError(
+          absl::StrCat("GET http://", address, "/metrics (", name, "): ",
+                       res ? absl::StrCat("HTTP ", res->status)
+                           : httplib::to_string(res.error())));
+    }
+    auto samples = metrics::ParseExposition(res->body);
+    if (!samples.ok()) return samples.status();
+    for (const metrics::Sample& sample : *samples) {
+      if (sample.name == "pdserve_prefill_stage_busy_seconds_total") {
+        busy.prefill += sample.value;
+        prefill_seen = true;
+      } else if (sample.name == "pdserve_decode_step_seconds_sum") {
+        busy.decode += sample.value;
+        decode_seen = true;
+      }
+    }
+  }
+  if (!prefill_seen || !decode_seen) {
+    return absl::FailedPreconditionError(
+        "co-running calibration: the cluster's metrics lack the prefill "
+        "stages' or the decode workers' busy seconds");
+  }
+  return busy;
+}
+
+// How much longer prefill stage and decode steps take under load than idle
+// on a real 1P(1t)+1D(tp1×1t) cluster, beyond what `model` (with no
+// co-running slow-down) predicts for the same arrivals: each kind's busy
+// seconds measured / simulated under load, over the same ratio for idle
+// requests (which cancels what a worker process does differently from the
+// in-process profile, so only the load's effect is left), then refined
+// through the simulator (only the time the two actually overlap is slowed).
+absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
+    const PlannerProfileOptions& o, const planner::PerfModel& model,
+    int vocab) {
+  const planner::Layout layout;  // 1P(1s×1t, chunk 256)+1D(tp1×1t)
+  LocalClusterOptions lo;
+  lo.model_path = o.model_path;
+  lo.format = o.format;
+  lo.bin_dir = o.bin_dir;
+  lo.refresh_ms = 100;
+  lo.metrics_port_base = 0;
+  ApplyLayout(layout, &lo);
+  auto cluster = LocalCluster::Start(lo);
+  if (!cluster.ok()) return cluster.status();
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(
+      (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
+  std::mt19937_64 rng(7);
+  RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
+  const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
+  const planner::LengthRange prompts{std::max(1, long_prompt / 3), long_prompt};
+  const planner::LengthRange outputs{16, 64};
+
+  planner::PerfModel alone = model;
+  alone.co_running = {};
+  planner::SimOptions fitted_steps;
+  fitted_steps.step_spread = false;
+  fitted_steps.cores = o.cores;
+
+  // Idle: one request at a time.
+  auto before = ScrapeBusySeconds(**cluster);
+  if (!before.ok()) return before.status();
+  std::vector<planner::SimRequest> idle;
+  for (int rep = 0; rep < 2; ++rep) {
+    for (int length : {prompts.lo, (prompts.lo + prompts.hi) / 2, prompts.hi}) {
+      constexpr int kTokens = 40;
+      RequestResult r =
+          RunRequest(*stub, RandomPrompt(length, vocab, rng), kTokens);
+      if (!r.ok || r.tokens != kTokens) {
+        return absl::InternalError(absl::StrCat(
+            "co-running calibration: idle request failed: ", r.error));
+      }
+      // Far apart in simulated time: nothing overlaps.
+      idle.push_back({1000.0 * idle.size(), length, kTokens});
+    }
+  }
+  auto after_idle = ScrapeBusySeconds(**cluster);
+  if (!after_idle.ok()) return after_idle.status();
+  auto idle_sim = planner::Simulate(alone, layout, idle, {}, fitted_steps);
+  if (!idle_sim.ok()) return idle_sim.status();
+  const double idle_prefill_ratio =
+      (after_idle->prefill - before->prefill) / idle_sim->prefill_busy_seconds;
+  const double idle_decode_ratio =
+      (after_idle->decode - before->decode) / idle_sim->decode_busy_seconds;
+
+  // Loaded: open-loop arrivals keeping the prefill stage about 60% busy, the
+  // decode worker as busy as their answers make it.
+  auto stage_cost = model.Step({1, 1});
+  if (!stage_cost.ok()) return stage_cost.status();
+  const int mean_prompt = (prompts.lo + prompts.hi) / 2;
+  const double prefill_seconds =
+      (*stage_cost)
+          ->Seconds(
+              {mean_prompt, 1, planner::AttendedPositions(0, mean_prompt)});
+  planner::WorkloadSpec load;
+  load.requests = 40;
+  load.rate = 0.6 / prefill_seconds;
+  load.prompt = prompts;
+  load.output = outputs;
+  load.seed = 3;
+  LoadReport report =
+      RunLoad("co-running calibration", (*cluster)->grpc_address(),
+              planner::MakeArrivals(load, vocab), 1e9, 1e9);
+  if (report.failed > 0) {
+    return absl::InternalError(
+        absl::StrCat("co-running calibration: ", report.failed, " of ",
+                     load.requests, " loaded requests failed"));
+  }
+  auto after_load = ScrapeBusySeconds(**cluster);
+  if (!after_load.ok()) return after_load.status();
+  // What the steps would have taken loaded, had they run as fast as idle.
+  const double prefill_target =
+      (after_load->prefill - after_idle->prefill) / idle_prefill_ratio;
+  const double decode_target =
+      (after_load->decode - after_idle->decode) / idle_decode_ratio;
+  const std::vector<planner::SimRequest> loaded = planner::SimRequests(load);
+  planner::PerfModel fitted = alone;
+  // Each round scales a slow-down by what is still missing; the overlap
+  // moves a little with it, so a few rounds settle it.
+  for (int round = 0; round < 4; ++round) {
+    auto sim = planner::Simulate(fitted, layout, loaded, {}, fitted_steps);
+    if (!sim.ok()) return sim.status();
+    auto refine = [](double slowdown, double target, double simulated) {
+      if (!(simulated > 0) || !(target > 0)) return slowdown;
+      return std::clamp((1 + slowdown) * target / simulated - 1, 0.0, 3.0);
+    };
+    fitted.co_running.prefill_stage =
+        refine(fitted.co_running.prefill_stage, prefill_target,
+               sim->prefill_busy_seconds);
+    fitted.co_running.decode_step = refine(
+        fitted.co_running.decode_step, decode_target, sim->decode_busy_seconds);
+  }
+  Say(o, absl::StrFormat(
+             "  idle busy measured / simulated: prefill %.2f, decode %.2f; "
+             "loaded (%.2f req/s): prefill %.1f s, decode %.1f s busy",
+             idle_prefill_ratio, idle_decode_ratio, load.rate,
+             after_load->prefill - after_idle->prefill,
+             after_load->decode - after_idle->decode));
+  return fitted.co_running;
+}
+
 }  // namespace
 
 void ApplyLayout(const planner::Layout& layout, LocalClusterOptions* o) {
@@ -388,6 +548,18 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                       model.disaggregated_ttft.base * 1e3,
                       model.disaggregated_ttft.per_prompt_token * 1e3,
                       model.handoff_seconds * 1e3));
+  if (options.cores >= 2) {
+    Say(options,
+        "calibrating co-running on 1P(1s×1t, chunk 256)+1D(tp1×1t) under "
+        "load");
+    auto co_running = CalibrateCoRunning(options, model, mc.vocab_size);
+    if (!co_running.ok()) return co_running.status();
+    model.co_running = *co_running;
+    Say(options, absl::StrFormat("  co-running slow-down: prefill stage "
+                                 "%+.0f%%, decode step %+.0f%%",
+                                 model.co_running.prefill_stage * 100,
+                                 model.co_running.decode_step * 100));
+  }
   return model;
 }
 

@@ -70,6 +70,9 @@ nlohmann::json PerfModel::ToJson() const {
           {"handoff_seconds", handoff_seconds},
           {"decode_step_overhead_seconds", decode_step_overhead_seconds},
           {"delivery_cpu_seconds", delivery_cpu_seconds},
+          {"co_running",
+           {{"prefill_stage", co_running.prefill_stage},
+            {"decode_step", co_running.decode_step}}},
           {"calibrated", calibrations}};
 }
 
@@ -111,6 +114,12 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
     m.decode_step_overhead_seconds =
         json.at("decode_step_overhead_seconds").get<double>();
     m.delivery_cpu_seconds = json.value("delivery_cpu_seconds", 0.0);
+    // Profiles from before the co-running calibration have none.
+    if (json.contains("co_running")) {
+      const nlohmann::json& c = json.at("co_running");
+      m.co_running = {c.at("prefill_stage").get<double>(),
+                      c.at("decode_step").get<double>()};
+    }
     for (const auto& c : json.value("calibrated", nlohmann::json::array())) {
       const ComputeConfig config{c.at("tp").get<int>(),
                                  c.at("threads_per_rank").get<int>()};
@@ -123,6 +132,10 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
   if (!(m.delivery_cpu_seconds >= 0) || !(m.handoff_seconds >= 0)) {
     return absl::InvalidArgumentError(
         "perf model: handoff_seconds and delivery_cpu_seconds must be ≥ 0");
+  }
+  if (!(m.co_running.prefill_stage >= 0) || !(m.co_running.decode_step >= 0)) {
+    return absl::InvalidArgumentError(
+        "perf model: co_running slow-downs must be ≥ 0");
   }
   if (m.num_layers < 1 || m.block_size < 1 || m.cores < 1) {
     return absl::InvalidArgumentError(

@@ -74,6 +74,17 @@ struct PerfModel {
   // on each other (a TP all-reduce blocks rather than spins). Processor
   // sharing charges a layout this demand; unprofiled: threads().
   std::map<ComputeConfig, double> busy_cores;
+  // How much longer a step takes while another compute process runs on a
+  // neighbouring core (0.25: 25% longer), by kind of process: measured as
+  // a real disaggregated cluster's step times under load over its idle
+  // ones (tools/planner_profile.h). The processes share the memory bus and
+  // the last-level cache, which a step profiled alone does not show; with
+  // the cores oversubscribed it adds to processor sharing.
+  struct CoRunning {
+    double prefill_stage = 0;
+    double decode_step = 0;
+  };
+  CoRunning co_running;
   double BusyCores(ComputeConfig config) const;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;

@@ -37,15 +37,23 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // The event core: compute jobs share `cores` (processor sharing), timers fire
-// at fixed times.
+// at fixed times. A compute job that runs while another one does (two or
+// more on two or more cores) also runs slower by its own co-running
+// slow-down (PerfModel::co_running): processes on neighbouring cores share
+// the memory bus and the last-level cache, which a step profiled alone does
+// not.
 class EventLoop {
  public:
   explicit EventLoop(int cores) : cores_(cores) {}
 
   // Starts a job of `work` seconds (at full speed) keeping `demand` cores
-  // busy (its threads, or fewer where they wait on each other).
-  void StartJob(double work, double demand, std::function<void(double)> done) {
-    jobs_.push_back(Job{std::max(work, 0.0), demand, std::move(done)});
+  // busy (its threads, or fewer where they wait on each other). A compute
+  // job (a step) takes `co_running_slowdown` longer while another compute
+  // job runs; other jobs (the router's streaming) neither slow nor count.
+  void StartJob(double work, double demand, std::function<void(double)> done,
+                bool compute = false, double co_running_slowdown = 0) {
+    jobs_.push_back(Job{std::max(work, 0.0), demand, compute,
+                        std::max(co_running_slowdown, 0.0), std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -55,15 +63,17 @@ class EventLoop {
   // Runs until nothing is left.
   void Run() {
     while (!jobs_.empty() || !timers_.empty()) {
-      const double rate = Rate();
+      const double shared = SharedRate();
+      const bool co_running = CoRunning();
       double job_end = kInf;
-      for (const Job& j : jobs_)
-        job_end = std::min(job_end, j.remaining / rate);
+      for (const Job& j : jobs_) {
+        job_end = std::min(job_end, j.remaining / Rate(j, shared, co_running));
+      }
       job_end += now_;
       const double timer_at = timers_.empty() ? kInf : timers_.top().time;
       const double next = std::min(job_end, timer_at);
       const double elapsed = next - now_;
-      for (Job& j : jobs_) j.remaining -= elapsed * rate;
+      for (Job& j : jobs_) j.remaining -= elapsed * Rate(j, shared, co_running);
       now_ = next;
       if (timer_at <= job_end) {
         auto fn = timers_.top().fn;
@@ -89,6 +99,8 @@ class EventLoop {
   struct Job {
     double remaining;
     double demand;
+    bool compute;
+    double co_running_slowdown;
     std::function<void(double)> done;
   };
   struct Timer {
@@ -99,10 +111,24 @@ class EventLoop {
       return time != o.time ? time > o.time : order > o.order;
     }
   };
-  double Rate() const {
+  // Every job's share of its demand.
+  double SharedRate() const {
     double demand = 0;
     for (const Job& j : jobs_) demand += j.demand;
     return demand > cores_ ? cores_ / demand : 1.0;
+  }
+  // Two compute jobs run at the same time: on ≥ 2 cores they are on
+  // neighbouring cores however the OS shares them (on one core they only
+  // take turns).
+  bool CoRunning() const {
+    if (cores_ < 2) return false;
+    int compute = 0;
+    for (const Job& j : jobs_) compute += j.compute ? 1 : 0;
+    return compute >= 2;
+  }
+  static double Rate(const Job& j, double shared, bool co_running) {
+    return j.compute && co_running ? shared / (1 + j.co_running_slowdown)
+                                   : shared;
   }
 
   int cores_;
@@ -293,24 +319,25 @@ class Simulation {
     if (last) work += g.cost->seconds_per_logit_row() * final_chunks;
     stage.busy = true;
     const double start = t;
-    loop_.StartJob(work, model_.BusyCores({1, layout_.prefill_threads}),
-                   [this, &g, s, mb, last, start](double now) {
-                     StageSim& st = g.stages[s];
-                     st.busy = false;
-                     st.busy_seconds += now - start;
-                     if (last) {
-                       --g.in_flight;
-                       for (const prefill::ChunkWork& c : mb->chunks) {
-                         if (c.final_chunk)
-                           PrefillDone(reqs_[c.request_id], now);
-                       }
-                       IssueMicrobatches(g, now);
-                     } else {
-                       g.stages[s + 1].queue.push_back(mb);
-                       StartStage(g, s + 1, now);
-                     }
-                     StartStage(g, s, now);
-                   });
+    loop_.StartJob(
+        work, model_.BusyCores({1, layout_.prefill_threads}),
+        [this, &g, s, mb, last, start](double now) {
+          StageSim& st = g.stages[s];
+          st.busy = false;
+          st.busy_seconds += now - start;
+          if (last) {
+            --g.in_flight;
+            for (const prefill::ChunkWork& c : mb->chunks) {
+              if (c.final_chunk) PrefillDone(reqs_[c.request_id], now);
+            }
+            IssueMicrobatches(g, now);
+          } else {
+            g.stages[s + 1].queue.push_back(mb);
+            StartStage(g, s + 1, now);
+          }
+          StartStage(g, s, now);
+        },
+        /*compute=*/true, model_.co_running.prefill_stage);
   }
 
   void PrefillDone(Req& r, double t) {
@@ -378,7 +405,8 @@ class Simulation {
           w.busy_seconds += now - start;
           Apply(w, plan, now);
           Kick(w, now);
-        });
+        },
+        /*compute=*/true, model_.co_running.decode_step);
   }
 
   void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {
@@ -437,6 +465,7 @@ class Simulation {
     if (end > 0) {
       double busy = 0;
       for (auto& w : decode_) busy += w->busy_seconds;
+      p.decode_busy_seconds = busy;
       p.decode_utilisation = busy / (end * decode_.size());
       if (!prefill_.empty()) {
         busy = 0;
@@ -447,6 +476,7 @@ class Simulation {
             ++stages;
           }
         }
+        p.prefill_busy_seconds = busy;
         p.prefill_utilisation = busy / (end * stages);
       }
     }
@@ -489,7 +519,8 @@ Prediction MedianPrediction(const std::vector<Prediction>& runs) {
         &Prediction::tpot_p50, &Prediction::tpot_p99, &Prediction::itl_p50,
         &Prediction::itl_p99, &Prediction::goodput, &Prediction::slo_attainment,
         &Prediction::tokens_per_s, &Prediction::duration,
-        &Prediction::decode_utilisation, &Prediction::prefill_utilisation}) {
+        &Prediction::decode_utilisation, &Prediction::prefill_utilisation,
+        &Prediction::decode_busy_seconds, &Prediction::prefill_busy_seconds}) {
     out.*field = median(field);
   }
   out.goodput_low = out.goodput_high = runs.front().goodput;

@@ -58,6 +58,10 @@ struct Prediction {
   // Busy share of the decode workers' and prefill stages' time.
   double decode_utilisation = 0;
   double prefill_utilisation = 0;
+  // The same as seconds summed over the decode workers and the prefill
+  // stages (what their busy-seconds metrics count).
+  double decode_busy_seconds = 0;
+  double prefill_busy_seconds = 0;
   // Over SimOptions::replications runs every figure above is the median of
   // the runs' figures; these are the lowest and highest goodput of a run
   // (equal to `goodput` for one run).

@@ -323,6 +323,67 @@ TEST(SimulatorTest, SharingChargesTheMeasuredBusyCores) {
   EXPECT_NE(refused.status().message().find("busy_cores"), std::string::npos);
 }
 
+// Steps on neighbouring cores slow each other by the measured co-running
+// slow-down, each kind by its own, and only while they overlap.
+TEST(SimulatorTest, CoRunningSlowsOnlyOverlappingSteps) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.co_running = {.prefill_stage = 0.5, .decode_step = 0.25};
+  Layout two;  // two one-thread workers: no sharing of 2 cores
+  two.colocated = true;
+  two.decode_workers = 2;
+  const std::vector<SimRequest> both = {{0, 64, 1}, {0, 64, 1}};
+  const SimOptions exact{.cores = 2, .step_spread = false};
+  auto overlapping = Simulate(model, two, both, Slo{}, exact);
+  auto one = Simulate(model, two, {{0, 64, 1}}, Slo{}, exact);
+  ASSERT_TRUE(overlapping.ok() && one.ok());
+  EXPECT_NEAR(overlapping->ttft_p50, one->ttft_p50 * 1.25, 1e-9);
+  // On one core the two take turns (processor sharing), never side by side.
+  SimOptions one_core = exact;
+  one_core.cores = 1;
+  auto turns = Simulate(model, two, both, Slo{}, one_core);
+  ASSERT_TRUE(turns.ok());
+  EXPECT_NEAR(turns->ttft_p50, one->ttft_p50 * 2, 1e-9);
+
+  // Disaggregated: a lone request's prefill and decode never overlap.
+  Layout disaggregated;
+  PerfModel alone = model;
+  alone.co_running = {};
+  auto lone = Simulate(model, disaggregated, {{0, 200, 8}}, Slo{}, exact);
+  auto lone_alone = Simulate(alone, disaggregated, {{0, 200, 8}}, Slo{}, exact);
+  ASSERT_TRUE(lone.ok() && lone_alone.ok());
+  EXPECT_NEAR(lone->ttft_p50, lone_alone->ttft_p50, 1e-9);
+  EXPECT_NEAR(lone->tpot_p50, lone_alone->tpot_p50, 1e-9);
+  // A prompt arriving while another request decodes prefills 1.5x slower
+  // for as long as the decode runs beside it.
+  const std::vector<SimRequest> staggered = {{0, 16, 64}, {0.1, 200, 1}};
+  auto beside = Simulate(model, disaggregated, staggered, Slo{}, exact);
+  auto beside_alone = Simulate(alone, disaggregated, staggered, Slo{}, exact);
+  ASSERT_TRUE(beside.ok() && beside_alone.ok());
+  EXPECT_GT(beside->ttft_mean, beside_alone->ttft_mean * 1.1);
+  EXPECT_GT(beside->prefill_busy_seconds,
+            beside_alone->prefill_busy_seconds * 1.2);
+  EXPECT_GT(beside->decode_busy_seconds, beside_alone->decode_busy_seconds);
+
+  // Kept in the saved model; older profiles without it load with none; a
+  // negative slow-down is refused.
+  auto loaded = PerfModel::FromJson(model.ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->co_running.prefill_stage, 0.5);
+  EXPECT_EQ(loaded->co_running.decode_step, 0.25);
+  nlohmann::json old = model.ToJson();
+  old.erase("co_running");
+  auto old_loaded = PerfModel::FromJson(old);
+  ASSERT_TRUE(old_loaded.ok()) << old_loaded.status();
+  EXPECT_EQ(old_loaded->co_running.decode_step, 0);
+  nlohmann::json bad = model.ToJson();
+  bad["co_running"]["decode_step"] = -0.1;
+  auto refused = PerfModel::FromJson(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("co_running"), std::string::npos);
+}
+
 TEST(SimulatorTest, StreamingCpuSlowsWorkersOnlyOnSharedCores) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
