@@ -11,9 +11,9 @@
 // Printed per workload: predicted vs measured TTFT p99, TPOT p99 and goodput
 // for every measured layout with the relative errors (target: within 20%),
 // the machine's speed before its runs relative to the start of measuring
-// (a fixed computation timed on every core: below 1, the VM was slower),
-// and whether the planner's first choice is the measured best (or within 10%
-// of its goodput).
+// (a fixed computation timed on every core: below 1, the VM was slower; and
+// a fixed memory read, which the decode steps are bound by), and whether the
+// planner's first choice is the measured best (or within 10% of its goodput).
 //
 //   build/bench/planner_bench [--model M --format F] [--perf-model FILE]
 //                             [--requests 60] [--rate 1.5] [--repeats 1]
@@ -92,6 +92,34 @@ double ReferenceSeconds(int threads) {
           for (float& v : values) v = v * 0.999f + 0.001f;
         }
         sums[t] = values.front();
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count());
+    if (sums.front() < 0) std::printf("unreachable\n");  // keeps the work
+  }
+  return planner::Median(std::move(times));
+}
+
+// Seconds `threads` threads take to read a 256 MiB buffer each (median of
+// 5): the memory bandwidth a CPU decode step is bound by, which other
+// tenants' traffic moves independently of the arithmetic above.
+double MemoryReferenceSeconds(int threads) {
+  constexpr size_t kFloats = size_t{64} << 20;  // 256 MiB
+  std::vector<std::vector<float>> buffers(threads,
+                                          std::vector<float>(kFloats, 1.0f));
+  std::vector<double> times;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> workers;
+    std::vector<float> sums(threads);
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&buffers, &sums, t] {
+        float sum = 0;
+        for (float v : buffers[t]) sum += v;
+        sums[t] = sum;
       });
     }
     for (std::thread& w : workers) w.join();
@@ -329,7 +357,9 @@ int Main(int argc, char** argv) {
   // The machine's speed when the measuring starts; each run's is printed
   // relative to it.
   const double reference_start = ReferenceSeconds(profile.cores);
-  std::map<std::string, std::vector<double>> speed;  // by run key, per round
+  const double memory_reference_start = MemoryReferenceSeconds(profile.cores);
+  // By run key, per round: arithmetic and memory reads.
+  std::map<std::string, std::vector<double>> speed, memory_speed;
   for (int round = 0; round < repeats; ++round) {
     for (size_t i = 0; i < runs.size(); ++i) {
       const Run& run = runs[round % 2 == 0 ? i : runs.size() - 1 - i];
@@ -348,6 +378,8 @@ int Main(int argc, char** argv) {
       // Before the cluster starts, so that nothing else computes.
       speed[run.key].push_back(reference_start /
                                ReferenceSeconds(profile.cores));
+      memory_speed[run.key].push_back(memory_reference_start /
+                                      MemoryReferenceSeconds(profile.cores));
       auto cluster = tools::LocalCluster::Start(o);
       if (!cluster.ok()) {
         std::fprintf(stderr, "cluster %s: %s\n", run.row.layout.Name().c_str(),
@@ -359,8 +391,10 @@ int Main(int argc, char** argv) {
           run.workload->slo.ttft_seconds, run.workload->slo.tpot_seconds);
       tools::PrintLoad(report);
       measured[run.key].push_back(std::move(report));
-      std::printf("  machine speed before this run: %.2fx the start's\n",
-                  speed[run.key].back());
+      std::printf(
+          "  machine speed before this run: %.2fx the start's (memory "
+          "reads %.2fx)\n",
+          speed[run.key].back(), memory_speed[run.key].back());
     }
   }
 
@@ -373,8 +407,9 @@ int Main(int argc, char** argv) {
     std::printf(
         "\n%s (SLO TTFT ≤ %.0f ms, TPOT ≤ %.0f ms)\n"
         "| rank | layout | TTFT p99 pred / meas | err | TPOT p99 pred / meas "
-        "| err | goodput pred / meas | err | machine speed |\n"
-        "|---|---|---|---|---|---|---|---|---|\n",
+        "| err | goodput pred / meas | err | machine speed | memory reads "
+        "|\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n",
         w.name.c_str(), w.slo.ttft_seconds * 1e3, w.slo.tpot_seconds * 1e3);
     double best_measured = 0, first_measured = 0;
     for (const Row& row : rows_by_workload[w.name]) {
@@ -382,6 +417,7 @@ int Main(int argc, char** argv) {
           absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
       const std::vector<tools::LoadReport>& reports = measured[key];
       const Spread machine = OverRounds(speed[key]);
+      const Spread memory = OverRounds(memory_speed[key]);
       std::vector<double> ttfts, tpots, goodputs;
       for (const tools::LoadReport& m : reports) {
         ttfts.push_back(m.ttft_p99);
@@ -401,14 +437,15 @@ int Main(int argc, char** argv) {
       if (row.rank == 1) first_measured = goodput;
       std::printf(
           "| %s | %s | %.0f / %.0f ms%s | %+.0f%% | %.1f / %.1f ms%s | %+.0f%% "
-          "| %.2f / %.2f /s%s | %+.0f%% | %.2fx%s |\n",
+          "| %.2f / %.2f /s%s | %+.0f%% | %.2fx%s | %.2fx%s |\n",
           row.rank ? absl::StrCat(row.rank).c_str() : "default",
           row.layout.Name().c_str(), row.predicted.ttft_p99 * 1e3,
           ttft.median * 1e3, ttft.Range(1e3, 0).c_str(), e_ttft * 100,
           row.predicted.tpot_p99 * 1e3, tpot.median * 1e3,
           tpot.Range(1e3, 1).c_str(), e_tpot * 100, row.predicted.goodput,
           goodput, goodput_spread.Range(1, 2).c_str(), e_good * 100,
-          machine.median, machine.Range(1, 2).c_str());
+          machine.median, machine.Range(1, 2).c_str(), memory.median,
+          memory.Range(1, 2).c_str());
     }
     if (top < 1) {
       std::printf("no first choice measured (--top %d)\n", top);

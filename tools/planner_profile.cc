@@ -437,11 +437,18 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
       (after_load->decode - after_idle->decode) / idle_decode_ratio;
   const std::vector<planner::SimRequest> loaded = planner::SimRequests(load);
   planner::PerfModel fitted = alone;
+  // Loaded over idle, both against the simulator without slow-downs (how
+  // much the load added; below 1 where the machine sped up meanwhile).
+  double loaded_prefill_ratio = 0, loaded_decode_ratio = 0;
   // Each round scales a slow-down by what is still missing; the overlap
   // moves a little with it, so a few rounds settle it.
   for (int round = 0; round < 4; ++round) {
     auto sim = planner::Simulate(fitted, layout, loaded, {}, fitted_steps);
     if (!sim.ok()) return sim.status();
+    if (round == 0) {
+      loaded_prefill_ratio = prefill_target / sim->prefill_busy_seconds;
+      loaded_decode_ratio = decode_target / sim->decode_busy_seconds;
+    }
     auto refine = [](double slowdown, double target, double simulated) {
       if (!(simulated > 0) || !(target > 0)) return slowdown;
       return std::clamp((1 + slowdown) * target / simulated - 1, 0.0, 3.0);
@@ -453,11 +460,10 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
         fitted.co_running.decode_step, decode_target, sim->decode_busy_seconds);
   }
   Say(o, absl::StrFormat(
-             "  idle busy measured / simulated: prefill %.2f, decode %.2f; "
-             "loaded (%.2f req/s): prefill %.1f s, decode %.1f s busy",
+             "  busy seconds measured / simulated, idle: prefill %.2f, decode "
+             "%.2f; loaded (%.2f req/s) over idle: prefill %.2f, decode %.2f",
              idle_prefill_ratio, idle_decode_ratio, load.rate,
-             after_load->prefill - after_idle->prefill,
-             after_load->decode - after_idle->decode));
+             loaded_prefill_ratio, loaded_decode_ratio));
   return fitted.co_running;
 }
 

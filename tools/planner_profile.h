@@ -15,6 +15,12 @@
 //     predicts for the same idle request is the per-request cost: TTFT
 //     overhead as a + b·prompt (router, gRPC, the KV hand-off), the stream
 //     delay, and the prefill→decode hand-off.
+//  3. Co-running. The smallest disaggregated cluster (one one-thread stage,
+//     one one-thread decode worker) serves idle requests, then an open-loop
+//     load that keeps the stage about 60% busy; the busy seconds both
+//     processes count in their own metrics, loaded over idle and each over
+//     the simulator's figure for the same requests, give how much slower a
+//     step runs beside another (PerfModel::co_running).
 #pragma once
 
 #include <functional>

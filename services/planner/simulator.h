@@ -20,6 +20,9 @@
 // Cores: every busy compute job (a decode step, a stage's microbatch) holds
 // its threads; when a layout has more busy threads than `cores`, all jobs
 // slow down alike (processor sharing), as the OS would share the cores.
+// While two or more compute jobs run at once on ≥ 2 cores, each also takes
+// its kind's measured co-running slow-down longer (PerfModel::co_running:
+// neighbouring cores share the memory bus and the last-level cache).
 //
 // Not modelled (measured into the fitted per-request costs instead): router,
 // gRPC and UCX CPU time; KV capacity and preemption (the planner sizes KV
