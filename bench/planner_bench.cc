@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -74,33 +75,41 @@ double RelativeError(double predicted, double measured) {
   return (predicted - measured) / measured;
 }
 
+// Median over 5 repetitions of the seconds `threads` threads take to run
+// `work(thread)` at once; a work's result is kept so it is not optimised
+// away.
+double MedianSecondsOnThreads(int threads,
+                              const std::function<float(int)>& work) {
+  std::vector<double> times;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> workers;
+    std::vector<float> results(threads);
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&work, &results, t] { results[t] = work(t); });
+    }
+    for (std::thread& w : workers) w.join();
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count());
+    if (results.front() < 0) std::printf("unreachable\n");  // keeps the work
+  }
+  return planner::Median(std::move(times));
+}
+
 // Seconds a fixed amount of arithmetic takes on `threads` threads at once
 // (median of 5): this VM's speed right now. Its cores are shared with other
 // tenants and its speed drifts by ±20% over minutes, so the bench takes it
 // before every measured run to tell the machine's drift from the model's
 // error.
 double ReferenceSeconds(int threads) {
-  std::vector<double> times;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> workers;
-    std::vector<float> sums(threads);
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&sums, t] {
-        std::vector<float> values(64 * 1024, 1.0f);  // 256 KiB: in L2
-        for (int pass = 0; pass < 20000; ++pass) {   // ~50-100 ms
-          for (float& v : values) v = v * 0.999f + 0.001f;
-        }
-        sums[t] = values.front();
-      });
+  return MedianSecondsOnThreads(threads, [](int) {
+    std::vector<float> values(64 * 1024, 1.0f);  // 256 KiB: in L2
+    for (int pass = 0; pass < 20000; ++pass) {   // ~50-100 ms
+      for (float& v : values) v = v * 0.999f + 0.001f;
     }
-    for (std::thread& w : workers) w.join();
-    times.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-            .count());
-    if (sums.front() < 0) std::printf("unreachable\n");  // keeps the work
-  }
-  return planner::Median(std::move(times));
+    return values.front();
+  });
 }
 
 // Seconds `threads` threads take to read a 256 MiB buffer each (median of
@@ -110,25 +119,11 @@ double MemoryReferenceSeconds(int threads) {
   constexpr size_t kFloats = size_t{64} << 20;  // 256 MiB
   std::vector<std::vector<float>> buffers(threads,
                                           std::vector<float>(kFloats, 1.0f));
-  std::vector<double> times;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> workers;
-    std::vector<float> sums(threads);
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&buffers, &sums, t] {
-        float sum = 0;
-        for (float v : buffers[t]) sum += v;
-        sums[t] = sum;
-      });
-    }
-    for (std::thread& w : workers) w.join();
-    times.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-            .count());
-    if (sums.front() < 0) std::printf("unreachable\n");  // keeps the work
-  }
-  return planner::Median(std::move(times));
+  return MedianSecondsOnThreads(threads, [&buffers](int t) {
+    float sum = 0;
+    for (float v : buffers[t]) sum += v;
+    return sum;
+  });
 }
 
 int Main(int argc, char** argv) {

@@ -209,6 +209,21 @@ planner::LinearCost FitLine(const std::vector<double>& x,
   return {my - slope * mx, slope};
 }
 
+// A real cluster of `layout` on the profiled model; with `worker_metrics`
+// every process serves /metrics on a free port.
+absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(
+    const PlannerProfileOptions& o, const planner::Layout& layout,
+    bool worker_metrics) {
+  LocalClusterOptions lo;
+  lo.model_path = o.model_path;
+  lo.format = o.format;
+  lo.bin_dir = o.bin_dir;
+  lo.refresh_ms = 100;
+  if (worker_metrics) lo.metrics_port_base = 0;
+  ApplyLayout(layout, &lo);
+  return LocalCluster::Start(lo);
+}
+
 // Idle-cluster requests on `layout`: measured minus simulated. Without
 // `step_overhead` the decode step overhead of the layout's decode
 // configuration is measured here (colocated calibrations); else it is taken
@@ -217,13 +232,7 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
                                       const planner::PerfModel& model,
                                       const planner::Layout& layout, int vocab,
                                       std::optional<double> step_overhead) {
-  LocalClusterOptions lo;
-  lo.model_path = o.model_path;
-  lo.format = o.format;
-  lo.bin_dir = o.bin_dir;
-  lo.refresh_ms = 100;
-  ApplyLayout(layout, &lo);
-  auto cluster = LocalCluster::Start(lo);
+  auto cluster = StartCluster(o, layout, /*worker_metrics=*/false);
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
@@ -356,14 +365,7 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
     const PlannerProfileOptions& o, const planner::PerfModel& model,
     int vocab) {
   const planner::Layout layout;  // 1P(1s×1t, chunk 256)+1D(tp1×1t)
-  LocalClusterOptions lo;
-  lo.model_path = o.model_path;
-  lo.format = o.format;
-  lo.bin_dir = o.bin_dir;
-  lo.refresh_ms = 100;
-  lo.metrics_port_base = 0;
-  ApplyLayout(layout, &lo);
-  auto cluster = LocalCluster::Start(lo);
+  auto cluster = StartCluster(o, layout, /*worker_metrics=*/true);
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));

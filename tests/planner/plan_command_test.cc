@@ -48,10 +48,18 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   EXPECT_NE(profiled.find("pdserve local --model " + kModel + " "),
             std::string::npos);
   EXPECT_NE(profiled.find("ConfigMap pdserve-layout:"), std::string::npos);
+  // The co-running calibration loaded a real cluster and read its workers'
+  // busy seconds (it fails the profile when their metrics are missing).
+  EXPECT_NE(profiled.find("loaded ("), std::string::npos) << profiled;
+  EXPECT_NE(profiled.find("co-running slow-down: prefill stage"),
+            std::string::npos)
+      << profiled;
 
   auto model = PerfModel::Load(perf);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->steps.size(), 3u);  // tp1×1, tp1×2, tp2×1
+  EXPECT_GE(model->co_running.prefill_stage, 0);
+  EXPECT_GE(model->co_running.decode_step, 0);
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
     // More tokens never cost less per step than one.
