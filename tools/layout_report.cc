@@ -31,51 +31,12 @@
 namespace pdserve {
 namespace {
 
-struct Url {
-  std::string base;  // scheme://host:port
-  std::string path;
-};
-
-absl::StatusOr<Url> SplitUrl(const std::string& url) {
-  const size_t scheme = url.find("://");
-  if (scheme == std::string::npos || url.substr(0, scheme) != "http") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", url, "' is not an http:// URL"));
-  }
-  const size_t slash = url.find('/', scheme + 3);
-  if (slash == std::string::npos) return Url{url, "/"};
-  return Url{url.substr(0, slash), url.substr(slash)};
-}
-
-absl::StatusOr<std::string> Get(const std::string& url) {
-  auto parts = SplitUrl(url);
-  if (!parts.ok()) return parts.status();
-  httplib::Client client(parts->base);
-  client.set_connection_timeout(5);
-  client.set_read_timeout(10);
-  auto res = client.Get(parts->path);
-  if (!res) {
-    return absl::UnavailableError(
-        absl::StrCat("GET ", url, ": ", httplib::to_string(res.error())));
-  }
-  if (res->status != 200) {
-    return absl::UnavailableError(
-        absl::StrCat("GET ", url, ": HTTP ", res->status));
-  }
-  return res->body;
-}
-
 absl::StatusOr<std::vector<metrics::Sample>> ScrapeAll(
     const std::vector<std::string>& urls) {
   std::vector<metrics::Sample> all;
   for (const std::string& url : urls) {
-    auto body = Get(url);
-    if (!body.ok()) return body.status();
-    auto samples = metrics::ParseExposition(*body);
-    if (!samples.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(url, ": ", samples.status().message()));
-    }
+    auto samples = metrics::Scrape(url);
+    if (!samples.ok()) return samples.status();
     all.insert(all.end(), samples->begin(), samples->end());
   }
   return all;
@@ -88,7 +49,7 @@ absl::StatusOr<std::vector<metrics::Sample>> QueryPrometheus(
       base, "/api/v1/query?query=",
       httplib::detail::encode_query_param("{__name__=~\"pdserve_.+\"}"),
       "&time=", absl::StrCat(absl::ToUnixSeconds(time)));
-  auto body = Get(url);
+  auto body = metrics::HttpGet(url);
   if (!body.ok()) return body.status();
   auto json = nlohmann::json::parse(*body, nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded() || json.value("status", "") != "success") {

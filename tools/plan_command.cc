@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
-#include "httplib.h"
 #include "metrics/exposition.h"
 #include "planner/planner.h"
 #include "process/child_process.h"
@@ -21,26 +20,12 @@ namespace {
 
 // The router's served totals in one scrape of its /metrics.
 absl::StatusOr<metrics::ServedTotals> ScrapeServed(const std::string& url) {
-  const size_t scheme = url.find("://");
-  const size_t slash =
-      scheme == std::string::npos ? scheme : url.find('/', scheme + 3);
-  if (scheme == std::string::npos || url.substr(0, scheme) != "http" ||
-      slash == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--router-metrics '", url, "' is not http://HOST:PORT/PATH"));
+  auto samples = metrics::Scrape(url);
+  if (!samples.ok()) {
+    return absl::Status(
+        samples.status().code(),
+        absl::StrCat("--router-metrics: ", samples.status().message()));
   }
-  httplib::Client client(url.substr(0, slash));
-  client.set_connection_timeout(5);
-  client.set_read_timeout(10);
-  auto res = client.Get(url.substr(slash));
-  if (!res || res->status != 200) {
-    return absl::UnavailableError(
-        absl::StrCat("GET ", url, ": ",
-                     res ? absl::StrCat("HTTP ", res->status)
-                         : httplib::to_string(res.error())));
-  }
-  auto samples = metrics::ParseExposition(res->body);
-  if (!samples.ok()) return samples.status();
   metrics::ServedTotals totals;
   bool seen = false;
   for (const metrics::Sample& s : *samples) {

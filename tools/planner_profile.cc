@@ -17,7 +17,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "decode/decode_worker.h"
-#include "httplib.h"
 #include "metrics/exposition.h"
 #include "model/weight_source.h"
 #include "planner/planner.h"
@@ -324,18 +323,12 @@ absl::StatusOr<BusySeconds> ScrapeBusySeconds(const LocalCluster& cluster) {
   BusySeconds busy;
   bool prefill_seen = false, decode_seen = false;
   for (const auto& [name, address] : cluster.metrics_addresses()) {
-    httplib::Client client(absl::StrCat("http://", address));
-    client.set_connection_timeout(5);
-    client.set_read_timeout(10);
-    auto res = client.Get("/metrics");
-    if (!res || res->status != 200) {
-      return absl::UnavailableError(
-          absl::StrCat("GET http://", address, "/metrics (", name, "): ",
-                       res ? absl::StrCat("HTTP ", res->status)
-                           : httplib::to_string(res.error())));
+    auto samples =
+        metrics::Scrape(absl::StrCat("http://", address, "/metrics"));
+    if (!samples.ok()) {
+      return absl::Status(samples.status().code(),
+                          absl::StrCat(name, ": ", samples.status().message()));
     }
-    auto samples = metrics::ParseExposition(res->body);
-    if (!samples.ok()) return samples.status();
     for (const metrics::Sample& sample : *samples) {
       if (sample.name == "pdserve_prefill_stage_busy_seconds_total") {
         busy.prefill += sample.value;
@@ -402,6 +395,15 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
   if (!after_idle.ok()) return after_idle.status();
   auto idle_sim = planner::Simulate(alone, layout, idle, {}, fitted_steps);
   if (!idle_sim.ok()) return idle_sim.status();
+  if (!(after_idle->prefill > before->prefill) ||
+      !(after_idle->decode > before->decode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "co-running calibration: ", idle.size(),
+        " idle requests added no busy seconds to the workers' metrics "
+        "(prefill ",
+        after_idle->prefill - before->prefill, " s, decode ",
+        after_idle->decode - before->decode, " s)"));
+  }
   const double idle_prefill_ratio =
       (after_idle->prefill - before->prefill) / idle_sim->prefill_busy_seconds;
   const double idle_decode_ratio =

@@ -2,11 +2,13 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "httplib.h"
 
 namespace pdserve::metrics {
 
@@ -94,6 +96,39 @@ absl::StatusOr<std::vector<Sample>> ParseExposition(absl::string_view text) {
     if (rest.empty()) return Bad(line_no, line, "no value");
     if (!ParseValue(rest[0], &s.value)) return Bad(line_no, line, "bad value");
     samples.push_back(std::move(s));
+  }
+  return samples;
+}
+
+absl::StatusOr<std::string> HttpGet(const std::string& url) {
+  const size_t scheme = url.find("://");
+  if (scheme == std::string::npos || url.substr(0, scheme) != "http") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", url, "' is not an http:// URL"));
+  }
+  const size_t slash = url.find('/', scheme + 3);
+  httplib::Client client(url.substr(0, slash));
+  client.set_connection_timeout(5);
+  client.set_read_timeout(10);
+  auto res = client.Get(slash == std::string::npos ? "/" : url.substr(slash));
+  if (!res) {
+    return absl::UnavailableError(
+        absl::StrCat("GET ", url, ": ", httplib::to_string(res.error())));
+  }
+  if (res->status != 200) {
+    return absl::UnavailableError(
+        absl::StrCat("GET ", url, ": HTTP ", res->status));
+  }
+  return std::move(res->body);
+}
+
+absl::StatusOr<std::vector<Sample>> Scrape(const std::string& url) {
+  auto body = HttpGet(url);
+  if (!body.ok()) return body.status();
+  auto samples = ParseExposition(*body);
+  if (!samples.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(url, ": ", samples.status().message()));
   }
   return samples;
 }

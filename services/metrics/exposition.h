@@ -1,6 +1,7 @@
 // Parsing the Prometheus text exposition format (what /metrics serves, and
-// what MetricsRegistry::RenderText produces) into samples, for tools that
-// read a scrape (tools/layout_report) and for tests.
+// what MetricsRegistry::RenderText produces) into samples, and scraping it
+// over HTTP, for tools that read a scrape (tools/layout_report, `pdserve
+// plan`, the planner's profile) and for tests.
 #pragma once
 
 #include <map>
@@ -25,5 +26,15 @@ struct Sample {
 // (# HELP, # TYPE) and blank lines are skipped.
 [[nodiscard]] absl::StatusOr<std::vector<Sample>> ParseExposition(
     absl::string_view text);
+
+// The body of GET `url` (http://HOST:PORT[/PATH?QUERY], "/" without a path;
+// 5 s to connect, 10 s to read). INVALID_ARGUMENT for a URL that is not
+// http://; UNAVAILABLE when the GET fails or answers other than 200.
+[[nodiscard]] absl::StatusOr<std::string> HttpGet(const std::string& url);
+
+// HttpGet(url) parsed: also INVALID_ARGUMENT (naming the URL) for a body
+// that is not exposition text.
+[[nodiscard]] absl::StatusOr<std::vector<Sample>> Scrape(
+    const std::string& url);
 
 }  // namespace pdserve::metrics

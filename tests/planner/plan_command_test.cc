@@ -4,6 +4,8 @@
 // profile plans the same ranking again without profiling; bad flags are
 // precise errors.
 #include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <regex>
 #include <string>
 #include <thread>
@@ -58,8 +60,19 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   auto model = PerfModel::Load(perf);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->steps.size(), 3u);  // tp1×1, tp1×2, tp2×1
-  EXPECT_GE(model->co_running.prefill_stage, 0);
-  EXPECT_GE(model->co_running.decode_step, 0);
+  // The saved profile carries the slow-downs the calibration printed.
+  int prefill_percent = -1, decode_percent = -1;
+  const size_t printed = profiled.find("co-running slow-down: prefill stage");
+  ASSERT_NE(printed, std::string::npos);
+  ASSERT_EQ(std::sscanf(profiled.c_str() + printed,
+                        "co-running slow-down: prefill stage %d%%, decode "
+                        "step %d%%",
+                        &prefill_percent, &decode_percent),
+            2)
+      << profiled.substr(printed, 80);
+  EXPECT_EQ(prefill_percent,
+            std::lround(model->co_running.prefill_stage * 100));
+  EXPECT_EQ(decode_percent, std::lround(model->co_running.decode_step * 100));
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
     // More tokens never cost less per step than one.
