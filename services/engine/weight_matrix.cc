@@ -379,8 +379,8 @@ void QuantRowDot(const WeightMatrix::Segment& s, const float* x, int64_t n,
 const float* DequantizedPanelSlice(const WeightMatrix::Segment& s, int64_t p,
                                    int64_t k0, int64_t kc) {
   // Heap buffers, one pair per thread: 64 KiB of static thread_local arrays
-  // would sit in every thread's static TLS block, and threads created with
-  // small stacks (civetweb's, in the metrics server) then fail to start.
+  // would sit in every thread's static TLS block, and threads that libraries
+  // create with small fixed stacks then fail to start.
   struct AlignedBuffer {
     float* data = nullptr;
     ~AlignedBuffer() { std::free(data); }

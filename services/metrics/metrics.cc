@@ -5,17 +5,17 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <exception>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "httplib.h"
 #include "process/port_file.h"
-#include "prometheus/exposer.h"
 #include "prometheus/text_serializer.h"
 
 namespace pdserve::metrics {
@@ -166,12 +166,18 @@ std::string MetricsRegistry::RenderText() const {
 
 // ---- MetricsServer
 // -----------------------------------------------------------
+//
+// /metrics is served by cpp-httplib (as the router's OpenAI API), not by
+// prometheus-cpp's civetweb exposer: civetweb starts its threads with a fixed
+// 100 KiB stack, and a binary that links the CUDA libraries carries more
+// static TLS than that (cuBLASLt alone ~94 KiB), so pthread_create failed
+// with EINVAL and no CUDA-enabled worker could export metrics. httplib's
+// threads get the default stack.
 
 namespace {
 
-// civetweb only says "null context" when it cannot listen; bind a probe
-// socket first so the error names the reason (address in use, no such
-// address, permission).
+// httplib's bind only says "failed"; bind a probe socket first so the error
+// names the reason (address in use, no such address, permission).
 absl::Status ProbeBind(const std::string& host, int port) {
   sockaddr_storage addr{};
   socklen_t len = 0;
@@ -181,22 +187,23 @@ absl::Status ProbeBind(const std::string& host, int port) {
     a4->sin_family = AF_INET;
     a4->sin_port = htons(static_cast<uint16_t>(port));
     len = sizeof(sockaddr_in);
-  } else if (in6_addr a6; inet_pton(AF_INET6, host.c_str(), &a6) == 1) {
-    // Debian's prometheus-cpp embeds a civetweb built without IPv6.
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics host '", host,
-                     "' is IPv6; this prometheus-cpp build serves IPv4 only "
-                     "(use 0.0.0.0 or an IPv4 address)"));
+  } else if (auto* a6 = reinterpret_cast<sockaddr_in6*>(&addr);
+             inet_pton(AF_INET6, host.c_str(), &a6->sin6_addr) == 1) {
+    family = AF_INET6;
+    a6->sin6_family = AF_INET6;
+    a6->sin6_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(sockaddr_in6);
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "metrics host '", host, "' is not a numeric IPv4 address"));
+        "metrics host '", host, "' is not a numeric IPv4 or IPv6 address"));
   }
   const int fd = socket(family, SOCK_STREAM, 0);
   if (fd < 0) {
     return absl::UnavailableError(
-        absl::StrCat("metrics: socket(): ", std::strerror(errno)));
+        absl::StrCat("metrics: cannot listen on ", host, ":", port,
+                     ": socket(): ", std::strerror(errno)));
   }
-  // civetweb sets SO_REUSEADDR too, so a port in TIME_WAIT is no error.
+  // httplib sets SO_REUSEADDR too, so a port in TIME_WAIT is no error.
   const int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   const int rc = bind(fd, reinterpret_cast<sockaddr*>(&addr), len);
@@ -209,6 +216,10 @@ absl::Status ProbeBind(const std::string& host, int port) {
   }
   return absl::OkStatus();
 }
+
+// The Prometheus text exposition format's media type.
+constexpr char kExpositionContentType[] =
+    "text/plain; version=0.0.4; charset=utf-8";
 
 }  // namespace
 
@@ -223,26 +234,39 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     return absl::InvalidArgumentError("metrics server needs a registry");
   }
   if (absl::Status s = ProbeBind(host, port); !s.ok()) return s;
-  const bool v6 = absl::StrContains(host, ':');
-  const std::string bind =
-      v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
-  std::unique_ptr<prometheus::Exposer> exposer;
-  try {
-    // Two HTTP threads: Prometheus plus one person or tool at a time.
-    exposer = std::make_unique<prometheus::Exposer>(bind, 2);
-  } catch (const std::exception& e) {
+  auto server =
+      std::unique_ptr<MetricsServer>(new MetricsServer(host, registry));
+  httplib::Server& http = *server->http_;
+  // Two HTTP threads: Prometheus plus one person or tool at a time (more
+  // connections wait in httplib's queue).
+  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  // A scraper that keeps its connection idle holds a thread only this long.
+  http.set_keep_alive_timeout(1);
+  http.Get("/metrics", [registry = registry.get()](const httplib::Request&,
+                                                   httplib::Response& res) {
+    res.set_content(registry->RenderText(), kExpositionContentType);
+  });
+  server->port_ = port == 0 ? http.bind_to_any_port(host)
+                            : (http.bind_to_port(host, port) ? port : -1);
+  if (server->port_ <= 0) {
     // The port was free a moment ago: someone took it in between.
     return absl::UnavailableError(
-        absl::StrCat("metrics: cannot listen on ", bind, ": ", e.what()));
+        absl::StrCat("metrics: cannot listen on ", host, ":", port,
+                     ": the address was taken after the probe bind"));
   }
-  const std::vector<int> ports = exposer->GetListeningPorts();
-  if (ports.empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics: no listening port on ", bind));
+  server->listener_ = std::thread([&http] { http.listen_after_bind(); });
+  // httplib's stop() is a no-op until the accept loop runs: wait for it, so
+  // that destroying the server right after Start() cannot hang on a loop
+  // that starts afterwards.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (!http.is_running() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
   }
-  exposer->RegisterCollectable(registry);
-  auto server = std::unique_ptr<MetricsServer>(new MetricsServer(
-      host, ports.front(), std::move(registry), std::move(exposer)));
+  if (!http.is_running()) {
+    return absl::InternalError(absl::StrCat("metrics: the HTTP accept loop on ",
+                                            server->address(),
+                                            " did not start within 10 s"));
+  }
   if (absl::Status s = process::WritePortFile(port_file, server->address());
       !s.ok()) {
     return s;
@@ -250,44 +274,18 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   return server;
 }
 
-MetricsServer::MetricsServer(std::string host, int port,
-                             std::shared_ptr<MetricsRegistry> registry,
-                             std::unique_ptr<prometheus::Exposer> exposer)
+MetricsServer::MetricsServer(std::string host,
+                             std::shared_ptr<MetricsRegistry> registry)
     : host_(std::move(host)),
-      port_(port),
       registry_(std::move(registry)),
-      exposer_(std::move(exposer)) {}
-
-namespace {
-// Connects to the server's own port until `done`: civetweb's accept loop
-// polls its listening socket in 2 s quanta and only then sees the stop flag;
-// an incoming connection wakes it at once (shutdown then takes milliseconds).
-void WakeAcceptLoop(const std::string& host, int port,
-                    const std::atomic<bool>* done) {
-  const std::string target =
-      host == "0.0.0.0" || host.empty() ? "127.0.0.1" : host;
-  while (!done->load()) {
-    absl::SleepFor(absl::Milliseconds(20));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    if (inet_pton(AF_INET, target.c_str(), &addr.sin_addr) != 1) return;
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return;
-    (void)connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-    close(fd);
-  }
-}
-}  // namespace
+      http_(std::make_unique<httplib::Server>()) {}
 
 MetricsServer::~MetricsServer() {
   // Stops the HTTP threads (no scrape runs after this) before the registry
-  // reference goes.
-  std::atomic<bool> done{false};
-  std::thread waker(WakeAcceptLoop, host_, port_, &done);
-  exposer_.reset();
-  done = true;
-  waker.join();
+  // reference goes. stop() closes the listening socket, so the accept loop
+  // ends at once; a scrape in progress finishes first.
+  http_->stop();
+  if (listener_.joinable()) listener_.join();
 }
 
 std::string MetricsServer::address() const {

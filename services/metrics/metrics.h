@@ -9,13 +9,14 @@
 // prometheus-cpp counters/histograms (atomic or a short per-metric lock).
 //
 // Thread-safety: every method may be called from any thread. Scrape hooks run
-// on the exposer's threads with the registry's hook lock held.
+// on the MetricsServer's HTTP threads with the registry's hook lock held.
 #pragma once
 
 #include <functional>
 #include <list>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -30,9 +31,9 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
-namespace prometheus {
-class Exposer;
-}  // namespace prometheus
+namespace httplib {
+class Server;
+}  // namespace httplib
 
 namespace pdserve::metrics {
 
@@ -136,12 +137,11 @@ std::vector<double> CountBuckets(double max = 4096);
 // (port() tells which). The registry must outlive the server.
 class MetricsServer {
  public:
-  // `host` is a numeric IPv4 address (0.0.0.0 = every interface; the
-  // embedded civetweb of Debian's prometheus-cpp has no IPv6).
-  // INVALID_ARGUMENT for a bad host or port, UNAVAILABLE naming the address
-  // and the reason (e.g. "Address already in use") when it cannot listen.
-  // With a `port_file`, the bound "host:port" is written there (atomically)
-  // once serving, for launchers that started it on port 0.
+  // `host` is a numeric IPv4 or IPv6 address (0.0.0.0 or :: = every
+  // interface). INVALID_ARGUMENT for a bad host or port, UNAVAILABLE naming
+  // the address and the reason (e.g. "Address already in use") when it
+  // cannot listen. With a `port_file`, the bound "host:port" is written there
+  // (atomically) once serving, for launchers that started it on port 0.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::string& host, int port,
       std::shared_ptr<MetricsRegistry> registry,
@@ -151,17 +151,17 @@ class MetricsServer {
   MetricsServer& operator=(const MetricsServer&) = delete;
 
   int port() const { return port_; }
-  // "host:port" as bound (the URL is http://<address>/metrics).
+  // "host:port" as bound, "[host]:port" for IPv6 (the URL is
+  // http://<address>/metrics).
   std::string address() const;
 
  private:
-  MetricsServer(std::string host, int port,
-                std::shared_ptr<MetricsRegistry> registry,
-                std::unique_ptr<prometheus::Exposer> exposer);
+  MetricsServer(std::string host, std::shared_ptr<MetricsRegistry> registry);
   const std::string host_;
-  const int port_;
+  int port_ = 0;
   const std::shared_ptr<MetricsRegistry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread listener_;  // runs http_'s accept loop
 };
 
 }  // namespace pdserve::metrics
