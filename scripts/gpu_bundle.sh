@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares one device run of the CUDA checks: builds the CUDA tree, then
+# Prepares one device run of the CUDA checks: builds the CUDA code, then
 # gathers into .gpu/ (ignored by git, never committed) the gpu test binaries
 # and cuda_engine_bench, the non-CUDA shared libraries they load (the device
 # image has CUDA, cuBLAS and NCCL but not Debian's abseil, OpenBLAS or
@@ -16,21 +16,24 @@ cd "$(dirname "$0")/.."
 MODELS="${PDSERVE_MODELS_DIR:-../shared/models}"
 PEERS="${PDSERVE_PEERS_DIR:-../shared/peers}"
 
-cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DPDSERVE_CUDA=ON >/dev/null
-cmake --build build-cuda -j "$(nproc)" --target gpu_tests cuda_engine_bench \
+# The release tree, with the CUDA backend (CMakeLists.txt turns it on where
+# nvcc and NCCL are; -D here for a tree first configured without them).
+BUILD="${PDSERVE_BUILD_DIR:-build}"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPDSERVE_CUDA=ON >/dev/null
+cmake --build "$BUILD" -j "$(nproc)" --target gpu_tests cuda_engine_bench \
   pdserve_sentencepiece_shim
 
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib .gpu/glibc .gpu/models
-BINARIES=(build-cuda/tests/engine/engine_cuda_attention_test
-          build-cuda/tests/engine/engine_cuda_test build-cuda/tests/comm/comm_nccl_test
-          build-cuda/tests/decode/decode_cuda_test build-cuda/tests/prefill/prefill_cuda_test
-          build-cuda/tests/e2e/e2e_cuda_cluster_test
-          build-cuda/router/router build-cuda/prefill_worker/prefill_worker
-          build-cuda/decode_worker/decode_worker
-          build-cuda/libpdserve_sentencepiece_shim.so
-          build-cuda/bench/cuda_engine_bench)
+BINARIES=("$BUILD"/tests/engine/engine_cuda_attention_test
+          "$BUILD"/tests/engine/engine_cuda_test "$BUILD"/tests/comm/comm_nccl_test
+          "$BUILD"/tests/decode/decode_cuda_test "$BUILD"/tests/prefill/prefill_cuda_test
+          "$BUILD"/tests/e2e/e2e_cuda_cluster_test
+          "$BUILD"/router/router "$BUILD"/prefill_worker/prefill_worker
+          "$BUILD"/decode_worker/decode_worker
+          "$BUILD"/libpdserve_sentencepiece_shim.so
+          "$BUILD"/bench/cuda_engine_bench)
 for b in "${BINARIES[@]}"; do
   cp "$b" .gpu/bin/
   strip .gpu/bin/"$(basename "$b")"
