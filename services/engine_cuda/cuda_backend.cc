@@ -27,6 +27,7 @@
 #include "engine/attention_math.h"
 #include "engine/engine_backend.h"
 #include "engine/step_plan.h"
+#include "engine_cuda/cublas_loader.h"
 #include "engine_cuda/kernels.h"
 
 namespace pdserve::engine {
@@ -137,17 +138,24 @@ class StreamHandle {
   cudaStream_t stream_ = nullptr;
 };
 
+// A cuBLAS handle and the entry points it is used through (cuBLAS is
+// loaded on the first Create(), cublas_loader.h says why).
 class CublasHandle {
  public:
   ~CublasHandle() {
-    if (handle_ != nullptr) cublasDestroy(handle_);
+    if (handle_ != nullptr) api_->destroy(handle_);
   }
   absl::Status Create() {
-    return CublasStatus(cublasCreate(&handle_), "cublasCreate");
+    absl::StatusOr<const cuda::CublasApi*> api = cuda::LoadCublas();
+    if (!api.ok()) return api.status();
+    api_ = *api;
+    return CublasStatus(api_->create(&handle_), "cublasCreate");
   }
   cublasHandle_t get() const { return handle_; }
+  const cuda::CublasApi& api() const { return *api_; }
 
  private:
+  const cuda::CublasApi* api_ = nullptr;
   cublasHandle_t handle_ = nullptr;
 };
 
@@ -339,13 +347,14 @@ absl::Status CudaBackend::Init(const model::WeightSource& weights) {
       CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
   PDS_RETURN_IF_ERROR(stream_.Create());
   PDS_RETURN_IF_ERROR(cublas_.Create());
-  PDS_RETURN_IF_ERROR(CublasStatus(
-      cublasSetStream(cublas_.get(), stream_.get()), "cublasSetStream"));
+  PDS_RETURN_IF_ERROR(
+      CublasStatus(cublas_.api().set_stream(cublas_.get(), stream_.get()),
+                   "cublasSetStream"));
   // A workspace of our own, so cuBLAS never allocates inside a graph capture.
   PDS_RETURN_IF_ERROR(cublas_workspace_.Allocate(32 << 20, "cuBLAS workspace"));
   PDS_RETURN_IF_ERROR(CublasStatus(
-      cublasSetWorkspace(cublas_.get(), cublas_workspace_.as<void>(),
-                         cublas_workspace_.bytes()),
+      cublas_.api().set_workspace(cublas_.get(), cublas_workspace_.as<void>(),
+                                  cublas_workspace_.bytes()),
       "cublasSetWorkspace"));
   nccl_ = dynamic_cast<comm::NcclCommunicator*>(communicator_);
   // A host communicator blocks on the CPU mid-step, which no graph can hold.
@@ -584,12 +593,12 @@ absl::Status CudaBackend::Gemm(const uint16_t* x, int rows, int64_t in,
   // column-major terms, y^T = w^T(op T of the [in, out] matrix) · x^T.
   const float alpha = 1.0f, beta = 0.0f;
   return CublasStatus(
-      cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N,
-                   static_cast<int>(out), rows, static_cast<int>(in), &alpha,
-                   w.as<void>(), CUDA_R_16BF, static_cast<int>(in), x,
-                   CUDA_R_16BF, static_cast<int>(in), &beta, y, CUDA_R_32F,
-                   static_cast<int>(ldy), CUBLAS_COMPUTE_32F,
-                   CUBLAS_GEMM_DEFAULT),
+      cublas_.api().gemm_ex(
+          cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), rows,
+          static_cast<int>(in), &alpha, w.as<void>(), CUDA_R_16BF,
+          static_cast<int>(in), x, CUDA_R_16BF, static_cast<int>(in), &beta, y,
+          CUDA_R_32F, static_cast<int>(ldy), CUBLAS_COMPUTE_32F,
+          CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx");
 }
 
