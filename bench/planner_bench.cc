@@ -6,7 +6,9 @@
 // per prompt range and round (--repeats, rounds alternating their order);
 // its goodput under each SLO comes from the same requests, and with several
 // rounds every measured figure is the median of the rounds (the range is
-// printed beside it: this VM's speed moves by ±25% within minutes).
+// printed beside it: this VM's speed moves by ±25% within minutes). With
+// --reprofile 1 each prompt range is planned on a profile made just before
+// its layouts are measured.
 //
 // Printed per workload: predicted vs measured TTFT p99, TPOT p99 and goodput
 // for every measured layout with the relative errors (target: within 20%),
@@ -180,6 +182,12 @@ int Main(int argc, char** argv) {
       "1: also rank layouts with up to twice as many compute threads as "
       "cores, one per decode rank and prefill stage (today's default has 4 "
       "on 2).");
+  const bool reprofile = flags.Bool(
+      "reprofile", false,
+      "1: profile again before each prompt range is planned and measured "
+      "(short, then long), so that a prediction's profile is minutes old "
+      "when its layouts run rather than up to an hour: this VM's step times "
+      "drift by up to a third over an hour. Not with --perf-model.");
   const bool worker_metrics = flags.Bool(
       "worker-metrics", false,
       "1: every measured cluster's processes export Prometheus metrics on "
@@ -218,32 +226,27 @@ int Main(int argc, char** argv) {
   const int vocab = (*weights)->config().vocab_size;
   weights->reset();
 
-  planner::PerfModel model;
-  if (perf_path.empty()) {
+  if (reprofile && !perf_path.empty()) {
+    std::fprintf(stderr,
+                 "--reprofile 1 profiles again before each prompt range; it "
+                 "takes no --perf-model\n");
+    return 2;
+  }
+  // Profiles this machine now; with --reprofile once per prompt range (the
+  // saved file then gets the range as a suffix).
+  auto profile_now =
+      [&](const std::string& save_as) -> absl::StatusOr<planner::PerfModel> {
     profile.progress = [](const std::string& line) {
       std::printf("%s\n", line.c_str());
       std::fflush(stdout);
     };
     auto m = tools::ProfileForPlanner(profile);
-    if (!m.ok()) {
-      std::fprintf(stderr, "profile: %s\n", m.status().ToString().c_str());
-      return 1;
+    if (!m.ok()) return m.status();
+    if (!save_as.empty()) {
+      if (auto s = m->Save(save_as); !s.ok()) return s;
     }
-    model = *std::move(m);
-    if (!save_path.empty()) {
-      if (auto s = model.Save(save_path); !s.ok()) {
-        std::fprintf(stderr, "%s\n", s.ToString().c_str());
-        return 1;
-      }
-    }
-  } else {
-    auto m = planner::PerfModel::Load(perf_path);
-    if (!m.ok()) {
-      std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
-      return 1;
-    }
-    model = *std::move(m);
-  }
+    return m;
+  };
 
   // Today's `pdserve local` default: 2 stages, TP 2 (4 compute threads on
   // these cores), measured as predicted: without speculation unless
@@ -268,7 +271,11 @@ int Main(int argc, char** argv) {
   std::map<std::string, std::vector<Row>> rows_by_workload;
   // prompts|layout → one report per round
   std::map<std::string, std::vector<tools::LoadReport>> measured;
-  for (const Workload& w : workloads) {
+
+  // The planner's ranking for `w`: its top layouts, the --layouts ones and
+  // today's default become w's rows. Returns a process exit code, 0 = ok.
+  auto plan_workload = [&](const planner::PerfModel& model,
+                           const Workload& w) -> int {
     planner::PlanRequest request;
     request.workload = {requests, rate, w.prompt, output, seed};
     request.slo = w.slo;
@@ -323,73 +330,120 @@ int Main(int argc, char** argv) {
       }
       rows.push_back({default_layout, *p, 0});
     }
-  }
+    return 0;
+  };
 
-  // Measure each distinct (prompts, layout) once per round; odd rounds go
-  // through them in reverse, so the VM's drift over a run falls on every
-  // layout alike.
-  std::printf(
-      "\n== measured (load_bench's open loop, %d requests at %.2f/s, %d "
-      "round%s) ==\n",
-      requests, rate, repeats, repeats == 1 ? "" : "s");
-  tools::PrintLoadHeader();
+  // The prompt ranges in the workloads' order; each is planned (after its
+  // own profile with --reprofile) and then measured before the next.
+  std::vector<planner::LengthRange> prompt_ranges;
+  for (const Workload& w : workloads) {
+    bool seen = false;
+    for (const planner::LengthRange& r : prompt_ranges) {
+      seen |= r.lo == w.prompt.lo && r.hi == w.prompt.hi;
+    }
+    if (!seen) prompt_ranges.push_back(w.prompt);
+  }
   struct Run {
     std::string key;
     planner::LengthRange prompt;
     Row row;
     const Workload* workload;
   };
-  std::vector<Run> runs;
-  for (const Workload& w : workloads) {
-    for (const Row& row : rows_by_workload[w.name]) {
-      const std::string key =
-          absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
-      bool seen = false;
-      for (const Run& r : runs) seen |= r.key == key;
-      if (!seen) runs.push_back({key, w.prompt, row, &w});
-    }
-  }
-  // The machine's speed when the measuring starts; each run's is printed
-  // relative to it.
-  const double reference_start = ReferenceSeconds(profile.cores);
-  const double memory_reference_start = MemoryReferenceSeconds(profile.cores);
-  // By run key, per round: arithmetic and memory reads.
+  // By run key, per round: the machine's arithmetic and memory-read speed
+  // before the run, relative to the start of measuring.
   std::map<std::string, std::vector<double>> speed, memory_speed;
-  for (int round = 0; round < repeats; ++round) {
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const Run& run = runs[round % 2 == 0 ? i : runs.size() - 1 - i];
-      const std::vector<planner::Arrival> arrivals = planner::MakeArrivals(
-          {requests, rate, run.prompt, output, seed}, vocab);
-      tools::LocalClusterOptions o;
-      o.model_path = profile.model_path;
-      o.format = profile.format;
-      o.bin_dir = PDSERVE_BINARY_DIR;
-      o.refresh_ms = 100;
-      o.decode_blocks = 2048;
-      o.prefill_blocks = 1024;
-      tools::ApplyLayout(run.row.layout, &o);
-      if (worker_metrics) o.metrics_port_base = 0;
-      if (run.row.rank == 0 && default_ngram) o.speculation = "ngram";
-      // Before the cluster starts, so that nothing else computes.
-      speed[run.key].push_back(reference_start /
-                               ReferenceSeconds(profile.cores));
-      memory_speed[run.key].push_back(memory_reference_start /
-                                      MemoryReferenceSeconds(profile.cores));
-      auto cluster = tools::LocalCluster::Start(o);
-      if (!cluster.ok()) {
-        std::fprintf(stderr, "cluster %s: %s\n", run.row.layout.Name().c_str(),
-                     cluster.status().ToString().c_str());
+  double reference_start = 0, memory_reference_start = 0;
+  planner::PerfModel model;
+  if (!perf_path.empty()) {
+    auto m = planner::PerfModel::Load(perf_path);
+    if (!m.ok()) {
+      std::fprintf(stderr, "%s\n", m.status().ToString().c_str());
+      return 1;
+    }
+    model = *std::move(m);
+  }
+  for (size_t range = 0; range < prompt_ranges.size(); ++range) {
+    const planner::LengthRange prompts = prompt_ranges[range];
+    if (perf_path.empty() && (range == 0 || reprofile)) {
+      if (reprofile) {
+        std::printf("\n== profile for prompts %d..%d ==\n", prompts.lo,
+                    prompts.hi);
+      }
+      auto m = profile_now(
+          save_path.empty() || !reprofile
+              ? save_path
+              : absl::StrCat(save_path, ".", prompts.lo, "-", prompts.hi));
+      if (!m.ok()) {
+        std::fprintf(stderr, "profile: %s\n", m.status().ToString().c_str());
         return 1;
       }
-      tools::LoadReport report = tools::RunLoad(
-          run.key, (*cluster)->grpc_address(), arrivals,
-          run.workload->slo.ttft_seconds, run.workload->slo.tpot_seconds);
-      tools::PrintLoad(report);
-      measured[run.key].push_back(std::move(report));
-      std::printf(
-          "  machine speed before this run: %.2fx the start's (memory "
-          "reads %.2fx)\n",
-          speed[run.key].back(), memory_speed[run.key].back());
+      model = *std::move(m);
+    }
+    std::vector<Run> runs;
+    for (const Workload& w : workloads) {
+      if (w.prompt.lo != prompts.lo || w.prompt.hi != prompts.hi) continue;
+      if (int rc = plan_workload(model, w); rc != 0) return rc;
+      for (const Row& row : rows_by_workload[w.name]) {
+        const std::string key =
+            absl::StrCat(w.prompt.lo, ":", w.prompt.hi, "|", row.layout.Name());
+        bool seen = false;
+        for (const Run& r : runs) seen |= r.key == key;
+        if (!seen) runs.push_back({key, w.prompt, row, &w});
+      }
+    }
+
+    // Measure each distinct layout once per round; odd rounds go through
+    // them in reverse, so the VM's drift over a run falls on every layout
+    // alike.
+    std::printf(
+        "\n== measured, prompts %d..%d (load_bench's open loop, %d requests "
+        "at %.2f/s, %d round%s) ==\n",
+        prompts.lo, prompts.hi, requests, rate, repeats,
+        repeats == 1 ? "" : "s");
+    tools::PrintLoadHeader();
+    if (range == 0) {
+      // The machine's speed when the measuring starts; each run's is
+      // printed relative to it.
+      reference_start = ReferenceSeconds(profile.cores);
+      memory_reference_start = MemoryReferenceSeconds(profile.cores);
+    }
+    for (int round = 0; round < repeats; ++round) {
+      for (size_t i = 0; i < runs.size(); ++i) {
+        const Run& run = runs[round % 2 == 0 ? i : runs.size() - 1 - i];
+        const std::vector<planner::Arrival> arrivals = planner::MakeArrivals(
+            {requests, rate, run.prompt, output, seed}, vocab);
+        tools::LocalClusterOptions o;
+        o.model_path = profile.model_path;
+        o.format = profile.format;
+        o.bin_dir = PDSERVE_BINARY_DIR;
+        o.refresh_ms = 100;
+        o.decode_blocks = 2048;
+        o.prefill_blocks = 1024;
+        tools::ApplyLayout(run.row.layout, &o);
+        if (worker_metrics) o.metrics_port_base = 0;
+        if (run.row.rank == 0 && default_ngram) o.speculation = "ngram";
+        // Before the cluster starts, so that nothing else computes.
+        speed[run.key].push_back(reference_start /
+                                 ReferenceSeconds(profile.cores));
+        memory_speed[run.key].push_back(memory_reference_start /
+                                        MemoryReferenceSeconds(profile.cores));
+        auto cluster = tools::LocalCluster::Start(o);
+        if (!cluster.ok()) {
+          std::fprintf(stderr, "cluster %s: %s\n",
+                       run.row.layout.Name().c_str(),
+                       cluster.status().ToString().c_str());
+          return 1;
+        }
+        tools::LoadReport report = tools::RunLoad(
+            run.key, (*cluster)->grpc_address(), arrivals,
+            run.workload->slo.ttft_seconds, run.workload->slo.tpot_seconds);
+        tools::PrintLoad(report);
+        measured[run.key].push_back(std::move(report));
+        std::printf(
+            "  machine speed before this run: %.2fx the start's (memory "
+            "reads %.2fx)\n",
+            speed[run.key].back(), memory_speed[run.key].back());
+      }
     }
   }
 
