@@ -27,6 +27,7 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exc
 rm -rf .gpu
 mkdir -p .gpu/bin .gpu/lib .gpu/glibc .gpu/models
 BINARIES=("$BUILD"/tests/engine/engine_cuda_attention_test
+          "$BUILD"/tests/engine/engine_cublas_loader_test
           "$BUILD"/tests/engine/engine_cuda_test "$BUILD"/tests/comm/comm_nccl_test
           "$BUILD"/tests/decode/decode_cuda_test "$BUILD"/tests/prefill/prefill_cuda_test
           "$BUILD"/tests/e2e/e2e_cuda_cluster_test

@@ -53,6 +53,9 @@ run_test() {  # seconds binary [args...]
   [ "$rc" -eq 0 ] || { echo "$t exited $rc"; status=1; }
 }
 
+# cuBLAS is loaded with dlopen (engine_cuda/cublas_loader.h): found here
+# through LD_LIBRARY_PATH's CUDA folders, before any engine needs it.
+run_test 20 engine_cublas_loader_test
 run_test 60 engine_cuda_attention_test
 
 stamp "cuda_engine_bench (llama-8b shape, dummy weights) + PyTorch peer"
