@@ -238,8 +238,17 @@ int Main(int argc, char** argv) {
       "planner-slo-ttft-ms", 2000, "The planner's TTFT p99 SLO, ms.");
   const double planner_slo_tpot_ms = flags.Num<double>(
       "planner-slo-tpot-ms", 60, "The planner's TPOT p99 SLO, ms.");
-  const int planner_cores = flags.Num<int>(
-      "planner-cores", 2, "Cores (compute threads) one layout may use.");
+  const int planner_cores =
+      flags.Num<int>("planner-cores", 2,
+                     "Cores (compute threads) per node one layout may use.");
+  const int planner_nodes =
+      flags.Num<int>("planner-nodes", 1,
+                     "Nodes one layout may span, each of --planner-cores.");
+  const double planner_network_gbps = flags.Num<double>(
+      "planner-network-gbps", 0,
+      "With --planner-nodes > 1: each node's link, Gbit/s each way (measure "
+      "it with ucx_perftest between two nodes).",
+      "(none)");
   const double planner_interval_s = flags.Num<double>(
       "planner-interval-s", 30, "Seconds between planner evaluations.");
   const bool planner_router_on_cores = flags.Bool(
@@ -406,7 +415,9 @@ int Main(int argc, char** argv) {
     PlannerMonitorOptions po;
     po.model = *std::move(perf);
     po.slo = {planner_slo_ttft_ms / 1e3, planner_slo_tpot_ms / 1e3};
+    po.resources.nodes = planner_nodes;
     po.resources.cores = planner_cores;
+    po.resources.network_bytes_per_second = planner_network_gbps * 1e9 / 8;
     po.resources.router_shares_cores = planner_router_on_cores;
     po.interval = absl::Seconds(planner_interval_s);
     absl::StatusOr<std::unique_ptr<PlannerMonitor>> started =

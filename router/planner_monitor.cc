@@ -19,6 +19,22 @@ absl::StatusOr<std::unique_ptr<PlannerMonitor>> PlannerMonitor::Start(
         "replications must be positive and the capacity attainment in (0, "
         "1]");
   }
+  if (options.resources.nodes < 1 ||
+      (options.resources.nodes > 1 &&
+       !(options.resources.network_bytes_per_second > 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planner monitor: ", options.resources.nodes,
+        " node(s): needs ≥ 1, and the nodes' link bandwidth for more than "
+        "one"));
+  }
+  if (options.resources.nodes > 1 &&
+      (!(options.model.kv_bytes_per_token > 0) ||
+       !(options.model.activation_bytes_per_token > 0))) {
+    return absl::FailedPreconditionError(
+        "planner monitor: planning across nodes needs the KV and "
+        "hidden-state bytes per token, which this perf model predates: "
+        "profile again");
+  }
   std::unique_ptr<PlannerMonitor> monitor(
       new PlannerMonitor(std::move(options), std::move(totals), registry));
   monitor->thread_ = std::thread([m = monitor.get()] { m->Loop(); });
@@ -82,7 +98,9 @@ void PlannerMonitor::Loop() {
 double PlannerMonitor::Capacity(const planner::Layout& layout,
                                 const planner::WorkloadSpec& workload) const {
   planner::SimOptions sim;
+  sim.nodes = options_.resources.nodes;
   sim.cores = options_.resources.cores;
+  sim.network_bytes_per_second = options_.resources.network_bytes_per_second;
   sim.router_shares_cores = options_.resources.router_shares_cores;
   auto holds = [&](double rate) {
     planner::WorkloadSpec w = workload;

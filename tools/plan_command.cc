@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/command_line_flags.h"
 #include "metrics/exposition.h"
@@ -140,7 +141,19 @@ absl::Status RunPlan(int argc, char** argv) {
                         "p99 time-per-output-token SLO, ms.") /
       1e3;
   request.resources.cores = flags.Num<int>(
-      "cores", 2, "Cores the cluster may use (compute threads in all).");
+      "cores", 2,
+      "Cores per node the cluster may use (compute threads); the profile "
+      "runs on this machine with as many.");
+  request.resources.nodes = flags.Num<int>(
+      "nodes", 1,
+      "Nodes (each of --cores, like this machine) a layout may span; its "
+      "pods are placed as Kubernetes' least-allocated scoring would.");
+  const double network_gbps = flags.Num<double>(
+      "network-gbps", 0,
+      "With --nodes > 1: each node's link, Gbit/s each way, which a stage's "
+      "KV writes and hidden states to another node cross (measure it with "
+      "ucx_perftest between two nodes).",
+      "(none)");
   request.resources.allow_oversubscription = flags.Bool(
       "oversubscribe", false,
       "1: also consider layouts with up to twice as many compute threads "
@@ -168,6 +181,14 @@ absl::Status RunPlan(int argc, char** argv) {
   auto output = planner::ParseLengthRange(output_text);
   if (!output.ok()) return output.status();
   if (auto s = flags.Check(); !s.ok()) return s;
+  if (request.resources.nodes < 1 ||
+      (request.resources.nodes > 1 && !(network_gbps > 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--nodes must be ≥ 1, and --nodes ", request.resources.nodes,
+        " > 1 needs --network-gbps > 0 (the nodes' link bandwidth; "
+        "ucx_perftest between two nodes measures it)"));
+  }
+  request.resources.network_bytes_per_second = network_gbps * 1e9 / 8;
   if (request.resources.cores < 1 || request.workload.requests < 1 ||
       !(request.workload.rate > 0) || !(request.slo.ttft_seconds > 0) ||
       !(request.slo.tpot_seconds > 0) || request.ngram_acceptance < 0 ||
@@ -212,15 +233,32 @@ absl::Status RunPlan(int argc, char** argv) {
   if (!ranked.ok()) return ranked.status();
   std::printf(
       "workload: %.2f req/s, prompt %d..%d, output %d..%d tokens; SLO p99 "
-      "TTFT ≤ %.0f ms, TPOT ≤ %.0f ms; %d cores; figures are medians of %d "
+      "TTFT ≤ %.0f ms, TPOT ≤ %.0f ms; %s; figures are medians of %d "
       "simulation run(s) per layout\n\n%s\n",
       request.workload.rate, request.workload.prompt.lo,
       request.workload.prompt.hi, request.workload.output.lo,
       request.workload.output.hi, request.slo.ttft_seconds * 1e3,
-      request.slo.tpot_seconds * 1e3, request.resources.cores,
+      request.slo.tpot_seconds * 1e3,
+      request.resources.nodes > 1
+          ? absl::StrFormat("%d nodes × %d cores, links %g Gbit/s",
+                            request.resources.nodes, request.resources.cores,
+                            network_gbps)
+                .c_str()
+          : absl::StrFormat("%d cores", request.resources.cores).c_str(),
       ranked->front().prediction.replications,
       planner::FormatPlan(*ranked, rows).c_str());
   const planner::Layout& best = ranked->front().layout;
+  if (request.resources.nodes > 1) {
+    // `pdserve local` runs one machine; across nodes only the manifests
+    // build the layout.
+    std::printf("best: %s\n  placement: %s\n\nKubernetes:\n%s",
+                best.Name().c_str(),
+                planner::FormatPlacement(
+                    best, planner::PlaceLayout(best, request.resources.nodes))
+                    .c_str(),
+                best.KubernetesValues().c_str());
+    return absl::OkStatus();
+  }
   std::printf("best: %s\n  pdserve local --model %s %s\n\nKubernetes:\n%s",
               best.Name().c_str(), profile.model_path.c_str(),
               best.LocalFlags().c_str(), best.KubernetesValues().c_str());

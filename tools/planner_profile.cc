@@ -498,6 +498,12 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   model.model = options.model_path;
   model.num_layers = mc.num_layers;
   model.cores = options.cores;
+  // What a stage sends across nodes (measured on one node only as part of
+  // the hand-off): K and V of every layer in the CPU engine's own KV type
+  // (f32, which the profiled workers run), and f32 hidden states.
+  model.kv_bytes_per_token =
+      2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim * sizeof(float);
+  model.activation_bytes_per_token = 1.0 * mc.hidden_size * sizeof(float);
   Say(options,
       absl::StrCat("profiling steps on ", options.model_path, " (",
                    mc.num_layers, " layers), ", options.cores, " cores"));

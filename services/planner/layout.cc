@@ -1,5 +1,7 @@
 #include "planner/layout.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace pdserve::planner {
@@ -27,39 +29,108 @@ std::string Layout::LocalFlags() const {
 }
 
 std::string Layout::KubernetesValues() const {
-  std::string out = absl::StrCat(
-      "ConfigMap pdserve-layout:\n"
-      "  DECODE_TP: \"",
-      tp,
-      "\"\n"
-      "  DECODE_THREADS_PER_RANK: \"",
-      decode_threads,
-      "\"\n"
-      "  MAX_STEP_TOKENS: \"",
-      max_step_tokens,
-      "\"\n"
-      "  SPECULATION: \"",
-      gamma > 0 ? "ngram" : "off", "\"\n");
+  // What deploy/kubernetes/base needs changed (deploy/README.md): the layout
+  // ConfigMap, one Deployment + Service per decode worker, one StatefulSet
+  // (+ headless Service) per prefill group with a pod per stage, and cpu
+  // requests equal to each pod's compute threads, so the scheduler places
+  // them as PlaceLayout assumes.
+  std::string out = absl::StrCat("ConfigMap pdserve-layout:\n  DECODE_TP: \"",
+                                 tp, "\"\n  DECODE_THREADS_PER_RANK: \"",
+                                 decode_threads, "\"\n  MAX_STEP_TOKENS: \"",
+                                 max_step_tokens, "\"\n  SPECULATION: \"",
+                                 gamma > 0 ? "ngram" : "off", "\"\n");
+  if (!colocated) {
+    absl::StrAppend(&out, "  PREFILL_STAGES: \"", stages,
+                    "\"\n  PREFILL_THREADS: \"", prefill_threads,
+                    "\"\n  CHUNK_TOKENS: \"", chunk_tokens, "\"\n");
+  }
+  absl::StrAppend(&out, "Decode: ", decode_workers,
+                  " worker(s), Deployment + Service decode-0",
+                  decode_workers > 1
+                      ? absl::StrCat(" .. decode-", decode_workers - 1,
+                                     " (each listed in the router's --decode)")
+                      : "",
+                  "; resources.requests.cpu \"", tp * decode_threads, "\"\n");
   if (colocated) {
     absl::StrAppend(&out,
-                    "StatefulSet prefill: replicas 0 (router --colocated=1)\n"
-                    "StatefulSet decode: replicas ",
-                    decode_workers, "\n");
+                    "Prefill: none (router --colocated=1, no prefill "
+                    "StatefulSet)\n");
     return out;
   }
-  absl::StrAppend(&out, "  PREFILL_STAGES: \"", stages,
-                  "\"\n"
-                  "  PREFILL_THREADS: \"",
-                  prefill_threads,
-                  "\"\n"
-                  "  CHUNK_TOKENS: \"",
-                  chunk_tokens,
-                  "\"\n"
-                  "StatefulSet prefill: replicas ",
-                  stages, " per group (", prefill_groups,
-                  " group(s))\n"
-                  "StatefulSet decode: replicas ",
-                  decode_workers, "\n");
+  absl::StrAppend(
+      &out, "Prefill: ", prefill_groups, " group(s), StatefulSet prefill",
+      prefill_groups > 1
+          ? absl::StrCat(" .. prefill-", prefill_groups - 1,
+                         " (each with its headless Service, stage 0 of each "
+                         "listed in the router's --prefill)")
+          : "",
+      ", replicas ", stages, " (= PREFILL_STAGES); resources.requests.cpu \"",
+      prefill_threads, "\"\n");
+  return out;
+}
+
+bool Placement::CrossesNodes() const {
+  for (const std::vector<int>& stages : stage_node) {
+    for (size_t s = 0; s < stages.size(); ++s) {
+      if (s + 1 < stages.size() && stages[s + 1] != stages[s]) return true;
+      for (int d : decode_node) {
+        if (d != stages[s]) return true;
+      }
+    }
+  }
+  return false;
+}
+
+Placement PlaceLayout(const Layout& layout, int nodes) {
+  Placement p;
+  p.node_threads.assign(std::max(nodes, 1), 0);
+  // The least-loaded node, `prefer` on a tie (-1: none), else the lowest.
+  auto place = [&p](int threads, int prefer) {
+    int best = 0;
+    for (int n = 1; n < static_cast<int>(p.node_threads.size()); ++n) {
+      if (p.node_threads[n] < p.node_threads[best]) best = n;
+    }
+    if (prefer >= 0 && p.node_threads[prefer] == p.node_threads[best]) {
+      best = prefer;
+    }
+    p.node_threads[best] += threads;
+    return best;
+  };
+  for (int w = 0; w < layout.decode_workers; ++w) {
+    p.decode_node.push_back(place(layout.tp * layout.decode_threads, -1));
+  }
+  if (layout.colocated) return p;
+  for (int g = 0; g < layout.prefill_groups; ++g) {
+    std::vector<int> stages;
+    for (int s = 0; s < layout.stages; ++s) {
+      stages.push_back(
+          place(layout.prefill_threads, s > 0 ? stages.back() : -1));
+    }
+    p.stage_node.push_back(std::move(stages));
+  }
+  return p;
+}
+
+std::string FormatPlacement(const Layout& layout, const Placement& placement) {
+  std::vector<std::string> nodes(placement.node_threads.size());
+  for (size_t w = 0; w < placement.decode_node.size(); ++w) {
+    std::string& n = nodes[placement.decode_node[w]];
+    absl::StrAppend(&n, n.empty() ? "" : ", ", "decode ", w, " (tp", layout.tp,
+                    "×", layout.decode_threads, "t)");
+  }
+  for (size_t g = 0; g < placement.stage_node.size(); ++g) {
+    for (size_t s = 0; s < placement.stage_node[g].size(); ++s) {
+      std::string& n = nodes[placement.stage_node[g][s]];
+      absl::StrAppend(&n, n.empty() ? "" : ", ", "group ", g, " stage ", s,
+                      " (", layout.prefill_threads, "t)");
+    }
+  }
+  std::string out;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    absl::StrAppend(&out, out.empty() ? "" : "; ", "node ", i, ": ",
+                    nodes[i].empty() ? "idle" : nodes[i], " — ",
+                    placement.node_threads[i], " thread(s)");
+  }
   return out;
 }
 
@@ -75,12 +146,24 @@ std::vector<Layout> EnumerateLayouts(const Resources& resources,
   // the step, which processor sharing does not model (planner_bench: such
   // layouts measured 2.1-2.4x below their predicted goodput, while the
   // single-threaded default was within 13%).
-  const int cores =
+  //
+  // Across nodes: every process on one node (PlaceLayout), each node within
+  // its cores (or twice them, as above).
+  const int nodes = std::max(resources.nodes, 1);
+  const int per_node =
       resources.allow_oversubscription ? 2 * resources.cores : resources.cores;
+  const int cores = nodes * per_node;
   auto fits = [&](const Layout& l) {
-    if (l.Threads() <= resources.cores) return true;
-    return l.Threads() <= cores && l.decode_threads == 1 &&
-           (l.colocated || l.prefill_threads == 1);
+    const bool one_thread_each =
+        l.decode_threads == 1 && (l.colocated || l.prefill_threads == 1);
+    const Placement placement = PlaceLayout(l, nodes);
+    for (int threads : placement.node_threads) {
+      if (threads > resources.cores &&
+          (threads > per_node || !one_thread_each)) {
+        return false;
+      }
+    }
+    return true;
   };
   auto profiled = [&](int tp, int threads) {
     return model.steps.count(ComputeConfig{tp, threads}) > 0;

@@ -45,20 +45,46 @@ struct Layout {
 
 // What the cluster may use.
 struct Resources {
-  int cores = 2;  // compute threads the layout may run without sharing cores
+  int cores = 2;  // per node: compute threads it runs without sharing cores
   // Also enumerate layouts with up to twice as many compute threads as
   // cores (they share them), each decode rank and prefill stage on one
   // thread.
   bool allow_oversubscription = false;
   // The router (and, on one machine, the clients) run on these cores too.
   bool router_shares_cores = true;
+  int nodes = 1;  // machines, each with `cores`
+  // Each node's network link, bytes/s each way (a stage's KV writes and
+  // hidden states to a process on another node cross it). Needed where a
+  // layout spans nodes; 0: not given.
+  double network_bytes_per_second = 0;
 };
 
+// Where a layout's processes run: a node per decode worker (its TP ranks
+// stay on one node) and per prefill stage. Placed one by one, decode
+// workers first, each on the node with the fewest compute threads so far —
+// what Kubernetes' default scoring (least allocated) does with cpu requests
+// equal to each pod's threads — and on a tie on the node of the previous
+// stage of the same group (a pipeline kept on one node sends its hidden
+// states through memory), else the lowest-numbered. With one node
+// everything is on node 0.
+struct Placement {
+  std::vector<int> decode_node;              // [worker]
+  std::vector<std::vector<int>> stage_node;  // [group][stage]
+  std::vector<int> node_threads;             // compute threads per node
+  // Any stage on another node than a decode worker or than its next stage:
+  // the layout sends over the network.
+  bool CrossesNodes() const;
+};
+Placement PlaceLayout(const Layout& layout, int nodes);
+// "node 0: decode 0 (tp2×1t); node 1: group 0 stages 0-1 (2 threads)".
+std::string FormatPlacement(const Layout& layout, const Placement& placement);
+
 // Every layout within `resources` whose compute configurations `model`
-// profiled: colocated (W workers × TP × threads; max_step_tokens 128/256/512)
-// and disaggregated (G groups × S stages × threads + W decode workers ×
-// TP × threads; chunk 128/256/512). With `ngram_acceptance` > 0 each also
-// comes with γ = 1..4 n-gram speculation.
+// profiled, placed by PlaceLayout within each node's cores: colocated (W
+// workers × TP × threads; max_step_tokens 128/256/512) and disaggregated (G
+// groups × S stages × threads + W decode workers × TP × threads; chunk
+// 128/256/512). With `ngram_acceptance` > 0 each also comes with γ = 1..4
+// n-gram speculation.
 std::vector<Layout> EnumerateLayouts(const Resources& resources,
                                      const PerfModel& model,
                                      double ngram_acceptance);

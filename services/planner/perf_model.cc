@@ -73,6 +73,8 @@ nlohmann::json PerfModel::ToJson() const {
           {"co_running",
            {{"prefill_stage", co_running.prefill_stage},
             {"decode_step", co_running.decode_step}}},
+          {"kv_bytes_per_token", kv_bytes_per_token},
+          {"activation_bytes_per_token", activation_bytes_per_token},
           {"calibrated", calibrations}};
 }
 
@@ -120,6 +122,10 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
       m.co_running = {c.at("prefill_stage").get<double>(),
                       c.at("decode_step").get<double>()};
     }
+    // Profiles from before multi-node planning have neither.
+    m.kv_bytes_per_token = json.value("kv_bytes_per_token", 0.0);
+    m.activation_bytes_per_token =
+        json.value("activation_bytes_per_token", 0.0);
     for (const auto& c : json.value("calibrated", nlohmann::json::array())) {
       const ComputeConfig config{c.at("tp").get<int>(),
                                  c.at("threads_per_rank").get<int>()};
@@ -136,6 +142,11 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
   if (!(m.co_running.prefill_stage >= 0) || !(m.co_running.decode_step >= 0)) {
     return absl::InvalidArgumentError(
         "perf model: co_running slow-downs must be ≥ 0");
+  }
+  if (!(m.kv_bytes_per_token >= 0) || !(m.activation_bytes_per_token >= 0)) {
+    return absl::InvalidArgumentError(
+        "perf model: kv_bytes_per_token and activation_bytes_per_token must "
+        "be ≥ 0");
   }
   if (m.num_layers < 1 || m.block_size < 1 || m.cores < 1) {
     return absl::InvalidArgumentError(

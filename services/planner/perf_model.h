@@ -85,6 +85,14 @@ struct PerfModel {
     double decode_step = 0;
   };
   CoRunning co_running;
+  // Bytes a prefill stage writes to a decode worker per prompt token, all
+  // layers (K and V in the profiled engine's KV element type), and bytes of
+  // hidden state a stage sends the next per token. Between processes on one
+  // node the hand-off's measured costs above hold them; across nodes the
+  // simulator sends them over the nodes' links (SimOptions::
+  // network_bytes_per_second). 0: not known (a profile from before them).
+  double kv_bytes_per_token = 0;
+  double activation_bytes_per_token = 0;
   double BusyCores(ComputeConfig config) const;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;

@@ -29,12 +29,32 @@ absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
         absl::StrCat("planning needs ≥ 1 simulation replication, got ",
                      request.replications));
   }
+  const Resources& resources = request.resources;
+  if (resources.nodes < 1 || resources.cores < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("planning needs ≥ 1 node of ≥ 1 core, got ",
+                     resources.nodes, " node(s) of ", resources.cores));
+  }
+  if (resources.nodes > 1 && !(resources.network_bytes_per_second > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planning across ", resources.nodes,
+        " nodes needs the bandwidth of their links (KV and hidden states of "
+        "a layout's stages cross them)"));
+  }
+  if (resources.nodes > 1 && (!(model.kv_bytes_per_token > 0) ||
+                              !(model.activation_bytes_per_token > 0))) {
+    return absl::FailedPreconditionError(
+        "planning across nodes needs the KV and hidden-state bytes per token, "
+        "which this perf model predates: profile again");
+  }
   std::vector<Layout> layouts =
       EnumerateLayouts(request.resources, model, request.ngram_acceptance);
   layouts.insert(layouts.end(), request.extra.begin(), request.extra.end());
   const std::vector<SimRequest> requests = SimRequests(request.workload);
   SimOptions options;
-  options.cores = request.resources.cores;
+  options.nodes = resources.nodes;
+  options.cores = resources.cores;
+  options.network_bytes_per_second = resources.network_bytes_per_second;
   options.ngram_acceptance = request.ngram_acceptance;
   options.router_shares_cores = request.resources.router_shares_cores;
   options.seed = request.workload.seed;

@@ -36,24 +36,36 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The event core: compute jobs share `cores` (processor sharing), timers fire
-// at fixed times. A compute job that runs while another one does (two or
-// more on two or more cores) also runs slower by its own co-running
-// slow-down (PerfModel::co_running): processes on neighbouring cores share
-// the memory bus and the last-level cache, which a step profiled alone does
-// not.
+// The event core: compute jobs share their node's `cores` (processor
+// sharing), transfers share the nodes' links, timers fire at fixed times. A
+// compute job that runs while another one does on its node (two or more on
+// two or more cores) also runs slower by its own co-running slow-down
+// (PerfModel::co_running): processes on neighbouring cores share the memory
+// bus and the last-level cache, which a step profiled alone does not.
 class EventLoop {
  public:
-  explicit EventLoop(int cores) : cores_(cores) {}
+  EventLoop(int nodes, int cores) : nodes_(nodes), cores_(cores) {}
 
-  // Starts a job of `work` seconds (at full speed) keeping `demand` cores
-  // busy (its threads, or fewer where they wait on each other). A compute
-  // job (a step) takes `co_running_slowdown` longer while another compute
-  // job runs; other jobs (the router's streaming) neither slow nor count.
-  void StartJob(double work, double demand, std::function<void(double)> done,
-                bool compute = false, double co_running_slowdown = 0) {
+  // Starts a job of `work` seconds (at full speed) on `node`, keeping
+  // `demand` cores busy (its threads, or fewer where they wait on each
+  // other). A compute job (a step) takes `co_running_slowdown` longer while
+  // another compute job runs on its node; other jobs (the router's
+  // streaming) neither slow nor count.
+  void StartJob(int node, double work, double demand,
+                std::function<void(double)> done, bool compute = false,
+                double co_running_slowdown = 0) {
     jobs_.push_back(Job{std::max(work, 0.0), demand, compute,
-                        std::max(co_running_slowdown, 0.0), std::move(done)});
+                        std::max(co_running_slowdown, 0.0), node, -1,
+                        std::move(done)});
+  }
+  // Starts sending what takes `seconds` at a link's full speed from node
+  // `from` to node `to`. Links are full duplex: the transfers leaving a node
+  // share its sending side, those arriving share its receiving side, and a
+  // transfer moves at the smaller of its two equal shares.
+  void StartTransfer(int from, int to, double seconds,
+                     std::function<void(double)> done) {
+    jobs_.push_back(
+        Job{std::max(seconds, 0.0), 0, false, 0, from, to, std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -63,17 +75,16 @@ class EventLoop {
   // Runs until nothing is left.
   void Run() {
     while (!jobs_.empty() || !timers_.empty()) {
-      const double shared = SharedRate();
-      const bool co_running = CoRunning();
+      const Shares shares = ShareOut();
       double job_end = kInf;
       for (const Job& j : jobs_) {
-        job_end = std::min(job_end, j.remaining / Rate(j, shared, co_running));
+        job_end = std::min(job_end, j.remaining / Rate(j, shares));
       }
       job_end += now_;
       const double timer_at = timers_.empty() ? kInf : timers_.top().time;
       const double next = std::min(job_end, timer_at);
       const double elapsed = next - now_;
-      for (Job& j : jobs_) j.remaining -= elapsed * Rate(j, shared, co_running);
+      for (Job& j : jobs_) j.remaining -= elapsed * Rate(j, shares);
       now_ = next;
       if (timer_at <= job_end) {
         auto fn = timers_.top().fn;
@@ -101,7 +112,10 @@ class EventLoop {
     double demand;
     bool compute;
     double co_running_slowdown;
+    int node;     // where it runs; a transfer's sender
+    int to = -1;  // a transfer's receiver; -1: a job on the cores
     std::function<void(double)> done;
+    bool transfer() const { return to >= 0; }
   };
   struct Timer {
     double time;
@@ -111,26 +125,46 @@ class EventLoop {
       return time != o.time ? time > o.time : order > o.order;
     }
   };
-  // Every job's share of its demand.
-  double SharedRate() const {
-    double demand = 0;
-    for (const Job& j : jobs_) demand += j.demand;
-    return demand > cores_ ? cores_ / demand : 1.0;
+  // Per node: every job's share of its demand, whether two compute jobs
+  // overlap, and the transfers leaving and arriving.
+  struct Shares {
+    std::vector<double> rate;
+    std::vector<char> co_running;
+    std::vector<int> sending, receiving;
+  };
+  Shares ShareOut() const {
+    std::vector<double> demand(nodes_, 0);
+    std::vector<int> compute(nodes_, 0);
+    Shares s{std::vector<double>(nodes_, 1.0), std::vector<char>(nodes_, 0),
+             std::vector<int>(nodes_, 0), std::vector<int>(nodes_, 0)};
+    for (const Job& j : jobs_) {
+      if (j.transfer()) {
+        ++s.sending[j.node];
+        ++s.receiving[j.to];
+        continue;
+      }
+      demand[j.node] += j.demand;
+      compute[j.node] += j.compute ? 1 : 0;
+    }
+    for (int n = 0; n < nodes_; ++n) {
+      if (demand[n] > cores_) s.rate[n] = cores_ / demand[n];
+      // Two compute jobs at once: on ≥ 2 cores they are on neighbouring
+      // cores however the OS shares them (on one core they take turns).
+      s.co_running[n] = cores_ >= 2 && compute[n] >= 2;
+    }
+    return s;
   }
-  // Two compute jobs run at the same time: on ≥ 2 cores they are on
-  // neighbouring cores however the OS shares them (on one core they only
-  // take turns).
-  bool CoRunning() const {
-    if (cores_ < 2) return false;
-    int compute = 0;
-    for (const Job& j : jobs_) compute += j.compute ? 1 : 0;
-    return compute >= 2;
-  }
-  static double Rate(const Job& j, double shared, bool co_running) {
-    return j.compute && co_running ? shared / (1 + j.co_running_slowdown)
-                                   : shared;
+  static double Rate(const Job& j, const Shares& s) {
+    if (j.transfer()) {
+      return 1.0 / std::max(s.sending[j.node], s.receiving[j.to]);
+    }
+    const double shared = s.rate[j.node];
+    return j.compute && s.co_running[j.node]
+               ? shared / (1 + j.co_running_slowdown)
+               : shared;
   }
 
+  int nodes_;
   int cores_;
   double now_ = 0;
   std::list<Job> jobs_;
@@ -145,6 +179,10 @@ struct Req {
   int output = 1;
   int kv = 0;  // positions whose KV is computed
   int emitted = 0;
+  // Disaggregated across nodes: KV writes still on the network, and whether
+  // the last stage has finished the prompt (the hand-off waits for both).
+  int kv_in_flight = 0;
+  bool prefilled = false;
   std::vector<double> deliveries;  // when each streamed item reaches the client
   std::vector<int> item_tokens;
   double end = 0;
@@ -158,17 +196,36 @@ class Simulation {
       : model_(model),
         layout_(layout),
         options_(options),
-        loop_(options.cores),
+        loop_(options.nodes, options.cores),
         rng_(options.seed),
         spread_rng_(options.seed ^ 0x9E3779B97F4A7C15ull) {}
 
   absl::Status Init() {
+    placement_ = PlaceLayout(layout_, options_.nodes);
+    if (placement_.CrossesNodes()) {
+      if (!(options_.network_bytes_per_second > 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layout ", layout_.Name(), " spans nodes (",
+                         FormatPlacement(layout_, placement_),
+                         "): the simulation needs the nodes' link bandwidth "
+                         "(SimOptions::network_bytes_per_second)"));
+      }
+      if (!(model_.kv_bytes_per_token > 0) ||
+          !(model_.activation_bytes_per_token > 0)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "layout ", layout_.Name(),
+            " spans nodes, and the perf model does not say how many KV and "
+            "hidden-state bytes a token sends (a profile from before "
+            "multi-node planning): profile again"));
+      }
+    }
     auto decode_cost =
         model_.Step(ComputeConfig{layout_.tp, layout_.decode_threads});
     if (!decode_cost.ok()) return decode_cost.status();
     for (int w = 0; w < layout_.decode_workers; ++w) {
       decode_.push_back(std::make_unique<DecodeSim>());
       decode_.back()->cost = *decode_cost;
+      decode_.back()->node = placement_.decode_node[w];
     }
     if (!layout_.colocated) {
       auto stage_cost = model_.Step(ComputeConfig{1, layout_.prefill_threads});
@@ -188,6 +245,7 @@ class Simulation {
           const int end = model_.num_layers * (s + 1) / layout_.stages;
           group->stages[s].share =
               static_cast<double>(end - begin) / model_.num_layers;
+          group->stages[s].node = placement_.stage_node[g][s];
         }
         group->max_in_flight = 2 * layout_.stages;
         prefill_.push_back(std::move(group));
@@ -215,6 +273,7 @@ class Simulation {
  private:
   struct DecodeSim {
     const StepCost* cost = nullptr;
+    int node = 0;
     std::deque<Req*> waiting;
     std::vector<Req*> running;  // admission order
     bool busy = false;
@@ -223,6 +282,7 @@ class Simulation {
   };
   struct StageSim {
     double share = 1;  // of the model's layers
+    int node = 0;
     std::deque<std::shared_ptr<prefill::Microbatch>> queue;
     bool busy = false;
     double busy_seconds = 0;
@@ -273,8 +333,10 @@ class Simulation {
              : model_.disaggregated_ttft)
             .At(r.prompt);
     r.deliveries.push_back(t + delay);
+    // The router streams from node 0.
     if (options_.router_shares_cores && model_.delivery_cpu_seconds > 0) {
-      loop_.StartJob(model_.delivery_cpu_seconds * tokens, 1, [](double) {});
+      loop_.StartJob(/*node=*/0, model_.delivery_cpu_seconds * tokens, 1,
+                     [](double) {});
     }
     r.item_tokens.push_back(tokens);
     r.emitted += tokens;
@@ -320,24 +382,57 @@ class Simulation {
     stage.busy = true;
     const double start = t;
     loop_.StartJob(
-        work, model_.BusyCores({1, layout_.prefill_threads}),
+        stage.node, work, model_.BusyCores({1, layout_.prefill_threads}),
         [this, &g, s, mb, last, start](double now) {
           StageSim& st = g.stages[s];
           st.busy = false;
           st.busy_seconds += now - start;
+          SendKv(st, *mb);
           if (last) {
             --g.in_flight;
             for (const prefill::ChunkWork& c : mb->chunks) {
               if (c.final_chunk) PrefillDone(reqs_[c.request_id], now);
             }
             IssueMicrobatches(g, now);
-          } else {
+          } else if (g.stages[s + 1].node == st.node) {
             g.stages[s + 1].queue.push_back(mb);
             StartStage(g, s + 1, now);
+          } else {
+            int tokens = 0;
+            for (const prefill::ChunkWork& c : mb->chunks) {
+              tokens += c.num_tokens();
+            }
+            loop_.StartTransfer(st.node, g.stages[s + 1].node,
+                                tokens * model_.activation_bytes_per_token /
+                                    options_.network_bytes_per_second,
+                                [this, &g, s, mb](double then) {
+                                  g.stages[s + 1].queue.push_back(mb);
+                                  StartStage(g, s + 1, then);
+                                });
           }
           StartStage(g, s, now);
         },
         /*compute=*/true, model_.co_running.prefill_stage);
+  }
+
+  // The stage's layers' KV of each chunk it finished, to the request's
+  // decode worker: through memory on the same node (in the hand-off's
+  // measured costs), over the link from another.
+  void SendKv(const StageSim& stage, const prefill::Microbatch& mb) {
+    for (const prefill::ChunkWork& c : mb.chunks) {
+      Req& r = reqs_[c.request_id];
+      const int to = decode_of_[r.id]->node;
+      if (to == stage.node) continue;
+      ++r.kv_in_flight;
+      loop_.StartTransfer(stage.node, to,
+                          c.num_tokens() * model_.kv_bytes_per_token *
+                              stage.share / options_.network_bytes_per_second,
+                          [this, &r](double now) {
+                            if (--r.kv_in_flight == 0 && r.prefilled) {
+                              HandOff(r, now);
+                            }
+                          });
+    }
   }
 
   void PrefillDone(Req& r, double t) {
@@ -347,6 +442,12 @@ class Simulation {
       Finish(r, t);
       return;
     }
+    r.prefilled = true;
+    // The decode worker takes it once its KV is all there.
+    if (r.kv_in_flight == 0) HandOff(r, t);
+  }
+
+  void HandOff(Req& r, double t) {
     DecodeSim* decode = decode_of_[r.id];
     loop_.At(t + model_.handoff_seconds, [this, decode, &r](double now) {
       decode->waiting.push_back(&r);
@@ -397,6 +498,7 @@ class Simulation {
     w.busy = true;
     const double start = t;
     loop_.StartJob(
+        w.node,
         w.cost->Seconds(shape) * Spread(*w.cost) +
             model_.StepOverhead({layout_.tp, layout_.decode_threads}),
         model_.BusyCores({layout_.tp, layout_.decode_threads}),
@@ -486,6 +588,7 @@ class Simulation {
   const PerfModel& model_;
   const Layout& layout_;
   const SimOptions options_;
+  Placement placement_;
   EventLoop loop_;
   // The factor a step of `cost` takes its fitted time by this time.
   double Spread(const StepCost& cost) {
@@ -552,11 +655,13 @@ absl::StatusOr<Prediction> Simulate(const PerfModel& model,
                      " needs ≥ 1 of each worker, thread, token budget, and "
                      "no more stages than layers"));
   }
-  if (options.cores < 1 || !(options.ngram_acceptance >= 0) ||
-      options.ngram_acceptance >= 1 || options.replications < 1) {
+  if (options.cores < 1 || options.nodes < 1 ||
+      !(options.network_bytes_per_second >= 0) ||
+      !(options.ngram_acceptance >= 0) || options.ngram_acceptance >= 1 ||
+      options.replications < 1) {
     return absl::InvalidArgumentError(
-        "simulation needs ≥ 1 core, an acceptance in [0, 1) and ≥ 1 "
-        "replication");
+        "simulation needs ≥ 1 node and core, a link bandwidth ≥ 0, an "
+        "acceptance in [0, 1) and ≥ 1 replication");
   }
   const bool draws =
       options.step_spread || (layout.gamma > 0 && options.ngram_acceptance > 0);

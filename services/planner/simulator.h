@@ -18,11 +18,19 @@
 // exact arrivals load_bench sends (workload.h).
 //
 // Cores: every busy compute job (a decode step, a stage's microbatch) holds
-// its threads; when a layout has more busy threads than `cores`, all jobs
-// slow down alike (processor sharing), as the OS would share the cores.
-// While two or more compute jobs run at once on ≥ 2 cores, each also takes
-// its kind's measured co-running slow-down longer (PerfModel::co_running:
-// neighbouring cores share the memory bus and the last-level cache).
+// its threads on its node (PlaceLayout); when a node has more busy threads
+// than `cores`, its jobs slow down alike (processor sharing), as the OS
+// would share the cores. While two or more compute jobs run at once on a
+// node of ≥ 2 cores, each also takes its kind's measured co-running
+// slow-down longer (PerfModel::co_running: neighbouring cores share the
+// memory bus and the last-level cache). The router streams from node 0.
+//
+// Nodes: a stage's KV writes to a decode worker on another node, and its
+// hidden states to a next stage on another node, are transfers over the
+// nodes' links (full duplex, shared equally among the transfers leaving
+// and arriving at a node); the decode worker admits a request once its
+// last KV write has arrived (then PerfModel::handoff_seconds). On one node
+// those bytes move through memory, inside the hand-off's measured costs.
 //
 // Not modelled (measured into the fitted per-request costs instead): router,
 // gRPC and UCX CPU time; KV capacity and preemption (the planner sizes KV
@@ -73,7 +81,12 @@ struct Prediction {
 };
 
 struct SimOptions {
-  int cores = 2;
+  int nodes = 1;  // placed by PlaceLayout (layout.h)
+  int cores = 2;  // per node
+  // Each node's link, bytes/s each way: a stage's KV writes to a decode
+  // worker and its hidden states to the next stage cross it when they are on
+  // different nodes. Needed (> 0) only for a layout that spans nodes.
+  double network_bytes_per_second = 0;
   // Probability that an n-gram draft token is accepted (layouts with γ > 0).
   double ngram_acceptance = 0;
   uint64_t seed = 1;  // of the acceptance and spread draws

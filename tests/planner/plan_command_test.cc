@@ -84,6 +84,22 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
       &code);
   ASSERT_EQ(code, 0) << replanned;
   EXPECT_EQ(FromTable(replanned), FromTable(profiled));
+  EXPECT_GT(model->kv_bytes_per_token, 0);
+  EXPECT_GT(model->activation_bytes_per_token, 0);
+
+  // Across two nodes of this machine's kind: where the best layout's pods
+  // go and the cpu requests that place them so; no `pdserve local` line
+  // (it runs one machine).
+  const std::string nodes =
+      RunPlan("--profile 0 --model " + kModel + " --perf-model " + perf +
+                  workload + " --nodes 2 --network-gbps 10",
+              &code);
+  ASSERT_EQ(code, 0) << nodes;
+  EXPECT_NE(nodes.find("2 nodes × 2 cores, links 10 Gbit/s"), std::string::npos)
+      << nodes;
+  EXPECT_NE(nodes.find("placement: node 0: "), std::string::npos) << nodes;
+  EXPECT_NE(nodes.find("resources.requests.cpu"), std::string::npos) << nodes;
+  EXPECT_EQ(nodes.find("pdserve local"), std::string::npos) << nodes;
 
   // One simulation run per layout: every goodput's range over the runs is
   // that one run's value. The default runs 15 (the profile's step spread
@@ -185,6 +201,13 @@ TEST(PlanCommandTest, BadFlagsArePreciseErrors) {
   out = RunPlan("--replications 0", &code);
   EXPECT_EQ(code, 1);
   EXPECT_NE(out.find("--replications"), std::string::npos) << out;
+  out = RunPlan("--nodes 2", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("--nodes 2 > 1 needs --network-gbps"), std::string::npos)
+      << out;
+  out = RunPlan("--nodes 0", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("--nodes must be ≥ 1"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -424,6 +424,213 @@ TEST(SimulatorTest, LongPromptsStallYoungerDecodesInAColocatedWorker) {
   EXPECT_LT(d->itl_p99, p->ttft_p99);
 }
 
+TEST(PlacementTest, SpreadsLikeLeastAllocatedAndKeepsPipelinesTogether) {
+  Layout l;  // 1P(2s×1t)+1D(tp2×1t), today's default
+  l.stages = 2;
+  l.tp = 2;
+  const Placement one = PlaceLayout(l, 1);
+  EXPECT_EQ(one.decode_node, std::vector<int>{0});
+  EXPECT_EQ(one.stage_node, (std::vector<std::vector<int>>{{0, 0}}));
+  EXPECT_EQ(one.node_threads, std::vector<int>{4});
+  EXPECT_FALSE(one.CrossesNodes());
+  // Two nodes: the decode worker on one, the pipeline kept together on the
+  // other (stage 1 ties 2 threads against 2 and follows stage 0).
+  const Placement two = PlaceLayout(l, 2);
+  EXPECT_EQ(two.decode_node, std::vector<int>{0});
+  EXPECT_EQ(two.stage_node, (std::vector<std::vector<int>>{{1, 1}}));
+  EXPECT_EQ(two.node_threads, (std::vector<int>{2, 2}));
+  EXPECT_TRUE(two.CrossesNodes());
+  EXPECT_EQ(FormatPlacement(l, two),
+            "node 0: decode 0 (tp2×1t) — 2 thread(s); node 1: group 0 stage "
+            "0 (1t), group 0 stage 1 (1t) — 2 thread(s)");
+  // Three nodes: the least-loaded node wins over keeping the pipeline.
+  const Placement three = PlaceLayout(l, 3);
+  EXPECT_EQ(three.stage_node, (std::vector<std::vector<int>>{{1, 2}}));
+  // Colocated workers spread and send nothing between nodes.
+  Layout coloc;
+  coloc.colocated = true;
+  coloc.decode_workers = 2;
+  const Placement spread = PlaceLayout(coloc, 2);
+  EXPECT_EQ(spread.decode_node, (std::vector<int>{0, 1}));
+  EXPECT_FALSE(spread.CrossesNodes());
+}
+
+// Compute jobs on different nodes neither share cores nor slow each other
+// (the co-running slow-down is for neighbouring cores of one machine).
+TEST(SimulatorTest, NodesShareNoCores) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.co_running.decode_step = 0.5;
+  Layout two;
+  two.colocated = true;
+  two.decode_workers = 2;
+  two.decode_threads = 2;
+  const std::vector<SimRequest> both = {{0, 64, 1}, {0, 64, 1}};
+  auto apart = Simulate(model, two, both, Slo{}, {.nodes = 2, .cores = 2});
+  auto together = Simulate(model, two, both, Slo{}, {.cores = 4});
+  auto shared = Simulate(model, two, both, Slo{}, {.cores = 2});
+  ASSERT_TRUE(apart.ok() && together.ok() && shared.ok());
+  const double step = cost->Seconds({64, 1, AttendedPositions(0, 64)});
+  EXPECT_NEAR(apart->ttft_p50, step, 1e-9);
+  EXPECT_NEAR(together->ttft_p50, step * 1.5, 1e-9);    // co-running
+  EXPECT_NEAR(shared->ttft_p50, step * 2 * 1.5, 1e-9);  // and sharing
+}
+
+PerfModel ModelWithBytes(const StepCost& cost) {
+  PerfModel m = ModelWith(cost);
+  m.kv_bytes_per_token = 1000;
+  m.activation_bytes_per_token = 100;
+  return m;
+}
+
+Layout Disaggregated(int groups, int stages) {
+  Layout l;
+  l.prefill_groups = groups;
+  l.stages = stages;
+  l.chunk_tokens = 512;  // one chunk per prompt
+  return l;
+}
+
+// A stage on another node than the decode worker sends the request's KV
+// over the link; the decode worker takes the request when it has arrived.
+// The first token comes from the last stage, so TTFT does not wait for it.
+TEST(SimulatorTest, KvCrossesTheLinkBeforeTheDecodeWorkerTakesTheRequest) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const PerfModel model = ModelWithBytes(*cost);
+  const Layout l = Disaggregated(1, 1);
+  const std::vector<SimRequest> one = {{0, 200, 3}};
+  auto local = Simulate(model, l, one, Slo{}, {.cores = 2});
+  auto remote =
+      Simulate(model, l, one, Slo{},
+               {.nodes = 2, .cores = 1, .network_bytes_per_second = 1e6});
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  EXPECT_NEAR(remote->ttft_p50, local->ttft_p50, 1e-9);
+  // 200 tokens × 1000 bytes at 1 MB/s: 0.2 s more before the 2 decode
+  // steps, over 2 token gaps.
+  EXPECT_NEAR(remote->tpot_p50 - local->tpot_p50, 0.2 / 2, 1e-9);
+}
+
+// Transfers arriving at one node share its receiving side: two groups on
+// two nodes sending two prompts' KV at once to one decode worker take twice
+// as long as one.
+TEST(SimulatorTest, TransfersIntoOneNodeShareItsLink) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const PerfModel model = ModelWithBytes(*cost);
+  const Layout l = Disaggregated(2, 1);  // decode on node 0, groups on 1, 2
+  ASSERT_EQ(PlaceLayout(l, 3).stage_node,
+            (std::vector<std::vector<int>>{{1}, {2}}));
+  auto tpot = [&](std::vector<SimRequest> requests, double bandwidth) {
+    auto p = Simulate(
+        model, l, requests, Slo{},
+        {.nodes = 3, .cores = 1, .network_bytes_per_second = bandwidth});
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? p->tpot_p50 : -1;
+  };
+  const std::vector<SimRequest> one = {{0, 200, 2}};
+  const std::vector<SimRequest> both = {{0, 200, 2}, {0, 200, 2}};
+  // Halving the bandwidth adds one transfer time (0.2 s at 1 MB/s) to the
+  // gap before the second token of a lone request, two when two share it.
+  EXPECT_NEAR(tpot(one, 1e6) - tpot(one, 2e6), 0.1, 1e-9);
+  EXPECT_NEAR(tpot(both, 1e6) - tpot(both, 2e6), 0.2, 1e-9);
+}
+
+// Stages of one pipeline on different nodes pass the hidden states over the
+// link, sharing it with the KV the first stage sends at the same time: the
+// first token comes that much later.
+TEST(SimulatorTest, HiddenStatesCrossTheLinkBetweenStages) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const PerfModel model = ModelWithBytes(*cost);
+  const Layout l = Disaggregated(1, 2);
+  ASSERT_EQ(PlaceLayout(l, 3).stage_node,
+            (std::vector<std::vector<int>>{{1, 2}}));
+  const std::vector<SimRequest> one = {{0, 200, 1}};
+  auto local = Simulate(model, l, one, Slo{}, {.cores = 3});
+  auto remote =
+      Simulate(model, l, one, Slo{},
+               {.nodes = 3, .cores = 1, .network_bytes_per_second = 1e6});
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  // 200 tokens × 100 bytes at 1 MB/s is 0.02 s, at half speed: stage 0's
+  // KV for the decode worker (200 × 1000 × 1/2 bytes, 0.1 s) leaves its
+  // node at the same time and shares the sending side throughout.
+  EXPECT_NEAR(remote->ttft_p50 - local->ttft_p50, 2 * 0.02, 1e-9);
+}
+
+TEST(SimulatorTest, SpanningNodesNeedsTheLinkAndTheBytes) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const Layout l = Disaggregated(1, 1);
+  auto no_link =
+      Simulate(ModelWithBytes(*cost), l, {{0, 20, 2}}, Slo{}, {.nodes = 2});
+  EXPECT_EQ(no_link.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_link.status().message().find("link bandwidth"),
+            std::string::npos)
+      << no_link.status();
+  auto old_profile = Simulate(ModelWith(*cost), l, {{0, 20, 2}}, Slo{},
+                              {.nodes = 2, .network_bytes_per_second = 1e9});
+  EXPECT_EQ(old_profile.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(old_profile.status().message().find("profile again"),
+            std::string::npos);
+  // A layout that stays on one node needs neither.
+  Layout coloc;
+  coloc.colocated = true;
+  EXPECT_TRUE(
+      Simulate(ModelWith(*cost), coloc, {{0, 20, 2}}, Slo{}, {.nodes = 2})
+          .ok());
+  // Planning across nodes asks for both up front.
+  PlanRequest request;
+  request.resources.nodes = 2;
+  auto plan = Plan(ModelWithBytes(*cost), request);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  request.resources.network_bytes_per_second = 1e9;
+  EXPECT_EQ(Plan(ModelWith(*cost), request).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // The byte counts are kept in the saved model.
+  auto loaded = PerfModel::FromJson(ModelWithBytes(*cost).ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->kv_bytes_per_token, 1000);
+  EXPECT_EQ(loaded->activation_bytes_per_token, 100);
+}
+
+TEST(PlannerTest, EnumerationAcrossNodesStaysWithinEachNode) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  const PerfModel model = ModelWithBytes(*cost);
+  Resources two_nodes;
+  two_nodes.nodes = 2;
+  two_nodes.cores = 2;
+  two_nodes.network_bytes_per_second = 1e9;
+  int most = 0;
+  bool spans = false;
+  for (const Layout& l : EnumerateLayouts(two_nodes, model, 0)) {
+    const Placement p = PlaceLayout(l, 2);
+    for (int threads : p.node_threads) EXPECT_LE(threads, 2) << l.Name();
+    most = std::max(most, l.Threads());
+    spans |= p.CrossesNodes();
+  }
+  EXPECT_EQ(most, 4);
+  EXPECT_TRUE(spans);
+  // And the planner ranks them, the spanning ones included.
+  PlanRequest request;
+  request.workload.requests = 40;
+  request.workload.rate = 4;
+  request.workload.prompt = {64, 256};
+  request.resources = two_nodes;
+  request.replications = 1;
+  auto ranked = Plan(model, request);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  bool ranked_spanning = false;
+  for (const RankedLayout& r : *ranked) {
+    ranked_spanning |= PlaceLayout(r.layout, 2).CrossesNodes();
+  }
+  EXPECT_TRUE(ranked_spanning);
+}
+
 TEST(PlannerTest, EnumerationStaysWithinTheCores) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());

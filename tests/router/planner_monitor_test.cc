@@ -129,6 +129,21 @@ TEST(PlannerMonitorTest, RefusesImpossibleOptions) {
       options, [] { return metrics::ServedTotals{}; }, registry);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(none.status().message().find("replications"), std::string::npos);
+  // Spanning nodes needs their link bandwidth, and a profile that says how
+  // many bytes a token sends (the hand-written one predates them).
+  options.replications = 5;
+  options.resources.nodes = 2;
+  auto no_link = PlannerMonitor::Start(
+      options, [] { return metrics::ServedTotals{}; }, registry);
+  EXPECT_EQ(no_link.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_link.status().message().find("link bandwidth"),
+            std::string::npos);
+  options.resources.network_bytes_per_second = 1.25e9;
+  EXPECT_EQ(PlannerMonitor::Start(
+                options, [] { return metrics::ServedTotals{}; }, registry)
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace
