@@ -300,11 +300,18 @@ int Main(int argc, char** argv) {
          absl::StrSplit(also_measure, ';', absl::SkipWhitespace())) {
       bool found = false;
       for (size_t i = 0; i < ranked->size(); ++i) {
-        if ((*ranked)[i].layout.Name() != name) continue;
+        // The named layout, or one folded into this row (predicted the
+        // same): measured as itself.
+        const planner::RankedLayout& r = (*ranked)[i];
+        const planner::Layout* named =
+            r.layout.Name() == name ? &r.layout : nullptr;
+        for (const planner::Layout& same : r.same_prediction) {
+          if (same.Name() == name) named = &same;
+        }
+        if (named == nullptr) continue;
         found = true;
-        if (static_cast<int>(i) >= top) {
-          rows.push_back({(*ranked)[i].layout, (*ranked)[i].prediction,
-                          static_cast<int>(i) + 1});
+        if (static_cast<int>(i) >= top || named != &r.layout) {
+          rows.push_back({*named, r.prediction, static_cast<int>(i) + 1});
         }
       }
       if (!found) {

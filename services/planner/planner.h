@@ -4,8 +4,8 @@
 // first (the median over simulation replications); among layouts within 2%
 // of the best goodput, first those whose worst replication is within 2% of
 // the best worst one (the layouts a slow stretch of steps hurts least), then
-// the one with the most SLO headroom (the smaller of TTFT-p99 and TPOT-p99
-// slack, relative).
+// those on the fewest nodes, then the one with the most SLO headroom (the
+// smaller of TTFT-p99 and TPOT-p99 slack, relative).
 #pragma once
 
 #include <string>
@@ -36,10 +36,19 @@ struct RankedLayout {
   Prediction prediction;
   // min over TTFT and TPOT of (SLO − p99) / SLO: > 0 meets both at p99.
   double headroom = 0;
+  // Nodes its placement (PlaceLayout) puts compute threads on.
+  int nodes_used = 1;
+  // Layouts predicted identically to this one, figure for figure (the
+  // simulation is deterministic per seed, so the same events gave the same
+  // numbers): knobs the workload never reaches, like chunk sizes above
+  // every prompt. Folded into this row, which ranked first among them.
+  std::vector<Layout> same_prediction;
 };
 
-// Ranked best first. INVALID_ARGUMENT for an empty workload; NOT_FOUND when
-// no candidate can be simulated with the profiled configurations.
+// Ranked best first, layouts with identical predictions folded into one
+// row (RankedLayout::same_prediction). INVALID_ARGUMENT for an empty workload;
+// NOT_FOUND when no candidate can be simulated with the profiled
+// configurations.
 absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
                                                const PlanRequest& request);
 

@@ -629,6 +629,14 @@ TEST(PlannerTest, EnumerationAcrossNodesStaysWithinEachNode) {
     ranked_spanning |= PlaceLayout(r.layout, 2).CrossesNodes();
   }
   EXPECT_TRUE(ranked_spanning);
+  // A load every layout serves within the SLO: all tie, and the first is
+  // one that needs only one of the nodes.
+  request.workload.rate = 0.5;
+  request.slo = {10, 1};
+  auto light = Plan(model, request);
+  ASSERT_TRUE(light.ok()) << light.status();
+  EXPECT_EQ(light->front().nodes_used, 1) << FormatPlan(*light, 8);
+  EXPECT_GT(light->back().nodes_used, 1);
 }
 
 TEST(PlannerTest, EnumerationStaysWithinTheCores) {
@@ -672,6 +680,7 @@ TEST(PlannerTest, RanksByGoodputThenWorstRunThenHeadroom) {
   PlanRequest request;
   request.workload.requests = 60;
   request.workload.rate = 3;
+  request.workload.prompt = {16, 600};  // chunk sizes and step budgets matter
   request.slo = {1.0, 0.05};
   request.replications = 5;
   auto ranked = Plan(model, request);
@@ -702,6 +711,55 @@ TEST(PlannerTest, RanksByGoodputThenWorstRunThenHeadroom) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_NE(FormatPlan(*ranked, 3).find(ranked->front().layout.Name()),
             std::string::npos);
+}
+
+// Prompts that fit the smallest chunk and step budget make the budgets
+// identical work: the planner ranks them as one row that names the others,
+// and no two rows are predicted the same.
+TEST(PlannerTest, FoldsLayoutsPredictedTheSame) {
+  const PerfModel model = ModelWithSpread({0.7, 0.9, 1.0, 1.1, 1.8});
+  PlanRequest request;
+  request.workload.requests = 60;
+  request.workload.rate = 3;
+  request.workload.prompt = {16, 64};
+  request.replications = 5;
+  auto ranked = Plan(model, request);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  size_t layouts = 0;
+  for (size_t i = 0; i < ranked->size(); ++i) {
+    const RankedLayout& r = (*ranked)[i];
+    layouts += 1 + r.same_prediction.size();
+    for (const Layout& same : r.same_prediction) {
+      auto p = Simulate(model, same, SimRequests(request.workload), request.slo,
+                        {.cores = 2, .seed = 1, .replications = 5});
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(p->ttft_p99, r.prediction.ttft_p99) << same.Name();
+      EXPECT_EQ(p->tpot_p99, r.prediction.tpot_p99) << same.Name();
+      EXPECT_EQ(p->goodput, r.prediction.goodput) << same.Name();
+    }
+    for (size_t j = 0; j < i; ++j) {
+      const Prediction& a = r.prediction;
+      const Prediction& b = (*ranked)[j].prediction;
+      EXPECT_FALSE(a.ttft_p99 == b.ttft_p99 && a.tpot_p99 == b.tpot_p99 &&
+                   a.goodput == b.goodput && a.duration == b.duration &&
+                   a.ttft_mean == b.ttft_mean)
+          << r.layout.Name() << " and " << (*ranked)[j].layout.Name();
+    }
+  }
+  EXPECT_EQ(layouts, EnumerateLayouts(request.resources, model, 0).size());
+  // The colocated worker's three step budgets are one row.
+  bool folded_steps = false;
+  for (const RankedLayout& r : *ranked) {
+    if (r.layout.colocated && r.same_prediction.size() >= 2) {
+      folded_steps = true;
+      const std::string table = FormatPlan(*ranked, ranked->size());
+      EXPECT_NE(
+          table.find("predicted the same: " + r.same_prediction.front().Name()),
+          std::string::npos)
+          << table;
+    }
+  }
+  EXPECT_TRUE(folded_steps);
 }
 
 }  // namespace
