@@ -18,7 +18,8 @@
 // planner's first choice is the measured best (or within 10% of its goodput).
 //
 //   build/bench/planner_bench [--model M --format F] [--perf-model FILE]
-//                             [--requests 60] [--rate 1.5] [--repeats 1]
+//                             [--requests 60] [--rate 1.5] [--long-rate R]
+//                             [--repeats 1]
 //   (`planner_bench --help` lists every flag)
 #include <algorithm>
 #include <chrono>
@@ -153,8 +154,14 @@ int Main(int argc, char** argv) {
   flags.Group("Load");
   const int requests =
       flags.Num<int>("requests", 60, "Requests per measured run.");
-  const double rate =
-      flags.Num<double>("rate", 1.5, "Poisson arrival rate, requests/s.");
+  const double short_rate = flags.Num<double>(
+      "rate", 1.5, "Poisson arrival rate of the short prompts, requests/s.");
+  const double long_rate = flags.Num<double>(
+      "long-rate", 0,
+      "Arrival rate of the long prompts, requests/s, where this machine's "
+      "speed makes --rate an overload (every layout then misses most SLOs and "
+      "a p99 TTFT is the backlog at the end of the run).",
+      "(--rate)");
   const uint64_t seed = flags.Num<uint64_t>("seed", 1, "Arrivals' seed.");
   const int top = flags.Num<int>("top", 3, "Predicted best layouts measured.");
   const std::string also_measure = flags.Str(
@@ -204,6 +211,13 @@ int Main(int argc, char** argv) {
   }
   if (auto s = flags.Check(); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+  if (!(short_rate > 0) || !(long_rate >= 0)) {
+    std::fprintf(stderr,
+                 "--rate must be positive and --long-rate positive (or 0: "
+                 "--rate), got %g and %g\n",
+                 short_rate, long_rate);
     return 2;
   }
   if (repeats < 1 || replications < 1) {
@@ -263,6 +277,10 @@ int Main(int argc, char** argv) {
       {"long, tight TPOT", {256, 400}, {3.0, 0.03}},
   };
   const planner::LengthRange output{16, 64};
+  // The long prompts' rate (256..400) where --long-rate gives one.
+  auto RateFor = [&](const planner::LengthRange& prompts) {
+    return prompts.lo >= 256 && long_rate > 0 ? long_rate : short_rate;
+  };
   struct Row {
     planner::Layout layout;
     planner::Prediction predicted;  // under this workload's SLO
@@ -277,7 +295,7 @@ int Main(int argc, char** argv) {
   auto plan_workload = [&](const planner::PerfModel& model,
                            const Workload& w) -> int {
     planner::PlanRequest request;
-    request.workload = {requests, rate, w.prompt, output, seed};
+    request.workload = {requests, RateFor(w.prompt), w.prompt, output, seed};
     request.slo = w.slo;
     request.resources.cores = profile.cores;
     request.resources.allow_oversubscription = oversubscribe;
@@ -405,7 +423,7 @@ int Main(int argc, char** argv) {
     std::printf(
         "\n== measured, prompts %d..%d (load_bench's open loop, %d requests "
         "at %.2f/s, %d round%s) ==\n",
-        prompts.lo, prompts.hi, requests, rate, repeats,
+        prompts.lo, prompts.hi, requests, RateFor(prompts), repeats,
         repeats == 1 ? "" : "s");
     tools::PrintLoadHeader();
     if (range == 0) {
@@ -418,7 +436,7 @@ int Main(int argc, char** argv) {
       for (size_t i = 0; i < runs.size(); ++i) {
         const Run& run = runs[round % 2 == 0 ? i : runs.size() - 1 - i];
         const std::vector<planner::Arrival> arrivals = planner::MakeArrivals(
-            {requests, rate, run.prompt, output, seed}, vocab);
+            {requests, RateFor(run.prompt), run.prompt, output, seed}, vocab);
         tools::LocalClusterOptions o;
         o.model_path = profile.model_path;
         o.format = profile.format;
