@@ -20,12 +20,13 @@ absl::StatusOr<std::unique_ptr<PlannerMonitor>> PlannerMonitor::Start(
         "1]");
   }
   if (options.resources.nodes < 1 ||
+      options.resources.nodes > planner::kMaxPlannedNodes ||
       (options.resources.nodes > 1 &&
        !(options.resources.network_bytes_per_second > 0))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "planner monitor: ", options.resources.nodes,
-        " node(s): needs ≥ 1, and the nodes' link bandwidth for more than "
-        "one"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("planner monitor: ", options.resources.nodes,
+                     " node(s): needs 1..", planner::kMaxPlannedNodes,
+                     ", and the nodes' link bandwidth for more than one"));
   }
   if (options.resources.nodes > 1 &&
       (!(options.model.kv_bytes_per_token > 0) ||
@@ -80,6 +81,10 @@ PlannerMonitor::PlannerMonitor(PlannerMonitorOptions options,
           "pdserve_planner_desired_replicas",
           "Copies of the recommended layout the observed rate needs: "
           "ceil(rate / capacity), at least 1.")),
+      layout_nodes_(registry.Gauge(
+          "pdserve_planner_layout_nodes",
+          "Nodes one copy of the recommended layout spans (its placement; "
+          "nodes needed = this times the desired replicas).")),
       evaluations_(registry.Counter("pdserve_planner_evaluations_total",
                                     "Planner evaluations that planned.")) {}
 
@@ -166,6 +171,7 @@ absl::Status PlannerMonitor::EvaluateNow() {
   headroom_.Set(capacity > 0 ? capacity / rate : 0);
   replicas_.Set(capacity > 0 ? std::max(1.0, std::ceil(rate / capacity))
                              : std::ceil(rate / 0.01));
+  layout_nodes_.Set(best.nodes_used);
   evaluations_.Increment();
   return absl::OkStatus();
 }

@@ -13,6 +13,7 @@
 //       the recommended layout keeps ≥ 95% of requests within the SLO
 //   pdserve_planner_headroom_ratio               capacity / observed rate
 //   pdserve_planner_desired_replicas             ⌈observed rate / capacity⌉
+//   pdserve_planner_layout_nodes (nodes one copy of the layout spans)
 //   pdserve_planner_evaluations_total
 //
 // The router only sees means, so the planned workload takes lengths uniform
@@ -100,6 +101,7 @@ class PlannerMonitor {
   prometheus::Gauge& capacity_;
   prometheus::Gauge& headroom_;
   prometheus::Gauge& replicas_;
+  prometheus::Gauge& layout_nodes_;
   prometheus::Counter& evaluations_;
   absl::Notification stop_;
   std::thread thread_;

@@ -163,10 +163,12 @@ def overview():
         ("max(pdserve_planner_observed_request_rate)", "observed")], "reqps")
     d.panel("Headroom and desired replicas", [
         ("max(pdserve_planner_headroom_ratio)", "headroom (capacity / rate)"),
-        ("max(pdserve_planner_desired_replicas)", "desired replicas")],
+        ("max(pdserve_planner_desired_replicas)", "desired replicas"),
+        ("max(pdserve_planner_layout_nodes)", "nodes per replica")],
         description="desired replicas = ceil(rate / capacity): what an HPA "
         "on this External metric with averageValue 1 scales to "
-        "(deploy/README.md)")
+        "(deploy/README.md); each replica of the layout spans the nodes "
+        "shown (router --planner-nodes)")
     return d
 
 

@@ -43,6 +43,12 @@ struct Layout {
   std::string KubernetesValues() const;
 };
 
+// The most nodes one layout is planned across: the candidates grow
+// combinatorially with them (8 nodes of 2 cores: ~3 s per simulation run of
+// every layout), and a larger cluster runs copies of a smaller layout
+// (the online monitor's desired replicas).
+inline constexpr int kMaxPlannedNodes = 16;
+
 // What the cluster may use.
 struct Resources {
   int cores = 2;  // per node: compute threads it runs without sharing cores

@@ -32,10 +32,12 @@ absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
                      request.replications));
   }
   const Resources& resources = request.resources;
-  if (resources.nodes < 1 || resources.cores < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("planning needs ≥ 1 node of ≥ 1 core, got ",
-                     resources.nodes, " node(s) of ", resources.cores));
+  if (resources.nodes < 1 || resources.nodes > kMaxPlannedNodes ||
+      resources.cores < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "planning needs 1..", kMaxPlannedNodes, " node(s) of ≥ 1 core, got ",
+        resources.nodes, " node(s) of ", resources.cores,
+        " (plan one copy of the layout on fewer nodes and run several)"));
   }
   if (resources.nodes > 1 && !(resources.network_bytes_per_second > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(

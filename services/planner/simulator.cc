@@ -75,7 +75,7 @@ class EventLoop {
   // Runs until nothing is left.
   void Run() {
     while (!jobs_.empty() || !timers_.empty()) {
-      const Shares shares = ShareOut();
+      const Shares& shares = ShareOut();
       double job_end = kInf;
       for (const Job& j : jobs_) {
         job_end = std::min(job_end, j.remaining / Rate(j, shares));
@@ -132,11 +132,18 @@ class EventLoop {
     std::vector<char> co_running;
     std::vector<int> sending, receiving;
   };
-  Shares ShareOut() const {
-    std::vector<double> demand(nodes_, 0);
-    std::vector<int> compute(nodes_, 0);
-    Shares s{std::vector<double>(nodes_, 1.0), std::vector<char>(nodes_, 0),
-             std::vector<int>(nodes_, 0), std::vector<int>(nodes_, 0)};
+  // Refilled at every event (into the same vectors: the planner simulates
+  // thousands of events per layout).
+  const Shares& ShareOut() {
+    Shares& s = shares_;
+    std::vector<double>& demand = demand_;
+    std::vector<int>& compute = compute_;
+    demand.assign(nodes_, 0);
+    compute.assign(nodes_, 0);
+    s.rate.assign(nodes_, 1.0);
+    s.co_running.assign(nodes_, 0);
+    s.sending.assign(nodes_, 0);
+    s.receiving.assign(nodes_, 0);
     for (const Job& j : jobs_) {
       if (j.transfer()) {
         ++s.sending[j.node];
@@ -166,6 +173,9 @@ class EventLoop {
 
   int nodes_;
   int cores_;
+  Shares shares_;
+  std::vector<double> demand_;
+  std::vector<int> compute_;
   double now_ = 0;
   std::list<Job> jobs_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;

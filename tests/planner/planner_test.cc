@@ -582,8 +582,17 @@ TEST(SimulatorTest, SpanningNodesNeedsTheLinkAndTheBytes) {
   EXPECT_TRUE(
       Simulate(ModelWith(*cost), coloc, {{0, 20, 2}}, Slo{}, {.nodes = 2})
           .ok());
-  // Planning across nodes asks for both up front.
+  // Planning across nodes asks for both up front, and for a number of
+  // nodes whose layouts can be enumerated.
   PlanRequest request;
+  request.resources.nodes = kMaxPlannedNodes + 1;
+  request.resources.network_bytes_per_second = 1e9;
+  auto too_many = Plan(ModelWithBytes(*cost), request);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("copy of the layout"),
+            std::string::npos)
+      << too_many.status();
+  request.resources.network_bytes_per_second = 0;
   request.resources.nodes = 2;
   auto plan = Plan(ModelWithBytes(*cost), request);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);

@@ -97,6 +97,7 @@ TEST(PlannerMonitorTest, ExportsTheRecommendationForTheObservedWindow) {
   EXPECT_NEAR(Value(samples, "pdserve_planner_headroom_ratio"), capacity / 1.5,
               1e-9);
   EXPECT_EQ(Value(samples, "pdserve_planner_desired_replicas"), 1);
+  EXPECT_EQ(Value(samples, "pdserve_planner_layout_nodes"), 1);  // one node
   EXPECT_GT(Value(samples, "pdserve_planner_predicted_slo_attainment"), 0.95);
   EXPECT_EQ(Value(samples, "pdserve_planner_evaluations_total"), 1);
 
