@@ -29,9 +29,11 @@ ROOT = os.path.dirname(HERE)
 
 WORKLOAD = re.compile(
     r"^(short|long), tight (TTFT|TPOT) \(SLO TTFT ≤ (\d+) ms, TPOT ≤ (\d+) ms\)")
+# A row of the "predicted vs measured" tables; with --repeats > 1 each
+# measured figure (the median of the rounds) carries its range in brackets.
 ROW = re.compile(
-    r"^\| (\S+) \| (.+?) \| ([\d.]+) / ([\d.]+) ms \| \S+ \| ([\d.]+) / "
-    r"([\d.]+) ms \| \S+ \| ([\d.]+) / ([\d.]+) /s")
+    r"^\| (\S+) \| (.+?) \| ([\d.]+) / ([\d.]+) ms(?: \[[^]]*\])? \| \S+ \| "
+    r"([\d.]+) / ([\d.]+) ms(?: \[[^]]*\])? \| \S+ \| ([\d.]+) / ([\d.]+) /s")
 # Runs before --reprofile (run 15 and older) had one measured section for
 # both prompt ranges.
 MEASURED = re.compile(

@@ -73,6 +73,7 @@ nlohmann::json PerfModel::ToJson() const {
           {"co_running",
            {{"prefill_stage", co_running.prefill_stage},
             {"decode_step", co_running.decode_step}}},
+          {"gang_sharing_exponent", gang_sharing_exponent},
           {"kv_bytes_per_token", kv_bytes_per_token},
           {"activation_bytes_per_token", activation_bytes_per_token},
           {"calibrated", calibrations}};
@@ -122,6 +123,7 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
       m.co_running = {c.at("prefill_stage").get<double>(),
                       c.at("decode_step").get<double>()};
     }
+    m.gang_sharing_exponent = json.value("gang_sharing_exponent", 0.5);
     // Profiles from before multi-node planning have neither.
     m.kv_bytes_per_token = json.value("kv_bytes_per_token", 0.0);
     m.activation_bytes_per_token =
@@ -142,6 +144,10 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
   if (!(m.co_running.prefill_stage >= 0) || !(m.co_running.decode_step >= 0)) {
     return absl::InvalidArgumentError(
         "perf model: co_running slow-downs must be ≥ 0");
+  }
+  if (!(m.gang_sharing_exponent >= 0) || m.gang_sharing_exponent > 4) {
+    return absl::InvalidArgumentError(
+        "perf model: gang_sharing_exponent must be in [0, 4]");
   }
   if (!(m.kv_bytes_per_token >= 0) || !(m.activation_bytes_per_token >= 0)) {
     return absl::InvalidArgumentError(

@@ -44,19 +44,23 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // bus and the last-level cache, which a step profiled alone does not.
 class EventLoop {
  public:
-  EventLoop(int nodes, int cores) : nodes_(nodes), cores_(cores) {}
+  // `gang_exponent`: PerfModel::gang_sharing_exponent (0: processor
+  // sharing for gangs too).
+  EventLoop(int nodes, int cores, double gang_exponent)
+      : nodes_(nodes), cores_(cores), gang_exponent_(gang_exponent) {}
 
   // Starts a job of `work` seconds (at full speed) on `node`, keeping
   // `demand` cores busy (its threads, or fewer where they wait on each
   // other). A compute job (a step) takes `co_running_slowdown` longer while
   // another compute job runs on its node; other jobs (the router's
-  // streaming) neither slow nor count.
+  // streaming) neither slow nor count. `gang`: its threads, which wait for
+  // each other at every layer.
   void StartJob(int node, double work, double demand,
                 std::function<void(double)> done, bool compute = false,
-                double co_running_slowdown = 0) {
+                double co_running_slowdown = 0, int gang = 1) {
     jobs_.push_back(Job{std::max(work, 0.0), demand, compute,
                         std::max(co_running_slowdown, 0.0), node, -1,
-                        std::move(done)});
+                        std::move(done), gang});
   }
   // Starts sending what takes `seconds` at a link's full speed from node
   // `from` to node `to`. Links are full duplex: the transfers leaving a node
@@ -115,6 +119,7 @@ class EventLoop {
     int node;     // where it runs; a transfer's sender
     int to = -1;  // a transfer's receiver; -1: a job on the cores
     std::function<void(double)> done;
+    int gang = 1;
     bool transfer() const { return to >= 0; }
   };
   struct Timer {
@@ -131,6 +136,9 @@ class EventLoop {
     std::vector<double> rate;
     std::vector<char> co_running;
     std::vector<int> sending, receiving;
+    // The compute jobs alone ask for more than the cores (not only the
+    // router's short streaming bursts beside them).
+    std::vector<char> compute_oversubscribed;
   };
   // Refilled at every event (into the same vectors: the planner simulates
   // thousands of events per layout).
@@ -144,6 +152,8 @@ class EventLoop {
     s.co_running.assign(nodes_, 0);
     s.sending.assign(nodes_, 0);
     s.receiving.assign(nodes_, 0);
+    s.compute_oversubscribed.assign(nodes_, 0);
+    std::vector<double> compute_demand(nodes_, 0);
     for (const Job& j : jobs_) {
       if (j.transfer()) {
         ++s.sending[j.node];
@@ -152,20 +162,28 @@ class EventLoop {
       }
       demand[j.node] += j.demand;
       compute[j.node] += j.compute ? 1 : 0;
+      if (j.compute) compute_demand[j.node] += j.demand;
     }
     for (int n = 0; n < nodes_; ++n) {
       if (demand[n] > cores_) s.rate[n] = cores_ / demand[n];
+      s.compute_oversubscribed[n] = compute_demand[n] > cores_;
       // Two compute jobs at once: on ≥ 2 cores they are on neighbouring
       // cores however the OS shares them (on one core they take turns).
       s.co_running[n] = cores_ >= 2 && compute[n] >= 2;
     }
     return s;
   }
-  static double Rate(const Job& j, const Shares& s) {
+  double Rate(const Job& j, const Shares& s) const {
     if (j.transfer()) {
       return 1.0 / std::max(s.sending[j.node], s.receiving[j.to]);
     }
-    const double shared = s.rate[j.node];
+    double shared = s.rate[j.node];
+    // Threads that meet at every layer (TP ranks at an all-reduce, a
+    // pool's workers at a barrier) progress only while all of them hold a
+    // core: time-sliced apart they lose more than their share.
+    if (j.gang > 1 && shared < 1 && s.compute_oversubscribed[j.node]) {
+      shared = std::pow(shared, 1 + (j.gang - 1) * gang_exponent_);
+    }
     return j.compute && s.co_running[j.node]
                ? shared / (1 + j.co_running_slowdown)
                : shared;
@@ -173,6 +191,7 @@ class EventLoop {
 
   int nodes_;
   int cores_;
+  double gang_exponent_;
   Shares shares_;
   std::vector<double> demand_;
   std::vector<int> compute_;
@@ -206,7 +225,8 @@ class Simulation {
       : model_(model),
         layout_(layout),
         options_(options),
-        loop_(options.nodes, options.cores),
+        loop_(options.nodes, options.cores,
+              options.gang_sharing ? model.gang_sharing_exponent : 0),
         rng_(options.seed),
         spread_rng_(options.seed ^ 0x9E3779B97F4A7C15ull) {}
 
@@ -422,7 +442,8 @@ class Simulation {
           }
           StartStage(g, s, now);
         },
-        /*compute=*/true, model_.co_running.prefill_stage);
+        /*compute=*/true, model_.co_running.prefill_stage,
+        layout_.prefill_threads);
   }
 
   // The stage's layers' KV of each chunk it finished, to the request's
@@ -518,7 +539,8 @@ class Simulation {
           Apply(w, plan, now);
           Kick(w, now);
         },
-        /*compute=*/true, model_.co_running.decode_step);
+        /*compute=*/true, model_.co_running.decode_step,
+        layout_.tp * layout_.decode_threads);
   }
 
   void Apply(DecodeSim& w, const std::vector<Planned>& plan, double t) {

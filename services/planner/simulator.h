@@ -20,10 +20,14 @@
 // Cores: every busy compute job (a decode step, a stage's microbatch) holds
 // its threads on its node (PlaceLayout); when a node has more busy threads
 // than `cores`, its jobs slow down alike (processor sharing), as the OS
-// would share the cores. While two or more compute jobs run at once on a
-// node of ≥ 2 cores, each also takes its kind's measured co-running
-// slow-down longer (PerfModel::co_running: neighbouring cores share the
-// memory bus and the last-level cache). The router streams from node 0.
+// would share the cores — but a job of g threads that wait for each other
+// at every layer runs at share^(1 + (g − 1) · PerfModel::
+// gang_sharing_exponent) while the compute jobs alone oversubscribe the
+// node: time-sliced apart, one rank's wait stalls the others. While two or more
+// compute jobs run at once on a node of ≥ 2 cores, each also takes its kind's
+// measured co-running slow-down longer (PerfModel::co_running: neighbouring
+// cores share the memory bus and the last-level cache). The router streams from
+// node 0.
 //
 // Nodes: a stage's KV writes to a decode worker on another node, and its
 // hidden states to a next stage on another node, are transfers over the
@@ -90,6 +94,10 @@ struct SimOptions {
   // Probability that an n-gram draft token is accepted (layouts with γ > 0).
   double ngram_acceptance = 0;
   uint64_t seed = 1;  // of the acceptance and spread draws
+  // Slow a step whose threads wait for each other (TP ranks, a thread
+  // pool) more than processor sharing where the compute oversubscribes its
+  // node (PerfModel::gang_sharing_exponent); off: processor sharing alone.
+  bool gang_sharing = true;
   // Scale each step by a draw from its configuration's measured spread
   // (StepCost::SpreadAt); off, every step takes its fitted time.
   bool step_spread = true;

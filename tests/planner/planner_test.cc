@@ -278,15 +278,19 @@ TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
 }
 
 // TTFT of two workers of 2 threads each, one prompt each, on 2 cores over
-// the same on 4 (-1 if a simulation fails).
-double TwoWorkersOnTwoCoresSlowdown(const PerfModel& model) {
+// the same on 4 (-1 if a simulation fails); `gang_sharing` as
+// SimOptions::gang_sharing.
+double TwoWorkersOnTwoCoresSlowdown(const PerfModel& model,
+                                    bool gang_sharing = false) {
   Layout two;
   two.colocated = true;
   two.decode_workers = 2;
   two.decode_threads = 2;
   const std::vector<SimRequest> both = {{0, 64, 1}, {0, 64, 1}};
-  auto shared = Simulate(model, two, both, Slo{}, {.cores = 2});
-  auto alone = Simulate(model, two, both, Slo{}, {.cores = 4});
+  auto shared = Simulate(model, two, both, Slo{},
+                         {.cores = 2, .gang_sharing = gang_sharing});
+  auto alone = Simulate(model, two, both, Slo{},
+                        {.cores = 4, .gang_sharing = gang_sharing});
   EXPECT_TRUE(shared.ok() && alone.ok());
   if (!shared.ok() || !alone.ok()) return -1;
   return shared->ttft_p50 / alone->ttft_p50;
@@ -296,6 +300,44 @@ TEST(SimulatorTest, OversubscribedCoresAreShared) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
   EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(ModelWith(*cost)), 2.0, 1e-9);
+}
+
+// Threads that wait for each other at every layer run at share^(1 + (g − 1)
+// · exponent) on an oversubscribed node: two 2-thread steps on 2 cores at
+// 1/2 share each take 2^1.5 as long, not 2; exponent 0 is processor
+// sharing. The router's streaming beside one step (compute alone within
+// the cores) is plain sharing.
+TEST(SimulatorTest, GangsLoseMoreThanTheirShareWhereComputeOversubscribes) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), std::pow(2, 1.5),
+              1e-9);
+  model.gang_sharing_exponent = 1;
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 4, 1e-9);
+  model.gang_sharing_exponent = 0;
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 2, 1e-9);
+
+  model.gang_sharing_exponent = 0.5;
+  model.delivery_cpu_seconds = 0.001;
+  Layout one;
+  one.colocated = true;
+  one.tp = 2;  // a 2-thread step and the router's streaming: 3 on 2 cores
+  const std::vector<SimRequest> request = {{0, 64, 8}};
+  auto gang = Simulate(model, one, request, Slo{}, {.cores = 2});
+  auto plain =
+      Simulate(model, one, request, Slo{}, {.cores = 2, .gang_sharing = false});
+  ASSERT_TRUE(gang.ok() && plain.ok());
+  EXPECT_EQ(gang->tpot_p50, plain->tpot_p50);
+
+  // Saved with the profile; out of range refused.
+  auto loaded = PerfModel::FromJson(model.ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->gang_sharing_exponent, 0.5);
+  nlohmann::json bad = model.ToJson();
+  bad["gang_sharing_exponent"] = -1;
+  EXPECT_EQ(PerfModel::FromJson(bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // A configuration whose threads wait on each other (TP ranks at an
@@ -310,6 +352,10 @@ TEST(SimulatorTest, SharingChargesTheMeasuredBusyCores) {
   EXPECT_EQ(model.BusyCores({1, 2}), 1.5);
   EXPECT_EQ(model.BusyCores({2, 1}), 2.0);  // not measured: its threads
   EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model), 1.5, 1e-9);
+  // With gang sharing the two threads of each step, which wait for each
+  // other, lose more: share (2 / 3)^(1 + 1 · 0.5).
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, /*gang_sharing=*/true),
+              std::pow(1.5, 1.5), 1e-9);
   // Kept in the saved model; a demand above the threads is refused.
   auto loaded = PerfModel::FromJson(model.ToJson());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -469,7 +515,8 @@ TEST(SimulatorTest, NodesShareNoCores) {
   const std::vector<SimRequest> both = {{0, 64, 1}, {0, 64, 1}};
   auto apart = Simulate(model, two, both, Slo{}, {.nodes = 2, .cores = 2});
   auto together = Simulate(model, two, both, Slo{}, {.cores = 4});
-  auto shared = Simulate(model, two, both, Slo{}, {.cores = 2});
+  auto shared =
+      Simulate(model, two, both, Slo{}, {.cores = 2, .gang_sharing = false});
   ASSERT_TRUE(apart.ok() && together.ok() && shared.ok());
   const double step = cost->Seconds({64, 1, AttendedPositions(0, 64)});
   EXPECT_NEAR(apart->ttft_p50, step, 1e-9);
