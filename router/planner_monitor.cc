@@ -28,6 +28,12 @@ absl::StatusOr<std::unique_ptr<PlannerMonitor>> PlannerMonitor::Start(
                      " node(s): needs 1..", planner::kMaxPlannedNodes,
                      ", and the nodes' link bandwidth for more than one"));
   }
+  if (options.resources.nodes == 1 &&
+      options.resources.network_bytes_per_second != 0) {
+    return absl::InvalidArgumentError(
+        "planner monitor: a link bandwidth is for a layout spanning nodes; "
+        "it needs more than one node");
+  }
   if (options.resources.nodes > 1 &&
       (!(options.model.kv_bytes_per_token > 0) ||
        !(options.model.activation_bytes_per_token > 0))) {

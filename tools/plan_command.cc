@@ -181,12 +181,23 @@ absl::Status RunPlan(int argc, char** argv) {
   auto output = planner::ParseLengthRange(output_text);
   if (!output.ok()) return output.status();
   if (auto s = flags.Check(); !s.ok()) return s;
+  // Checked before the minutes of profiling.
   if (request.resources.nodes < 1 ||
-      (request.resources.nodes > 1 && !(network_gbps > 0))) {
+      request.resources.nodes > planner::kMaxPlannedNodes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--nodes must be ≥ 1, and --nodes ", request.resources.nodes,
+        "--nodes must be in 1..", planner::kMaxPlannedNodes, ", got ",
+        request.resources.nodes,
+        " (plan one copy of the layout on fewer nodes and run several)"));
+  }
+  if (request.resources.nodes > 1 && !(network_gbps > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--nodes ", request.resources.nodes,
         " > 1 needs --network-gbps > 0 (the nodes' link bandwidth; "
         "ucx_perftest between two nodes measures it)"));
+  }
+  if (request.resources.nodes == 1 && network_gbps != 0) {
+    return absl::InvalidArgumentError(
+        "--network-gbps is the link between nodes: it needs --nodes > 1");
   }
   request.resources.network_bytes_per_second = network_gbps * 1e9 / 8;
   if (request.resources.cores < 1 || request.workload.requests < 1 ||

@@ -144,32 +144,32 @@ class EventLoop {
   // thousands of events per layout).
   const Shares& ShareOut() {
     Shares& s = shares_;
-    std::vector<double>& demand = demand_;
-    std::vector<int>& compute = compute_;
-    demand.assign(nodes_, 0);
-    compute.assign(nodes_, 0);
+    demand_.assign(nodes_, 0);
+    compute_demand_.assign(nodes_, 0);
+    compute_jobs_.assign(nodes_, 0);
     s.rate.assign(nodes_, 1.0);
     s.co_running.assign(nodes_, 0);
     s.sending.assign(nodes_, 0);
     s.receiving.assign(nodes_, 0);
     s.compute_oversubscribed.assign(nodes_, 0);
-    std::vector<double> compute_demand(nodes_, 0);
     for (const Job& j : jobs_) {
       if (j.transfer()) {
         ++s.sending[j.node];
         ++s.receiving[j.to];
         continue;
       }
-      demand[j.node] += j.demand;
-      compute[j.node] += j.compute ? 1 : 0;
-      if (j.compute) compute_demand[j.node] += j.demand;
+      demand_[j.node] += j.demand;
+      if (j.compute) {
+        compute_demand_[j.node] += j.demand;
+        ++compute_jobs_[j.node];
+      }
     }
     for (int n = 0; n < nodes_; ++n) {
-      if (demand[n] > cores_) s.rate[n] = cores_ / demand[n];
-      s.compute_oversubscribed[n] = compute_demand[n] > cores_;
+      if (demand_[n] > cores_) s.rate[n] = cores_ / demand_[n];
+      s.compute_oversubscribed[n] = compute_demand_[n] > cores_;
       // Two compute jobs at once: on ≥ 2 cores they are on neighbouring
       // cores however the OS shares them (on one core they take turns).
-      s.co_running[n] = cores_ >= 2 && compute[n] >= 2;
+      s.co_running[n] = cores_ >= 2 && compute_jobs_[n] >= 2;
     }
     return s;
   }
@@ -193,8 +193,9 @@ class EventLoop {
   int cores_;
   double gang_exponent_;
   Shares shares_;
-  std::vector<double> demand_;
-  std::vector<int> compute_;
+  // ShareOut's per-node tallies: all jobs' demand, the compute jobs'.
+  std::vector<double> demand_, compute_demand_;
+  std::vector<int> compute_jobs_;
   double now_ = 0;
   std::list<Job> jobs_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
@@ -688,12 +689,14 @@ absl::StatusOr<Prediction> Simulate(const PerfModel& model,
                      "no more stages than layers"));
   }
   if (options.cores < 1 || options.nodes < 1 ||
+      options.nodes > kMaxPlannedNodes ||
       !(options.network_bytes_per_second >= 0) ||
       !(options.ngram_acceptance >= 0) || options.ngram_acceptance >= 1 ||
       options.replications < 1) {
     return absl::InvalidArgumentError(
-        "simulation needs ≥ 1 node and core, a link bandwidth ≥ 0, an "
-        "acceptance in [0, 1) and ≥ 1 replication");
+        absl::StrCat("simulation needs 1..", kMaxPlannedNodes,
+                     " nodes of ≥ 1 core, a link bandwidth ≥ 0, an "
+                     "acceptance in [0, 1) and ≥ 1 replication"));
   }
   const bool draws =
       options.step_spread || (layout.gamma > 0 && options.ngram_acceptance > 0);

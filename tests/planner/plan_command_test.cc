@@ -207,7 +207,17 @@ TEST(PlanCommandTest, BadFlagsArePreciseErrors) {
       << out;
   out = RunPlan("--nodes 0", &code);
   EXPECT_EQ(code, 1);
-  EXPECT_NE(out.find("--nodes must be ≥ 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("--nodes must be in 1..16, got 0"), std::string::npos)
+      << out;
+  out = RunPlan("--nodes 17 --network-gbps 10", &code);  // before profiling
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("--nodes must be in 1..16, got 17"), std::string::npos)
+      << out;
+  out = RunPlan("--network-gbps 10", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("--network-gbps is the link between nodes"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace

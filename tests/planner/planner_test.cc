@@ -623,6 +623,10 @@ TEST(SimulatorTest, SpanningNodesNeedsTheLinkAndTheBytes) {
   EXPECT_EQ(old_profile.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(old_profile.status().message().find("profile again"),
             std::string::npos);
+  auto too_many_nodes = Simulate(
+      ModelWithBytes(*cost), l, {{0, 20, 2}}, Slo{},
+      {.nodes = kMaxPlannedNodes + 1, .network_bytes_per_second = 1e9});
+  EXPECT_EQ(too_many_nodes.status().code(), absl::StatusCode::kInvalidArgument);
   // A layout that stays on one node needs neither.
   Layout coloc;
   coloc.colocated = true;

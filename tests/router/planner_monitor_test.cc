@@ -130,9 +130,17 @@ TEST(PlannerMonitorTest, RefusesImpossibleOptions) {
       options, [] { return metrics::ServedTotals{}; }, registry);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(none.status().message().find("replications"), std::string::npos);
-  // Spanning nodes needs their link bandwidth, and a profile that says how
-  // many bytes a token sends (the hand-written one predates them).
+  // A link bandwidth on one node is refused, not ignored; spanning nodes
+  // needs their link bandwidth, and a profile that says how many bytes a
+  // token sends (the hand-written one predates them).
   options.replications = 5;
+  options.resources.network_bytes_per_second = 1.25e9;
+  auto lone_link = PlannerMonitor::Start(
+      options, [] { return metrics::ServedTotals{}; }, registry);
+  EXPECT_EQ(lone_link.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(lone_link.status().message().find("more than one node"),
+            std::string::npos);
+  options.resources.network_bytes_per_second = 0;
   options.resources.nodes = 2;
   auto no_link = PlannerMonitor::Start(
       options, [] { return metrics::ServedTotals{}; }, registry);
