@@ -347,17 +347,25 @@ absl::StatusOr<BusySeconds> ScrapeBusySeconds(const LocalCluster& cluster) {
   return busy;
 }
 
-// How much longer prefill stage and decode steps take under load than idle
-// on a real 1P(1t)+1D(tp1×1t) cluster, beyond what `model` (with no
-// co-running slow-down) predicts for the same arrivals: each kind's busy
-// seconds measured / simulated under load, over the same ratio for idle
-// requests (which cancels what a worker process does differently from the
-// in-process profile, so only the load's effect is left), then refined
-// through the simulator (only the time the two actually overlap is slowed).
-absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
+// What a real cluster of `layout` counted in its workers' busy-seconds
+// metrics under load, scaled to the speed its steps ran at idle.
+struct LoadedBusySeconds {
+  planner::WorkloadSpec load;
+  // Measured / simulated busy seconds of idle requests: what a worker
+  // process does differently from the in-process profile.
+  double idle_prefill_ratio = 0, idle_decode_ratio = 0;
+  // The loaded busy seconds over those ratios: what the steps took under
+  // load, had they run idle as fast as simulated. What is left over the
+  // simulator's figure for the same arrivals is the load's own effect.
+  double prefill = 0, decode = 0;
+};
+
+// Starts `layout` as a real cluster (each worker's metrics on), runs six
+// idle requests one at a time, then an open-loop load of 40 requests that
+// keeps one one-thread prefill stage about 60% busy.
+absl::StatusOr<LoadedBusySeconds> MeasureLoadedBusySeconds(
     const PlannerProfileOptions& o, const planner::PerfModel& model,
-    int vocab) {
-  const planner::Layout layout;  // 1P(1s×1t, chunk 256)+1D(tp1×1t)
+    const planner::Layout& layout, int vocab, const std::string& what) {
   auto cluster = StartCluster(o, layout, /*worker_metrics=*/true);
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
@@ -367,9 +375,6 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
   const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
   const planner::LengthRange prompts{std::max(1, long_prompt / 3), long_prompt};
   const planner::LengthRange outputs{16, 64};
-
-  planner::PerfModel alone = model;
-  alone.co_running = {};
   planner::SimOptions fitted_steps;
   fitted_steps.step_spread = false;
   fitted_steps.cores = o.cores;
@@ -384,8 +389,8 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
       RequestResult r =
           RunRequest(*stub, RandomPrompt(length, vocab, rng), kTokens);
       if (!r.ok || r.tokens != kTokens) {
-        return absl::InternalError(absl::StrCat(
-            "co-running calibration: idle request failed: ", r.error));
+        return absl::InternalError(
+            absl::StrCat(what, ": idle request failed: ", r.error));
       }
       // Far apart in simulated time: nothing overlaps.
       idle.push_back({1000.0 * idle.size(), length, kTokens});
@@ -393,24 +398,25 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
   }
   auto after_idle = ScrapeBusySeconds(**cluster);
   if (!after_idle.ok()) return after_idle.status();
-  auto idle_sim = planner::Simulate(alone, layout, idle, {}, fitted_steps);
+  auto idle_sim = planner::Simulate(model, layout, idle, {}, fitted_steps);
   if (!idle_sim.ok()) return idle_sim.status();
   if (!(after_idle->prefill > before->prefill) ||
       !(after_idle->decode > before->decode)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "co-running calibration: ", idle.size(),
+        what, ": ", idle.size(),
         " idle requests added no busy seconds to the workers' metrics "
         "(prefill ",
         after_idle->prefill - before->prefill, " s, decode ",
         after_idle->decode - before->decode, " s)"));
   }
-  const double idle_prefill_ratio =
+  LoadedBusySeconds measured;
+  measured.idle_prefill_ratio =
       (after_idle->prefill - before->prefill) / idle_sim->prefill_busy_seconds;
-  const double idle_decode_ratio =
+  measured.idle_decode_ratio =
       (after_idle->decode - before->decode) / idle_sim->decode_busy_seconds;
 
-  // Loaded: open-loop arrivals keeping the prefill stage about 60% busy, the
-  // decode worker as busy as their answers make it.
+  // Loaded: open-loop arrivals keeping a one-thread prefill stage about 60%
+  // busy, the decode worker as busy as their answers make it.
   auto stage_cost = model.Step({1, 1});
   if (!stage_cost.ok()) return stage_cost.status();
   const int mean_prompt = (prompts.lo + prompts.hi) / 2;
@@ -418,28 +424,49 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
       (*stage_cost)
           ->Seconds(
               {mean_prompt, 1, planner::AttendedPositions(0, mean_prompt)});
-  planner::WorkloadSpec load;
+  planner::WorkloadSpec& load = measured.load;
   load.requests = 40;
   load.rate = 0.6 / prefill_seconds;
   load.prompt = prompts;
   load.output = outputs;
   load.seed = 3;
-  LoadReport report =
-      RunLoad("co-running calibration", (*cluster)->grpc_address(),
-              planner::MakeArrivals(load, vocab), 1e9, 1e9);
+  LoadReport report = RunLoad(what, (*cluster)->grpc_address(),
+                              planner::MakeArrivals(load, vocab), 1e9, 1e9);
   if (report.failed > 0) {
-    return absl::InternalError(
-        absl::StrCat("co-running calibration: ", report.failed, " of ",
-                     load.requests, " loaded requests failed"));
+    return absl::InternalError(absl::StrCat(what, ": ", report.failed, " of ",
+                                            load.requests,
+                                            " loaded requests failed"));
   }
   auto after_load = ScrapeBusySeconds(**cluster);
   if (!after_load.ok()) return after_load.status();
-  // What the steps would have taken loaded, had they run as fast as idle.
-  const double prefill_target =
-      (after_load->prefill - after_idle->prefill) / idle_prefill_ratio;
-  const double decode_target =
-      (after_load->decode - after_idle->decode) / idle_decode_ratio;
-  const std::vector<planner::SimRequest> loaded = planner::SimRequests(load);
+  measured.prefill =
+      (after_load->prefill - after_idle->prefill) / measured.idle_prefill_ratio;
+  measured.decode =
+      (after_load->decode - after_idle->decode) / measured.idle_decode_ratio;
+  return measured;
+}
+
+// How much longer prefill stage and decode steps take under load than idle
+// on a real 1P(1t)+1D(tp1×1t) cluster, beyond what `model` (with no
+// co-running slow-down) predicts for the same arrivals: each kind's busy
+// seconds measured / simulated under load, over the same ratio for idle
+// requests (which cancels what a worker process does differently from the
+// in-process profile, so only the load's effect is left), then refined
+// through the simulator (only the time the two actually overlap is slowed).
+absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
+    const PlannerProfileOptions& o, const planner::PerfModel& model,
+    int vocab) {
+  const planner::Layout layout;  // 1P(1s×1t, chunk 256)+1D(tp1×1t)
+  planner::PerfModel alone = model;
+  alone.co_running = {};
+  auto measured = MeasureLoadedBusySeconds(o, alone, layout, vocab,
+                                           "co-running calibration");
+  if (!measured.ok()) return measured.status();
+  planner::SimOptions fitted_steps;
+  fitted_steps.step_spread = false;
+  fitted_steps.cores = o.cores;
+  const std::vector<planner::SimRequest> loaded =
+      planner::SimRequests(measured->load);
   planner::PerfModel fitted = alone;
   // Loaded over idle, both against the simulator without slow-downs (how
   // much the load added; below 1 where the machine sped up meanwhile).
@@ -450,25 +477,94 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
     auto sim = planner::Simulate(fitted, layout, loaded, {}, fitted_steps);
     if (!sim.ok()) return sim.status();
     if (round == 0) {
-      loaded_prefill_ratio = prefill_target / sim->prefill_busy_seconds;
-      loaded_decode_ratio = decode_target / sim->decode_busy_seconds;
+      loaded_prefill_ratio = measured->prefill / sim->prefill_busy_seconds;
+      loaded_decode_ratio = measured->decode / sim->decode_busy_seconds;
     }
     auto refine = [](double slowdown, double target, double simulated) {
       if (!(simulated > 0) || !(target > 0)) return slowdown;
       return std::clamp((1 + slowdown) * target / simulated - 1, 0.0, 3.0);
     };
     fitted.co_running.prefill_stage =
-        refine(fitted.co_running.prefill_stage, prefill_target,
+        refine(fitted.co_running.prefill_stage, measured->prefill,
                sim->prefill_busy_seconds);
     fitted.co_running.decode_step = refine(
-        fitted.co_running.decode_step, decode_target, sim->decode_busy_seconds);
+        fitted.co_running.decode_step, measured->decode,
+        sim->decode_busy_seconds);
   }
   Say(o, absl::StrFormat(
              "  busy seconds measured / simulated, idle: prefill %.2f, decode "
              "%.2f; loaded (%.2f req/s) over idle: prefill %.2f, decode %.2f",
-             idle_prefill_ratio, idle_decode_ratio, load.rate,
-             loaded_prefill_ratio, loaded_decode_ratio));
+             measured->idle_prefill_ratio, measured->idle_decode_ratio,
+             measured->load.rate, loaded_prefill_ratio, loaded_decode_ratio));
   return fitted.co_running;
+}
+
+// The largest TP degree of one thread per rank profiled, where a decode
+// worker of it and a one-thread prefill stage oversubscribe the cores
+// (0: none does, and the gang exponent cannot be measured here).
+int GangCalibrationTp(const planner::PerfModel& model, int cores) {
+  int tp = 0;
+  for (const auto& [config, cost] : model.steps) {
+    if (config.threads_per_rank == 1 && config.tp >= 2 &&
+        config.tp + 1 > cores) {
+      tp = std::max(tp, config.tp);
+    }
+  }
+  return tp;
+}
+
+// The gang-sharing exponent (PerfModel::gang_sharing_exponent) of this
+// machine: a real 1P(1s×1t)+1D(tp N×1t) cluster, N + 1 threads on N cores,
+// serves the same idle requests and load as the co-running calibration; the
+// exponent is the one at which the simulator (with `model`'s co-running
+// slow-downs) gives the decode worker the busy seconds it measured, found
+// by bisection on [0, 2] (the simulated busy seconds grow with it). Below
+// what co-running alone explains: 0; beyond 2: 2.
+absl::StatusOr<double> CalibrateGangSharing(const PlannerProfileOptions& o,
+                                            const planner::PerfModel& model,
+                                            int tp, int vocab) {
+  planner::Layout layout;
+  layout.tp = tp;
+  auto measured = MeasureLoadedBusySeconds(o, model, layout, vocab,
+                                           "gang-sharing calibration");
+  if (!measured.ok()) return measured.status();
+  planner::SimOptions fitted_steps;
+  fitted_steps.step_spread = false;
+  fitted_steps.cores = o.cores;
+  const std::vector<planner::SimRequest> loaded =
+      planner::SimRequests(measured->load);
+  planner::PerfModel fitted = model;
+  auto decode_busy = [&](double exponent) -> absl::StatusOr<double> {
+    fitted.gang_sharing_exponent = exponent;
+    auto sim = planner::Simulate(fitted, layout, loaded, {}, fitted_steps);
+    if (!sim.ok()) return sim.status();
+    return sim->decode_busy_seconds;
+  };
+  constexpr double kMaxExponent = 2;
+  auto at_zero = decode_busy(0);
+  if (!at_zero.ok()) return at_zero.status();
+  auto at_max = decode_busy(kMaxExponent);
+  if (!at_max.ok()) return at_max.status();
+  double exponent;
+  if (measured->decode <= *at_zero) {
+    exponent = 0;
+  } else if (measured->decode >= *at_max) {
+    exponent = kMaxExponent;
+  } else {
+    double lo = 0, hi = kMaxExponent;
+    for (int i = 0; i < 12; ++i) {  // to 2 / 4096
+      const double mid = (lo + hi) / 2;
+      auto busy = decode_busy(mid);
+      if (!busy.ok()) return busy.status();
+      (*busy < measured->decode ? lo : hi) = mid;
+    }
+    exponent = (lo + hi) / 2;
+  }
+  Say(o, absl::StrFormat(
+             "  decode busy seconds under load (at idle speed) %.2f s; "
+             "simulated %.2f s with processor sharing, %.2f s at exponent %g",
+             measured->decode, *at_zero, *at_max, kMaxExponent));
+  return exponent;
 }
 
 }  // namespace
@@ -575,6 +671,21 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                                  "%+.0f%%, decode step %+.0f%%",
                                  model.co_running.prefill_stage * 100,
                                  model.co_running.decode_step * 100));
+  }
+  if (const int tp = GangCalibrationTp(model, options.cores); tp > 0) {
+    Say(options,
+        absl::StrCat("calibrating gang sharing on 1P(1s×1t, chunk 256)+1D(tp",
+                     tp, "×1t) under load"));
+    auto exponent = CalibrateGangSharing(options, model, tp, mc.vocab_size);
+    if (!exponent.ok()) return exponent.status();
+    model.gang_sharing_exponent = *exponent;
+    Say(options, absl::StrFormat("  gang-sharing exponent %.2f",
+                                 model.gang_sharing_exponent));
+  } else {
+    Say(options,
+        absl::StrFormat("no TP worker oversubscribes %d cores beside a "
+                        "prefill stage: gang-sharing exponent %.2f as given",
+                        options.cores, model.gang_sharing_exponent));
   }
   return model;
 }

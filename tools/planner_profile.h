@@ -21,6 +21,11 @@
 //     processes count in their own metrics, loaded over idle and each over
 //     the simulator's figure for the same requests, give how much slower a
 //     step runs beside another (PerfModel::co_running).
+//  4. Gang sharing. Where a TP worker of one thread per rank and a
+//     one-thread stage oversubscribe the cores (tp 2 on 2 cores), that
+//     cluster serves the same idle requests and load; the exponent at which
+//     the simulator gives its decode worker the busy seconds it measured is
+//     PerfModel::gang_sharing_exponent (bisection on [0, 2]).
 #pragma once
 
 #include <functional>

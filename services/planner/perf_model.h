@@ -88,12 +88,12 @@ struct PerfModel {
   // A step of g threads that wait for each other at every layer (TP ranks,
   // a rank's thread pool) on an oversubscribed node runs at
   // share^(1 + (g − 1) · this) of full speed, where processor sharing gives
-  // it `share`: a rank descheduled for a time slice stalls the others. 0.5
-  // is what a TP 2 decode worker measured beside 1 and 2 busy one-thread
-  // prefill processes on the dev VM (0.60 and 0.38 of full speed, against
-  // processor sharing's 0.71 and 0.52: 0.71^1.5 = 0.60, 0.52^1.5 = 0.38;
-  // docs/PERFORMANCE.md run 12). Not re-measured by the profile; saved
-  // with it, so a profile of another machine can carry its own.
+  // it `share`: a rank descheduled for a time slice stalls the others. The
+  // profile measures it on a real TP worker beside a busy prefill stage
+  // (tools/planner_profile.h); 0.5, the default, is what a TP 2 decode
+  // worker measured beside 1 and 2 busy one-thread prefill processes on the
+  // dev VM (0.60 and 0.38 of full speed, against processor sharing's 0.71
+  // and 0.52: 0.71^1.5 = 0.60, 0.52^1.5 = 0.38; docs/PERFORMANCE.md run 12).
   double gang_sharing_exponent = 0.5;
   // Bytes a prefill stage writes to a decode worker per prompt token, all
   // layers (K and V in the profiled engine's KV element type), and bytes of

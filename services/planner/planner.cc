@@ -71,7 +71,9 @@ absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
       last_error = p.status();
       continue;
     }
-    RankedLayout r{layout, *p, 0};
+    RankedLayout r;
+    r.layout = layout;
+    r.prediction = *p;
     r.nodes_used = 0;
     for (int threads : PlaceLayout(layout, resources.nodes).node_threads) {
       r.nodes_used += threads > 0 ? 1 : 0;

@@ -177,16 +177,24 @@ class EventLoop {
     if (j.transfer()) {
       return 1.0 / std::max(s.sending[j.node], s.receiving[j.to]);
     }
-    double shared = s.rate[j.node];
-    // Threads that meet at every layer (TP ranks at an all-reduce, a
-    // pool's workers at a barrier) progress only while all of them hold a
-    // core: time-sliced apart they lose more than their share.
+    const double shared = s.rate[j.node];
+    if (!j.compute) return shared;
+    // How much slower than its processor share the job runs: neighbours on
+    // the memory bus and the last-level cache ...
+    double slowdown =
+        s.co_running[j.node] ? 1 + j.co_running_slowdown : 1.0;
+    // ... or, for threads that meet at every layer (TP ranks at an
+    // all-reduce, a pool's workers at a barrier), that they progress only
+    // while all of them hold a core: time-sliced apart they lose more than
+    // their share. The larger of the two, not both: the gang exponent is
+    // fitted (tools/planner_profile.cc) to a gang's whole slow-down beside
+    // busy neighbours, which holds their memory-bus contention too, and
+    // applying both counted it twice (docs/PERFORMANCE.md, run 19).
     if (j.gang > 1 && shared < 1 && s.compute_oversubscribed[j.node]) {
-      shared = std::pow(shared, 1 + (j.gang - 1) * gang_exponent_);
+      slowdown = std::max(
+          slowdown, std::pow(shared, -(j.gang - 1) * gang_exponent_));
     }
-    return j.compute && s.co_running[j.node]
-               ? shared / (1 + j.co_running_slowdown)
-               : shared;
+    return shared / slowdown;
   }
 
   int nodes_;

@@ -24,10 +24,11 @@
 // at every layer runs at share^(1 + (g − 1) · PerfModel::
 // gang_sharing_exponent) while the compute jobs alone oversubscribe the
 // node: time-sliced apart, one rank's wait stalls the others. While two or more
-// compute jobs run at once on a node of ≥ 2 cores, each also takes its kind's
+// compute jobs run at once on a node of ≥ 2 cores, each takes its kind's
 // measured co-running slow-down longer (PerfModel::co_running: neighbouring
-// cores share the memory bus and the last-level cache). The router streams from
-// node 0.
+// cores share the memory bus and the last-level cache) — a gang the larger
+// of that and its gang slow-down, whose exponent was fitted to both at once.
+// The router streams from node 0.
 //
 // Nodes: a stage's KV writes to a decode worker on another node, and its
 // hidden states to a next stage on another node, are transfers over the

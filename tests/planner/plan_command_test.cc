@@ -73,6 +73,18 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   EXPECT_EQ(prefill_percent,
             std::lround(model->co_running.prefill_stage * 100));
   EXPECT_EQ(decode_percent, std::lround(model->co_running.decode_step * 100));
+  // A TP 2 worker beside a one-thread stage oversubscribes 2 cores: the
+  // profile measured the gang exponent on that cluster and saved it.
+  const size_t gang = profiled.find("gang-sharing exponent ");
+  ASSERT_NE(gang, std::string::npos) << profiled;
+  double exponent = -1;
+  ASSERT_EQ(std::sscanf(profiled.c_str() + gang, "gang-sharing exponent %lf",
+                        &exponent),
+            1)
+      << profiled.substr(gang, 80);
+  EXPECT_NEAR(model->gang_sharing_exponent, exponent, 0.005);
+  EXPECT_GE(model->gang_sharing_exponent, 0);
+  EXPECT_LE(model->gang_sharing_exponent, 2);
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
     // More tokens never cost less per step than one.

@@ -318,7 +318,17 @@ TEST(SimulatorTest, GangsLoseMoreThanTheirShareWhereComputeOversubscribes) {
   model.gang_sharing_exponent = 0;
   EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 2, 1e-9);
 
+  // Beside a busy neighbour a gang takes the larger of its gang and its
+  // co-running slow-down, not both (the exponent is fitted to the two at
+  // once). On 4 cores the two steps co-run too, unshared: × (1 + c).
   model.gang_sharing_exponent = 0.5;
+  model.co_running.decode_step = 0.2;  // below the gang's 2^0.5
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true),
+              2 * std::sqrt(2.0) / 1.2, 1e-9);
+  model.co_running.decode_step = 0.6;  // above it: sharing alone on top
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 2, 1e-9);
+  model.co_running = {};
+
   model.delivery_cpu_seconds = 0.001;
   Layout one;
   one.colocated = true;
