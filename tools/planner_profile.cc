@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <fstream>
 #include <optional>
@@ -487,9 +489,9 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
     fitted.co_running.prefill_stage =
         refine(fitted.co_running.prefill_stage, measured->prefill,
                sim->prefill_busy_seconds);
-    fitted.co_running.decode_step = refine(
-        fitted.co_running.decode_step, measured->decode,
-        sim->decode_busy_seconds);
+    fitted.co_running.decode_step =
+        refine(fitted.co_running.decode_step, measured->decode,
+               sim->decode_busy_seconds);
   }
   Say(o, absl::StrFormat(
              "  busy seconds measured / simulated, idle: prefill %.2f, decode "
@@ -514,56 +516,128 @@ int GangCalibrationTp(const planner::PerfModel& model, int cores) {
 }
 
 // The gang-sharing exponent (PerfModel::gang_sharing_exponent) of this
-// machine: a real 1P(1s×1t)+1D(tp N×1t) cluster, N + 1 threads on N cores,
-// serves the same idle requests and load as the co-running calibration; the
-// exponent is the one at which the simulator (with `model`'s co-running
-// slow-downs) gives the decode worker the busy seconds it measured, found
-// by bisection on [0, 2] (the simulated busy seconds grow with it). Below
-// what co-running alone explains: 0; beyond 2: 2.
+// machine, measured side by side: an in-process TP N worker (one thread per
+// rank) decodes batches of 4 in twelve alternating phases of 96 steps,
+// alone and beside a one-thread worker that prefills 256-token prompts back
+// to back (N + 1 busy threads on N cores). Each phase's steps are summed
+// against their fitted times, so the decode context growing within a phase
+// cancels, and alternating cancels the machine's drift between phases (on the
+// dev VM its speed moves by ±25% within minutes — a first try that compared a
+// loaded cluster's busy seconds with idle requests a minute earlier read
+// that drift as the effect: exponents of 1.33 and 0 twenty minutes apart).
+// Loaded over alone is r; the simulator runs the gang at share / max(
+// share^-(N−1)·e, 1 + co-running) of full speed, so e = ln(r · share) /
+// (−(N − 1) · ln share), 0 where the co-running slow-down explains r, at
+// most 2.
 absl::StatusOr<double> CalibrateGangSharing(const PlannerProfileOptions& o,
                                             const planner::PerfModel& model,
-                                            int tp, int vocab) {
-  planner::Layout layout;
-  layout.tp = tp;
-  auto measured = MeasureLoadedBusySeconds(o, model, layout, vocab,
-                                           "gang-sharing calibration");
-  if (!measured.ok()) return measured.status();
-  planner::SimOptions fitted_steps;
-  fitted_steps.step_spread = false;
-  fitted_steps.cores = o.cores;
-  const std::vector<planner::SimRequest> loaded =
-      planner::SimRequests(measured->load);
-  planner::PerfModel fitted = model;
-  auto decode_busy = [&](double exponent) -> absl::StatusOr<double> {
-    fitted.gang_sharing_exponent = exponent;
-    auto sim = planner::Simulate(fitted, layout, loaded, {}, fitted_steps);
-    if (!sim.ok()) return sim.status();
-    return sim->decode_busy_seconds;
+                                            const model::WeightSource& weights,
+                                            int tp) {
+  const model::ModelConfig& mc = weights.config();
+  auto gang_cost = model.Step({tp, 1});
+  if (!gang_cost.ok()) return gang_cost.status();
+  // Per phase kind (0 alone, 1 beside the neighbour): measured and fitted
+  // seconds of the gang's steps.
+  absl::Mutex mu;
+  int phase = -1;  // -1: not recording
+  double measured[2] = {0, 0}, fitted[2] = {0, 0};
+  int steps[2] = {0, 0};
+  decode::DecodeWorkerOptions gang_options;
+  gang_options.tp_size = tp;
+  gang_options.threads_per_rank = 1;
+  gang_options.max_running = 8;
+  gang_options.num_blocks = 8 * (256 / gang_options.block_size + 2);
+  gang_options.step_observer = [&](const decode::StepStats& s) {
+    absl::MutexLock lock(&mu);
+    if (phase < 0) return;
+    measured[phase] += s.seconds;
+    fitted[phase] +=
+        (*gang_cost)
+            ->Seconds({s.tokens_fed, s.logit_rows, s.attended_positions});
+    ++steps[phase];
   };
-  constexpr double kMaxExponent = 2;
-  auto at_zero = decode_busy(0);
-  if (!at_zero.ok()) return at_zero.status();
-  auto at_max = decode_busy(kMaxExponent);
-  if (!at_max.ok()) return at_max.status();
-  double exponent;
-  if (measured->decode <= *at_zero) {
-    exponent = 0;
-  } else if (measured->decode >= *at_max) {
-    exponent = kMaxExponent;
-  } else {
-    double lo = 0, hi = kMaxExponent;
-    for (int i = 0; i < 12; ++i) {  // to 2 / 4096
-      const double mid = (lo + hi) / 2;
-      auto busy = decode_busy(mid);
-      if (!busy.ok()) return busy.status();
-      (*busy < measured->decode ? lo : hi) = mid;
+  auto gang = decode::DecodeWorker::Create(weights, nullptr, gang_options);
+  if (!gang.ok()) return gang.status();
+  decode::DecodeWorkerOptions neighbour_options;
+  neighbour_options.max_step_tokens = 512;
+  neighbour_options.num_blocks = 4 * (256 / neighbour_options.block_size + 2);
+  auto neighbour =
+      decode::DecodeWorker::Create(weights, nullptr, neighbour_options);
+  if (!neighbour.ok()) return neighbour.status();
+
+  std::mt19937_64 rng(13);
+  uint64_t gang_id = 1;
+  auto decode_batch = [&]() {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < 4; ++i) {
+      prompts.push_back(RandomPrompt(32, mc.vocab_size, rng));
     }
-    exponent = (lo + hi) / 2;
+    return RunBatch(**gang, &gang_id, prompts, 96);
+  };
+  if (auto s = decode_batch(); !s.ok()) return s;  // warm-up
+
+  std::atomic<bool> neighbour_busy{false}, stop{false};
+  absl::Status neighbour_status;
+  std::thread neighbour_thread([&] {
+    std::mt19937_64 neighbour_rng(17);
+    uint64_t id = 1;
+    while (!stop.load()) {
+      if (!neighbour_busy.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      absl::Status s =
+          RunBatch(**neighbour, &id,
+                   {RandomPrompt(256, mc.vocab_size, neighbour_rng)}, 1);
+      if (!s.ok()) {
+        neighbour_status = s;
+        return;
+      }
+    }
+  });
+  absl::Status status;
+  for (int round = 0; round < 6 && status.ok(); ++round) {
+    for (int kind : {0, 1}) {
+      neighbour_busy = kind == 1;
+      // Let the neighbour's first prefill start before the gang's steps
+      // count (and, alone, its last one finish).
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      {
+        absl::MutexLock lock(&mu);
+        phase = kind;
+      }
+      status = decode_batch();
+      {
+        absl::MutexLock lock(&mu);
+        phase = -1;
+      }
+      if (!status.ok()) break;
+    }
+  }
+  neighbour_busy = false;
+  stop = true;
+  neighbour_thread.join();
+  if (!status.ok()) return status;
+  if (!neighbour_status.ok()) return neighbour_status;
+  if (!(fitted[0] > 0) || !(fitted[1] > 0) || !(measured[0] > 0)) {
+    return absl::InternalError(
+        "gang-sharing calibration: the TP worker reported no steps");
+  }
+  const double ratio =
+      (measured[1] / fitted[1]) / (measured[0] / fitted[0]);  // r
+  const double demand = model.BusyCores({tp, 1}) + model.BusyCores({1, 1});
+  const double share = std::min(1.0, o.cores / demand);
+  double exponent = 0;
+  if (share < 1 && ratio * share > 1 + model.co_running.decode_step) {
+    exponent = std::clamp(
+        std::log(ratio * share) / (-(tp - 1) * std::log(share)), 0.0, 2.0);
   }
   Say(o, absl::StrFormat(
-             "  decode busy seconds under load (at idle speed) %.2f s; "
-             "simulated %.2f s with processor sharing, %.2f s at exponent %g",
-             measured->decode, *at_zero, *at_max, kMaxExponent));
+             "  tp %d steps beside a prefilling neighbour over alone: %.2fx "
+             "(%d and %d steps); processor sharing gives %.2fx, co-running "
+             "%.2fx",
+             tp, ratio, steps[1], steps[0], 1 / share,
+             (1 + model.co_running.decode_step) / share));
   return exponent;
 }
 
@@ -674,9 +748,10 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   }
   if (const int tp = GangCalibrationTp(model, options.cores); tp > 0) {
     Say(options,
-        absl::StrCat("calibrating gang sharing on 1P(1s×1t, chunk 256)+1D(tp",
-                     tp, "×1t) under load"));
-    auto exponent = CalibrateGangSharing(options, model, tp, mc.vocab_size);
+        absl::StrCat("calibrating gang sharing: tp ", tp,
+                     " × 1 thread decoding alone and beside a prefill, "
+                     "alternately"));
+    auto exponent = CalibrateGangSharing(options, model, **weights, tp);
     if (!exponent.ok()) return exponent.status();
     model.gang_sharing_exponent = *exponent;
     Say(options, absl::StrFormat("  gang-sharing exponent %.2f",

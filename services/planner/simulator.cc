@@ -181,8 +181,7 @@ class EventLoop {
     if (!j.compute) return shared;
     // How much slower than its processor share the job runs: neighbours on
     // the memory bus and the last-level cache ...
-    double slowdown =
-        s.co_running[j.node] ? 1 + j.co_running_slowdown : 1.0;
+    double slowdown = s.co_running[j.node] ? 1 + j.co_running_slowdown : 1.0;
     // ... or, for threads that meet at every layer (TP ranks at an
     // all-reduce, a pool's workers at a barrier), that they progress only
     // while all of them hold a core: time-sliced apart they lose more than
@@ -191,8 +190,8 @@ class EventLoop {
     // busy neighbours, which holds their memory-bus contention too, and
     // applying both counted it twice (docs/PERFORMANCE.md, run 19).
     if (j.gang > 1 && shared < 1 && s.compute_oversubscribed[j.node]) {
-      slowdown = std::max(
-          slowdown, std::pow(shared, -(j.gang - 1) * gang_exponent_));
+      slowdown =
+          std::max(slowdown, std::pow(shared, -(j.gang - 1) * gang_exponent_));
     }
     return shared / slowdown;
   }
