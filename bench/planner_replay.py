@@ -10,8 +10,11 @@ printed, then how many are within the issue's 20% and the mean
 |log(predicted / measured)| of each kind of figure. A model change that only
 helps the run it was tuned on shows here on the others.
 
-  bench/planner_replay.py /tmp/run17.log \\
-      --profiles /tmp/perf_run17.json.16-64 /tmp/perf_run17.json.256-400
+  bench/planner_replay.py bench/planner_runs/run21.log \\
+      --profiles bench/planner_runs/run21.perf.json.16-64 \\
+                 bench/planner_runs/run21.perf.json.256-400
+
+bench/planner_runs/ keeps the measured runs (README there).
 
 The workloads (prompt ranges, SLOs, rates, request counts) come from the log;
 --seed and --replications must be what the run used (planner_bench's
