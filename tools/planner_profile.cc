@@ -19,7 +19,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "decode/decode_worker.h"
-#include "metrics/exposition.h"
 #include "model/weight_source.h"
 #include "planner/planner.h"
 #include "planner/simulator.h"
@@ -314,191 +313,278 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   return c;
 }
 
-// The busy seconds a cluster's workers have counted so far, summed over
-// its processes of each kind.
-struct BusySeconds {
-  double prefill = 0;  // pdserve_prefill_stage_busy_seconds_total
-  double decode = 0;   // pdserve_decode_step_seconds_sum
+// A piece of work on an in-process worker: one phase of the measured
+// worker's, or one unit of a neighbour's (short, so that a neighbour asked to
+// stop does so soon).
+using Work = std::function<absl::Status()>;
+
+// How much slower a worker's steps run beside busy neighbours than alone,
+// measured side by side in this process: rounds of a phase alone and a phase
+// beside the neighbours running their units back to back. Each phase's steps
+// are summed against their fitted times (the worker's StepCost), so a context
+// growing within a phase cancels, and alternating the phases cancels the
+// machine's drift between them — on the dev VM its speed moves by ±25% within
+// minutes, and a first calibration that compared a loaded cluster's busy
+// seconds with idle requests a minute earlier read that drift as the effect
+// (gang exponents of 1.33 and 0 twenty minutes apart, docs/PERFORMANCE.md
+// run 20).
+class SideBySide {
+ public:
+  // The measured worker's DecodeWorkerOptions::step_observer; records into
+  // whichever measurement runs.
+  std::function<void(const decode::StepStats&)> Observer() {
+    return [this](const decode::StepStats& s) {
+      absl::MutexLock lock(&mu_);
+      if (phase_ < 0 || cost_ == nullptr) return;
+      measured_[phase_] += s.seconds;
+      fitted_[phase_] +=
+          cost_->Seconds({s.tokens_fed, s.logit_rows, s.attended_positions});
+      ++steps_[phase_];
+    };
+  }
+
+  struct Result {
+    double ratio = 0;  // beside over alone, each against the fitted times
+    int steps_alone = 0, steps_beside = 0;
+  };
+
+  // `rounds` × (`phase` alone, `phase` beside every neighbour's unit run
+  // back to back on a thread of its own); `cost` fits the measured worker's
+  // steps.
+  absl::StatusOr<Result> Measure(const planner::StepCost& cost,
+                                 const Work& phase,
+                                 const std::vector<Work>& neighbours,
+                                 int rounds = 6) {
+    {
+      absl::MutexLock lock(&mu_);
+      cost_ = &cost;
+      phase_ = -1;
+      measured_[0] = measured_[1] = fitted_[0] = fitted_[1] = 0;
+      steps_[0] = steps_[1] = 0;
+    }
+    std::atomic<bool> busy{false}, stop{false};
+    std::atomic<int> running{0}, failed{0};
+    std::vector<absl::Status> failures(neighbours.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < neighbours.size(); ++i) {
+      threads.emplace_back([&, i] {
+        while (!stop.load()) {
+          if (!busy.load()) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            continue;
+          }
+          ++running;
+          absl::Status s = neighbours[i]();
+          --running;
+          if (!s.ok()) {
+            failures[i] = std::move(s);  // read after the join
+            ++failed;
+            return;
+          }
+        }
+      });
+    }
+    absl::Status status;
+    const int n = static_cast<int>(neighbours.size());
+    for (int round = 0; round < rounds && status.ok(); ++round) {
+      for (int kind : {0, 1}) {
+        busy = kind == 1;
+        // Alone: the neighbours' last units have ended; beside: every one
+        // has started its first.
+        const auto deadline =
+            std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while ((kind == 0 ? running.load() > 0 : running.load() < n) &&
+               failed.load() == 0 &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        if (failed.load() > 0) break;
+        if (std::chrono::steady_clock::now() >= deadline) {
+          status = absl::DeadlineExceededError(
+              "side-by-side calibration: a neighbour did not start or stop "
+              "within 60 s");
+          break;
+        }
+        {
+          absl::MutexLock lock(&mu_);
+          phase_ = kind;
+        }
+        status = phase();
+        {
+          absl::MutexLock lock(&mu_);
+          phase_ = -1;
+        }
+        if (!status.ok()) break;
+      }
+      if (failed.load() > 0) break;
+    }
+    busy = false;
+    stop = true;
+    for (std::thread& t : threads) t.join();
+    for (absl::Status& f : failures) {
+      if (!f.ok()) return f;
+    }
+    if (!status.ok()) return status;
+    absl::MutexLock lock(&mu_);
+    cost_ = nullptr;
+    if (!(fitted_[0] > 0) || !(fitted_[1] > 0) || !(measured_[0] > 0)) {
+      return absl::InternalError(
+          "side-by-side calibration: the measured worker reported no steps");
+    }
+    return Result{(measured_[1] / fitted_[1]) / (measured_[0] / fitted_[0]),
+                  steps_[0], steps_[1]};
+  }
+
+ private:
+  absl::Mutex mu_;
+  const planner::StepCost* cost_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int phase_ ABSL_GUARDED_BY(mu_) = -1;  // 0 alone, 1 beside; -1 neither
+  double measured_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
+  double fitted_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
+  int steps_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
 };
 
-absl::StatusOr<BusySeconds> ScrapeBusySeconds(const LocalCluster& cluster) {
-  BusySeconds busy;
-  bool prefill_seen = false, decode_seen = false;
-  for (const auto& [name, address] : cluster.metrics_addresses()) {
-    auto samples =
-        metrics::Scrape(absl::StrCat("http://", address, "/metrics"));
-    if (!samples.ok()) {
-      return absl::Status(samples.status().code(),
-                          absl::StrCat(name, ": ", samples.status().message()));
+// The workers and the work the side-by-side calibrations run: one-thread
+// workers (the measured one and two neighbours) and, where the machine has a
+// TP degree to measure, a TP worker of one thread per rank. Lengths fit the
+// model's context (a short-context model gets shorter prompts, not the
+// worker's context error).
+class CalibrationBench {
+ public:
+  static absl::StatusOr<std::unique_ptr<CalibrationBench>> Create(
+      const PlannerProfileOptions& o, const model::WeightSource& weights,
+      int gang_tp) {
+    auto bench = std::unique_ptr<CalibrationBench>(new CalibrationBench());
+    const model::ModelConfig& mc = weights.config();
+    bench->vocab_ = mc.vocab_size;
+    const int context =
+        std::max(16, std::min(mc.max_position_embeddings, o.max_prompt));
+    bench->prefill_tokens_ = std::min(256, context);
+    bench->decode_prompt_ = std::max(1, std::min(32, context / 4));
+    bench->decode_tokens_ =
+        std::max(4, std::min(64, context - bench->decode_prompt_ - 1));
+    auto make = [&](int tp, bool measured)
+        -> absl::StatusOr<std::unique_ptr<decode::DecodeWorker>> {
+      decode::DecodeWorkerOptions wo;
+      wo.tp_size = tp;
+      wo.threads_per_rank = 1;
+      wo.max_running = 8;
+      wo.max_step_tokens = std::max(512, bench->prefill_tokens_);
+      wo.num_blocks = 8 * (context / wo.block_size + 2);
+      if (measured) wo.step_observer = bench->recorder_.Observer();
+      return decode::DecodeWorker::Create(weights, nullptr, wo);
+    };
+    auto one = make(1, true);
+    if (!one.ok()) return one.status();
+    bench->one_thread_ = *std::move(one);
+    for (int i = 0; i < 2; ++i) {
+      auto neighbour = make(1, false);
+      if (!neighbour.ok()) return neighbour.status();
+      bench->neighbours_.push_back(*std::move(neighbour));
     }
-    for (const metrics::Sample& sample : *samples) {
-      if (sample.name == "pdserve_prefill_stage_busy_seconds_total") {
-        busy.prefill += sample.value;
-        prefill_seen = true;
-      } else if (sample.name == "pdserve_decode_step_seconds_sum") {
-        busy.decode += sample.value;
-        decode_seen = true;
-      }
+    if (gang_tp > 1) {
+      auto gang = make(gang_tp, true);
+      if (!gang.ok()) return gang.status();
+      bench->gang_ = *std::move(gang);
     }
+    // First touches of weights and KV pages are not what a serving worker
+    // sees.
+    for (decode::DecodeWorker* w :
+         {bench->one_thread_.get(), bench->neighbours_[0].get(),
+          bench->neighbours_[1].get(), bench->gang_.get()}) {
+      if (w == nullptr) continue;
+      if (auto s = bench->Decode(*w, 8)(); !s.ok()) return s;
+      if (auto s = bench->Prefill(*w, 1)(); !s.ok()) return s;
+    }
+    return bench;
   }
-  if (!prefill_seen || !decode_seen) {
-    return absl::FailedPreconditionError(
-        "co-running calibration: the cluster's metrics lack the prefill "
-        "stages' or the decode workers' busy seconds");
-  }
-  return busy;
-}
 
-// What a real cluster of `layout` counted in its workers' busy-seconds
-// metrics under load, scaled to the speed its steps ran at idle.
-struct LoadedBusySeconds {
-  planner::WorkloadSpec load;
-  // Measured / simulated busy seconds of idle requests: what a worker
-  // process does differently from the in-process profile.
-  double idle_prefill_ratio = 0, idle_decode_ratio = 0;
-  // The loaded busy seconds over those ratios: what the steps took under
-  // load, had they run idle as fast as simulated. What is left over the
-  // simulator's figure for the same arrivals is the load's own effect.
-  double prefill = 0, decode = 0;
+  // A batch of 4 short prompts decoded `tokens` tokens each.
+  Work Decode(decode::DecodeWorker& worker, int tokens) {
+    return [this, &worker, tokens, rng = std::mt19937_64(next_seed_++),
+            id = uint64_t{1}]() mutable {
+      std::vector<std::vector<int32_t>> prompts;
+      for (int i = 0; i < 4; ++i) {
+        prompts.push_back(RandomPrompt(decode_prompt_, vocab_, rng));
+      }
+      return RunBatch(worker, &id, prompts, tokens);
+    };
+  }
+  // `count` prompts prefilled one at a time (one step each).
+  Work Prefill(decode::DecodeWorker& worker, int count) {
+    return [this, &worker, count, rng = std::mt19937_64(next_seed_++),
+            id = uint64_t{1}]() mutable {
+      for (int i = 0; i < count; ++i) {
+        absl::Status s = RunBatch(
+            worker, &id, {RandomPrompt(prefill_tokens_, vocab_, rng)}, 1);
+        if (!s.ok()) return s;
+      }
+      return absl::OkStatus();
+    };
+  }
+  // The measured one-thread worker's phases and the neighbours' units.
+  Work DecodePhase() { return Decode(*one_thread_, decode_tokens_); }
+  Work PrefillPhase() { return Prefill(*one_thread_, 4); }
+  Work GangPhase() { return Decode(*gang_, decode_tokens_); }
+  Work DecodeUnit(int neighbour) {
+    return Decode(*neighbours_[neighbour], std::max(4, decode_tokens_ / 4));
+  }
+  Work PrefillUnit(int neighbour) {
+    return Prefill(*neighbours_[neighbour], 1);
+  }
+  SideBySide& recorder() { return recorder_; }
+  int prefill_tokens() const { return prefill_tokens_; }
+
+ private:
+  CalibrationBench() = default;
+
+  SideBySide recorder_;  // outlives the workers that call its observer
+  std::unique_ptr<decode::DecodeWorker> one_thread_, gang_;
+  std::vector<std::unique_ptr<decode::DecodeWorker>> neighbours_;
+  int vocab_ = 0;
+  int prefill_tokens_ = 256, decode_prompt_ = 32, decode_tokens_ = 64;
+  uint64_t next_seed_ = 13;
 };
 
-// Starts `layout` as a real cluster (each worker's metrics on), runs six
-// idle requests one at a time, then an open-loop load of 40 requests that
-// keeps one one-thread prefill stage about 60% busy.
-absl::StatusOr<LoadedBusySeconds> MeasureLoadedBusySeconds(
-    const PlannerProfileOptions& o, const planner::PerfModel& model,
-    const planner::Layout& layout, int vocab, const std::string& what) {
-  auto cluster = StartCluster(o, layout, /*worker_metrics=*/true);
-  if (!cluster.ok()) return cluster.status();
-  auto stub = v1::Generation::NewStub(grpc::CreateChannel(
-      (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
-  std::mt19937_64 rng(7);
-  RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
-  const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
-  const planner::LengthRange prompts{std::max(1, long_prompt / 3), long_prompt};
-  const planner::LengthRange outputs{16, 64};
-  planner::SimOptions fitted_steps;
-  fitted_steps.step_spread = false;
-  fitted_steps.cores = o.cores;
-
-  // Idle: one request at a time.
-  auto before = ScrapeBusySeconds(**cluster);
-  if (!before.ok()) return before.status();
-  std::vector<planner::SimRequest> idle;
-  for (int rep = 0; rep < 2; ++rep) {
-    for (int length : {prompts.lo, (prompts.lo + prompts.hi) / 2, prompts.hi}) {
-      constexpr int kTokens = 40;
-      RequestResult r =
-          RunRequest(*stub, RandomPrompt(length, vocab, rng), kTokens);
-      if (!r.ok || r.tokens != kTokens) {
-        return absl::InternalError(
-            absl::StrCat(what, ": idle request failed: ", r.error));
-      }
-      // Far apart in simulated time: nothing overlaps.
-      idle.push_back({1000.0 * idle.size(), length, kTokens});
-    }
-  }
-  auto after_idle = ScrapeBusySeconds(**cluster);
-  if (!after_idle.ok()) return after_idle.status();
-  auto idle_sim = planner::Simulate(model, layout, idle, {}, fitted_steps);
-  if (!idle_sim.ok()) return idle_sim.status();
-  if (!(after_idle->prefill > before->prefill) ||
-      !(after_idle->decode > before->decode)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": ", idle.size(),
-        " idle requests added no busy seconds to the workers' metrics "
-        "(prefill ",
-        after_idle->prefill - before->prefill, " s, decode ",
-        after_idle->decode - before->decode, " s)"));
-  }
-  LoadedBusySeconds measured;
-  measured.idle_prefill_ratio =
-      (after_idle->prefill - before->prefill) / idle_sim->prefill_busy_seconds;
-  measured.idle_decode_ratio =
-      (after_idle->decode - before->decode) / idle_sim->decode_busy_seconds;
-
-  // Loaded: open-loop arrivals keeping a one-thread prefill stage about 60%
-  // busy, the decode worker as busy as their answers make it.
-  auto stage_cost = model.Step({1, 1});
-  if (!stage_cost.ok()) return stage_cost.status();
-  const int mean_prompt = (prompts.lo + prompts.hi) / 2;
-  const double prefill_seconds =
-      (*stage_cost)
-          ->Seconds(
-              {mean_prompt, 1, planner::AttendedPositions(0, mean_prompt)});
-  planner::WorkloadSpec& load = measured.load;
-  load.requests = 40;
-  load.rate = 0.6 / prefill_seconds;
-  load.prompt = prompts;
-  load.output = outputs;
-  load.seed = 3;
-  LoadReport report = RunLoad(what, (*cluster)->grpc_address(),
-                              planner::MakeArrivals(load, vocab), 1e9, 1e9);
-  if (report.failed > 0) {
-    return absl::InternalError(absl::StrCat(what, ": ", report.failed, " of ",
-                                            load.requests,
-                                            " loaded requests failed"));
-  }
-  auto after_load = ScrapeBusySeconds(**cluster);
-  if (!after_load.ok()) return after_load.status();
-  measured.prefill =
-      (after_load->prefill - after_idle->prefill) / measured.idle_prefill_ratio;
-  measured.decode =
-      (after_load->decode - after_idle->decode) / measured.idle_decode_ratio;
-  return measured;
-}
-
-// How much longer prefill stage and decode steps take under load than idle
-// on a real 1P(1t)+1D(tp1×1t) cluster, beyond what `model` (with no
-// co-running slow-down) predicts for the same arrivals: each kind's busy
-// seconds measured / simulated under load, over the same ratio for idle
-// requests (which cancels what a worker process does differently from the
-// in-process profile, so only the load's effect is left), then refined
-// through the simulator (only the time the two actually overlap is slowed).
+// How much longer a one-thread step runs while another one-thread worker
+// computes beside it (two threads on two or more cores: nothing is
+// time-sliced, what is left is the shared memory bus and last-level cache),
+// for each pair of kinds: PerfModel::co_running. Decode steps stream the
+// weights from memory, prefill steps mostly compute, so a decode step beside
+// another decode loses more than beside a prefill.
 absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
     const PlannerProfileOptions& o, const planner::PerfModel& model,
-    int vocab) {
-  const planner::Layout layout;  // 1P(1s×1t, chunk 256)+1D(tp1×1t)
-  planner::PerfModel alone = model;
-  alone.co_running = {};
-  auto measured = MeasureLoadedBusySeconds(o, alone, layout, vocab,
-                                           "co-running calibration");
-  if (!measured.ok()) return measured.status();
-  planner::SimOptions fitted_steps;
-  fitted_steps.step_spread = false;
-  fitted_steps.cores = o.cores;
-  const std::vector<planner::SimRequest> loaded =
-      planner::SimRequests(measured->load);
-  planner::PerfModel fitted = alone;
-  // Loaded over idle, both against the simulator without slow-downs (how
-  // much the load added; below 1 where the machine sped up meanwhile).
-  double loaded_prefill_ratio = 0, loaded_decode_ratio = 0;
-  // Each round scales a slow-down by what is still missing; the overlap
-  // moves a little with it, so a few rounds settle it.
-  for (int round = 0; round < 4; ++round) {
-    auto sim = planner::Simulate(fitted, layout, loaded, {}, fitted_steps);
-    if (!sim.ok()) return sim.status();
-    if (round == 0) {
-      loaded_prefill_ratio = measured->prefill / sim->prefill_busy_seconds;
-      loaded_decode_ratio = measured->decode / sim->decode_busy_seconds;
-    }
-    auto refine = [](double slowdown, double target, double simulated) {
-      if (!(simulated > 0) || !(target > 0)) return slowdown;
-      return std::clamp((1 + slowdown) * target / simulated - 1, 0.0, 3.0);
-    };
-    fitted.co_running.prefill_stage =
-        refine(fitted.co_running.prefill_stage, measured->prefill,
-               sim->prefill_busy_seconds);
-    fitted.co_running.decode_step =
-        refine(fitted.co_running.decode_step, measured->decode,
-               sim->decode_busy_seconds);
+    CalibrationBench& bench) {
+  auto cost = model.Step({1, 1});
+  if (!cost.ok()) return cost.status();
+  struct Pair {
+    const char* name;
+    Work phase;
+    Work unit;
+    double* slowdown;
+  };
+  planner::PerfModel::CoRunning co;
+  double decode_beside_decode = 0, prefill_beside_prefill = 0;
+  const Pair pairs[] = {
+      {"decode beside a prefill", bench.DecodePhase(), bench.PrefillUnit(0),
+       &co.decode_step},
+      {"decode beside a decode", bench.DecodePhase(), bench.DecodeUnit(0),
+       &decode_beside_decode},
+      {"prefill beside a decode", bench.PrefillPhase(), bench.DecodeUnit(0),
+       &co.prefill_stage},
+      {"prefill beside a prefill", bench.PrefillPhase(), bench.PrefillUnit(0),
+       &prefill_beside_prefill},
+  };
+  for (const Pair& p : pairs) {
+    auto r = bench.recorder().Measure(**cost, p.phase, {p.unit});
+    if (!r.ok()) return r.status();
+    *p.slowdown = std::clamp(r->ratio - 1, 0.0, 3.0);
+    Say(o, absl::StrFormat("  %s: %.2fx alone's step time (%d and %d steps)",
+                           p.name, r->ratio, r->steps_beside, r->steps_alone));
   }
-  Say(o, absl::StrFormat(
-             "  busy seconds measured / simulated, idle: prefill %.2f, decode "
-             "%.2f; loaded (%.2f req/s) over idle: prefill %.2f, decode %.2f",
-             measured->idle_prefill_ratio, measured->idle_decode_ratio,
-             measured->load.rate, loaded_prefill_ratio, loaded_decode_ratio));
-  return fitted.co_running;
+  co.decode_beside_decode = decode_beside_decode;
+  co.prefill_beside_prefill = prefill_beside_prefill;
+  return co;
 }
 
 // The largest TP degree of one thread per rank profiled, where a decode
@@ -515,130 +601,48 @@ int GangCalibrationTp(const planner::PerfModel& model, int cores) {
   return tp;
 }
 
-// The gang-sharing exponent (PerfModel::gang_sharing_exponent) of this
-// machine, measured side by side: an in-process TP N worker (one thread per
-// rank) decodes batches of 4 in twelve alternating phases of 96 steps,
-// alone and beside a one-thread worker that prefills 256-token prompts back
-// to back (N + 1 busy threads on N cores). Each phase's steps are summed
-// against their fitted times, so the decode context growing within a phase
-// cancels, and alternating cancels the machine's drift between phases (on the
-// dev VM its speed moves by ±25% within minutes — a first try that compared a
-// loaded cluster's busy seconds with idle requests a minute earlier read
-// that drift as the effect: exponents of 1.33 and 0 twenty minutes apart).
-// Loaded over alone is r; the simulator runs the gang at share / max(
+// The gang-sharing exponent of this machine at two shares
+// (PerfModel::gang_sharing_points): the TP worker decodes alone and beside
+// one, then two, one-thread workers prefilling back to back (SideBySide).
+// Beside over alone is r; the simulator runs the gang at share / max(
 // share^-(N−1)·e, 1 + co-running) of full speed, so e = ln(r · share) /
 // (−(N − 1) · ln share), 0 where the co-running slow-down explains r, at
-// most 2.
-absl::StatusOr<double> CalibrateGangSharing(const PlannerProfileOptions& o,
-                                            const planner::PerfModel& model,
-                                            const model::WeightSource& weights,
-                                            int tp) {
-  const model::ModelConfig& mc = weights.config();
-  auto gang_cost = model.Step({tp, 1});
-  if (!gang_cost.ok()) return gang_cost.status();
-  // Per phase kind (0 alone, 1 beside the neighbour): measured and fitted
-  // seconds of the gang's steps.
-  absl::Mutex mu;
-  int phase = -1;  // -1: not recording
-  double measured[2] = {0, 0}, fitted[2] = {0, 0};
-  int steps[2] = {0, 0};
-  decode::DecodeWorkerOptions gang_options;
-  gang_options.tp_size = tp;
-  gang_options.threads_per_rank = 1;
-  gang_options.max_running = 8;
-  gang_options.num_blocks = 8 * (256 / gang_options.block_size + 2);
-  gang_options.step_observer = [&](const decode::StepStats& s) {
-    absl::MutexLock lock(&mu);
-    if (phase < 0) return;
-    measured[phase] += s.seconds;
-    fitted[phase] +=
-        (*gang_cost)
-            ->Seconds({s.tokens_fed, s.logit_rows, s.attended_positions});
-    ++steps[phase];
-  };
-  auto gang = decode::DecodeWorker::Create(weights, nullptr, gang_options);
-  if (!gang.ok()) return gang.status();
-  decode::DecodeWorkerOptions neighbour_options;
-  neighbour_options.max_step_tokens = 512;
-  neighbour_options.num_blocks = 4 * (256 / neighbour_options.block_size + 2);
-  auto neighbour =
-      decode::DecodeWorker::Create(weights, nullptr, neighbour_options);
-  if (!neighbour.ok()) return neighbour.status();
-
-  std::mt19937_64 rng(13);
-  uint64_t gang_id = 1;
-  auto decode_batch = [&]() {
-    std::vector<std::vector<int32_t>> prompts;
-    for (int i = 0; i < 4; ++i) {
-      prompts.push_back(RandomPrompt(32, mc.vocab_size, rng));
+// most 2. Two points because one does not carry over: where the TP ranks
+// block at their all-reduces, the scheduler favours them as they wake, and
+// how much that wins back depends on how many busy threads they wake
+// beside.
+absl::StatusOr<std::vector<planner::PerfModel::GangPoint>> CalibrateGangSharing(
+    const PlannerProfileOptions& o, const planner::PerfModel& model,
+    CalibrationBench& bench, int tp) {
+  auto cost = model.Step({tp, 1});
+  if (!cost.ok()) return cost.status();
+  std::vector<planner::PerfModel::GangPoint> points;
+  for (int neighbours : {1, 2}) {
+    std::vector<Work> units;
+    for (int i = 0; i < neighbours; ++i) units.push_back(bench.PrefillUnit(i));
+    auto r = bench.recorder().Measure(**cost, bench.GangPhase(), units);
+    if (!r.ok()) return r.status();
+    const double demand =
+        model.BusyCores({tp, 1}) + neighbours * model.BusyCores({1, 1});
+    const double share = std::min(1.0, o.cores / demand);
+    double exponent = 0;
+    if (share < 1 && r->ratio * share > 1 + model.co_running.decode_step) {
+      exponent = std::clamp(
+          std::log(r->ratio * share) / (-(tp - 1) * std::log(share)), 0.0, 2.0);
     }
-    return RunBatch(**gang, &gang_id, prompts, 96);
-  };
-  if (auto s = decode_batch(); !s.ok()) return s;  // warm-up
-
-  std::atomic<bool> neighbour_busy{false}, stop{false};
-  absl::Status neighbour_status;
-  std::thread neighbour_thread([&] {
-    std::mt19937_64 neighbour_rng(17);
-    uint64_t id = 1;
-    while (!stop.load()) {
-      if (!neighbour_busy.load()) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        continue;
-      }
-      absl::Status s =
-          RunBatch(**neighbour, &id,
-                   {RandomPrompt(256, mc.vocab_size, neighbour_rng)}, 1);
-      if (!s.ok()) {
-        neighbour_status = s;
-        return;
-      }
-    }
-  });
-  absl::Status status;
-  for (int round = 0; round < 6 && status.ok(); ++round) {
-    for (int kind : {0, 1}) {
-      neighbour_busy = kind == 1;
-      // Let the neighbour's first prefill start before the gang's steps
-      // count (and, alone, its last one finish).
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      {
-        absl::MutexLock lock(&mu);
-        phase = kind;
-      }
-      status = decode_batch();
-      {
-        absl::MutexLock lock(&mu);
-        phase = -1;
-      }
-      if (!status.ok()) break;
+    Say(o, absl::StrFormat("  tp %d beside %d prefilling: %.2fx alone's step "
+                           "time (%d and %d steps); processor sharing gives "
+                           "%.2fx, co-running %.2fx: exponent %.2f at share "
+                           "%.2f",
+                           tp, neighbours, r->ratio, r->steps_beside,
+                           r->steps_alone, 1 / share,
+                           (1 + model.co_running.decode_step) / share, exponent,
+                           share));
+    if (share < 1 && (points.empty() || share < points.back().share)) {
+      points.push_back({share, exponent});
     }
   }
-  neighbour_busy = false;
-  stop = true;
-  neighbour_thread.join();
-  if (!status.ok()) return status;
-  if (!neighbour_status.ok()) return neighbour_status;
-  if (!(fitted[0] > 0) || !(fitted[1] > 0) || !(measured[0] > 0)) {
-    return absl::InternalError(
-        "gang-sharing calibration: the TP worker reported no steps");
-  }
-  const double ratio =
-      (measured[1] / fitted[1]) / (measured[0] / fitted[0]);  // r
-  const double demand = model.BusyCores({tp, 1}) + model.BusyCores({1, 1});
-  const double share = std::min(1.0, o.cores / demand);
-  double exponent = 0;
-  if (share < 1 && ratio * share > 1 + model.co_running.decode_step) {
-    exponent = std::clamp(
-        std::log(ratio * share) / (-(tp - 1) * std::log(share)), 0.0, 2.0);
-  }
-  Say(o, absl::StrFormat(
-             "  tp %d steps beside a prefilling neighbour over alone: %.2fx "
-             "(%d and %d steps); processor sharing gives %.2fx, co-running "
-             "%.2fx",
-             tp, ratio, steps[1], steps[0], 1 / share,
-             (1 + model.co_running.decode_step) / share));
-  return exponent;
+  return points;
 }
 
 }  // namespace
@@ -734,29 +738,50 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                       model.disaggregated_ttft.base * 1e3,
                       model.disaggregated_ttft.per_prompt_token * 1e3,
                       model.handoff_seconds * 1e3));
-  if (options.cores >= 2) {
-    Say(options,
-        "calibrating co-running on 1P(1s×1t, chunk 256)+1D(tp1×1t) under "
-        "load");
-    auto co_running = CalibrateCoRunning(options, model, mc.vocab_size);
-    if (!co_running.ok()) return co_running.status();
-    model.co_running = *co_running;
-    Say(options, absl::StrFormat("  co-running slow-down: prefill stage "
-                                 "%+.0f%%, decode step %+.0f%%",
-                                 model.co_running.prefill_stage * 100,
-                                 model.co_running.decode_step * 100));
+  // Side by side in this process: co-running needs two cores, a gang more
+  // threads than cores beside a one-thread worker.
+  const int gang_tp = GangCalibrationTp(model, options.cores);
+  if (options.cores >= 2 || gang_tp > 0) {
+    auto bench = CalibrationBench::Create(options, **weights, gang_tp);
+    if (!bench.ok()) return bench.status();
+    if (options.cores >= 2) {
+      Say(options,
+          "calibrating co-running: a one-thread worker's steps alone and "
+          "beside another's, alternately");
+      auto co_running = CalibrateCoRunning(options, model, **bench);
+      if (!co_running.ok()) return co_running.status();
+      model.co_running = *co_running;
+      Say(options,
+          absl::StrFormat(
+              "  co-running slow-down: prefill stage %+.0f%%, decode step "
+              "%+.0f%%, decode beside decode %+.0f%%, prefill beside "
+              "prefill %+.0f%%",
+              model.co_running.prefill_stage * 100,
+              model.co_running.decode_step * 100,
+              model.co_running.DecodeBesideDecode() * 100,
+              model.co_running.PrefillBesidePrefill() * 100));
+    }
+    if (gang_tp > 0) {
+      Say(options, absl::StrCat("calibrating gang sharing: tp ", gang_tp,
+                                " × 1 thread decoding alone and beside "
+                                "prefilling workers, alternately"));
+      auto points = CalibrateGangSharing(options, model, **bench, gang_tp);
+      if (!points.ok()) return points.status();
+      model.gang_sharing_points = *points;
+      // The first point's exponent, for readers of the scalar (older
+      // routers' profiles).
+      if (!points->empty()) {
+        model.gang_sharing_exponent = points->front().exponent;
+      }
+      std::string line = "  gang-sharing exponents:";
+      for (const planner::PerfModel::GangPoint& p : *points) {
+        absl::StrAppend(&line, absl::StrFormat(" %.2f at share %.2f;",
+                                               p.exponent, p.share));
+      }
+      Say(options, line);
+    }
   }
-  if (const int tp = GangCalibrationTp(model, options.cores); tp > 0) {
-    Say(options,
-        absl::StrCat("calibrating gang sharing: tp ", tp,
-                     " × 1 thread decoding alone and beside a prefill, "
-                     "alternately"));
-    auto exponent = CalibrateGangSharing(options, model, **weights, tp);
-    if (!exponent.ok()) return exponent.status();
-    model.gang_sharing_exponent = *exponent;
-    Say(options, absl::StrFormat("  gang-sharing exponent %.2f",
-                                 model.gang_sharing_exponent));
-  } else {
+  if (gang_tp == 0) {
     Say(options,
         absl::StrFormat("no TP worker oversubscribes %d cores beside a "
                         "prefill stage: gang-sharing exponent %.2f as given",

@@ -15,17 +15,20 @@
 //     predicts for the same idle request is the per-request cost: TTFT
 //     overhead as a + b·prompt (router, gRPC, the KV hand-off), the stream
 //     delay, and the prefill→decode hand-off.
-//  3. Co-running. The smallest disaggregated cluster (one one-thread stage,
-//     one one-thread decode worker) serves idle requests, then an open-loop
-//     load that keeps the stage about 60% busy; the busy seconds both
-//     processes count in their own metrics, loaded over idle and each over
-//     the simulator's figure for the same requests, give how much slower a
-//     step runs beside another (PerfModel::co_running).
-//  4. Gang sharing. Where a TP worker of one thread per rank and a
-//     one-thread stage oversubscribe the cores (tp 2 on 2 cores), that
-//     cluster serves the same idle requests and load; the exponent at which
-//     the simulator gives its decode worker the busy seconds it measured is
-//     PerfModel::gang_sharing_exponent (bisection on [0, 2]).
+//  3. Co-running, side by side in this process: a one-thread worker runs
+//     a fixed piece of work (a decode batch, or four prompts prefilled) in
+//     twelve alternating phases, alone and beside another one-thread
+//     worker running decode batches or prefills back to back — each pair of
+//     kinds. Its steps summed against their fitted times, beside over alone,
+//     is how much slower a step runs beside that kind
+//     (PerfModel::co_running). Alternating phases cancel this VM's drift,
+//     which a loaded cluster compared with idle requests a minute earlier
+//     read as the effect.
+//  4. Gang sharing, the same way. Where a TP worker of one thread per rank
+//     and a one-thread worker oversubscribe the cores (tp 2 on 2 cores), the
+//     TP worker decodes alone and beside one, then two, workers prefilling
+//     back to back; the exponent at which the simulator gives it that
+//     slow-down at each share is a PerfModel::gang_sharing_points entry.
 #pragma once
 
 #include <functional>

@@ -60,6 +60,19 @@ nlohmann::json PerfModel::ToJson() const {
          {"step_overhead_seconds", cal.step_overhead_seconds},
          {"colocated_ttft", linear(cal.colocated_ttft)}});
   }
+  nlohmann::json co_running_json = {{"prefill_stage", co_running.prefill_stage},
+                                    {"decode_step", co_running.decode_step}};
+  if (co_running.decode_beside_decode) {
+    co_running_json["decode_beside_decode"] = *co_running.decode_beside_decode;
+  }
+  if (co_running.prefill_beside_prefill) {
+    co_running_json["prefill_beside_prefill"] =
+        *co_running.prefill_beside_prefill;
+  }
+  nlohmann::json gang_points = nlohmann::json::array();
+  for (const GangPoint& p : gang_sharing_points) {
+    gang_points.push_back({{"share", p.share}, {"exponent", p.exponent}});
+  }
   return {{"model", model},
           {"num_layers", num_layers},
           {"block_size", block_size},
@@ -70,10 +83,9 @@ nlohmann::json PerfModel::ToJson() const {
           {"handoff_seconds", handoff_seconds},
           {"decode_step_overhead_seconds", decode_step_overhead_seconds},
           {"delivery_cpu_seconds", delivery_cpu_seconds},
-          {"co_running",
-           {{"prefill_stage", co_running.prefill_stage},
-            {"decode_step", co_running.decode_step}}},
+          {"co_running", co_running_json},
           {"gang_sharing_exponent", gang_sharing_exponent},
+          {"gang_sharing_points", gang_points},
           {"kv_bytes_per_token", kv_bytes_per_token},
           {"activation_bytes_per_token", activation_bytes_per_token},
           {"calibrated", calibrations}};
@@ -120,10 +132,24 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
     // Profiles from before the co-running calibration have none.
     if (json.contains("co_running")) {
       const nlohmann::json& c = json.at("co_running");
-      m.co_running = {c.at("prefill_stage").get<double>(),
-                      c.at("decode_step").get<double>()};
+      m.co_running.prefill_stage = c.at("prefill_stage").get<double>();
+      m.co_running.decode_step = c.at("decode_step").get<double>();
+      // Profiles from before the same-kind pairs were measured have neither.
+      if (c.contains("decode_beside_decode")) {
+        m.co_running.decode_beside_decode =
+            c.at("decode_beside_decode").get<double>();
+      }
+      if (c.contains("prefill_beside_prefill")) {
+        m.co_running.prefill_beside_prefill =
+            c.at("prefill_beside_prefill").get<double>();
+      }
     }
     m.gang_sharing_exponent = json.value("gang_sharing_exponent", 0.5);
+    for (const auto& p :
+         json.value("gang_sharing_points", nlohmann::json::array())) {
+      m.gang_sharing_points.push_back(
+          {p.at("share").get<double>(), p.at("exponent").get<double>()});
+    }
     // Profiles from before multi-node planning have neither.
     m.kv_bytes_per_token = json.value("kv_bytes_per_token", 0.0);
     m.activation_bytes_per_token =
@@ -141,13 +167,29 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
     return absl::InvalidArgumentError(
         "perf model: handoff_seconds and delivery_cpu_seconds must be ≥ 0");
   }
-  if (!(m.co_running.prefill_stage >= 0) || !(m.co_running.decode_step >= 0)) {
+  if (!(m.co_running.prefill_stage >= 0) || !(m.co_running.decode_step >= 0) ||
+      !(m.co_running.DecodeBesideDecode() >= 0) ||
+      !(m.co_running.PrefillBesidePrefill() >= 0)) {
     return absl::InvalidArgumentError(
         "perf model: co_running slow-downs must be ≥ 0");
   }
   if (!(m.gang_sharing_exponent >= 0) || m.gang_sharing_exponent > 4) {
     return absl::InvalidArgumentError(
         "perf model: gang_sharing_exponent must be in [0, 4]");
+  }
+  for (size_t i = 0; i < m.gang_sharing_points.size(); ++i) {
+    const GangPoint& p = m.gang_sharing_points[i];
+    if (!(p.share > 0) || p.share > 1 || !(p.exponent >= 0) || p.exponent > 4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "perf model: gang_sharing_points[", i,
+          "] needs a share in (0, 1] and an exponent in [0, 4], got ", p.share,
+          " and ", p.exponent));
+    }
+    if (i > 0 && !(p.share < m.gang_sharing_points[i - 1].share)) {
+      return absl::InvalidArgumentError(
+          "perf model: gang_sharing_points must be ordered by share, "
+          "descending, each share once");
+    }
   }
   if (!(m.kv_bytes_per_token >= 0) || !(m.activation_bytes_per_token >= 0)) {
     return absl::InvalidArgumentError(
@@ -163,6 +205,21 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
         "perf model: no compute configuration was profiled");
   }
   return m;
+}
+
+double PerfModel::GangExponentAt(double share) const {
+  const std::vector<GangPoint>& points = gang_sharing_points;
+  if (points.empty()) return gang_sharing_exponent;
+  if (share >= points.front().share) return points.front().exponent;
+  for (size_t i = 1; i < points.size(); ++i) {
+    if (share >= points[i].share) {
+      const GangPoint& hi = points[i - 1];
+      const GangPoint& lo = points[i];
+      const double t = (share - lo.share) / (hi.share - lo.share);
+      return lo.exponent + t * (hi.exponent - lo.exponent);
+    }
+  }
+  return points.back().exponent;
 }
 
 absl::StatusOr<PerfModel> PerfModel::Load(const std::string& path) {

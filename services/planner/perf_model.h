@@ -7,8 +7,10 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
@@ -75,26 +77,49 @@ struct PerfModel {
   // sharing charges a layout this demand; unprofiled: threads().
   std::map<ComputeConfig, double> busy_cores;
   // How much longer a step takes while another compute process runs on a
-  // neighbouring core (0.25: 25% longer), by kind of process: measured as
-  // a real disaggregated cluster's step times under load over its idle
-  // ones (tools/planner_profile.h). The processes share the memory bus and
-  // the last-level cache, which a step profiled alone does not show; with
-  // the cores oversubscribed it adds to processor sharing.
+  // neighbouring core (0.25: 25% longer), by its kind and the neighbour's:
+  // measured side by side in one process, two one-thread workers on two
+  // cores, steps beside the other's work over steps alone
+  // (tools/planner_profile.h). The processes share the memory bus and the
+  // last-level cache, which a step profiled alone does not show; a decode
+  // step streams the weights from memory, so beside another decode it loses
+  // most. With the cores oversubscribed it adds to processor sharing.
   struct CoRunning {
-    double prefill_stage = 0;
-    double decode_step = 0;
+    double prefill_stage = 0;  // a prefill step beside a decode step
+    double decode_step = 0;    // a decode step beside a prefill step
+    // Beside a step of its own kind; not measured (a profile from before
+    // they were): the values above.
+    std::optional<double> decode_beside_decode;
+    std::optional<double> prefill_beside_prefill;
+    double DecodeBesideDecode() const {
+      return decode_beside_decode.value_or(decode_step);
+    }
+    double PrefillBesidePrefill() const {
+      return prefill_beside_prefill.value_or(prefill_stage);
+    }
   };
   CoRunning co_running;
   // A step of g threads that wait for each other at every layer (TP ranks,
   // a rank's thread pool) on an oversubscribed node runs at
-  // share^(1 + (g − 1) · this) of full speed, where processor sharing gives
+  // share^(1 + (g − 1) · e) of full speed, where processor sharing gives
   // it `share`: a rank descheduled for a time slice stalls the others. The
-  // profile measures it on a real TP worker beside a busy prefill stage
-  // (tools/planner_profile.h); 0.5, the default, is what a TP 2 decode
-  // worker measured beside 1 and 2 busy one-thread prefill processes on the
-  // dev VM (0.60 and 0.38 of full speed, against processor sharing's 0.71
-  // and 0.52: 0.71^1.5 = 0.60, 0.52^1.5 = 0.38; docs/PERFORMANCE.md run 12).
+  // profile measures e on a real TP worker beside one and beside two busy
+  // one-thread workers (tools/planner_profile.h): `gang_sharing_points`,
+  // e at each measured share, between which GangExponentAt interpolates;
+  // without them (older profiles) `gang_sharing_exponent` at every share.
+  // 0.5, its default, is what a TP 2 decode worker measured beside 1 and 2
+  // busy one-thread prefill processes on the dev VM (0.60 and 0.38 of full
+  // speed, against processor sharing's 0.71 and 0.52: 0.71^1.5 = 0.60,
+  // 0.52^1.5 = 0.38; docs/PERFORMANCE.md run 12).
   double gang_sharing_exponent = 0.5;
+  struct GangPoint {
+    double share = 1;  // processor sharing's share where it was measured
+    double exponent = 0;
+  };
+  std::vector<GangPoint> gang_sharing_points;  // by share, descending
+  // e at `share`: linear in the share between the measured points, the
+  // nearest point's beyond them.
+  double GangExponentAt(double share) const;
   // Bytes a prefill stage writes to a decode worker per prompt token, all
   // layers (K and V in the profiled engine's KV element type), and bytes of
   // hidden state a stage sends the next per token. Between processes on one

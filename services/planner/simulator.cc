@@ -36,30 +36,45 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// What a job on the cores is: a prefill stage's or a decode worker's step
+// (compute), or anything else (the router's streaming), which neither slows
+// nor is slowed by co-running.
+enum class JobKind { kOther, kPrefill, kDecode };
+
+// How much longer a compute job takes while a step of each kind runs beside
+// it on its node (PerfModel::co_running).
+struct CoRunningSlowdowns {
+  double beside_prefill = 0;
+  double beside_decode = 0;
+};
+
 // The event core: compute jobs share their node's `cores` (processor
 // sharing), transfers share the nodes' links, timers fire at fixed times. A
 // compute job that runs while another one does on its node (two or more on
-// two or more cores) also runs slower by its own co-running slow-down
-// (PerfModel::co_running): processes on neighbouring cores share the memory
-// bus and the last-level cache, which a step profiled alone does not.
+// two or more cores) also runs slower by its co-running slow-down beside
+// that kind of step (PerfModel::co_running): processes on neighbouring cores
+// share the memory bus and the last-level cache, which a step profiled alone
+// does not.
 class EventLoop {
  public:
-  // `gang_exponent`: PerfModel::gang_sharing_exponent (0: processor
-  // sharing for gangs too).
-  EventLoop(int nodes, int cores, double gang_exponent)
-      : nodes_(nodes), cores_(cores), gang_exponent_(gang_exponent) {}
+  // `gang_model`: where the gang exponent comes from
+  // (PerfModel::GangExponentAt); null: processor sharing for gangs too.
+  EventLoop(int nodes, int cores, const PerfModel* gang_model)
+      : nodes_(nodes), cores_(cores), gang_model_(gang_model) {}
 
   // Starts a job of `work` seconds (at full speed) on `node`, keeping
   // `demand` cores busy (its threads, or fewer where they wait on each
-  // other). A compute job (a step) takes `co_running_slowdown` longer while
-  // another compute job runs on its node; other jobs (the router's
-  // streaming) neither slow nor count. `gang`: its threads, which wait for
-  // each other at every layer.
+  // other). A compute job (kind prefill or decode) takes `co_running`'s
+  // slow-down longer while another compute job runs on its node — the larger
+  // one where both kinds do. `gang`: its threads, which wait for each other
+  // at every layer.
   void StartJob(int node, double work, double demand,
-                std::function<void(double)> done, bool compute = false,
-                double co_running_slowdown = 0, int gang = 1) {
-    jobs_.push_back(Job{std::max(work, 0.0), demand, compute,
-                        std::max(co_running_slowdown, 0.0), node, -1,
+                std::function<void(double)> done,
+                JobKind kind = JobKind::kOther,
+                CoRunningSlowdowns co_running = {}, int gang = 1) {
+    co_running.beside_prefill = std::max(co_running.beside_prefill, 0.0);
+    co_running.beside_decode = std::max(co_running.beside_decode, 0.0);
+    jobs_.push_back(Job{std::max(work, 0.0), demand, kind, co_running, node, -1,
                         std::move(done), gang});
   }
   // Starts sending what takes `seconds` at a link's full speed from node
@@ -68,8 +83,13 @@ class EventLoop {
   // transfer moves at the smaller of its two equal shares.
   void StartTransfer(int from, int to, double seconds,
                      std::function<void(double)> done) {
-    jobs_.push_back(
-        Job{std::max(seconds, 0.0), 0, false, 0, from, to, std::move(done)});
+    jobs_.push_back(Job{std::max(seconds, 0.0),
+                        0,
+                        JobKind::kOther,
+                        {},
+                        from,
+                        to,
+                        std::move(done)});
   }
   void At(double time, std::function<void(double)> fn) {
     timers_.push(Timer{time, next_timer_++, std::move(fn)});
@@ -114,13 +134,14 @@ class EventLoop {
   struct Job {
     double remaining;
     double demand;
-    bool compute;
-    double co_running_slowdown;
+    JobKind kind;
+    CoRunningSlowdowns co_running;
     int node;     // where it runs; a transfer's sender
     int to = -1;  // a transfer's receiver; -1: a job on the cores
     std::function<void(double)> done;
     int gang = 1;
     bool transfer() const { return to >= 0; }
+    bool compute() const { return kind != JobKind::kOther; }
   };
   struct Timer {
     double time;
@@ -130,11 +151,12 @@ class EventLoop {
       return time != o.time ? time > o.time : order > o.order;
     }
   };
-  // Per node: every job's share of its demand, whether two compute jobs
-  // overlap, and the transfers leaving and arriving.
+  // Per node: every job's share of its demand, the compute jobs of each kind
+  // running (co-running needs two or more cores), and the transfers leaving
+  // and arriving.
   struct Shares {
     std::vector<double> rate;
-    std::vector<char> co_running;
+    std::vector<int> prefill_jobs, decode_jobs;
     std::vector<int> sending, receiving;
     // The compute jobs alone ask for more than the cores (not only the
     // router's short streaming bursts beside them).
@@ -146,9 +168,9 @@ class EventLoop {
     Shares& s = shares_;
     demand_.assign(nodes_, 0);
     compute_demand_.assign(nodes_, 0);
-    compute_jobs_.assign(nodes_, 0);
     s.rate.assign(nodes_, 1.0);
-    s.co_running.assign(nodes_, 0);
+    s.prefill_jobs.assign(nodes_, 0);
+    s.decode_jobs.assign(nodes_, 0);
     s.sending.assign(nodes_, 0);
     s.receiving.assign(nodes_, 0);
     s.compute_oversubscribed.assign(nodes_, 0);
@@ -159,17 +181,13 @@ class EventLoop {
         continue;
       }
       demand_[j.node] += j.demand;
-      if (j.compute) {
-        compute_demand_[j.node] += j.demand;
-        ++compute_jobs_[j.node];
-      }
+      if (j.compute()) compute_demand_[j.node] += j.demand;
+      if (j.kind == JobKind::kPrefill) ++s.prefill_jobs[j.node];
+      if (j.kind == JobKind::kDecode) ++s.decode_jobs[j.node];
     }
     for (int n = 0; n < nodes_; ++n) {
       if (demand_[n] > cores_) s.rate[n] = cores_ / demand_[n];
       s.compute_oversubscribed[n] = compute_demand_[n] > cores_;
-      // Two compute jobs at once: on ≥ 2 cores they are on neighbouring
-      // cores however the OS shares them (on one core they take turns).
-      s.co_running[n] = cores_ >= 2 && compute_jobs_[n] >= 2;
     }
     return s;
   }
@@ -178,10 +196,24 @@ class EventLoop {
       return 1.0 / std::max(s.sending[j.node], s.receiving[j.to]);
     }
     const double shared = s.rate[j.node];
-    if (!j.compute) return shared;
+    if (!j.compute()) return shared;
     // How much slower than its processor share the job runs: neighbours on
-    // the memory bus and the last-level cache ...
-    double slowdown = s.co_running[j.node] ? 1 + j.co_running_slowdown : 1.0;
+    // the memory bus and the last-level cache (two compute jobs at once: on
+    // ≥ 2 cores they are on neighbouring cores however the OS shares them;
+    // on one core they take turns) ...
+    double slowdown = 1;
+    if (cores_ >= 2) {
+      const int other_prefills =
+          s.prefill_jobs[j.node] - (j.kind == JobKind::kPrefill ? 1 : 0);
+      const int other_decodes =
+          s.decode_jobs[j.node] - (j.kind == JobKind::kDecode ? 1 : 0);
+      if (other_prefills > 0) {
+        slowdown = std::max(slowdown, 1 + j.co_running.beside_prefill);
+      }
+      if (other_decodes > 0) {
+        slowdown = std::max(slowdown, 1 + j.co_running.beside_decode);
+      }
+    }
     // ... or, for threads that meet at every layer (TP ranks at an
     // all-reduce, a pool's workers at a barrier), that they progress only
     // while all of them hold a core: time-sliced apart they lose more than
@@ -189,20 +221,21 @@ class EventLoop {
     // fitted (tools/planner_profile.cc) to a gang's whole slow-down beside
     // busy neighbours, which holds their memory-bus contention too, and
     // applying both counted it twice (docs/PERFORMANCE.md, run 19).
-    if (j.gang > 1 && shared < 1 && s.compute_oversubscribed[j.node]) {
-      slowdown =
-          std::max(slowdown, std::pow(shared, -(j.gang - 1) * gang_exponent_));
+    if (j.gang > 1 && shared < 1 && s.compute_oversubscribed[j.node] &&
+        gang_model_ != nullptr) {
+      slowdown = std::max(
+          slowdown, std::pow(shared, -(j.gang - 1) *
+                                         gang_model_->GangExponentAt(shared)));
     }
     return shared / slowdown;
   }
 
   int nodes_;
   int cores_;
-  double gang_exponent_;
+  const PerfModel* gang_model_;
   Shares shares_;
   // ShareOut's per-node tallies: all jobs' demand, the compute jobs'.
   std::vector<double> demand_, compute_demand_;
-  std::vector<int> compute_jobs_;
   double now_ = 0;
   std::list<Job> jobs_;
   std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
@@ -234,7 +267,7 @@ class Simulation {
         layout_(layout),
         options_(options),
         loop_(options.nodes, options.cores,
-              options.gang_sharing ? model.gang_sharing_exponent : 0),
+              options.gang_sharing ? &model : nullptr),
         rng_(options.seed),
         spread_rng_(options.seed ^ 0x9E3779B97F4A7C15ull) {}
 
@@ -450,7 +483,9 @@ class Simulation {
           }
           StartStage(g, s, now);
         },
-        /*compute=*/true, model_.co_running.prefill_stage,
+        JobKind::kPrefill,
+        CoRunningSlowdowns{model_.co_running.PrefillBesidePrefill(),
+                           model_.co_running.prefill_stage},
         layout_.prefill_threads);
   }
 
@@ -547,7 +582,9 @@ class Simulation {
           Apply(w, plan, now);
           Kick(w, now);
         },
-        /*compute=*/true, model_.co_running.decode_step,
+        JobKind::kDecode,
+        CoRunningSlowdowns{model_.co_running.decode_step,
+                           model_.co_running.DecodeBesideDecode()},
         layout_.tp * layout_.decode_threads);
   }
 

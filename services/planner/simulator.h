@@ -21,13 +21,15 @@
 // its threads on its node (PlaceLayout); when a node has more busy threads
 // than `cores`, its jobs slow down alike (processor sharing), as the OS
 // would share the cores — but a job of g threads that wait for each other
-// at every layer runs at share^(1 + (g − 1) · PerfModel::
-// gang_sharing_exponent) while the compute jobs alone oversubscribe the
-// node: time-sliced apart, one rank's wait stalls the others. While two or more
-// compute jobs run at once on a node of ≥ 2 cores, each takes its kind's
-// measured co-running slow-down longer (PerfModel::co_running: neighbouring
-// cores share the memory bus and the last-level cache) — a gang the larger
-// of that and its gang slow-down, whose exponent was fitted to both at once.
+// at every layer runs at share^(1 + (g − 1) · e) while the compute jobs
+// alone oversubscribe the node, e the measured exponent at that share
+// (PerfModel::GangExponentAt): time-sliced apart, one rank's wait stalls the
+// others. While two or more compute jobs run at once on a node of ≥ 2
+// cores, each takes the co-running slow-down measured for its kind beside
+// the other's longer (PerfModel::co_running: neighbouring cores share the
+// memory bus and the last-level cache; a decode step beside a decode loses
+// most) — a gang the larger of that and its gang slow-down, whose exponent
+// was measured with both at once.
 // The router streams from node 0.
 //
 // Nodes: a stage's KV writes to a decode worker on another node, and its

@@ -50,41 +50,57 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   EXPECT_NE(profiled.find("pdserve local --model " + kModel + " "),
             std::string::npos);
   EXPECT_NE(profiled.find("ConfigMap pdserve-layout:"), std::string::npos);
-  // The co-running calibration loaded a real cluster and read its workers'
-  // busy seconds (it fails the profile when their metrics are missing).
-  EXPECT_NE(profiled.find("loaded ("), std::string::npos) << profiled;
-  EXPECT_NE(profiled.find("co-running slow-down: prefill stage"),
-            std::string::npos)
-      << profiled;
+  // The co-running calibration measured each pair of kinds side by side.
+  for (const char* pair :
+       {"decode beside a prefill: ", "decode beside a decode: ",
+        "prefill beside a decode: ", "prefill beside a prefill: "}) {
+    EXPECT_NE(profiled.find(pair), std::string::npos) << pair << profiled;
+  }
 
   auto model = PerfModel::Load(perf);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->steps.size(), 3u);  // tp1×1, tp1×2, tp2×1
   // The saved profile carries the slow-downs the calibration printed.
-  int prefill_percent = -1, decode_percent = -1;
+  int percent[4] = {-1, -1, -1, -1};
   const size_t printed = profiled.find("co-running slow-down: prefill stage");
-  ASSERT_NE(printed, std::string::npos);
+  ASSERT_NE(printed, std::string::npos) << profiled;
   ASSERT_EQ(std::sscanf(profiled.c_str() + printed,
                         "co-running slow-down: prefill stage %d%%, decode "
-                        "step %d%%",
-                        &prefill_percent, &decode_percent),
-            2)
-      << profiled.substr(printed, 80);
-  EXPECT_EQ(prefill_percent,
-            std::lround(model->co_running.prefill_stage * 100));
-  EXPECT_EQ(decode_percent, std::lround(model->co_running.decode_step * 100));
-  // A TP 2 worker beside a one-thread stage oversubscribes 2 cores: the
-  // profile measured the gang exponent on that cluster and saved it.
-  const size_t gang = profiled.find("gang-sharing exponent ");
+                        "step %d%%, decode beside decode %d%%, prefill beside "
+                        "prefill %d%%",
+                        &percent[0], &percent[1], &percent[2], &percent[3]),
+            4)
+      << profiled.substr(printed, 120);
+  EXPECT_EQ(percent[0], std::lround(model->co_running.prefill_stage * 100));
+  EXPECT_EQ(percent[1], std::lround(model->co_running.decode_step * 100));
+  ASSERT_TRUE(model->co_running.decode_beside_decode.has_value());
+  ASSERT_TRUE(model->co_running.prefill_beside_prefill.has_value());
+  EXPECT_EQ(percent[2],
+            std::lround(*model->co_running.decode_beside_decode * 100));
+  EXPECT_EQ(percent[3],
+            std::lround(*model->co_running.prefill_beside_prefill * 100));
+  // A TP 2 worker beside one one-thread worker oversubscribes 2 cores, and
+  // more beside two: the profile measured the gang exponent at both shares
+  // and saved them.
+  const size_t gang = profiled.find("gang-sharing exponents: ");
   ASSERT_NE(gang, std::string::npos) << profiled;
-  double exponent = -1;
-  ASSERT_EQ(std::sscanf(profiled.c_str() + gang, "gang-sharing exponent %lf",
-                        &exponent),
-            1)
-      << profiled.substr(gang, 80);
-  EXPECT_NEAR(model->gang_sharing_exponent, exponent, 0.005);
-  EXPECT_GE(model->gang_sharing_exponent, 0);
-  EXPECT_LE(model->gang_sharing_exponent, 2);
+  double exponent[2] = {-1, -1}, share[2] = {-1, -1};
+  ASSERT_EQ(std::sscanf(profiled.c_str() + gang,
+                        "gang-sharing exponents: %lf at share %lf; %lf at "
+                        "share %lf;",
+                        &exponent[0], &share[0], &exponent[1], &share[1]),
+            4)
+      << profiled.substr(gang, 120);
+  ASSERT_EQ(model->gang_sharing_points.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NEAR(model->gang_sharing_points[i].exponent, exponent[i], 0.005);
+    EXPECT_NEAR(model->gang_sharing_points[i].share, share[i], 0.005);
+    EXPECT_GE(exponent[i], 0);
+    EXPECT_LE(exponent[i], 2);
+  }
+  EXPECT_GT(share[0], share[1]);
+  EXPECT_EQ(model->gang_sharing_exponent,
+            model->gang_sharing_points[0].exponent);
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
     // More tokens never cost less per step than one.

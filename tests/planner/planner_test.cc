@@ -350,6 +350,47 @@ TEST(SimulatorTest, GangsLoseMoreThanTheirShareWhereComputeOversubscribes) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The gang exponent measured at two shares: interpolated linearly in the
+// share between them, the nearest one's beyond; the simulator takes the
+// exponent at the share a step gets (two 2-thread steps on 2 cores: 1/2).
+TEST(SimulatorTest, GangExponentFollowsTheMeasuredPoints) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.gang_sharing_exponent = 2;  // ignored once points are measured
+  model.gang_sharing_points = {{0.8, 1.0}, {0.4, 0.2}};
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.9), 1.0);
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.8), 1.0);
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.6), 0.6);
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.5), 0.4);
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.1), 0.2);
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), std::pow(2, 1.4),
+              1e-9);
+
+  auto loaded = PerfModel::FromJson(model.ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_EQ(loaded->gang_sharing_points.size(), 2u);
+  EXPECT_EQ(loaded->gang_sharing_points[1].share, 0.4);
+  EXPECT_EQ(loaded->gang_sharing_points[1].exponent, 0.2);
+  nlohmann::json old = model.ToJson();
+  old.erase("gang_sharing_points");
+  auto old_loaded = PerfModel::FromJson(old);
+  ASSERT_TRUE(old_loaded.ok()) << old_loaded.status();
+  EXPECT_DOUBLE_EQ(old_loaded->GangExponentAt(0.5), 2);
+  // Out of order, or a share outside (0, 1], is refused.
+  nlohmann::json unordered = model.ToJson();
+  std::swap(unordered["gang_sharing_points"][0],
+            unordered["gang_sharing_points"][1]);
+  auto refused = PerfModel::FromJson(unordered);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("gang_sharing_points"),
+            std::string::npos);
+  nlohmann::json outside = model.ToJson();
+  outside["gang_sharing_points"][0]["share"] = 1.5;
+  EXPECT_EQ(PerfModel::FromJson(outside).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // A configuration whose threads wait on each other (TP ranks at an
 // all-reduce) keeps fewer cores busy than it has threads; sharing charges
 // the measured demand: two workers of 2 threads at 1.5 busy cores each on
@@ -401,6 +442,14 @@ TEST(SimulatorTest, CoRunningSlowsOnlyOverlappingSteps) {
   auto turns = Simulate(model, two, both, Slo{}, one_core);
   ASSERT_TRUE(turns.ok());
   EXPECT_NEAR(turns->ttft_p50, one->ttft_p50 * 2, 1e-9);
+  // Two decode steps side by side take the decode-beside-decode slow-down
+  // where it was measured (both stream the weights from memory), not the
+  // decode-beside-prefill one.
+  PerfModel same_kind = model;
+  same_kind.co_running.decode_beside_decode = 0.6;
+  auto both_decoding = Simulate(same_kind, two, both, Slo{}, exact);
+  ASSERT_TRUE(both_decoding.ok());
+  EXPECT_NEAR(both_decoding->ttft_p50, one->ttft_p50 * 1.6, 1e-9);
 
   // Disaggregated: a lone request's prefill and decode never overlap.
   Layout disaggregated;
@@ -422,12 +471,30 @@ TEST(SimulatorTest, CoRunningSlowsOnlyOverlappingSteps) {
             beside_alone->prefill_busy_seconds * 1.2);
   EXPECT_GT(beside->decode_busy_seconds, beside_alone->decode_busy_seconds);
 
+  // ... and beside a decode step a prefill one takes its own beside-decode
+  // slow-down, whatever the same-kind pairs measured.
+  same_kind.co_running.prefill_beside_prefill = 2;
+  auto beside_same =
+      Simulate(same_kind, disaggregated, staggered, Slo{}, exact);
+  ASSERT_TRUE(beside_same.ok());
+  EXPECT_NEAR(beside_same->ttft_mean, beside->ttft_mean, 1e-9);
+
   // Kept in the saved model; older profiles without it load with none; a
   // negative slow-down is refused.
   auto loaded = PerfModel::FromJson(model.ToJson());
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->co_running.prefill_stage, 0.5);
   EXPECT_EQ(loaded->co_running.decode_step, 0.25);
+  EXPECT_FALSE(loaded->co_running.decode_beside_decode.has_value());
+  EXPECT_EQ(loaded->co_running.DecodeBesideDecode(), 0.25);
+  auto same_loaded = PerfModel::FromJson(same_kind.ToJson());
+  ASSERT_TRUE(same_loaded.ok()) << same_loaded.status();
+  EXPECT_EQ(same_loaded->co_running.DecodeBesideDecode(), 0.6);
+  EXPECT_EQ(same_loaded->co_running.PrefillBesidePrefill(), 2);
+  nlohmann::json bad_same = same_kind.ToJson();
+  bad_same["co_running"]["decode_beside_decode"] = -0.5;
+  EXPECT_EQ(PerfModel::FromJson(bad_same).status().code(),
+            absl::StatusCode::kInvalidArgument);
   nlohmann::json old = model.ToJson();
   old.erase("co_running");
   auto old_loaded = PerfModel::FromJson(old);
