@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <regex>
 #include <string>
 #include <thread>
@@ -80,27 +81,44 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   EXPECT_EQ(percent[3],
             std::lround(*model->co_running.prefill_beside_prefill * 100));
   // A TP 2 worker beside one one-thread worker oversubscribes 2 cores, and
-  // more beside two: the profile measured the gang exponent at both shares
-  // and saved them.
-  const size_t gang = profiled.find("gang-sharing exponents: ");
-  ASSERT_NE(gang, std::string::npos) << profiled;
-  double exponent[2] = {-1, -1}, share[2] = {-1, -1};
-  ASSERT_EQ(std::sscanf(profiled.c_str() + gang,
-                        "gang-sharing exponents: %lf at share %lf; %lf at "
-                        "share %lf;",
-                        &exponent[0], &share[0], &exponent[1], &share[1]),
-            4)
-      << profiled.substr(gang, 120);
-  ASSERT_EQ(model->gang_sharing_points.size(), 2u);
-  for (int i = 0; i < 2; ++i) {
-    EXPECT_NEAR(model->gang_sharing_points[i].exponent, exponent[i], 0.005);
-    EXPECT_NEAR(model->gang_sharing_points[i].share, share[i], 0.005);
-    EXPECT_GE(exponent[i], 0);
-    EXPECT_LE(exponent[i], 2);
+  // more beside two: the profile measured the gang at both and saved the
+  // exponent at each share processor sharing gives below 1 (from the
+  // profile's busy cores, which a machine busy with other tests reads low:
+  // then a share can come out 1 and that point is left out).
+  EXPECT_NE(profiled.find("tp 2 beside 1 prefilling: "), std::string::npos)
+      << profiled;
+  EXPECT_NE(profiled.find("tp 2 beside 2 prefilling: "), std::string::npos)
+      << profiled;
+  size_t at = profiled.find("gang-sharing exponents:");
+  ASSERT_NE(at, std::string::npos) << profiled;
+  at += std::strlen("gang-sharing exponents:");
+  const std::string points_line =
+      profiled.substr(at, profiled.find('\n', at) - at);
+  std::vector<std::pair<double, double>> points;  // exponent, share
+  for (size_t pos = 0; pos < points_line.size();) {
+    double exponent = -1, share = -1;
+    int consumed = 0;
+    if (std::sscanf(points_line.c_str() + pos, " %lf at share %lf;%n",
+                    &exponent, &share, &consumed) != 2) {
+      break;
+    }
+    points.emplace_back(exponent, share);
+    pos += consumed;
   }
-  EXPECT_GT(share[0], share[1]);
-  EXPECT_EQ(model->gang_sharing_exponent,
-            model->gang_sharing_points[0].exponent);
+  ASSERT_EQ(points.size(), model->gang_sharing_points.size()) << points_line;
+  ASSERT_LE(points.size(), 2u);
+  for (size_t i = 0; i < points.size(); ++i) {
+    EXPECT_NEAR(model->gang_sharing_points[i].exponent, points[i].first, 0.005);
+    EXPECT_NEAR(model->gang_sharing_points[i].share, points[i].second, 0.005);
+    EXPECT_GE(points[i].first, 0);
+    EXPECT_LE(points[i].first, 2);
+    EXPECT_LT(points[i].second, 1);
+    if (i > 0) EXPECT_LT(points[i].second, points[i - 1].second);
+  }
+  if (!points.empty()) {
+    EXPECT_EQ(model->gang_sharing_exponent,
+              model->gang_sharing_points[0].exponent);
+  }
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
     // More tokens never cost less per step than one.
