@@ -330,12 +330,13 @@ using Work = std::function<absl::Status()>;
 // run 20).
 class SideBySide {
  public:
-  // The measured worker's DecodeWorkerOptions::step_observer; records into
-  // whichever measurement runs.
-  std::function<void(const decode::StepStats&)> Observer() {
-    return [this](const decode::StepStats& s) {
+  // Worker `who`'s DecodeWorkerOptions::step_observer: records into the
+  // measurement running on that worker (a worker that is another's
+  // neighbour meanwhile records nothing).
+  std::function<void(const decode::StepStats&)> Observer(int who) {
+    return [this, who](const decode::StepStats& s) {
       absl::MutexLock lock(&mu_);
-      if (phase_ < 0 || cost_ == nullptr) return;
+      if (phase_ < 0 || cost_ == nullptr || who != measured_worker_) return;
       measured_[phase_] += s.seconds;
       fitted_[phase_] +=
           cost_->Seconds({s.tokens_fed, s.logit_rows, s.attended_positions});
@@ -349,15 +350,16 @@ class SideBySide {
   };
 
   // `rounds` × (`phase` alone, `phase` beside every neighbour's unit run
-  // back to back on a thread of its own); `cost` fits the measured worker's
-  // steps.
-  absl::StatusOr<Result> Measure(const planner::StepCost& cost,
+  // back to back on a thread of its own); `phase` runs on worker `who`,
+  // whose steps `cost` fits.
+  absl::StatusOr<Result> Measure(int who, const planner::StepCost& cost,
                                  const Work& phase,
                                  const std::vector<Work>& neighbours,
                                  int rounds = 6) {
     {
       absl::MutexLock lock(&mu_);
       cost_ = &cost;
+      measured_worker_ = who;
       phase_ = -1;
       measured_[0] = measured_[1] = fitted_[0] = fitted_[1] = 0;
       steps_[0] = steps_[1] = 0;
@@ -439,6 +441,7 @@ class SideBySide {
   absl::Mutex mu_;
   const planner::StepCost* cost_ ABSL_GUARDED_BY(mu_) = nullptr;
   int phase_ ABSL_GUARDED_BY(mu_) = -1;  // 0 alone, 1 beside; -1 neither
+  int measured_worker_ ABSL_GUARDED_BY(mu_) = -1;
   double measured_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
   double fitted_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
   int steps_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
@@ -463,7 +466,8 @@ class CalibrationBench {
     bench->decode_prompt_ = std::max(1, std::min(32, context / 4));
     bench->decode_tokens_ =
         std::max(4, std::min(64, context - bench->decode_prompt_ - 1));
-    auto make = [&](int tp, bool measured)
+    // Observer ids: the one-thread worker kOneThread, the TP worker kGang.
+    auto make = [&](int tp, std::optional<int> measured)
         -> absl::StatusOr<std::unique_ptr<decode::DecodeWorker>> {
       decode::DecodeWorkerOptions wo;
       wo.tp_size = tp;
@@ -471,19 +475,19 @@ class CalibrationBench {
       wo.max_running = 8;
       wo.max_step_tokens = std::max(512, bench->prefill_tokens_);
       wo.num_blocks = 8 * (context / wo.block_size + 2);
-      if (measured) wo.step_observer = bench->recorder_.Observer();
+      if (measured) wo.step_observer = bench->recorder_.Observer(*measured);
       return decode::DecodeWorker::Create(weights, nullptr, wo);
     };
-    auto one = make(1, true);
+    auto one = make(1, kOneThread);
     if (!one.ok()) return one.status();
     bench->one_thread_ = *std::move(one);
     for (int i = 0; i < 2; ++i) {
-      auto neighbour = make(1, false);
+      auto neighbour = make(1, std::nullopt);
       if (!neighbour.ok()) return neighbour.status();
       bench->neighbours_.push_back(*std::move(neighbour));
     }
     if (gang_tp > 1) {
-      auto gang = make(gang_tp, true);
+      auto gang = make(gang_tp, kGang);
       if (!gang.ok()) return gang.status();
       bench->gang_ = *std::move(gang);
     }
@@ -533,6 +537,7 @@ class CalibrationBench {
     return Prefill(*neighbours_[neighbour], 1);
   }
   SideBySide& recorder() { return recorder_; }
+  static constexpr int kOneThread = 0, kGang = 1;  // SideBySide worker ids
   int prefill_tokens() const { return prefill_tokens_; }
 
  private:
@@ -576,7 +581,8 @@ absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
        &prefill_beside_prefill},
   };
   for (const Pair& p : pairs) {
-    auto r = bench.recorder().Measure(**cost, p.phase, {p.unit});
+    auto r = bench.recorder().Measure(CalibrationBench::kOneThread, **cost,
+                                      p.phase, {p.unit});
     if (!r.ok()) return r.status();
     *p.slowdown = std::clamp(r->ratio - 1, 0.0, 3.0);
     Say(o, absl::StrFormat("  %s: %.2fx alone's step time (%d and %d steps)",
@@ -620,7 +626,8 @@ absl::StatusOr<std::vector<planner::PerfModel::GangPoint>> CalibrateGangSharing(
   for (int neighbours : {1, 2}) {
     std::vector<Work> units;
     for (int i = 0; i < neighbours; ++i) units.push_back(bench.PrefillUnit(i));
-    auto r = bench.recorder().Measure(**cost, bench.GangPhase(), units);
+    auto r = bench.recorder().Measure(CalibrationBench::kGang, **cost,
+                                      bench.GangPhase(), units);
     if (!r.ok()) return r.status();
     const double demand =
         model.BusyCores({tp, 1}) + neighbours * model.BusyCores({1, 1});

@@ -113,7 +113,9 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
     EXPECT_GE(points[i].first, 0);
     EXPECT_LE(points[i].first, 2);
     EXPECT_LT(points[i].second, 1);
-    if (i > 0) EXPECT_LT(points[i].second, points[i - 1].second);
+    if (i > 0) {
+      EXPECT_LT(points[i].second, points[i - 1].second);
+    }
   }
   if (!points.empty()) {
     EXPECT_EQ(model->gang_sharing_exponent,

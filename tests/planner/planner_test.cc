@@ -426,7 +426,8 @@ TEST(SimulatorTest, CoRunningSlowsOnlyOverlappingSteps) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
   PerfModel model = ModelWith(*cost);
-  model.co_running = {.prefill_stage = 0.5, .decode_step = 0.25};
+  model.co_running.prefill_stage = 0.5;
+  model.co_running.decode_step = 0.25;
   Layout two;  // two one-thread workers: no sharing of 2 cores
   two.colocated = true;
   two.decode_workers = 2;
