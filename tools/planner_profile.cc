@@ -209,17 +209,14 @@ planner::LinearCost FitLine(const std::vector<double>& x,
   return {my - slope * mx, slope};
 }
 
-// A real cluster of `layout` on the profiled model; with `worker_metrics`
-// every process serves /metrics on a free port.
+// A real cluster of `layout` on the profiled model.
 absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(
-    const PlannerProfileOptions& o, const planner::Layout& layout,
-    bool worker_metrics) {
+    const PlannerProfileOptions& o, const planner::Layout& layout) {
   LocalClusterOptions lo;
   lo.model_path = o.model_path;
   lo.format = o.format;
   lo.bin_dir = o.bin_dir;
   lo.refresh_ms = 100;
-  if (worker_metrics) lo.metrics_port_base = 0;
   ApplyLayout(layout, &lo);
   return LocalCluster::Start(lo);
 }
@@ -232,7 +229,7 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
                                       const planner::PerfModel& model,
                                       const planner::Layout& layout, int vocab,
                                       std::optional<double> step_overhead) {
-  auto cluster = StartCluster(o, layout, /*worker_metrics=*/false);
+  auto cluster = StartCluster(o, layout);
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
@@ -538,7 +535,6 @@ class CalibrationBench {
   }
   SideBySide& recorder() { return recorder_; }
   static constexpr int kOneThread = 0, kGang = 1;  // SideBySide worker ids
-  int prefill_tokens() const { return prefill_tokens_; }
 
  private:
   CalibrationBench() = default;
@@ -554,9 +550,10 @@ class CalibrationBench {
 // How much longer a one-thread step runs while another one-thread worker
 // computes beside it (two threads on two or more cores: nothing is
 // time-sliced, what is left is the shared memory bus and last-level cache),
-// for each pair of kinds: PerfModel::co_running. Decode steps stream the
-// weights from memory, prefill steps mostly compute, so a decode step beside
-// another decode loses more than beside a prefill.
+// for each pair of kinds: PerfModel::co_running. Measured per pair because
+// decode steps stream the weights from memory and prefill steps mostly
+// compute, so on a machine whose memory bus the two share unevenly the pairs
+// differ (on the dev VM all four measure within noise of nothing).
 absl::StatusOr<planner::PerfModel::CoRunning> CalibrateCoRunning(
     const PlannerProfileOptions& o, const planner::PerfModel& model,
     CalibrationBench& bench) {

@@ -36,6 +36,34 @@ TEST(PlannerBadInputTest, MalformedPerfModelJson) {
     auto m = PerfModel::FromJson(nlohmann::json::parse(text));
     EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << text;
   }
+  // The side-by-side calibrations' fields: wrong types, out of range, out of
+  // order.
+  const std::string valid =
+      "{\"model\":\"m\",\"num_layers\":2,\"block_size\":16,\"cores\":2,"
+      "\"configs\":[{\"tp\":1,\"threads_per_rank\":1,\"step\":{\"knots\":[1,"
+      "2],\"knot_seconds\":[0.1,0.2],\"seconds_per_logit_row\":0,"
+      "\"seconds_per_attended_position\":0}}],"
+      "\"colocated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
+      "\"disaggregated_ttft\":{\"base\":0,\"per_prompt_token\":0},"
+      "\"handoff_seconds\":0,\"decode_step_overhead_seconds\":0}";
+  ASSERT_TRUE(PerfModel::FromJson(nlohmann::json::parse(valid)).ok());
+  for (const char* field :
+       {R"({"co_running":{"prefill_stage":0,"decode_step":0,
+            "decode_beside_decode":"fast"}})",
+        R"({"co_running":{"prefill_stage":0,"decode_step":0,
+            "prefill_beside_prefill":-1}})",
+        R"({"gang_sharing_points":{"share":0.5}})",
+        R"({"gang_sharing_points":[{"share":"half","exponent":0.5}]})",
+        R"({"gang_sharing_points":[{"share":0.5}]})",
+        R"({"gang_sharing_points":[{"share":0,"exponent":0.5}]})",
+        R"({"gang_sharing_points":[{"share":0.5,"exponent":9}]})",
+        R"({"gang_sharing_points":[{"share":0.5,"exponent":0.5},
+                                   {"share":0.5,"exponent":0.4}]})"}) {
+    nlohmann::json bad = nlohmann::json::parse(valid);
+    bad.update(nlohmann::json::parse(field));
+    auto m = PerfModel::FromJson(bad);
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << field;
+  }
   const std::string path = ::testing::TempDir() + "/not_json.json";
   std::ofstream(path) << "{ not json";
   EXPECT_EQ(PerfModel::Load(path).status().code(),
