@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
 #include "decode/decode_worker.h"
 #include "model/weight_source.h"
 #include "planner/planner.h"
@@ -76,14 +77,20 @@ double ProcessCpuSecondsNow() {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-struct ProfiledConfig {
-  planner::StepCost cost;
-  double busy_cores = 1;  // process CPU seconds per wall second of steps
+// One compute configuration's measured steps, over every round so far.
+struct StepRecord {
+  std::vector<planner::StepSample> samples;
+  double cpu_seconds = 0;                 // this process's, while the steps ran
+  double wall_seconds = 0;                // the steps' back-to-back wall time
+  std::vector<double> decode_b1_seconds;  // per round, from its own fit
 };
 
-absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
-                                             const model::WeightSource& weights,
-                                             planner::ComputeConfig config) {
+// One round of `config`'s step mix on a fresh in-process worker, appended to
+// `record`.
+absl::Status ProfileRound(const PlannerProfileOptions& o,
+                          const model::WeightSource& weights,
+                          planner::ComputeConfig config, int round,
+                          StepRecord* record) {
   const model::ModelConfig& mc = weights.config();
   std::vector<planner::StepSample> samples;
   absl::Mutex mu;
@@ -103,7 +110,7 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
   };
   auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
   if (!worker.ok()) return worker.status();
-  std::mt19937_64 rng(11);
+  std::mt19937_64 rng(11 + round);
   uint64_t next_id = 1;
   // Warm-up: first touches of weights and KV pages are not what a serving
   // worker sees.
@@ -142,25 +149,30 @@ absl::StatusOr<ProfiledConfig> ProfileConfig(const PlannerProfileOptions& o,
       }
     }
   }
-  const double busy_cores = std::clamp(
-      (ProcessCpuSecondsNow() - cpu_start) /
-          std::max(1e-9, std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - wall_start)
-                             .count()),
-      0.1, static_cast<double>(config.threads()));
+  record->cpu_seconds += ProcessCpuSecondsNow() - cpu_start;
+  record->wall_seconds += std::chrono::duration<double>(
+                              std::chrono::steady_clock::now() - wall_start)
+                              .count();
   absl::MutexLock lock(&mu);
-  auto cost = planner::StepCost::Fit(samples);
+  // This round alone, to show how far the machine's speed moved between
+  // rounds.
+  auto round_cost = planner::StepCost::Fit(samples);
+  if (!round_cost.ok()) return round_cost.status();
+  record->decode_b1_seconds.push_back(round_cost->Seconds({1, 1, 64}));
+  record->samples.insert(record->samples.end(), samples.begin(), samples.end());
+  return absl::OkStatus();
+}
+
+// The fit over every round of `record`, and the cores its steps kept busy.
+absl::Status FitRecord(planner::ComputeConfig config, const StepRecord& record,
+                       planner::PerfModel* model) {
+  auto cost = planner::StepCost::Fit(record.samples);
   if (!cost.ok()) return cost.status();
-  const auto error = cost->Error(samples);
-  Say(o,
-      absl::StrFormat(
-          "  tp %d × %d threads: %zu steps, fit error median %.1f%%, max "
-          "%.1f%%; decode b1 %.1f ms, prefill 256 %.0f ms; %.2f cores busy",
-          config.tp, config.threads_per_rank, samples.size(),
-          error.median * 100, error.max * 100, cost->Seconds({1, 1, 64}) * 1e3,
-          cost->Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3,
-          busy_cores));
-  return ProfiledConfig{*std::move(cost), busy_cores};
+  model->steps[config] = *std::move(cost);
+  model->busy_cores[config] =
+      std::clamp(record.cpu_seconds / std::max(1e-9, record.wall_seconds), 0.1,
+                 static_cast<double>(config.threads()));
+  return absl::OkStatus();
 }
 
 struct Calibration {
@@ -168,7 +180,75 @@ struct Calibration {
   double step_overhead = 0;
   double handoff = 0;
   double delivery_cpu = 0;  // router + client CPU seconds per token
+  // The speed probe's step time over the fit around the requests (their
+  // median).
+  double slowness = 1;
 };
+
+// How fast this machine runs steps right now against a fit: an in-process
+// worker of the fitted configuration decodes a few tokens at batch 1, and
+// its decode steps' measured seconds over their fitted seconds is the
+// answer (above 1: slower than the fit). The calibration's idle requests
+// run between probes, so each is measured against the fit at the speed of
+// its moment.
+class SpeedProbe {
+ public:
+  static absl::StatusOr<std::unique_ptr<SpeedProbe>> Create(
+      const PlannerProfileOptions& o, const model::WeightSource& weights,
+      planner::ComputeConfig config, const planner::StepCost& cost) {
+    auto probe = std::unique_ptr<SpeedProbe>(new SpeedProbe(cost));
+    decode::DecodeWorkerOptions wo;
+    wo.tp_size = config.tp;
+    wo.threads_per_rank = config.threads_per_rank;
+    wo.max_running = 4;
+    wo.num_blocks = 16;
+    wo.step_observer = [p = probe.get()](const decode::StepStats& s) {
+      if (s.tokens_fed != 1) return;  // the prompt's step
+      absl::MutexLock lock(&p->mu_);
+      p->measured_ += s.seconds;
+      p->fitted_ +=
+          p->cost_.Seconds({s.tokens_fed, s.logit_rows, s.attended_positions});
+    };
+    auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
+    if (!worker.ok()) return worker.status();
+    probe->worker_ = *std::move(worker);
+    probe->vocab_ = weights.config().vocab_size;
+    if (auto s = probe->Measure(); !s.ok()) return s.status();  // warm-up
+    return probe;
+  }
+
+  absl::StatusOr<double> Measure() {
+    {
+      absl::MutexLock lock(&mu_);
+      measured_ = fitted_ = 0;
+    }
+    PDS_RETURN_IF_ERROR(
+        RunBatch(*worker_, &next_id_, {RandomPrompt(16, vocab_, rng_)}, 8));
+    absl::MutexLock lock(&mu_);
+    if (!(fitted_ > 0) || !(measured_ > 0)) {
+      return absl::InternalError("the speed probe ran no decode steps");
+    }
+    return std::clamp(measured_ / fitted_, 0.5, 2.0);
+  }
+
+ private:
+  explicit SpeedProbe(const planner::StepCost& cost) : cost_(cost) {}
+  const planner::StepCost cost_;
+  int vocab_ = 0;
+  uint64_t next_id_ = 1;
+  std::mt19937_64 rng_{17};
+  absl::Mutex mu_;
+  double measured_ = 0, fitted_ = 0;
+  // Last: it stops (its observer reads the members above) before they go.
+  std::unique_ptr<decode::DecodeWorker> worker_;
+};
+
+// `model` with every step cost `factor` times slower.
+planner::PerfModel SlowedBy(const planner::PerfModel& model, double factor) {
+  planner::PerfModel slowed = model;
+  for (auto& [config, cost] : slowed.steps) cost = cost.Scaled(factor);
+  return slowed;
+}
 
 // CPU seconds (user + system) process `pid` used so far; 0 if unreadable.
 double ProcessCpuSeconds(pid_t pid) {
@@ -226,45 +306,60 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(
 // configuration is measured here (colocated calibrations); else it is taken
 // as given.
 absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
+                                      const model::WeightSource& weights,
                                       const planner::PerfModel& model,
-                                      const planner::Layout& layout, int vocab,
+                                      const planner::Layout& layout,
                                       std::optional<double> step_overhead) {
+  const planner::ComputeConfig decode_config{layout.tp, layout.decode_threads};
+  auto cost = model.Step(decode_config);
+  if (!cost.ok()) return cost.status();
+  auto probe = SpeedProbe::Create(o, weights, decode_config, **cost);
+  if (!probe.ok()) return probe.status();
   auto cluster = StartCluster(o, layout);
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
   std::mt19937_64 rng(5);
+  const int vocab = weights.config().vocab_size;
   // As many tokens as a typical answer, so per-request costs (channel,
   // stream set-up) weigh on the per-token CPU as they do in serving.
   constexpr int kTokens = 24;
   struct Measured {
     int prompt;
     RequestResult result;
+    double slowness;  // the probes' around it
   };
   std::vector<Measured> measured;
   RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
   // Router + this client's CPU over the requests: what streaming costs
   // outside the workers.
   const pid_t router_pid = (*cluster)->pids().front();
-  const double cpu_before = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
+  double cpu_seconds = 0;
   int delivered = 0;
   const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
+  auto before = (*probe)->Measure();
+  if (!before.ok()) return before.status();
   for (int rep = 0; rep < 3; ++rep) {
     for (int length : {16, 128, long_prompt}) {
+      const double cpu_before = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
       RequestResult r =
           RunRequest(*stub, RandomPrompt(length, vocab, rng), kTokens);
+      cpu_seconds +=
+          ProcessCpuSeconds(router_pid) + OwnCpuSeconds() - cpu_before;
       if (!r.ok || r.tokens != kTokens) {
         return absl::InternalError(absl::StrCat(
             "calibration request on ", layout.Name(), " failed: ", r.error));
       }
+      auto after = (*probe)->Measure();
+      if (!after.ok()) return after.status();
       delivered += r.tokens;
-      measured.push_back({length, std::move(r)});
+      measured.push_back({length, std::move(r), (*before + *after) / 2});
+      before = after;
     }
   }
-  const double cpu_after = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
   // What the steps alone predict (no per-request costs yet).
   Calibration c;
-  c.delivery_cpu = std::max(0.0, (cpu_after - cpu_before) / delivered);
+  c.delivery_cpu = std::max(0.0, cpu_seconds / delivered);
   planner::PerfModel bare = model;
   bare.colocated_ttft = bare.disaggregated_ttft = {};
   bare.decode_step_overhead_seconds = bare.handoff_seconds = 0;
@@ -275,18 +370,23 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // spread draws would only add noise to them.
   planner::SimOptions fitted_steps;
   fitted_steps.step_spread = false;
+  // Each request against the fitted steps slowed to the probe's speed around
+  // it: what is left over is the time outside the steps, whatever this VM's
+  // speed was during these few seconds. Against the fit alone a fast or slow
+  // moment went into the offsets, and into every prediction made with them.
+  std::vector<double> slowness;
+  for (const Measured& m : measured) slowness.push_back(m.slowness);
+  c.slowness = planner::Median(slowness);
   if (!step_overhead.has_value()) {
     std::vector<double> extra;
     for (const Measured& m : measured) {
-      auto all = planner::Simulate(bare, layout, {{0, m.prompt, kTokens}}, {},
-                                   fitted_steps);
+      auto all = planner::Simulate(SlowedBy(bare, m.slowness), layout,
+                                   {{0, m.prompt, kTokens}}, {}, fitted_steps);
       if (!all.ok()) return all.status();
       extra.push_back(m.result.tpot - all->tpot_p50);
     }
     // A step never takes less than half its profiled time, whatever the
     // noise in a handful of idle requests says.
-    auto cost = model.Step({layout.tp, layout.decode_threads});
-    if (!cost.ok()) return cost.status();
     step_overhead = std::max(planner::Percentile(extra, 0.5),
                              -0.5 * (*cost)->Seconds({1, 1, 16}));
   }
@@ -294,10 +394,11 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   bare.decode_step_overhead_seconds = *step_overhead;
   std::vector<double> prompts, ttft_extra, gap_extra;
   for (const Measured& m : measured) {
+    const planner::PerfModel slowed = SlowedBy(bare, m.slowness);
     auto one =
-        planner::Simulate(bare, layout, {{0, m.prompt, 1}}, {}, fitted_steps);
+        planner::Simulate(slowed, layout, {{0, m.prompt, 1}}, {}, fitted_steps);
     auto two =
-        planner::Simulate(bare, layout, {{0, m.prompt, 2}}, {}, fitted_steps);
+        planner::Simulate(slowed, layout, {{0, m.prompt, 2}}, {}, fitted_steps);
     if (!one.ok() || !two.ok()) return one.ok() ? two.status() : one.status();
     prompts.push_back(m.prompt);
     ttft_extra.push_back(m.result.ttft - one->ttft_p50);
@@ -685,20 +786,49 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   Say(options,
       absl::StrCat("profiling steps on ", options.model_path, " (",
                    mc.num_layers, " layers), ", options.cores, " cores"));
+  std::vector<planner::ComputeConfig> configs;
   for (int tp = 1; tp <= options.cores; tp *= 2) {
     if (mc.num_heads % tp != 0) continue;
     for (int threads = 1; tp * threads <= options.cores; ++threads) {
-      auto profiled = ProfileConfig(options, **weights, {tp, threads});
-      if (!profiled.ok()) {
-        return absl::Status(
-            profiled.status().code(),
-            absl::StrCat("profiling tp ", tp, " × ", threads,
-                         " threads: ", profiled.status().message()));
-      }
-      model.steps[{tp, threads}] = std::move(profiled->cost);
-      model.busy_cores[{tp, threads}] = profiled->busy_cores;
+      configs.push_back({tp, threads});
     }
   }
+  // The step mix runs in kStepRounds rounds spread over the profile (before
+  // the idle-request calibrations, between them and the side-by-side ones,
+  // and last), each round every configuration, and the fit takes all of
+  // them: this VM's speed moves by ±30% within tens of seconds, and one
+  // round's few seconds per configuration is a snapshot of it. Run 22's
+  // short-prompt profile measured the tp 2 decode step at 9.4 ms where runs
+  // 20 and 21 measured 13.3 and 11.8, and predicted run 22's TPOT p99s
+  // 16-27% low; run 21's profile predicts the same measurements within 20%
+  // on 43 of 48 figures, against 36 (docs/PERFORMANCE.md, run 23).
+  constexpr int kStepRounds = 3;
+  std::map<planner::ComputeConfig, StepRecord> records;
+  int rounds_done = 0;
+  auto step_round = [&]() -> absl::Status {
+    ++rounds_done;
+    std::string line = absl::StrFormat("step round %d of %d: decode b1",
+                                       rounds_done, kStepRounds);
+    for (const planner::ComputeConfig& config : configs) {
+      StepRecord& record = records[config];
+      if (auto s =
+              ProfileRound(options, **weights, config, rounds_done, &record);
+          !s.ok()) {
+        return absl::Status(
+            s.code(),
+            absl::StrCat("profiling tp ", config.tp, " × ",
+                         config.threads_per_rank, " threads: ", s.message()));
+      }
+      PDS_RETURN_IF_ERROR(FitRecord(config, record, &model));
+      absl::StrAppend(&line,
+                      absl::StrFormat(" %.1f ms (tp %d × %d)",
+                                      record.decode_b1_seconds.back() * 1e3,
+                                      config.tp, config.threads_per_rank));
+    }
+    Say(options, line);
+    return absl::OkStatus();
+  };
+  PDS_RETURN_IF_ERROR(step_round());
   // Colocated: one worker of each profiled decode configuration (each
   // has its own step overhead); disaggregated: one prefill stage and one
   // decode worker of one thread each (the smallest such layout).
@@ -709,15 +839,17 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     colocated.tp = config.tp;
     colocated.decode_threads = config.threads_per_rank;
     Say(options, "calibrating request costs on " + colocated.Name());
-    auto c = Calibrate(options, model, colocated, mc.vocab_size, std::nullopt);
+    auto c = Calibrate(options, **weights, model, colocated, std::nullopt);
     if (!c.ok()) return c.status();
     model.calibrated[config] = {c->step_overhead, c->ttft};
     delivery_cpu += c->delivery_cpu / model.steps.size();
     Say(options,
         absl::StrFormat("  TTFT extra %.1f ms %+.3f ms/token; decode step "
-                        "overhead %+.2f ms; router + client CPU %.3f ms/token",
+                        "overhead %+.2f ms; router + client CPU %.3f ms/token; "
+                        "steps meanwhile at %.2fx the fit's time",
                         c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
-                        c->step_overhead * 1e3, c->delivery_cpu * 1e3));
+                        c->step_overhead * 1e3, c->delivery_cpu * 1e3,
+                        c->slowness));
   }
   // Configurations not calibrated (none today) fall back on tp 1 × 1.
   const planner::PerfModel::Calibration& base =
@@ -725,23 +857,25 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   model.colocated_ttft = base.colocated_ttft;
   model.decode_step_overhead_seconds = base.step_overhead_seconds;
   model.delivery_cpu_seconds = delivery_cpu;
+  PDS_RETURN_IF_ERROR(step_round());
   if (options.cores >= 2) {
     planner::Layout disaggregated;
     Say(options, "calibrating request costs on " + disaggregated.Name());
-    auto d = Calibrate(options, model, disaggregated, mc.vocab_size,
+    auto d = Calibrate(options, **weights, model, disaggregated,
                        model.StepOverhead({1, 1}));
     if (!d.ok()) return d.status();
     model.disaggregated_ttft = d->ttft;
     model.handoff_seconds = d->handoff;
+    Say(options,
+        absl::StrFormat("  disaggregated TTFT extra %.1f ms %+.3f ms/token; "
+                        "hand-off %.2f ms; steps meanwhile at %.2fx the "
+                        "fit's time",
+                        model.disaggregated_ttft.base * 1e3,
+                        model.disaggregated_ttft.per_prompt_token * 1e3,
+                        model.handoff_seconds * 1e3, d->slowness));
   } else {
     model.disaggregated_ttft = model.colocated_ttft;
   }
-  Say(options,
-      absl::StrFormat("  disaggregated TTFT extra %.1f ms %+.3f ms/token; "
-                      "hand-off %.2f ms",
-                      model.disaggregated_ttft.base * 1e3,
-                      model.disaggregated_ttft.per_prompt_token * 1e3,
-                      model.handoff_seconds * 1e3));
   // Side by side in this process: co-running needs two cores, a gang more
   // threads than cores beside a one-thread worker.
   const int gang_tp = GangCalibrationTp(model, options.cores);
@@ -790,6 +924,27 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
         absl::StrFormat("no TP worker oversubscribes %d cores beside a "
                         "prefill stage: gang-sharing exponent %.2f as given",
                         options.cores, model.gang_sharing_exponent));
+  }
+  PDS_RETURN_IF_ERROR(step_round());
+  for (const planner::ComputeConfig& config : configs) {
+    const StepRecord& record = records[config];
+    const planner::StepCost& cost = model.steps.at(config);
+    const auto error = cost.Error(record.samples);
+    std::string rounds;
+    for (double b1 : record.decode_b1_seconds) {
+      absl::StrAppend(&rounds, rounds.empty() ? "" : " / ",
+                      absl::StrFormat("%.1f", b1 * 1e3));
+    }
+    Say(options,
+        absl::StrFormat(
+            "  tp %d × %d threads: %zu steps in %d rounds, fit error median "
+            "%.1f%%, max %.1f%%; decode b1 %.1f ms (rounds: %s), prefill 256 "
+            "%.0f ms; %.2f cores busy",
+            config.tp, config.threads_per_rank, record.samples.size(),
+            rounds_done, error.median * 100, error.max * 100,
+            cost.Seconds({1, 1, 64}) * 1e3, rounds,
+            cost.Seconds({256, 1, planner::AttendedPositions(0, 256)}) * 1e3,
+            model.busy_cores.at(config)));
   }
   return model;
 }

@@ -230,6 +230,14 @@ double StepCost::Seconds(const StepShape& shape) const {
          seconds_per_attended_position_ * shape.attended_positions;
 }
 
+StepCost StepCost::Scaled(double factor) const {
+  StepCost scaled = *this;
+  for (double& s : scaled.knot_seconds_) s *= factor;
+  scaled.seconds_per_logit_row_ *= factor;
+  scaled.seconds_per_attended_position_ *= factor;
+  return scaled;
+}
+
 StepCost::FitError StepCost::Error(
     const std::vector<StepSample>& samples) const {
   std::vector<double> errors;

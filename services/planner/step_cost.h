@@ -56,6 +56,11 @@ class StepCost {
 
   double Seconds(const StepShape& shape) const;
 
+  // The same cost `factor` times slower (every step's time × factor; the
+  // spread, relative to the fit, unchanged): a machine running at 1/factor
+  // of the speed the steps were measured at.
+  StepCost Scaled(double factor) const;
+
   // Relative error of the fit on `samples`: the median and the largest
   // |predicted − measured| / measured.
   struct FitError {

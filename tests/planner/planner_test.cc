@@ -67,6 +67,25 @@ TEST(StepCostTest, JsonRoundTrip) {
   EXPECT_DOUBLE_EQ(back->Seconds(s), cost->Seconds(s));
 }
 
+TEST(StepCostTest, ScaledIsTheSameFitOnASlowerMachine) {
+  auto cost = StepCost::Fit(Samples(0.03, 5));
+  ASSERT_TRUE(cost.ok()) << cost.status();
+  // Fitted from the same steps each taking 1.3x as long: the same cost.
+  std::vector<StepSample> slower = Samples(0.03, 5);
+  for (StepSample& s : slower) s.seconds *= 1.3;
+  auto slower_fit = StepCost::Fit(slower);
+  ASSERT_TRUE(slower_fit.ok()) << slower_fit.status();
+  const StepCost scaled = cost->Scaled(1.3);
+  for (StepShape s : {StepShape{1, 1, 16}, StepShape{8, 8, 8 * 300},
+                      StepShape{384, 1, AttendedPositions(0, 384)}}) {
+    EXPECT_NEAR(scaled.Seconds(s), 1.3 * cost->Seconds(s),
+                1e-12 * cost->Seconds(s));
+    EXPECT_NEAR(scaled.Seconds(s), slower_fit->Seconds(s),
+                1e-6 * slower_fit->Seconds(s));
+  }
+  EXPECT_EQ(scaled.spread(), cost->spread());
+}
+
 TEST(StepCostTest, SpreadIsTheMeasuredOverFittedQuantiles) {
   const std::vector<StepSample> samples = Samples(0.05, 4);
   auto cost = StepCost::Fit(samples);
