@@ -194,8 +194,8 @@ struct Calibration {
 class SpeedProbe {
  public:
   static absl::StatusOr<std::unique_ptr<SpeedProbe>> Create(
-      const PlannerProfileOptions& o, const model::WeightSource& weights,
-      planner::ComputeConfig config, const planner::StepCost& cost) {
+      const model::WeightSource& weights, planner::ComputeConfig config,
+      const planner::StepCost& cost) {
     auto probe = std::unique_ptr<SpeedProbe>(new SpeedProbe(cost));
     decode::DecodeWorkerOptions wo;
     wo.tp_size = config.tp;
@@ -313,7 +313,7 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   const planner::ComputeConfig decode_config{layout.tp, layout.decode_threads};
   auto cost = model.Step(decode_config);
   if (!cost.ok()) return cost.status();
-  auto probe = SpeedProbe::Create(o, weights, decode_config, **cost);
+  auto probe = SpeedProbe::Create(weights, decode_config, **cost);
   if (!probe.ok()) return probe.status();
   auto cluster = StartCluster(o, layout);
   if (!cluster.ok()) return cluster.status();
@@ -821,7 +821,7 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
       }
       PDS_RETURN_IF_ERROR(FitRecord(config, record, &model));
       absl::StrAppend(&line,
-                      absl::StrFormat(" %.1f ms (tp %d × %d)",
+                      absl::StrFormat(" %.2f ms (tp %d × %d)",
                                       record.decode_b1_seconds.back() * 1e3,
                                       config.tp, config.threads_per_rank));
     }
@@ -933,12 +933,12 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     std::string rounds;
     for (double b1 : record.decode_b1_seconds) {
       absl::StrAppend(&rounds, rounds.empty() ? "" : " / ",
-                      absl::StrFormat("%.1f", b1 * 1e3));
+                      absl::StrFormat("%.2f", b1 * 1e3));
     }
     Say(options,
         absl::StrFormat(
             "  tp %d × %d threads: %zu steps in %d rounds, fit error median "
-            "%.1f%%, max %.1f%%; decode b1 %.1f ms (rounds: %s), prefill 256 "
+            "%.1f%%, max %.1f%%; decode b1 %.2f ms (rounds: %s), prefill 256 "
             "%.0f ms; %.2f cores busy",
             config.tp, config.threads_per_rank, record.samples.size(),
             rounds_done, error.median * 100, error.max * 100,

@@ -8,13 +8,20 @@
 //     prompts of 16..512 tokens prefilled alone. Every step it reports
 //     (StepStats: tokens fed, logit rows, attended positions, seconds) is a
 //     sample; planner::StepCost::Fit fits them. A prefill stage of H threads
-//     uses the tp-1 × H fit scaled by its share of the layers.
+//     uses the tp-1 × H fit scaled by its share of the layers. The mix runs
+//     in three rounds spread over the profile (first, after the colocated
+//     calibrations, last) and the fit takes all of them: a VM's speed moves
+//     within seconds, and one round is a snapshot of it.
 //  2. What happens outside the steps. Real clusters (router + workers as
 //     processes, tools/local_cluster.h), colocated and disaggregated, serve
 //     requests one at a time; what they measure minus what the simulator
 //     predicts for the same idle request is the per-request cost: TTFT
 //     overhead as a + b·prompt (router, gRPC, the KV hand-off), the stream
-//     delay, and the prefill→decode hand-off.
+//     delay, and the prefill→decode hand-off. Between the requests an
+//     in-process worker of the same configuration decodes a few tokens (a
+//     speed probe), and each request is simulated with the fitted steps
+//     slowed to the probe's speed around it, so the machine's speed in those
+//     seconds stays out of the per-request costs.
 //  3. Co-running, side by side in this process: a one-thread worker runs
 //     a fixed piece of work (a decode batch, or four prompts prefilled) in
 //     twelve alternating phases, alone and beside another one-thread

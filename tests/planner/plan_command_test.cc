@@ -3,6 +3,7 @@
 // profile, ranks layouts and prints flags `pdserve local` accepts; the saved
 // profile plans the same ranking again without profiling; bad flags are
 // precise errors.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -61,6 +62,52 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   auto model = PerfModel::Load(perf);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->steps.size(), 3u);  // tp1×1, tp1×2, tp2×1
+  // Each configuration's steps were measured in three rounds, and the saved
+  // fit is over all of them: its batch-1 decode step is the one printed, and
+  // lies among the rounds' own (a pooled fit does not leave their range by
+  // more than the fits' error).
+  for (const auto& [config, cost] : model->steps) {
+    const std::string head = "tp " + std::to_string(config.tp) + " × " +
+                             std::to_string(config.threads_per_rank) +
+                             " threads: ";
+    const size_t line = profiled.find(head);
+    ASSERT_NE(line, std::string::npos) << head << profiled;
+    int steps = 0, rounds = 0;
+    ASSERT_EQ(std::sscanf(profiled.c_str() + line + head.size(),
+                          "%d steps in %d rounds", &steps, &rounds),
+              2)
+        << profiled.substr(line, 160);
+    EXPECT_EQ(rounds, 3);
+    const size_t b1 = profiled.find("decode b1 ", line);
+    ASSERT_NE(b1, std::string::npos);
+    double fitted_ms = 0, round_ms[3] = {0, 0, 0};
+    ASSERT_EQ(std::sscanf(profiled.c_str() + b1,
+                          "decode b1 %lf ms (rounds: %lf / %lf / %lf)",
+                          &fitted_ms, &round_ms[0], &round_ms[1], &round_ms[2]),
+              4)
+        << profiled.substr(b1, 80);
+    // Printed to 0.01 ms (stories260K's steps take hundredths of one).
+    EXPECT_NEAR(cost.Seconds({1, 1, 64}) * 1e3, fitted_ms, 0.0051);
+    const auto [low, high] =
+        std::minmax({round_ms[0], round_ms[1], round_ms[2]});
+    EXPECT_GE(fitted_ms, 0.8 * low - 0.01);
+    EXPECT_LE(fitted_ms, 1.2 * high + 0.01);
+  }
+  // The idle-request calibrations (three colocated, one disaggregated)
+  // each read the speed probe around their requests.
+  int probe_readings = 0;
+  for (size_t at = profiled.find("steps meanwhile at ");
+       at != std::string::npos;
+       at = profiled.find("steps meanwhile at ", at + 1)) {
+    double slowness = 0;
+    ASSERT_EQ(std::sscanf(profiled.c_str() + at, "steps meanwhile at %lfx",
+                          &slowness),
+              1);
+    EXPECT_GE(slowness, 0.5);
+    EXPECT_LE(slowness, 2.0);
+    ++probe_readings;
+  }
+  EXPECT_EQ(probe_readings, 4) << profiled;
   // The saved profile carries the slow-downs the calibration printed.
   int percent[4] = {-1, -1, -1, -1};
   const size_t printed = profiled.find("co-running slow-down: prefill stage");
