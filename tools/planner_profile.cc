@@ -228,6 +228,7 @@ class SpeedProbe {
     if (!(fitted_ > 0) || !(measured_ > 0)) {
       return absl::InternalError("the speed probe ran no decode steps");
     }
+    // Within a factor of 2: a reading beyond is a stall, not a speed.
     return std::clamp(measured_ / fitted_, 0.5, 2.0);
   }
 
@@ -793,15 +794,16 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
       configs.push_back({tp, threads});
     }
   }
-  // The step mix runs in kStepRounds rounds spread over the profile (before
-  // the idle-request calibrations, between them and the side-by-side ones,
-  // and last), each round every configuration, and the fit takes all of
-  // them: this VM's speed moves by ±30% within tens of seconds, and one
-  // round's few seconds per configuration is a snapshot of it. Run 22's
-  // short-prompt profile measured the tp 2 decode step at 9.4 ms where runs
-  // 20 and 21 measured 13.3 and 11.8, and predicted run 22's TPOT p99s
-  // 16-27% low; run 21's profile predicts the same measurements within 20%
-  // on 43 of 48 figures, against 36 (docs/PERFORMANCE.md, run 23).
+  // The step mix runs in kStepRounds rounds spread over the profile (first,
+  // after the colocated calibrations, and last), each round every
+  // configuration, and the fit takes all of them: this VM's speed moves by
+  // ±30% within tens of seconds, and one round's few seconds per
+  // configuration is a snapshot of it. Run 22's short-prompt profile
+  // measured the tp 2 decode step at 9.4 ms where runs 20 and 21 measured
+  // 13.3 and 11.8, and predicted run 22's TPOT p99s 16-27% low; run 21's
+  // profile predicts the same measurements within 20% on 43 of 48 figures,
+  // against 36. (Runs 23-24, with rounds, counted 46 and 36: the runs'
+  // spread, not the rounds, sets the count; docs/PERFORMANCE.md.)
   constexpr int kStepRounds = 3;
   std::map<planner::ComputeConfig, StepRecord> records;
   int rounds_done = 0;
@@ -926,6 +928,7 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                         options.cores, model.gang_sharing_exponent));
   }
   PDS_RETURN_IF_ERROR(step_round());
+  static_assert(kStepRounds == 3, "step_round() is called three times above");
   for (const planner::ComputeConfig& config : configs) {
     const StepRecord& record = records[config];
     const planner::StepCost& cost = model.steps.at(config);
