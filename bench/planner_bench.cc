@@ -22,6 +22,7 @@
 //                             [--repeats 1]
 //   (`planner_bench --help` lists every flag)
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -129,6 +130,84 @@ double MemoryReferenceSeconds(int threads) {
   });
 }
 
+// `text` with every character but letters, digits, '.' and '-' as '_'.
+std::string FileSafe(const std::string& text) {
+  std::string out = text;
+  for (char& c : out) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-') {
+      c = '_';
+    }
+  }
+  return out;
+}
+
+// A decode worker's step trace against the profile: each step's seconds
+// over the fitted cost of its shape (without the spread), for steps that
+// only decode and steps that carry a prompt, as median and 90th
+// percentile, and the seconds the worker computed.
+std::string StepTraceSummary(const std::string& path,
+                             const planner::PerfModel& model,
+                             const planner::Layout& layout) {
+  auto cost = model.Step({layout.tp, layout.decode_threads});
+  if (!cost.ok()) return cost.status().ToString();
+  auto steps = tools::ReadStepTrace(path);
+  if (!steps.ok()) return steps.status().ToString();
+  std::vector<double> decode_only, with_prompt;
+  double busy = 0;
+  for (const planner::StepSample& step : *steps) {
+    const double fitted = (*cost)->Seconds(step.shape);
+    if (!(fitted > 0)) continue;
+    // A prompt's step feeds more tokens than it makes logit rows.
+    (step.shape.tokens > step.shape.logit_rows ? with_prompt : decode_only)
+        .push_back(step.seconds / fitted);
+    busy += step.seconds;
+  }
+  auto describe = [](const char* what, std::vector<double> ratios) {
+    if (ratios.empty()) return absl::StrCat("0 ", what);
+    return absl::StrFormat("%zu %s at %.2fx (p90 %.2fx)", ratios.size(), what,
+                           planner::Percentile(ratios, 0.5),
+                           planner::Percentile(ratios, 0.9));
+  };
+  return absl::StrCat(
+      "steps over the fit: ", describe("decode-only", decode_only), ", ",
+      describe("with a prompt", with_prompt),
+      absl::StrFormat("; %.1f s busy", busy));
+}
+
+// One CSV row per request of a measured run, beside the prediction of the
+// same request on the same arrivals. Returns a process exit code.
+int WriteRequests(std::FILE* csv, const std::string& key, int round,
+                  const planner::PerfModel& model,
+                  const planner::Layout& layout,
+                  const std::vector<planner::Arrival>& arrivals,
+                  const tools::LoadReport& report, const planner::Slo& slo,
+                  int cores, uint64_t seed, int replications) {
+  std::vector<planner::SimRequest> requests;
+  for (const planner::Arrival& a : arrivals) {
+    requests.push_back(
+        {a.seconds, static_cast<int>(a.prompt.size()), a.max_tokens});
+  }
+  auto p = planner::Simulate(model, layout, requests, slo,
+                             {.cores = cores,
+                              .seed = seed,
+                              .replications = replications,
+                              .per_request = true});
+  if (!p.ok()) {
+    std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
+    return 1;
+  }
+  for (size_t i = 0; i < arrivals.size() && i < report.requests.size(); ++i) {
+    const tools::RequestResult& r = report.requests[i];
+    std::fprintf(csv, "\"%s\",%d,%zu,%.4f,%zu,%d,%.5f,%.5f,%.5f,%.5f\n",
+                 key.c_str(), round, i, arrivals[i].seconds,
+                 arrivals[i].prompt.size(), arrivals[i].max_tokens,
+                 r.ok ? r.ttft : -1.0, r.ok ? r.tpot : -1.0, p->request_ttft[i],
+                 p->request_tpot[i]);
+  }
+  std::fflush(csv);
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   CommandLineFlags flags;
   if (auto s = flags.Parse(argc, argv); !s.ok()) {
@@ -195,6 +274,25 @@ int Main(int argc, char** argv) {
       "(short, then long), so that a prediction's profile is minutes old "
       "when its layouts run rather than up to an hour: this VM's step times "
       "drift by up to a third over an hour. Not with --perf-model.");
+  const std::string requests_csv = flags.Str(
+      "requests-csv", "",
+      "Write every measured request beside its prediction to this CSV (run, "
+      "round, request, arrival s, prompt and output tokens, measured and "
+      "predicted TTFT and TPOT s; the prediction is each request's median "
+      "over the replications): where a layout's p99 comes from.",
+      "(not written)");
+  const std::string step_traces = flags.Str(
+      "step-traces", "",
+      "Every measured decode worker writes its forward steps to a CSV in "
+      "this existing folder (decode_worker --step-trace), and each run "
+      "prints its steps' time over the profile's fitted time for the same "
+      "shapes: whether a loaded cluster's steps are the profile's.",
+      "(none)");
+  const std::string only_prompts = flags.Str(
+      "prompts", "",
+      "Plan and measure only the workloads of this prompt range LO:HI (16:64 "
+      "or 256:400).",
+      "(both)");
   const bool worker_metrics = flags.Bool(
       "worker-metrics", false,
       "1: every measured cluster's processes export Prometheus metrics on "
@@ -362,11 +460,34 @@ int Main(int argc, char** argv) {
   // own profile with --reprofile) and then measured before the next.
   std::vector<planner::LengthRange> prompt_ranges;
   for (const Workload& w : workloads) {
+    if (!only_prompts.empty() &&
+        only_prompts != absl::StrCat(w.prompt.lo, ":", w.prompt.hi)) {
+      continue;
+    }
     bool seen = false;
     for (const planner::LengthRange& r : prompt_ranges) {
       seen |= r.lo == w.prompt.lo && r.hi == w.prompt.hi;
     }
     if (!seen) prompt_ranges.push_back(w.prompt);
+  }
+  if (prompt_ranges.empty()) {
+    std::fprintf(stderr,
+                 "--prompts %s: no workload has that prompt range "
+                 "(16:64 or 256:400)\n",
+                 only_prompts.c_str());
+    return 2;
+  }
+  std::FILE* csv = nullptr;
+  if (!requests_csv.empty()) {
+    csv = std::fopen(requests_csv.c_str(), "w");
+    if (csv == nullptr) {
+      std::fprintf(stderr, "--requests-csv: cannot write %s\n",
+                   requests_csv.c_str());
+      return 1;
+    }
+    std::fprintf(csv,
+                 "run,round,request,arrival_s,prompt_tokens,output_tokens,"
+                 "ttft_s,tpot_s,predicted_ttft_s,predicted_tpot_s\n");
   }
   struct Run {
     std::string key;
@@ -394,6 +515,7 @@ int Main(int argc, char** argv) {
         std::printf("\n== profile for prompts %d..%d ==\n", prompts.lo,
                     prompts.hi);
       }
+      profile.rate = RateFor(prompts);
       auto m = profile_now(
           save_path.empty() || !reprofile
               ? save_path
@@ -446,6 +568,12 @@ int Main(int argc, char** argv) {
         o.prefill_blocks = 1024;
         tools::ApplyLayout(run.row.layout, &o);
         if (worker_metrics) o.metrics_port_base = 0;
+        std::string trace_prefix;
+        if (!step_traces.empty()) {
+          trace_prefix = absl::StrCat(step_traces, "/", FileSafe(run.key), "-r",
+                                      round, "-");
+          o.step_trace_prefix = trace_prefix;
+        }
         if (run.row.rank == 0 && default_ngram) o.speculation = "ngram";
         // Before the cluster starts, so that nothing else computes.
         speed[run.key].push_back(reference_start /
@@ -463,6 +591,22 @@ int Main(int argc, char** argv) {
             run.key, (*cluster)->grpc_address(), arrivals,
             run.workload->slo.ttft_seconds, run.workload->slo.tpot_seconds);
         tools::PrintLoad(report);
+        for (int w = 0;
+             w < run.row.layout.decode_workers && !trace_prefix.empty(); ++w) {
+          std::printf(
+              "  decode-%d %s\n", w,
+              StepTraceSummary(absl::StrCat(trace_prefix, "decode-", w, ".csv"),
+                               model, run.row.layout)
+                  .c_str());
+        }
+        if (csv != nullptr) {
+          if (int rc = WriteRequests(csv, run.key, round, model, run.row.layout,
+                                     arrivals, report, run.workload->slo,
+                                     profile.cores, seed, replications);
+              rc != 0) {
+            return rc;
+          }
+        }
         measured[run.key].push_back(std::move(report));
         std::printf(
             "  machine speed before this run: %.2fx the start's (memory "
@@ -477,7 +621,10 @@ int Main(int argc, char** argv) {
       "measured; target |error| ≤ 20%%) ==\n");
   double worst = 0;
   int first_choice_ok = 0;
+  int compared = 0;
   for (const Workload& w : workloads) {
+    if (!rows_by_workload.contains(w.name)) continue;  // --prompts
+    ++compared;
     std::printf(
         "\n%s (SLO TTFT ≤ %.0f ms, TPOT ≤ %.0f ms)\n"
         "| rank | layout | TTFT p99 pred / meas | err | TPOT p99 pred / meas "
@@ -533,8 +680,8 @@ int Main(int argc, char** argv) {
   }
   std::printf(
       "\nworst |error| %.0f%%; first choice within 10%% of the "
-      "measured best on %d/%zu workloads\n",
-      worst * 100, first_choice_ok, workloads.size());
+      "measured best on %d/%d workloads\n",
+      worst * 100, first_choice_ok, compared);
   return 0;
 }
 

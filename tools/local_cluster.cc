@@ -271,6 +271,11 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
   }
+  if (!options_.step_trace_prefix.empty()) {
+    args.insert(args.end(),
+                {"--step-trace", absl::StrCat(options_.step_trace_prefix,
+                                              "decode-", worker, ".csv")});
+  }
   const std::string metrics_file = MetricsArgs(name, 20 + worker, &args);
   PDS_ASSIGN_OR_RETURN(auto child, Launch("decode_worker", name, args));
   PDS_ASSIGN_OR_RETURN(std::string address,

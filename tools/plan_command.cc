@@ -218,6 +218,7 @@ absl::Status RunPlan(int argc, char** argv) {
     request.workload = *observed;
   }
   profile.cores = request.resources.cores;
+  profile.rate = request.workload.rate;
 
   planner::PerfModel model;
   if (run_profile) {

@@ -180,68 +180,12 @@ struct Calibration {
   double step_overhead = 0;
   double handoff = 0;
   double delivery_cpu = 0;  // router + client CPU seconds per token
-  // The speed probe's step time over the fit around the requests (their
-  // median).
+  // The cluster's decode steps and prompt steps over the fit during the
+  // requests (medians).
   double slowness = 1;
-};
-
-// How fast this machine runs steps right now against a fit: an in-process
-// worker of the fitted configuration decodes a few tokens at batch 1, and
-// its decode steps' measured seconds over their fitted seconds is the
-// answer (above 1: slower than the fit). The calibration's idle requests
-// run between probes, so each is measured against the fit at the speed of
-// its moment.
-class SpeedProbe {
- public:
-  static absl::StatusOr<std::unique_ptr<SpeedProbe>> Create(
-      const model::WeightSource& weights, planner::ComputeConfig config,
-      const planner::StepCost& cost) {
-    auto probe = std::unique_ptr<SpeedProbe>(new SpeedProbe(cost));
-    decode::DecodeWorkerOptions wo;
-    wo.tp_size = config.tp;
-    wo.threads_per_rank = config.threads_per_rank;
-    wo.max_running = 4;
-    wo.num_blocks = 16;
-    wo.step_observer = [p = probe.get()](const decode::StepStats& s) {
-      if (s.tokens_fed != 1) return;  // the prompt's step
-      absl::MutexLock lock(&p->mu_);
-      p->measured_ += s.seconds;
-      p->fitted_ +=
-          p->cost_.Seconds({s.tokens_fed, s.logit_rows, s.attended_positions});
-    };
-    auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
-    if (!worker.ok()) return worker.status();
-    probe->worker_ = *std::move(worker);
-    probe->vocab_ = weights.config().vocab_size;
-    if (auto s = probe->Measure(); !s.ok()) return s.status();  // warm-up
-    return probe;
-  }
-
-  absl::StatusOr<double> Measure() {
-    {
-      absl::MutexLock lock(&mu_);
-      measured_ = fitted_ = 0;
-    }
-    PDS_RETURN_IF_ERROR(
-        RunBatch(*worker_, &next_id_, {RandomPrompt(16, vocab_, rng_)}, 8));
-    absl::MutexLock lock(&mu_);
-    if (!(fitted_ > 0) || !(measured_ > 0)) {
-      return absl::InternalError("the speed probe ran no decode steps");
-    }
-    // Within a factor of 2: a reading beyond is a stall, not a speed.
-    return std::clamp(measured_ / fitted_, 0.5, 2.0);
-  }
-
- private:
-  explicit SpeedProbe(const planner::StepCost& cost) : cost_(cost) {}
-  const planner::StepCost cost_;
-  int vocab_ = 0;
-  uint64_t next_id_ = 1;
-  std::mt19937_64 rng_{17};
-  absl::Mutex mu_;
-  double measured_ = 0, fitted_ = 0;
-  // Last: it stops (its observer reads the members above) before they go.
-  std::unique_ptr<decode::DecodeWorker> worker_;
+  double prompt_slowness = 1;
+  double stream_rate = 0;  // the requests' arrival rate, requests/s
+  int unqueued = 0;        // requests the TTFT offsets were fitted on
 };
 
 // `model` with every step cost `factor` times slower.
@@ -292,8 +236,10 @@ planner::LinearCost FitLine(const std::vector<double>& x,
 
 // A real cluster of `layout` on the profiled model.
 absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(
-    const PlannerProfileOptions& o, const planner::Layout& layout) {
+    const PlannerProfileOptions& o, const planner::Layout& layout,
+    const std::string& step_trace_prefix = "") {
   LocalClusterOptions lo;
+  lo.step_trace_prefix = step_trace_prefix;
   lo.model_path = o.model_path;
   lo.format = o.format;
   lo.bin_dir = o.bin_dir;
@@ -314,9 +260,21 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   const planner::ComputeConfig decode_config{layout.tp, layout.decode_threads};
   auto cost = model.Step(decode_config);
   if (!cost.ok()) return cost.status();
-  auto probe = SpeedProbe::Create(weights, decode_config, **cost);
-  if (!probe.ok()) return probe.status();
-  auto cluster = StartCluster(o, layout);
+  // The decode worker traces its steps: their time over the fit during the
+  // requests is the speed the simulation replays them at.
+  char trace_dir[] = "/tmp/pdserve-calibration.XXXXXX";
+  if (mkdtemp(trace_dir) == nullptr) {
+    return absl::UnavailableError("cannot create a folder in /tmp");
+  }
+  const std::string trace_path = absl::StrCat(trace_dir, "/decode-0.csv");
+  struct RemoveTrace {
+    std::string dir, file;
+    ~RemoveTrace() {
+      std::remove(file.c_str());
+      rmdir(dir.c_str());
+    }
+  } remove_trace{trace_dir, trace_path};
+  auto cluster = StartCluster(o, layout, absl::StrCat(trace_dir, "/"));
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
       (*cluster)->grpc_address(), grpc::InsecureChannelCredentials()));
@@ -325,88 +283,151 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // As many tokens as a typical answer, so per-request costs (channel,
   // stream set-up) weigh on the per-token CPU as they do in serving.
   constexpr int kTokens = 24;
-  struct Measured {
-    int prompt;
-    RequestResult result;
-    double slowness;  // the probes' around it
-  };
-  std::vector<Measured> measured;
+  constexpr int kRequests = 24;
   RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
-  // Router + this client's CPU over the requests: what streaming costs
-  // outside the workers.
-  const pid_t router_pid = (*cluster)->pids().front();
-  double cpu_seconds = 0;
-  int delivered = 0;
-  const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
-  auto before = (*probe)->Measure();
-  if (!before.ok()) return before.status();
-  for (int rep = 0; rep < 3; ++rep) {
-    for (int length : {16, 128, long_prompt}) {
-      const double cpu_before = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
-      RequestResult r =
-          RunRequest(*stub, RandomPrompt(length, vocab, rng), kTokens);
-      cpu_seconds +=
-          ProcessCpuSeconds(router_pid) + OwnCpuSeconds() - cpu_before;
-      if (!r.ok || r.tokens != kTokens) {
-        return absl::InternalError(absl::StrCat(
-            "calibration request on ", layout.Name(), " failed: ", r.error));
-      }
-      auto after = (*probe)->Measure();
-      if (!after.ok()) return after.status();
-      delivered += r.tokens;
-      measured.push_back({length, std::move(r), (*before + *after) / 2});
-      before = after;
-    }
-  }
+
   // What the steps alone predict (no per-request costs yet).
-  Calibration c;
-  c.delivery_cpu = std::max(0.0, cpu_seconds / delivered);
   planner::PerfModel bare = model;
   bare.colocated_ttft = bare.disaggregated_ttft = {};
   bare.decode_step_overhead_seconds = bare.handoff_seconds = 0;
   bare.calibrated.clear();
-  bare.delivery_cpu_seconds = c.delivery_cpu;  // it competes here too
-  // Idle requests against the fitted step times: the offsets calibrate the
-  // typical step (the spread's median is ~1), and a handful of random
-  // spread draws would only add noise to them.
+  // Requests against the fitted step times: the offsets calibrate the
+  // typical step (the spread's median is ~1), and the spread's draws would
+  // only add noise to them.
   planner::SimOptions fitted_steps;
   fitted_steps.step_spread = false;
-  // Each request against the fitted steps slowed to the probe's speed around
-  // it: what is left over is the time outside the steps, whatever this VM's
-  // speed was during these few seconds. Against the fit alone a fast or slow
-  // moment went into the offsets, and into every prediction made with them.
-  std::vector<double> slowness;
-  for (const Measured& m : measured) slowness.push_back(m.slowness);
-  c.slowness = planner::Median(slowness);
+  fitted_steps.per_request = true;
+
+  // The requests arrive open loop at the workload's rate, as a measured
+  // run's do, with prompts of 16..long_prompt tokens (a line's worth of
+  // lengths): what a request pays outside the steps depends on the state
+  // it finds the path's threads in. Sent one at a time right after the
+  // speed probe's computation, the offsets came out 5-17 ms (median) below
+  // what requests of measured runs paid; each sent after an idle pause of
+  // 0.25-1 s, 10-20 ms above (planner_bench --requests-csv,
+  // docs/PERFORMANCE.md). The rate is capped where the simulation puts the
+  // calibrated layout at half busy, so that queueing the model might get
+  // wrong stays small beside the offsets.
+  const int long_prompt = std::max(32, std::min(384, o.max_prompt * 3 / 4));
+  planner::WorkloadSpec stream{
+      kRequests, o.rate, {16, long_prompt}, {kTokens, kTokens}, 5};
+  {
+    auto at_rate = planner::Simulate(bare, layout, planner::SimRequests(stream),
+                                     {}, fitted_steps);
+    if (!at_rate.ok()) return at_rate.status();
+    const double busy =
+        std::max(at_rate->decode_utilisation, at_rate->prefill_utilisation);
+    if (busy > 0.5) stream.rate *= 0.5 / busy;
+  }
+  const std::vector<planner::Arrival> arrivals =
+      planner::MakeArrivals(stream, vocab);
+  std::vector<planner::SimRequest> requests;
+  for (const planner::Arrival& a : arrivals) {
+    requests.push_back(
+        {a.seconds, static_cast<int>(a.prompt.size()), a.max_tokens});
+  }
+  // Router + this client's CPU over the requests: what streaming costs
+  // outside the workers.
+  const pid_t router_pid = (*cluster)->pids().front();
+  auto traced_before = ReadStepTrace(trace_path);
+  if (!traced_before.ok()) return traced_before.status();
+  const double cpu_before = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
+  const LoadReport load = RunLoad(layout.Name(), (*cluster)->grpc_address(),
+                                  arrivals, /*slo_ttft=*/1e9, /*slo_tpot=*/1e9);
+  const double cpu_seconds =
+      ProcessCpuSeconds(router_pid) + OwnCpuSeconds() - cpu_before;
+  auto traced = ReadStepTrace(trace_path);
+  if (!traced.ok()) return traced.status();
+  traced->erase(traced->begin(), traced->begin() + traced_before->size());
+  int delivered = 0;
+  for (const RequestResult& r : load.requests) {
+    if (!r.ok || r.tokens != kTokens) {
+      return absl::InternalError(absl::StrCat(
+          "calibration request on ", layout.Name(), " failed: ", r.error));
+    }
+    delivered += r.tokens;
+  }
+  Calibration c;
+  c.delivery_cpu = std::max(0.0, cpu_seconds / delivered);
+  c.stream_rate = stream.rate;
+  bare.delivery_cpu_seconds = c.delivery_cpu;  // it competes here too
+  // The stream against the fitted steps slowed to the speed its own steps
+  // ran at: what is left over is the time outside the steps, whatever this
+  // VM's speed was during these seconds. Decode steps and prompt steps each
+  // at their own (the TPOT and hand-off against the first, the TTFT
+  // against the second): one factor for both, the decode steps' 0.84-0.88x
+  // against prompt steps nearer 1x, left 30-40 ms of prefill time in the TTFT
+  // offsets. The disaggregated layout's prefill stage is not traced; its
+  // steps are taken at the fit. (An in-process speed probe before and after
+  // the requests read 1.14-1.16x while the steps ran at 0.95-1.10x.)
+  const StepsOverFit over_fit = OverFit(*traced, **cost);
+  if (!(over_fit.decode > 0)) {
+    return absl::InternalError(
+        absl::StrCat("calibration on ", layout.Name(),
+                     ": the decode worker traced no decode step"));
+  }
+  // Within the speeds this VM has been seen to move between (0.7-1.4x of
+  // the fit, profile rounds and traced clusters alike): beyond, the ratio is
+  // not the machine's speed but a cluster's steps costing more than the
+  // in-process ones (stories260K's 0.06 ms steps ran 1.5-2.8x the fit in a
+  // cluster), which belongs in the offsets, where predictions keep it.
+  auto speed_range = [](double ratio) {
+    return std::clamp(ratio, 2.0 / 3, 1.5);
+  };
+  c.slowness = speed_range(over_fit.decode);
+  c.prompt_slowness = over_fit.prompt > 0 ? speed_range(over_fit.prompt) : 1.0;
+  const planner::PerfModel slowed = SlowedBy(bare, c.slowness);
   if (!step_overhead.has_value()) {
+    auto all = planner::Simulate(slowed, layout, requests, {}, fitted_steps);
+    if (!all.ok()) return all.status();
     std::vector<double> extra;
-    for (const Measured& m : measured) {
-      auto all = planner::Simulate(SlowedBy(bare, m.slowness), layout,
-                                   {{0, m.prompt, kTokens}}, {}, fitted_steps);
-      if (!all.ok()) return all.status();
-      extra.push_back(m.result.tpot - all->tpot_p50);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      extra.push_back(load.requests[i].tpot - all->request_tpot[i]);
     }
     // A step never takes less than half its profiled time, whatever the
-    // noise in a handful of idle requests says.
+    // noise in a handful of requests says.
     step_overhead = std::max(planner::Percentile(extra, 0.5),
                              -0.5 * (*cost)->Seconds({1, 1, 16}));
   }
   c.step_overhead = *step_overhead;
-  bare.decode_step_overhead_seconds = *step_overhead;
+  planner::PerfModel with_overhead = slowed;
+  with_overhead.decode_step_overhead_seconds = *step_overhead;
+  planner::PerfModel prompts_slowed = SlowedBy(bare, c.prompt_slowness);
+  prompts_slowed.decode_step_overhead_seconds = *step_overhead;
+  auto all =
+      planner::Simulate(with_overhead, layout, requests, {}, fitted_steps);
+  auto all_prompts =
+      planner::Simulate(prompts_slowed, layout, requests, {}, fitted_steps);
+  if (!all.ok()) return all.status();
+  if (!all_prompts.ok()) return all_prompts.status();
+  // The TTFT offsets from the requests the simulation has finding no queue
+  // (their simulated TTFT within 2 ms of the same request alone): where it
+  // has one, an error in the simulated wait would pass for a per-request
+  // cost — a first version fitted over every request read -85 ms
+  // +1.37 ms/token on the disaggregated layout, its prefill stage's queue at
+  // the long prompts. At least kFewest requests, the least queued.
+  constexpr int kFewest = 8;
+  std::vector<std::pair<double, size_t>> by_wait;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto alone = planner::Simulate(prompts_slowed, layout,
+                                   {{0, requests[i].prompt_tokens, kTokens}},
+                                   {}, fitted_steps);
+    if (!alone.ok()) return alone.status();
+    by_wait.push_back({all_prompts->request_ttft[i] - alone->ttft_p50, i});
+  }
+  std::sort(by_wait.begin(), by_wait.end());
   std::vector<double> prompts, ttft_extra, gap_extra;
-  for (const Measured& m : measured) {
-    const planner::PerfModel slowed = SlowedBy(bare, m.slowness);
-    auto one =
-        planner::Simulate(slowed, layout, {{0, m.prompt, 1}}, {}, fitted_steps);
-    auto two =
-        planner::Simulate(slowed, layout, {{0, m.prompt, 2}}, {}, fitted_steps);
-    if (!one.ok() || !two.ok()) return one.ok() ? two.status() : one.status();
-    prompts.push_back(m.prompt);
-    ttft_extra.push_back(m.result.ttft - one->ttft_p50);
+  for (size_t k = 0; k < by_wait.size(); ++k) {
+    const auto [wait, i] = by_wait[k];
+    if (wait > 0.002 && static_cast<int>(k) >= kFewest) break;
+    const RequestResult& r = load.requests[i];
+    prompts.push_back(requests[i].prompt_tokens);
+    ttft_extra.push_back(r.ttft - all_prompts->request_ttft[i]);
     // Every token carries the same delivery offset, so the first gap is
     // the simulated one plus the hand-off.
-    gap_extra.push_back(m.result.first_gap - two->tpot_p50);
+    gap_extra.push_back(r.first_gap - all->request_first_gap[i]);
   }
+  c.unqueued = static_cast<int>(prompts.size());
   c.ttft = FitLine(prompts, ttft_extra);
   c.handoff = std::max(0.0, planner::Percentile(gap_extra, 0.5));
   return c;
@@ -767,6 +788,40 @@ void ApplyLayout(const planner::Layout& layout, LocalClusterOptions* o) {
   o->speculation = layout.gamma > 0 ? "ngram" : "off";
 }
 
+absl::StatusOr<std::vector<planner::StepSample>> ReadStepTrace(
+    const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("no step trace at ", path));
+  std::vector<planner::StepSample> steps;
+  std::string line;
+  std::getline(in, line);  // the header
+  while (std::getline(in, line)) {
+    double end = 0, seconds = 0;
+    int sequences = 0, tokens = 0, rows = 0, output = 0;
+    long long attended = 0;
+    if (std::sscanf(line.c_str(), "%lf,%lf,%d,%d,%d,%lld,%d", &end, &seconds,
+                    &sequences, &tokens, &rows, &attended, &output) != 7) {
+      continue;
+    }
+    steps.push_back({{tokens, rows, attended}, seconds});
+  }
+  return steps;
+}
+
+StepsOverFit OverFit(const std::vector<planner::StepSample>& steps,
+                     const planner::StepCost& cost) {
+  std::vector<double> decode, prompt;
+  for (const planner::StepSample& s : steps) {
+    const double fitted = cost.Seconds(s.shape);
+    if (!(fitted > 0)) continue;
+    // A prompt's step feeds more tokens than it makes logit rows.
+    (s.shape.tokens > s.shape.logit_rows ? prompt : decode)
+        .push_back(s.seconds / fitted);
+  }
+  return {planner::Median(std::move(decode)),
+          planner::Median(std::move(prompt))};
+}
+
 absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     const PlannerProfileOptions& options) {
   auto format = model::ParseLoadFormat(options.format);
@@ -845,13 +900,14 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     if (!c.ok()) return c.status();
     model.calibrated[config] = {c->step_overhead, c->ttft};
     delivery_cpu += c->delivery_cpu / model.steps.size();
-    Say(options,
-        absl::StrFormat("  TTFT extra %.1f ms %+.3f ms/token; decode step "
-                        "overhead %+.2f ms; router + client CPU %.3f ms/token; "
-                        "steps meanwhile at %.2fx the fit's time",
-                        c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
-                        c->step_overhead * 1e3, c->delivery_cpu * 1e3,
-                        c->slowness));
+    Say(options, absl::StrFormat(
+                     "  TTFT extra %.1f ms %+.3f ms/token; decode step "
+                     "overhead %+.2f ms; router + client CPU %.3f ms/token; "
+                     "steps meanwhile at %.2fx the fit's time (prompts "
+                     "%.2fx); requests at %.2f/s, %d unqueued",
+                     c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
+                     c->step_overhead * 1e3, c->delivery_cpu * 1e3, c->slowness,
+                     c->prompt_slowness, c->stream_rate, c->unqueued));
   }
   // Configurations not calibrated (none today) fall back on tp 1 × 1.
   const planner::PerfModel::Calibration& base =
@@ -871,10 +927,12 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     Say(options,
         absl::StrFormat("  disaggregated TTFT extra %.1f ms %+.3f ms/token; "
                         "hand-off %.2f ms; steps meanwhile at %.2fx the "
-                        "fit's time",
+                        "fit's time (prompts %.2fx); requests at %.2f/s, %d "
+                        "unqueued",
                         model.disaggregated_ttft.base * 1e3,
                         model.disaggregated_ttft.per_prompt_token * 1e3,
-                        model.handoff_seconds * 1e3, d->slowness));
+                        model.handoff_seconds * 1e3, d->slowness,
+                        d->prompt_slowness, d->stream_rate, d->unqueued));
   } else {
     model.disaggregated_ttft = model.colocated_ttft;
   }

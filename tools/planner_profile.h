@@ -14,14 +14,20 @@
 //     within seconds, and one round is a snapshot of it.
 //  2. What happens outside the steps. Real clusters (router + workers as
 //     processes, tools/local_cluster.h), colocated and disaggregated, serve
-//     requests one at a time; what they measure minus what the simulator
-//     predicts for the same idle request is the per-request cost: TTFT
-//     overhead as a + b·prompt (router, gRPC, the KV hand-off), the stream
-//     delay, and the prefill→decode hand-off. Between the requests an
-//     in-process worker of the same configuration decodes a few tokens (a
-//     speed probe), and each request is simulated with the fitted steps
-//     slowed to the probe's speed around it, so the machine's speed in those
-//     seconds stays out of the per-request costs.
+//     24 requests arriving open loop at the workload's rate (slower where
+//     the simulation has the layout over half busy); what they measure minus
+//     what the simulator predicts for the same arrivals is the per-request
+//     cost: TTFT overhead as a + b·prompt (router, gRPC, the KV hand-off;
+//     fitted on the requests the simulation has finding no queue, so a
+//     queueing error is not read as a cost), the decode step overhead, and
+//     the prefill→decode hand-off. The cluster's decode worker traces its
+//     steps (decode_worker --step-trace), and the stream is simulated with
+//     the fitted steps slowed to the speed those steps ran at, so the
+//     machine's speed in those seconds stays out of the per-request costs.
+//     Open loop, because a request's cost outside the steps depends on the
+//     state it finds the path's threads in: requests sent one at a time
+//     right after a computation paid 5-17 ms less than a measured run's,
+//     each after an idle pause 10-20 ms more (docs/PERFORMANCE.md).
 //  3. Co-running, side by side in this process: a one-thread worker runs
 //     a fixed piece of work (a decode batch, or four prompts prefilled) in
 //     twelve alternating phases, alone and beside another one-thread
@@ -57,6 +63,10 @@ struct PlannerProfileOptions {
   // Largest prompt profiled (and the context of the long decode batches is
   // 3/4 of it); prompts beyond it are extrapolated.
   int max_prompt = 512;
+  // The workload's arrival rate, requests/s: the calibrations' requests
+  // arrive open loop at it (or slower, where a calibrated layout would be
+  // more than half busy).
+  double rate = 1.5;
   // Told how it goes, a line at a time.
   std::function<void(const std::string&)> progress;
 };
@@ -67,5 +77,22 @@ void ApplyLayout(const planner::Layout& layout, LocalClusterOptions* options);
 
 absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     const PlannerProfileOptions& options);
+
+// A decode worker's step trace (decode_worker --step-trace): each step's
+// shape and seconds, in order. A last line cut short (the worker stopped
+// mid-write) is skipped; NOT_FOUND without the file.
+absl::StatusOr<std::vector<planner::StepSample>> ReadStepTrace(
+    const std::string& path);
+
+// The traced steps' seconds over `cost`'s fitted seconds for their shapes
+// (without the spread), the median of the steps that only decode and of
+// those that carry a prompt (more tokens fed than logit rows); 0 where there
+// are none.
+struct StepsOverFit {
+  double decode = 0;
+  double prompt = 0;
+};
+StepsOverFit OverFit(const std::vector<planner::StepSample>& steps,
+                     const planner::StepCost& cost);
 
 }  // namespace pdserve::tools

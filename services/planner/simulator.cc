@@ -623,6 +623,12 @@ class Simulation {
       for (size_t i = 1; i < r.deliveries.size(); ++i) {
         itl.push_back(r.deliveries[i] - r.deliveries[i - 1]);
       }
+      if (options_.per_request) {
+        p.request_ttft.push_back(first);
+        p.request_tpot.push_back(request_tpot);
+        p.request_first_gap.push_back(
+            r.deliveries.size() > 1 ? r.deliveries[1] - r.deliveries[0] : 0);
+      }
       tokens += r.emitted;
       end = std::max(end, r.end);
       if (first <= slo.ttft_seconds &&
@@ -709,6 +715,16 @@ Prediction MedianPrediction(const std::vector<Prediction>& runs) {
     out.goodput_high = std::max(out.goodput_high, p.goodput);
   }
   out.replications = static_cast<int>(runs.size());
+  for (std::vector<double> Prediction::*field :
+       {&Prediction::request_ttft, &Prediction::request_tpot,
+        &Prediction::request_first_gap}) {
+    const size_t n = (runs.front().*field).size();
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<double> v;
+      for (const Prediction& p : runs) v.push_back((p.*field)[i]);
+      (out.*field).push_back(Median(std::move(v)));
+    }
+  }
   return out;
 }
 

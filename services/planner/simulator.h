@@ -85,6 +85,12 @@ struct Prediction {
   // (equal to `goodput` for one run).
   double goodput_low = 0, goodput_high = 0;
   int replications = 1;
+  // With SimOptions::per_request, each request's TTFT, TPOT (0 for one
+  // token) and first gap between streamed items (0 for one item) in arrival
+  // order, the median over the runs: to set beside a measured run's
+  // requests one by one (the profile's calibrations, planner_bench
+  // --requests-csv).
+  std::vector<double> request_ttft, request_tpot, request_first_gap;
 };
 
 struct SimOptions {
@@ -115,6 +121,8 @@ struct SimOptions {
   // its typical value. Without draws (no spread, no speculation) one run is
   // all runs, and one is made.
   int replications = 1;
+  // Fill Prediction::request_ttft, request_tpot and request_first_gap.
+  bool per_request = false;
 };
 
 // INVALID_ARGUMENT for an empty request list or a layout with nothing in it;

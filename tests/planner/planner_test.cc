@@ -296,6 +296,53 @@ TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
   EXPECT_EQ(fixed->goodput_low, fixed->goodput_high);
 }
 
+TEST(SimulatorTest, PerRequestTimingsAreEachRequestsMedianOverTheRuns) {
+  const PerfModel model = ModelWithSpread({0.6, 0.9, 1.0, 1.3, 2.5});
+  Layout coloc;
+  coloc.colocated = true;
+  WorkloadSpec w;
+  w.requests = 30;
+  w.rate = 4;
+  w.prompt = {16, 300};
+  w.output = {1, 32};
+  const std::vector<SimRequest> requests = SimRequests(w);
+  // Asked for only.
+  auto plain = Simulate(model, coloc, requests, Slo{}, {.seed = 7});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->request_ttft.empty());
+  std::vector<Prediction> runs;
+  for (uint64_t seed = 7; seed < 10; ++seed) {
+    auto p = Simulate(model, coloc, requests, Slo{},
+                      {.seed = seed, .per_request = true});
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_EQ(p->request_ttft.size(), requests.size());
+    ASSERT_EQ(p->request_tpot.size(), requests.size());
+    ASSERT_EQ(p->request_first_gap.size(), requests.size());
+    // One run's per-request figures are its summary's samples.
+    EXPECT_DOUBLE_EQ(Percentile(p->request_ttft, 0.99), p->ttft_p99);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (requests[i].output_tokens == 1) {
+        EXPECT_EQ(p->request_tpot[i], 0);
+        EXPECT_EQ(p->request_first_gap[i], 0);
+      } else {
+        EXPECT_GT(p->request_first_gap[i], 0);
+      }
+    }
+    runs.push_back(*p);
+  }
+  auto three = Simulate(model, coloc, requests, Slo{},
+                        {.seed = 7, .replications = 3, .per_request = true});
+  ASSERT_TRUE(three.ok()) << three.status();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_DOUBLE_EQ(three->request_ttft[i],
+                     Median({runs[0].request_ttft[i], runs[1].request_ttft[i],
+                             runs[2].request_ttft[i]}));
+    EXPECT_DOUBLE_EQ(three->request_tpot[i],
+                     Median({runs[0].request_tpot[i], runs[1].request_tpot[i],
+                             runs[2].request_tpot[i]}));
+  }
+}
+
 // TTFT of two workers of 2 threads each, one prompt each, on 2 cores over
 // the same on 4 (-1 if a simulation fails); `gang_sharing` as
 // SimOptions::gang_sharing.
