@@ -246,19 +246,29 @@ TEST(SimulatorTest, StepSpreadMatchesMG1) {
   EXPECT_GT(p->ttft_p99, fixed->ttft_p99);
 }
 
+Layout Colocated() {
+  Layout coloc;
+  coloc.colocated = true;
+  return coloc;
+}
+
+// `n` requests at 4/s, prompts of 16..300 tokens.
+std::vector<SimRequest> PoissonRequests(int n, LengthRange output) {
+  WorkloadSpec w;
+  w.requests = n;
+  w.rate = 4;
+  w.prompt = {16, 300};
+  w.output = output;
+  return SimRequests(w);
+}
+
 TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
   // Five runs with different step-time draws: every figure is the median of
   // the five single runs with seeds seed .. seed + 4, and the goodput range
   // is theirs.
   const PerfModel model = ModelWithSpread({0.6, 0.9, 1.0, 1.3, 2.5});
-  Layout coloc;
-  coloc.colocated = true;
-  WorkloadSpec w;
-  w.requests = 60;
-  w.rate = 4;
-  w.prompt = {16, 300};
-  w.output = {8, 32};
-  const std::vector<SimRequest> requests = SimRequests(w);
+  const Layout coloc = Colocated();
+  const std::vector<SimRequest> requests = PoissonRequests(60, {8, 32});
   const Slo slo{0.3, 0.04};
   std::vector<Prediction> runs;
   for (uint64_t seed = 7; seed < 12; ++seed) {
@@ -298,14 +308,8 @@ TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
 
 TEST(SimulatorTest, PerRequestTimingsAreEachRequestsMedianOverTheRuns) {
   const PerfModel model = ModelWithSpread({0.6, 0.9, 1.0, 1.3, 2.5});
-  Layout coloc;
-  coloc.colocated = true;
-  WorkloadSpec w;
-  w.requests = 30;
-  w.rate = 4;
-  w.prompt = {16, 300};
-  w.output = {1, 32};
-  const std::vector<SimRequest> requests = SimRequests(w);
+  const Layout coloc = Colocated();
+  const std::vector<SimRequest> requests = PoissonRequests(30, {1, 32});
   // Asked for only.
   auto plain = Simulate(model, coloc, requests, Slo{}, {.seed = 7});
   ASSERT_TRUE(plain.ok()) << plain.status();
