@@ -157,8 +157,7 @@ std::string StepTraceSummary(const std::string& path,
   for (const planner::StepSample& step : *steps) {
     const double fitted = (*cost)->Seconds(step.shape);
     if (!(fitted > 0)) continue;
-    // A prompt's step feeds more tokens than it makes logit rows.
-    (step.shape.tokens > step.shape.logit_rows ? with_prompt : decode_only)
+    (tools::CarriesPrompt(step.shape) ? with_prompt : decode_only)
         .push_back(step.seconds / fitted);
     busy += step.seconds;
   }
@@ -182,11 +181,8 @@ int WriteRequests(std::FILE* csv, const std::string& key, int round,
                   const std::vector<planner::Arrival>& arrivals,
                   const tools::LoadReport& report, const planner::Slo& slo,
                   int cores, uint64_t seed, int replications) {
-  std::vector<planner::SimRequest> requests;
-  for (const planner::Arrival& a : arrivals) {
-    requests.push_back(
-        {a.seconds, static_cast<int>(a.prompt.size()), a.max_tokens});
-  }
+  const std::vector<planner::SimRequest> requests =
+      planner::SimRequests(arrivals);
   auto p = planner::Simulate(model, layout, requests, slo,
                              {.cores = cores,
                               .seed = seed,

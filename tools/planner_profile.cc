@@ -321,11 +321,8 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   }
   const std::vector<planner::Arrival> arrivals =
       planner::MakeArrivals(stream, vocab);
-  std::vector<planner::SimRequest> requests;
-  for (const planner::Arrival& a : arrivals) {
-    requests.push_back(
-        {a.seconds, static_cast<int>(a.prompt.size()), a.max_tokens});
-  }
+  const std::vector<planner::SimRequest> requests =
+      planner::SimRequests(arrivals);
   // Router + this client's CPU over the requests: what streaming costs
   // outside the workers.
   const pid_t router_pid = (*cluster)->pids().front();
@@ -814,9 +811,7 @@ StepsOverFit OverFit(const std::vector<planner::StepSample>& steps,
   for (const planner::StepSample& s : steps) {
     const double fitted = cost.Seconds(s.shape);
     if (!(fitted > 0)) continue;
-    // A prompt's step feeds more tokens than it makes logit rows.
-    (s.shape.tokens > s.shape.logit_rows ? prompt : decode)
-        .push_back(s.seconds / fitted);
+    (CarriesPrompt(s.shape) ? prompt : decode).push_back(s.seconds / fitted);
   }
   return {planner::Median(std::move(decode)),
           planner::Median(std::move(prompt))};

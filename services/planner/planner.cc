@@ -13,8 +13,12 @@ namespace pdserve::planner {
 std::vector<SimRequest> SimRequests(const WorkloadSpec& spec) {
   // Only the lengths matter here; the ids are drawn anyway so the random
   // sequence, hence the arrivals, equal load_bench's.
+  return SimRequests(MakeArrivals(spec, /*vocab=*/32000));
+}
+
+std::vector<SimRequest> SimRequests(const std::vector<Arrival>& arrivals) {
   std::vector<SimRequest> out;
-  for (const Arrival& a : MakeArrivals(spec, /*vocab=*/32000)) {
+  for (const Arrival& a : arrivals) {
     out.push_back({a.seconds, static_cast<int>(a.prompt.size()), a.max_tokens});
   }
   return out;

@@ -55,6 +55,8 @@ absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
 // The workload's requests as the simulator takes them (same arrivals as
 // load_bench for the same spec).
 std::vector<SimRequest> SimRequests(const WorkloadSpec& spec);
+// The same for arrivals already made (MakeArrivals): their times and lengths.
+std::vector<SimRequest> SimRequests(const std::vector<Arrival>& arrivals);
 
 // A table of the ranked layouts (the first `rows`).
 std::string FormatPlan(const std::vector<RankedLayout>& ranked, int rows);
