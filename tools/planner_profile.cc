@@ -607,12 +607,17 @@ class CalibrationBench {
       auto gang = make(gang_tp, kGang);
       if (!gang.ok()) return gang.status();
       bench->gang_ = *std::move(gang);
+      // The neighbour of the gang-beside-gang calibration: as much a gang.
+      auto other = make(gang_tp, std::nullopt);
+      if (!other.ok()) return other.status();
+      bench->other_gang_ = *std::move(other);
     }
     // First touches of weights and KV pages are not what a serving worker
     // sees.
     for (decode::DecodeWorker* w :
          {bench->one_thread_.get(), bench->neighbours_[0].get(),
-          bench->neighbours_[1].get(), bench->gang_.get()}) {
+          bench->neighbours_[1].get(), bench->gang_.get(),
+          bench->other_gang_.get()}) {
       if (w == nullptr) continue;
       if (auto s = bench->Decode(*w, 8)(); !s.ok()) return s;
       if (auto s = bench->Prefill(*w, 1)(); !s.ok()) return s;
@@ -653,6 +658,10 @@ class CalibrationBench {
   Work PrefillUnit(int neighbour) {
     return Prefill(*neighbours_[neighbour], 1);
   }
+  // The second TP worker's unit: decoding, as the gang's phase does.
+  Work GangUnit() {
+    return Decode(*other_gang_, std::max(4, decode_tokens_ / 4));
+  }
   SideBySide& recorder() { return recorder_; }
   static constexpr int kOneThread = 0, kGang = 1;  // SideBySide worker ids
 
@@ -660,7 +669,7 @@ class CalibrationBench {
   CalibrationBench() = default;
 
   SideBySide recorder_;  // outlives the workers that call its observer
-  std::unique_ptr<decode::DecodeWorker> one_thread_, gang_;
+  std::unique_ptr<decode::DecodeWorker> one_thread_, gang_, other_gang_;
   std::vector<std::unique_ptr<decode::DecodeWorker>> neighbours_;
   int vocab_ = 0;
   int prefill_tokens_ = 256, decode_prompt_ = 32, decode_tokens_ = 64;
@@ -734,12 +743,29 @@ int GangCalibrationTp(const planner::PerfModel& model, int cores) {
 // block at their all-reduces, the scheduler favours them as they wake, and
 // how much that wins back depends on how many busy threads they wake
 // beside.
-absl::StatusOr<std::vector<planner::PerfModel::GangPoint>> CalibrateGangSharing(
+//
+// Then beside a second TP worker decoding (PerfModel::gang_beside_gang),
+// where the cores are oversubscribed by the two: gangs beside gangs lose
+// far less than beside one-thread workers that never block (a rank waiting
+// at its all-reduce yields its core to the other gang's rank), and the
+// points above over-predicted two TP 2 workers' TPOT p99 by 62% (run 25).
+struct GangSharing {
+  std::vector<planner::PerfModel::GangPoint> points;
+  std::optional<planner::PerfModel::GangPoint> beside_gang;
+};
+absl::StatusOr<GangSharing> CalibrateGangSharing(
     const PlannerProfileOptions& o, const planner::PerfModel& model,
     CalibrationBench& bench, int tp) {
   auto cost = model.Step({tp, 1});
   if (!cost.ok()) return cost.status();
-  std::vector<planner::PerfModel::GangPoint> points;
+  // r at processor sharing's `share` as an exponent (above), 0 where the
+  // co-running slow-down `co_running` explains r.
+  auto exponent_of = [tp](double ratio, double share, double co_running) {
+    if (share >= 1 || ratio * share <= 1 + co_running) return 0.0;
+    return std::clamp(std::log(ratio * share) / (-(tp - 1) * std::log(share)),
+                      0.0, 2.0);
+  };
+  GangSharing sharing;
   for (int neighbours : {1, 2}) {
     std::vector<Work> units;
     for (int i = 0; i < neighbours; ++i) units.push_back(bench.PrefillUnit(i));
@@ -749,11 +775,8 @@ absl::StatusOr<std::vector<planner::PerfModel::GangPoint>> CalibrateGangSharing(
     const double demand =
         model.BusyCores({tp, 1}) + neighbours * model.BusyCores({1, 1});
     const double share = std::min(1.0, o.cores / demand);
-    double exponent = 0;
-    if (share < 1 && r->ratio * share > 1 + model.co_running.decode_step) {
-      exponent = std::clamp(
-          std::log(r->ratio * share) / (-(tp - 1) * std::log(share)), 0.0, 2.0);
-    }
+    const double exponent =
+        exponent_of(r->ratio, share, model.co_running.decode_step);
     Say(o, absl::StrFormat("  tp %d beside %d prefilling: %.2fx alone's step "
                            "time (%d and %d steps); processor sharing gives "
                            "%.2fx, co-running %.2fx: exponent %.2f at share "
@@ -762,11 +785,28 @@ absl::StatusOr<std::vector<planner::PerfModel::GangPoint>> CalibrateGangSharing(
                            r->steps_alone, 1 / share,
                            (1 + model.co_running.decode_step) / share, exponent,
                            share));
-    if (share < 1 && (points.empty() || share < points.back().share)) {
-      points.push_back({share, exponent});
+    if (share < 1 &&
+        (sharing.points.empty() || share < sharing.points.back().share)) {
+      sharing.points.push_back({share, exponent});
     }
   }
-  return points;
+  const double share = std::min(1.0, o.cores / (2 * model.BusyCores({tp, 1})));
+  if (share < 1) {
+    auto r = bench.recorder().Measure(CalibrationBench::kGang, **cost,
+                                      bench.GangPhase(), {bench.GangUnit()});
+    if (!r.ok()) return r.status();
+    const double co_running = model.co_running.DecodeBesideDecode();
+    const double exponent = exponent_of(r->ratio, share, co_running);
+    Say(o, absl::StrFormat("  tp %d beside a tp %d decoding: %.2fx alone's "
+                           "step time (%d and %d steps); processor sharing "
+                           "gives %.2fx, co-running %.2fx: exponent %.2f at "
+                           "share %.2f",
+                           tp, tp, r->ratio, r->steps_beside, r->steps_alone,
+                           1 / share, (1 + co_running) / share, exponent,
+                           share));
+    sharing.beside_gang = planner::PerfModel::GangPoint{share, exponent};
+  }
+  return sharing;
 }
 
 }  // namespace
@@ -957,21 +997,29 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     if (gang_tp > 0) {
       Say(options, absl::StrCat("calibrating gang sharing: tp ", gang_tp,
                                 " × 1 thread decoding alone and beside "
-                                "prefilling workers, alternately"));
-      auto points = CalibrateGangSharing(options, model, **bench, gang_tp);
-      if (!points.ok()) return points.status();
-      model.gang_sharing_points = *points;
+                                "prefilling workers, then beside another "
+                                "TP worker, alternately"));
+      auto sharing = CalibrateGangSharing(options, model, **bench, gang_tp);
+      if (!sharing.ok()) return sharing.status();
+      model.gang_sharing_points = sharing->points;
+      model.gang_beside_gang = sharing->beside_gang;
       // The first point's exponent, for readers of the scalar (older
       // routers' profiles).
-      if (!points->empty()) {
-        model.gang_sharing_exponent = points->front().exponent;
+      if (!sharing->points.empty()) {
+        model.gang_sharing_exponent = sharing->points.front().exponent;
       }
       std::string line = "  gang-sharing exponents:";
-      for (const planner::PerfModel::GangPoint& p : *points) {
+      for (const planner::PerfModel::GangPoint& p : sharing->points) {
         absl::StrAppend(&line, absl::StrFormat(" %.2f at share %.2f;",
                                                p.exponent, p.share));
       }
       Say(options, line);
+      if (sharing->beside_gang) {
+        Say(options,
+            absl::StrFormat("  gang-beside-gang exponent: %.2f at share %.2f",
+                            sharing->beside_gang->exponent,
+                            sharing->beside_gang->share));
+      }
     }
   }
   if (gang_tp == 0) {

@@ -73,7 +73,7 @@ nlohmann::json PerfModel::ToJson() const {
   for (const GangPoint& p : gang_sharing_points) {
     gang_points.push_back({{"share", p.share}, {"exponent", p.exponent}});
   }
-  return {{"model", model},
+  nlohmann::json json = {{"model", model},
           {"num_layers", num_layers},
           {"block_size", block_size},
           {"cores", cores},
@@ -89,6 +89,11 @@ nlohmann::json PerfModel::ToJson() const {
           {"kv_bytes_per_token", kv_bytes_per_token},
           {"activation_bytes_per_token", activation_bytes_per_token},
           {"calibrated", calibrations}};
+  if (gang_beside_gang) {
+    json["gang_beside_gang"] = {{"share", gang_beside_gang->share},
+                                {"exponent", gang_beside_gang->exponent}};
+  }
+  return json;
 }
 
 absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
@@ -150,6 +155,11 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
       m.gang_sharing_points.push_back(
           {p.at("share").get<double>(), p.at("exponent").get<double>()});
     }
+    if (json.contains("gang_beside_gang")) {
+      const nlohmann::json& p = json.at("gang_beside_gang");
+      m.gang_beside_gang = GangPoint{p.at("share").get<double>(),
+                                     p.at("exponent").get<double>()};
+    }
     // Profiles from before multi-node planning have neither.
     m.kv_bytes_per_token = json.value("kv_bytes_per_token", 0.0);
     m.activation_bytes_per_token =
@@ -191,6 +201,15 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
           "descending, each share once");
     }
   }
+  if (m.gang_beside_gang &&
+      (!(m.gang_beside_gang->share > 0) || m.gang_beside_gang->share > 1 ||
+       !(m.gang_beside_gang->exponent >= 0) ||
+       m.gang_beside_gang->exponent > 4)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "perf model: gang_beside_gang needs a share in (0, 1] and an exponent "
+        "in [0, 4], got ",
+        m.gang_beside_gang->share, " and ", m.gang_beside_gang->exponent));
+  }
   if (!(m.kv_bytes_per_token >= 0) || !(m.activation_bytes_per_token >= 0)) {
     return absl::InvalidArgumentError(
         "perf model: kv_bytes_per_token and activation_bytes_per_token must "
@@ -207,7 +226,8 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
   return m;
 }
 
-double PerfModel::GangExponentAt(double share) const {
+double PerfModel::GangExponentAt(double share, bool beside_gangs_only) const {
+  if (beside_gangs_only && gang_beside_gang) return gang_beside_gang->exponent;
   const std::vector<GangPoint>& points = gang_sharing_points;
   if (points.empty()) return gang_sharing_exponent;
   if (share >= points.front().share) return points.front().exponent;

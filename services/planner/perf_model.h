@@ -117,9 +117,19 @@ struct PerfModel {
     double exponent = 0;
   };
   std::vector<GangPoint> gang_sharing_points;  // by share, descending
+  // e of a gang whose only compute neighbours are other gangs: measured on
+  // the TP worker beside a second TP worker decoding (the share is processor
+  // sharing's there). Gangs beside gangs lose far less than beside busy
+  // one-thread workers: a rank that blocks at its all-reduce hands its core
+  // to the other gang's rank, which is just as ready to run (two TP 2
+  // workers on the dev VM's 2 cores: the points above over-predicted their
+  // TPOT p99 by 62%, run 25). Not measured (older profiles, or no gang that
+  // oversubscribes the machine beside another): `gang_sharing_points`.
+  std::optional<GangPoint> gang_beside_gang;
   // e at `share`: linear in the share between the measured points, the
-  // nearest point's beyond them.
-  double GangExponentAt(double share) const;
+  // nearest point's beyond them; `beside_gangs_only` (every other compute
+  // job on the node is a gang) takes `gang_beside_gang` where measured.
+  double GangExponentAt(double share, bool beside_gangs_only = false) const;
   // Bytes a prefill stage writes to a decode worker per prompt token, all
   // layers (K and V in the profiled engine's KV element type), and bytes of
   // hidden state a stage sends the next per token. Between processes on one

@@ -157,6 +157,8 @@ class EventLoop {
   struct Shares {
     std::vector<double> rate;
     std::vector<int> prefill_jobs, decode_jobs;
+    // Of those, the ones whose threads wait for each other (Job::gang > 1).
+    std::vector<int> gang_jobs;
     std::vector<int> sending, receiving;
     // The compute jobs alone ask for more than the cores (not only the
     // router's short streaming bursts beside them).
@@ -171,6 +173,7 @@ class EventLoop {
     s.rate.assign(nodes_, 1.0);
     s.prefill_jobs.assign(nodes_, 0);
     s.decode_jobs.assign(nodes_, 0);
+    s.gang_jobs.assign(nodes_, 0);
     s.sending.assign(nodes_, 0);
     s.receiving.assign(nodes_, 0);
     s.compute_oversubscribed.assign(nodes_, 0);
@@ -184,6 +187,7 @@ class EventLoop {
       if (j.compute()) compute_demand_[j.node] += j.demand;
       if (j.kind == JobKind::kPrefill) ++s.prefill_jobs[j.node];
       if (j.kind == JobKind::kDecode) ++s.decode_jobs[j.node];
+      if (j.compute() && j.gang > 1) ++s.gang_jobs[j.node];
     }
     for (int n = 0; n < nodes_; ++n) {
       if (demand_[n] > cores_) s.rate[n] = cores_ / demand_[n];
@@ -220,12 +224,20 @@ class EventLoop {
     // their share. The larger of the two, not both: the gang exponent is
     // fitted (tools/planner_profile.cc) to a gang's whole slow-down beside
     // busy neighbours, which holds their memory-bus contention too, and
-    // applying both counted it twice (docs/PERFORMANCE.md, run 19).
+    // applying both counted it twice (docs/PERFORMANCE.md, run 19). Beside
+    // other gangs only, the exponent measured there: a rank blocked at its
+    // all-reduce yields its core to a rank of the other gang, as ready to run
+    // as its own.
     if (j.gang > 1 && shared < 1 && s.compute_oversubscribed[j.node] &&
         gang_model_ != nullptr) {
+      const bool beside_gangs_only =
+          s.gang_jobs[j.node] >= 2 &&
+          s.prefill_jobs[j.node] + s.decode_jobs[j.node] ==
+              s.gang_jobs[j.node];
       slowdown = std::max(
-          slowdown, std::pow(shared, -(j.gang - 1) *
-                                         gang_model_->GangExponentAt(shared)));
+          slowdown,
+          std::pow(shared, -(j.gang - 1) * gang_model_->GangExponentAt(
+                                               shared, beside_gangs_only)));
     }
     return shared / slowdown;
   }

@@ -182,6 +182,27 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
     EXPECT_EQ(model->gang_sharing_exponent,
               model->gang_sharing_points[0].exponent);
   }
+  // And beside a second TP 2 worker decoding (two gangs, 4 threads on 2
+  // cores): measured, printed and saved where processor sharing gives it a
+  // share below 1 (left out as the points are).
+  EXPECT_NE(profiled.find("tp 2 beside a tp 2 decoding: "), std::string::npos)
+      << profiled;
+  at = profiled.find("gang-beside-gang exponent: ");
+  ASSERT_EQ(at != std::string::npos, model->gang_beside_gang.has_value())
+      << profiled;
+  if (model->gang_beside_gang) {
+    double exponent = -1, share = -1;
+    ASSERT_EQ(std::sscanf(profiled.c_str() + at,
+                          "gang-beside-gang exponent: %lf at share %lf",
+                          &exponent, &share),
+              2)
+        << profiled.substr(at, 80);
+    EXPECT_NEAR(model->gang_beside_gang->exponent, exponent, 0.005);
+    EXPECT_NEAR(model->gang_beside_gang->share, share, 0.005);
+    EXPECT_GE(exponent, 0);
+    EXPECT_LE(exponent, 2);
+    EXPECT_LT(share, 1);
+  }
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
     // More tokens never cost less per step than one.

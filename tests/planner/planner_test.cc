@@ -461,6 +461,61 @@ TEST(SimulatorTest, GangExponentFollowsTheMeasuredPoints) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A gang whose only compute neighbours are other gangs takes the exponent
+// measured there (PerfModel::gang_beside_gang), at any share; beside a
+// one-thread prefill stage the points still hold.
+TEST(SimulatorTest, GangBesideGangsTakesItsOwnExponent) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.gang_sharing_points = {{0.5, 1.0}};
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 4, 1e-9);
+  model.gang_beside_gang = PerfModel::GangPoint{0.5, 0.0};
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.5, /*beside_gangs_only=*/true), 0);
+  EXPECT_DOUBLE_EQ(model.GangExponentAt(0.5), 1.0);
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 2, 1e-9);
+  model.gang_beside_gang = PerfModel::GangPoint{0.5, 0.5};
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), std::pow(2, 1.5),
+              1e-9);
+
+  // A TP 2 decode worker beside a one-thread prefill stage on 2 cores (3
+  // threads): the requests' prompts overlap the others' decode steps, where
+  // the points' exponent applies whatever the gang-beside-gang one says.
+  Layout beside_stage;
+  beside_stage.tp = 2;
+  const std::vector<SimRequest> requests = {
+      {0, 256, 32}, {0.05, 256, 32}, {0.1, 256, 32}, {0.15, 256, 32}};
+  auto predict = [&](const PerfModel& m) {
+    auto p = Simulate(m, beside_stage, requests, Slo{}, {.cores = 2});
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? p->tpot_p99 : -1;
+  };
+  const double with_beside_gang = predict(model);
+  model.gang_beside_gang.reset();
+  EXPECT_EQ(predict(model), with_beside_gang);
+  model.gang_sharing_points = {{0.5, 0.0}};  // the test can see the points
+  EXPECT_LT(predict(model), with_beside_gang);
+
+  // Saved with the profile; without it (older profiles) the points hold.
+  model.gang_beside_gang = PerfModel::GangPoint{0.52, 0.1};
+  auto loaded = PerfModel::FromJson(model.ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_TRUE(loaded->gang_beside_gang.has_value());
+  EXPECT_EQ(loaded->gang_beside_gang->share, 0.52);
+  EXPECT_EQ(loaded->gang_beside_gang->exponent, 0.1);
+  nlohmann::json old = model.ToJson();
+  old.erase("gang_beside_gang");
+  auto old_loaded = PerfModel::FromJson(old);
+  ASSERT_TRUE(old_loaded.ok()) << old_loaded.status();
+  EXPECT_FALSE(old_loaded->gang_beside_gang.has_value());
+  nlohmann::json outside = model.ToJson();
+  outside["gang_beside_gang"]["exponent"] = 5;
+  auto refused = PerfModel::FromJson(outside);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("gang_beside_gang"),
+            std::string::npos);
+}
+
 // A configuration whose threads wait on each other (TP ranks at an
 // all-reduce) keeps fewer cores busy than it has threads; sharing charges
 // the measured demand: two workers of 2 threads at 1.5 busy cores each on
