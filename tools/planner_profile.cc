@@ -797,13 +797,13 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
     if (!r.ok()) return r.status();
     const double co_running = model.co_running.DecodeBesideDecode();
     const double exponent = exponent_of(r->ratio, share, co_running);
-    Say(o, absl::StrFormat("  tp %d beside a tp %d decoding: %.2fx alone's "
-                           "step time (%d and %d steps); processor sharing "
-                           "gives %.2fx, co-running %.2fx: exponent %.2f at "
-                           "share %.2f",
-                           tp, tp, r->ratio, r->steps_beside, r->steps_alone,
-                           1 / share, (1 + co_running) / share, exponent,
-                           share));
+    Say(o,
+        absl::StrFormat("  tp %d beside a tp %d decoding: %.2fx alone's "
+                        "step time (%d and %d steps); processor sharing "
+                        "gives %.2fx, co-running %.2fx: exponent %.2f at "
+                        "share %.2f",
+                        tp, tp, r->ratio, r->steps_beside, r->steps_alone,
+                        1 / share, (1 + co_running) / share, exponent, share));
     sharing.beside_gang = planner::PerfModel::GangPoint{share, exponent};
   }
   return sharing;

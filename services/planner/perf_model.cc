@@ -73,22 +73,23 @@ nlohmann::json PerfModel::ToJson() const {
   for (const GangPoint& p : gang_sharing_points) {
     gang_points.push_back({{"share", p.share}, {"exponent", p.exponent}});
   }
-  nlohmann::json json = {{"model", model},
-          {"num_layers", num_layers},
-          {"block_size", block_size},
-          {"cores", cores},
-          {"configs", configs},
-          {"colocated_ttft", linear(colocated_ttft)},
-          {"disaggregated_ttft", linear(disaggregated_ttft)},
-          {"handoff_seconds", handoff_seconds},
-          {"decode_step_overhead_seconds", decode_step_overhead_seconds},
-          {"delivery_cpu_seconds", delivery_cpu_seconds},
-          {"co_running", co_running_json},
-          {"gang_sharing_exponent", gang_sharing_exponent},
-          {"gang_sharing_points", gang_points},
-          {"kv_bytes_per_token", kv_bytes_per_token},
-          {"activation_bytes_per_token", activation_bytes_per_token},
-          {"calibrated", calibrations}};
+  nlohmann::json json = {
+      {"model", model},
+      {"num_layers", num_layers},
+      {"block_size", block_size},
+      {"cores", cores},
+      {"configs", configs},
+      {"colocated_ttft", linear(colocated_ttft)},
+      {"disaggregated_ttft", linear(disaggregated_ttft)},
+      {"handoff_seconds", handoff_seconds},
+      {"decode_step_overhead_seconds", decode_step_overhead_seconds},
+      {"delivery_cpu_seconds", delivery_cpu_seconds},
+      {"co_running", co_running_json},
+      {"gang_sharing_exponent", gang_sharing_exponent},
+      {"gang_sharing_points", gang_points},
+      {"kv_bytes_per_token", kv_bytes_per_token},
+      {"activation_bytes_per_token", activation_bytes_per_token},
+      {"calibrated", calibrations}};
   if (gang_beside_gang) {
     json["gang_beside_gang"] = {{"share", gang_beside_gang->share},
                                 {"exponent", gang_beside_gang->exponent}};

@@ -232,8 +232,7 @@ class EventLoop {
         gang_model_ != nullptr) {
       const bool beside_gangs_only =
           s.gang_jobs[j.node] >= 2 &&
-          s.prefill_jobs[j.node] + s.decode_jobs[j.node] ==
-              s.gang_jobs[j.node];
+          s.prefill_jobs[j.node] + s.decode_jobs[j.node] == s.gang_jobs[j.node];
       slowdown = std::max(
           slowdown,
           std::pow(shared, -(j.gang - 1) * gang_model_->GangExponentAt(

@@ -59,8 +59,7 @@ TEST(PlannerBadInputTest, MalformedPerfModelJson) {
         R"({"gang_sharing_points":[{"share":0.5,"exponent":9}]})",
         R"({"gang_sharing_points":[{"share":0.5,"exponent":0.5},
                                    {"share":0.5,"exponent":0.4}]})",
-        R"({"gang_beside_gang":0.5})",
-        R"({"gang_beside_gang":{"share":0.5}})",
+        R"({"gang_beside_gang":0.5})", R"({"gang_beside_gang":{"share":0.5}})",
         R"({"gang_beside_gang":{"share":2,"exponent":0.5}})",
         R"({"gang_beside_gang":{"share":0.5,"exponent":-1}})"}) {
     nlohmann::json bad = nlohmann::json::parse(valid);
