@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <string>
@@ -280,7 +281,7 @@ int Main(int argc, char** argv) {
   const std::string step_traces = flags.Str(
       "step-traces", "",
       "Every measured decode worker writes its forward steps to a CSV in "
-      "this existing folder (decode_worker --step-trace), and each run "
+      "this folder, made if missing (decode_worker --step-trace), and each run "
       "prints its steps' time over the profile's fitted time for the same "
       "shapes: whether a loaded cluster's steps are the profile's.",
       "(none)");
@@ -472,6 +473,17 @@ int Main(int argc, char** argv) {
                  "(16:64 or 256:400)\n",
                  only_prompts.c_str());
     return 2;
+  }
+  // Made before the profile, not found missing by the first measured
+  // cluster's decode worker 10 minutes in.
+  if (!step_traces.empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(step_traces, error);
+    if (error) {
+      std::fprintf(stderr, "--step-traces: cannot make %s: %s\n",
+                   step_traces.c_str(), error.message().c_str());
+      return 1;
+    }
   }
   std::FILE* csv = nullptr;
   if (!requests_csv.empty()) {
