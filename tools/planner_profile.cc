@@ -747,8 +747,10 @@ int GangCalibrationTp(const planner::PerfModel& model, int cores) {
 // Then beside a second TP worker decoding (PerfModel::gang_beside_gang),
 // where the cores are oversubscribed by the two: gangs beside gangs lose
 // far less than beside one-thread workers that never block (a rank waiting
-// at its all-reduce yields its core to the other gang's rank), and the
-// points above over-predicted two TP 2 workers' TPOT p99 by 62% (run 25).
+// at its all-reduce yields its core to the other gang's rank; on the dev VM
+// 1.56-1.69x alone's step time where processor sharing gives 1.79-1.90x),
+// and the points above over-predicted two TP 2 workers' TPOT p99 by 62%
+// (run 25).
 struct GangSharing {
   std::vector<planner::PerfModel::GangPoint> points;
   std::optional<planner::PerfModel::GangPoint> beside_gang;
@@ -795,15 +797,17 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
     auto r = bench.recorder().Measure(CalibrationBench::kGang, **cost,
                                       bench.GangPhase(), {bench.GangUnit()});
     if (!r.ok()) return r.status();
-    const double co_running = model.co_running.DecodeBesideDecode();
-    const double exponent = exponent_of(r->ratio, share, co_running);
-    Say(o,
-        absl::StrFormat("  tp %d beside a tp %d decoding: %.2fx alone's "
-                        "step time (%d and %d steps); processor sharing "
-                        "gives %.2fx, co-running %.2fx: exponent %.2f at "
-                        "share %.2f",
-                        tp, tp, r->ratio, r->steps_beside, r->steps_alone,
-                        1 / share, (1 + co_running) / share, exponent, share));
+    // The whole measured r, below processor sharing's 1 / share too (e < 0:
+    // each gang's ranks fill the other's waits), down to full speed (e =
+    // −1 / (tp − 1)); the simulator takes it in place of co-running.
+    const double exponent =
+        std::clamp(std::log(r->ratio * share) / (-(tp - 1) * std::log(share)),
+                   -1.0 / (tp - 1), 2.0);
+    Say(o, absl::StrFormat("  tp %d beside a tp %d decoding: %.2fx alone's "
+                           "step time (%d and %d steps); processor sharing "
+                           "gives %.2fx: exponent %.2f at share %.2f",
+                           tp, tp, r->ratio, r->steps_beside, r->steps_alone,
+                           1 / share, exponent, share));
     sharing.beside_gang = planner::PerfModel::GangPoint{share, exponent};
   }
   return sharing;

@@ -204,11 +204,11 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
   }
   if (m.gang_beside_gang &&
       (!(m.gang_beside_gang->share > 0) || m.gang_beside_gang->share > 1 ||
-       !(m.gang_beside_gang->exponent >= 0) ||
+       !(m.gang_beside_gang->exponent >= -1) ||
        m.gang_beside_gang->exponent > 4)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "perf model: gang_beside_gang needs a share in (0, 1] and an exponent "
-        "in [0, 4], got ",
+        "in [-1, 4], got ",
         m.gang_beside_gang->share, " and ", m.gang_beside_gang->exponent));
   }
   if (!(m.kv_bytes_per_token >= 0) || !(m.activation_bytes_per_token >= 0)) {

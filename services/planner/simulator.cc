@@ -233,10 +233,16 @@ class EventLoop {
       const bool beside_gangs_only =
           s.gang_jobs[j.node] >= 2 &&
           s.prefill_jobs[j.node] + s.decode_jobs[j.node] == s.gang_jobs[j.node];
-      slowdown = std::max(
-          slowdown,
+      const double gang_slowdown =
           std::pow(shared, -(j.gang - 1) * gang_model_->GangExponentAt(
-                                               shared, beside_gangs_only)));
+                                               shared, beside_gangs_only));
+      if (beside_gangs_only && gang_model_->gang_beside_gang) {
+        // Measured beside a decoding gang, memory bus and all, and below
+        // processor sharing's slow-down where the gangs fill each other's
+        // waits (e < 0): the whole of it, never faster than alone.
+        return std::min(1.0, shared / gang_slowdown);
+      }
+      slowdown = std::max(slowdown, gang_slowdown);
     }
     return shared / slowdown;
   }

@@ -61,7 +61,7 @@ TEST(PlannerBadInputTest, MalformedPerfModelJson) {
                                    {"share":0.5,"exponent":0.4}]})",
         R"({"gang_beside_gang":0.5})", R"({"gang_beside_gang":{"share":0.5}})",
         R"({"gang_beside_gang":{"share":2,"exponent":0.5}})",
-        R"({"gang_beside_gang":{"share":0.5,"exponent":-1}})"}) {
+        R"({"gang_beside_gang":{"share":0.5,"exponent":-1.5}})"}) {
     nlohmann::json bad = nlohmann::json::parse(valid);
     bad.update(nlohmann::json::parse(field));
     auto m = PerfModel::FromJson(bad);

@@ -462,8 +462,10 @@ TEST(SimulatorTest, GangExponentFollowsTheMeasuredPoints) {
 }
 
 // A gang whose only compute neighbours are other gangs takes the exponent
-// measured there (PerfModel::gang_beside_gang), at any share; beside a
-// one-thread prefill stage the points still hold.
+// measured there (PerfModel::gang_beside_gang), at any share, as its whole
+// slow-down (co-running not on top, and below processor sharing's for a
+// negative exponent); beside a one-thread prefill stage the points still
+// hold.
 TEST(SimulatorTest, GangBesideGangsTakesItsOwnExponent) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
@@ -477,6 +479,19 @@ TEST(SimulatorTest, GangBesideGangsTakesItsOwnExponent) {
   model.gang_beside_gang = PerfModel::GangPoint{0.5, 0.5};
   EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), std::pow(2, 1.5),
               1e-9);
+  // Each gang filling the other's waits: 2^0.5, under sharing's 2; at −1
+  // (g = 2) full speed.
+  model.gang_beside_gang = PerfModel::GangPoint{0.5, -0.5};
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), std::sqrt(2.0), 1e-9);
+  model.gang_beside_gang = PerfModel::GangPoint{0.5, -1.0};
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 1, 1e-9);
+  // The co-running slow-down is in the measured exponent: not on top of it
+  // on 2 cores, where 4 cores (no sharing) still co-run at 1.6x.
+  model.gang_beside_gang = PerfModel::GangPoint{0.5, 0.0};
+  model.co_running.decode_step = 0.6;
+  EXPECT_NEAR(TwoWorkersOnTwoCoresSlowdown(model, true), 2 / 1.6, 1e-9);
+  model.co_running = {};
+  model.gang_beside_gang = PerfModel::GangPoint{0.5, 0.5};
 
   // A TP 2 decode worker beside a one-thread prefill stage on 2 cores (3
   // threads): the requests' prompts overlap the others' decode steps, where
