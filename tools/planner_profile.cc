@@ -809,6 +809,13 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
                            tp, tp, r->ratio, r->steps_beside, r->steps_alone,
                            1 / share, exponent, share));
     sharing.beside_gang = planner::PerfModel::GangPoint{share, exponent};
+  } else {
+    // Where the profile's steps kept fewer cores busy than the machine has
+    // (another load on it), two gangs fit: nothing to measure, and the
+    // simulator shares no cores between them either.
+    Say(o, absl::StrFormat("  tp %d beside a tp %d: not measured, two keep "
+                           "%.2f cores busy of %d",
+                           tp, tp, 2 * model.BusyCores({tp, 1}), o.cores));
   }
   return sharing;
 }
