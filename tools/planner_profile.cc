@@ -746,9 +746,9 @@ int GangCalibrationTp(const planner::PerfModel& model, int cores) {
 //
 // Then beside a second TP worker decoding (PerfModel::gang_beside_gang),
 // where the cores are oversubscribed by the two: gangs beside gangs lose
-// far less than beside one-thread workers that never block (a rank waiting
+// less than beside one-thread workers that never block (a rank waiting
 // at its all-reduce yields its core to the other gang's rank; on the dev VM
-// 1.56-1.69x alone's step time where processor sharing gives 1.79-1.90x),
+// 1.56-1.81x alone's step time where processor sharing gives 1.79-1.90x),
 // and the points above over-predicted two TP 2 workers' TPOT p99 by 62%
 // (run 25).
 struct GangSharing {

@@ -119,12 +119,12 @@ struct PerfModel {
   std::vector<GangPoint> gang_sharing_points;  // by share, descending
   // e of a gang whose only compute neighbours are other gangs: measured on
   // the TP worker beside a second TP worker decoding (the share is processor
-  // sharing's there). Gangs beside gangs lose far less than beside busy
+  // sharing's there). Gangs beside gangs lose less than beside busy
   // one-thread workers: a rank that blocks at its all-reduce hands its core
   // to the other gang's rank, which is just as ready to run. On the dev VM a
-  // TP 2 worker beside another ran at 1.56-1.69x its alone step time, under
+  // TP 2 worker beside another ran at 1.56-1.81x its alone step time, under
   // processor sharing's 1.79-1.90x, and beside two prefilling workers at
-  // 2.34-2.65x against 1.89-1.95x; with the points alone two TP 2 workers'
+  // 2.14-2.65x against 1.89-1.95x; with the points alone two TP 2 workers'
   // TPOT p99 came out 62% high (run 25). So the exponent may be negative,
   // down to −1 / (g − 1) (full speed), and it is the gang's whole
   // slow-down there: co-running is not applied beside it. Not measured
