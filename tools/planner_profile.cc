@@ -760,12 +760,10 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
     CalibrationBench& bench, int tp) {
   auto cost = model.Step({tp, 1});
   if (!cost.ok()) return cost.status();
-  // r at processor sharing's `share` as an exponent (above), 0 where the
-  // co-running slow-down `co_running` explains r.
-  auto exponent_of = [tp](double ratio, double share, double co_running) {
-    if (share >= 1 || ratio * share <= 1 + co_running) return 0.0;
-    return std::clamp(std::log(ratio * share) / (-(tp - 1) * std::log(share)),
-                      0.0, 2.0);
+  // The measured r at processor sharing's `share` (< 1) as an exponent,
+  // unclamped (above).
+  auto exponent_of = [tp](double ratio, double share) {
+    return std::log(ratio * share) / (-(tp - 1) * std::log(share));
   };
   GangSharing sharing;
   for (int neighbours : {1, 2}) {
@@ -778,7 +776,9 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
         model.BusyCores({tp, 1}) + neighbours * model.BusyCores({1, 1});
     const double share = std::min(1.0, o.cores / demand);
     const double exponent =
-        exponent_of(r->ratio, share, model.co_running.decode_step);
+        share < 1 && r->ratio * share > 1 + model.co_running.decode_step
+            ? std::clamp(exponent_of(r->ratio, share), 0.0, 2.0)
+            : 0.0;
     Say(o, absl::StrFormat("  tp %d beside %d prefilling: %.2fx alone's step "
                            "time (%d and %d steps); processor sharing gives "
                            "%.2fx, co-running %.2fx: exponent %.2f at share "
@@ -801,8 +801,7 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
     // each gang's ranks fill the other's waits), down to full speed (e =
     // −1 / (tp − 1)); the simulator takes it in place of co-running.
     const double exponent =
-        std::clamp(std::log(r->ratio * share) / (-(tp - 1) * std::log(share)),
-                   -1.0 / (tp - 1), 2.0);
+        std::clamp(exponent_of(r->ratio, share), -1.0 / (tp - 1), 2.0);
     Say(o, absl::StrFormat("  tp %d beside a tp %d decoding: %.2fx alone's "
                            "step time (%d and %d steps); processor sharing "
                            "gives %.2fx: exponent %.2f at share %.2f",
