@@ -84,16 +84,15 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
 absl::StatusOr<std::vector<planner::StepSample>> ReadStepTrace(
     const std::string& path);
 
-// The traced steps' seconds over `cost`'s fitted seconds for their shapes
-// (without the spread), the median of the steps that only decode and of
-// those that carry a prompt (more tokens fed than logit rows); 0 where there
-// are none.
 // A step that carries a prompt (or a chunk of one): more tokens fed than
 // logit rows. A decode step, drafts included, makes a row per token.
 inline bool CarriesPrompt(const planner::StepShape& shape) {
   return shape.tokens > shape.logit_rows;
 }
 
+// The traced steps' seconds over `cost`'s fitted seconds for their shapes
+// (without the spread), the median of the steps that only decode and of
+// those that carry a prompt (CarriesPrompt); 0 where there are none.
 struct StepsOverFit {
   double decode = 0;
   double prompt = 0;

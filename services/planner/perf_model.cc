@@ -5,8 +5,25 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace pdserve::planner {
+namespace {
+
+// A gang point's share must be one processor sharing gives, (0, 1], and its
+// exponent in [min_exponent, 4]; `name` says which point in the error.
+absl::Status CheckGangPoint(const PerfModel::GangPoint& p,
+                            const std::string& name, double min_exponent) {
+  if (!(p.share > 0) || p.share > 1 || !(p.exponent >= min_exponent) ||
+      p.exponent > 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "perf model: ", name, " needs a share in (0, 1] and an exponent in [",
+        min_exponent, ", 4], got ", p.share, " and ", p.exponent));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<const StepCost*> PerfModel::Step(ComputeConfig config) const {
   auto it = steps.find(config);
@@ -190,26 +207,19 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
   }
   for (size_t i = 0; i < m.gang_sharing_points.size(); ++i) {
     const GangPoint& p = m.gang_sharing_points[i];
-    if (!(p.share > 0) || p.share > 1 || !(p.exponent >= 0) || p.exponent > 4) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "perf model: gang_sharing_points[", i,
-          "] needs a share in (0, 1] and an exponent in [0, 4], got ", p.share,
-          " and ", p.exponent));
-    }
+    PDS_RETURN_IF_ERROR(
+        CheckGangPoint(p, absl::StrCat("gang_sharing_points[", i, "]"), 0));
     if (i > 0 && !(p.share < m.gang_sharing_points[i - 1].share)) {
       return absl::InvalidArgumentError(
           "perf model: gang_sharing_points must be ordered by share, "
           "descending, each share once");
     }
   }
-  if (m.gang_beside_gang &&
-      (!(m.gang_beside_gang->share > 0) || m.gang_beside_gang->share > 1 ||
-       !(m.gang_beside_gang->exponent >= -1) ||
-       m.gang_beside_gang->exponent > 4)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "perf model: gang_beside_gang needs a share in (0, 1] and an exponent "
-        "in [-1, 4], got ",
-        m.gang_beside_gang->share, " and ", m.gang_beside_gang->exponent));
+  // Beside gangs the exponent may be negative (PerfModel::gang_beside_gang),
+  // down to a TP 2 gang's full speed.
+  if (m.gang_beside_gang) {
+    PDS_RETURN_IF_ERROR(
+        CheckGangPoint(*m.gang_beside_gang, "gang_beside_gang", -1));
   }
   if (!(m.kv_bytes_per_token >= 0) || !(m.activation_bytes_per_token >= 0)) {
     return absl::InvalidArgumentError(
