@@ -733,6 +733,13 @@ int GangCalibrationTp(const planner::PerfModel& model, int cores) {
   return tp;
 }
 
+// The largest share an exponent is saved at. Near 1 the exponent is
+// ill-conditioned: e = ln(r · share) / (−(N − 1) · ln share), so at share
+// 0.99 a 5% noise in r moves e by 5, and the clamped 2 a busy machine
+// gave at 0.996 (CI, 2026-12-06) would be taken at every share above the
+// next point. At 0.9 the same noise moves e by 0.46.
+constexpr double kMostShareMeasured = 0.9;
+
 // The gang-sharing exponent of this machine at two shares
 // (PerfModel::gang_sharing_points): the TP worker decodes alone and beside
 // one, then two, one-thread workers prefilling back to back (SideBySide).
@@ -775,25 +782,29 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
     const double demand =
         model.BusyCores({tp, 1}) + neighbours * model.BusyCores({1, 1});
     const double share = std::min(1.0, o.cores / demand);
+    const bool measurable = share <= kMostShareMeasured;
     const double exponent =
-        share < 1 && r->ratio * share > 1 + model.co_running.decode_step
+        measurable && r->ratio * share > 1 + model.co_running.decode_step
             ? std::clamp(exponent_of(r->ratio, share), 0.0, 2.0)
             : 0.0;
-    Say(o, absl::StrFormat("  tp %d beside %d prefilling: %.2fx alone's step "
-                           "time (%d and %d steps); processor sharing gives "
-                           "%.2fx, co-running %.2fx: exponent %.2f at share "
-                           "%.2f",
-                           tp, neighbours, r->ratio, r->steps_beside,
-                           r->steps_alone, 1 / share,
-                           (1 + model.co_running.decode_step) / share, exponent,
-                           share));
-    if (share < 1 &&
+    Say(o, absl::StrFormat(
+               "  tp %d beside %d prefilling: %.2fx alone's step "
+               "time (%d and %d steps); processor sharing gives "
+               "%.2fx, co-running %.2fx: exponent %.2f at share "
+               "%.2f%s",
+               tp, neighbours, r->ratio, r->steps_beside, r->steps_alone,
+               1 / share, (1 + model.co_running.decode_step) / share, exponent,
+               share,
+               measurable ? ""
+                          : absl::StrFormat(" (not saved: above %.2f)",
+                                            kMostShareMeasured)));
+    if (measurable &&
         (sharing.points.empty() || share < sharing.points.back().share)) {
       sharing.points.push_back({share, exponent});
     }
   }
   const double share = std::min(1.0, o.cores / (2 * model.BusyCores({tp, 1})));
-  if (share < 1) {
+  if (share <= kMostShareMeasured) {
     auto r = bench.recorder().Measure(CalibrationBench::kGang, **cost,
                                       bench.GangPhase(), {bench.GangUnit()});
     if (!r.ok()) return r.status();
@@ -809,12 +820,13 @@ absl::StatusOr<GangSharing> CalibrateGangSharing(
                            1 / share, exponent, share));
     sharing.beside_gang = planner::PerfModel::GangPoint{share, exponent};
   } else {
-    // Where the profile's steps kept fewer cores busy than the machine has
-    // (another load on it), two gangs fit: nothing to measure, and the
-    // simulator shares no cores between them either.
+    // Where the profile's steps kept too few cores busy (another load on
+    // the machine), two gangs fit the cores or nearly: nothing to measure
+    // (above), and the simulator shares little between them either.
     Say(o, absl::StrFormat("  tp %d beside a tp %d: not measured, two keep "
-                           "%.2f cores busy of %d",
-                           tp, tp, 2 * model.BusyCores({tp, 1}), o.cores));
+                           "%.2f cores busy of %d (share %.3f, above %.2f)",
+                           tp, tp, 2 * model.BusyCores({tp, 1}), o.cores, share,
+                           kMostShareMeasured));
   }
   return sharing;
 }

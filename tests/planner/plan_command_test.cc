@@ -143,9 +143,10 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
             std::lround(*model->co_running.prefill_beside_prefill * 100));
   // A TP 2 worker beside one one-thread worker oversubscribes 2 cores, and
   // more beside two: the profile measured the gang at both and saved the
-  // exponent at each share processor sharing gives below 1 (from the
+  // exponent at each share processor sharing gives at most 0.9 (from the
   // profile's busy cores, which a machine busy with other tests reads low:
-  // then a share can come out 1 and that point is left out).
+  // then a share can come out near 1 and that point is left out, its
+  // exponent ill-conditioned).
   EXPECT_NE(profiled.find("tp 2 beside 1 prefilling: "), std::string::npos)
       << profiled;
   EXPECT_NE(profiled.find("tp 2 beside 2 prefilling: "), std::string::npos)
@@ -171,11 +172,14 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   for (size_t i = 0; i < points.size(); ++i) {
     EXPECT_NEAR(model->gang_sharing_points[i].exponent, points[i].first, 0.005);
     EXPECT_NEAR(model->gang_sharing_points[i].share, points[i].second, 0.005);
-    EXPECT_GE(points[i].first, 0);
-    EXPECT_LE(points[i].first, 2);
-    EXPECT_LT(points[i].second, 1);
+    // The saved values, not the printed ones (two decimals: a saved 0.896
+    // prints 0.90, and two shares can print the same).
+    const planner::PerfModel::GangPoint& saved = model->gang_sharing_points[i];
+    EXPECT_GE(saved.exponent, 0);
+    EXPECT_LE(saved.exponent, 2);
+    EXPECT_LE(saved.share, 0.9);
     if (i > 0) {
-      EXPECT_LT(points[i].second, points[i - 1].second);
+      EXPECT_LT(saved.share, model->gang_sharing_points[i - 1].share);
     }
   }
   if (!points.empty()) {
@@ -184,7 +188,8 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   }
   // And beside a second TP 2 worker decoding (two gangs, 4 threads on 2
   // cores): measured, printed and saved where processor sharing gives it a
-  // share below 1; said to be left out otherwise (the busy cores read low).
+  // share of at most 0.9; said to be left out otherwise (the busy cores read
+  // low).
   const bool measured_beside_gang =
       profiled.find("tp 2 beside a tp 2 decoding: ") != std::string::npos;
   EXPECT_NE(measured_beside_gang,
@@ -203,9 +208,9 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
         << profiled.substr(at, 80);
     EXPECT_NEAR(model->gang_beside_gang->exponent, exponent, 0.005);
     EXPECT_NEAR(model->gang_beside_gang->share, share, 0.005);
-    EXPECT_GE(exponent, -1);  // TP 2: full speed at −1
-    EXPECT_LE(exponent, 2);
-    EXPECT_LT(share, 1);
+    EXPECT_GE(model->gang_beside_gang->exponent, -1);  // TP 2: full speed
+    EXPECT_LE(model->gang_beside_gang->exponent, 2);
+    EXPECT_LE(model->gang_beside_gang->share, 0.9);
   }
   EXPECT_GT(model->colocated_ttft.base, 0);
   for (const auto& [config, cost] : model->steps) {
