@@ -186,6 +186,9 @@ struct Calibration {
   double prompt_slowness = 1;
   double stream_rate = 0;  // the requests' arrival rate, requests/s
   int unqueued = 0;        // requests the TTFT offsets were fitted on
+  // The residuals' scale kept in ttft.scatter, [0, 1] (1: the prompt
+  // steps' spread explains none of them).
+  double scatter_shrink = 0;
 };
 
 // `model` with every step cost `factor` times slower.
@@ -231,7 +234,10 @@ planner::LinearCost FitLine(const std::vector<double>& x,
     sxx += (x[i] - mx) * (x[i] - mx);
   }
   const double slope = sxx > 0 ? sxy / sxx : 0;
-  return {my - slope * mx, slope};
+  planner::LinearCost line;
+  line.base = my - slope * mx;
+  line.per_prompt_token = slope;
+  return line;
 }
 
 // A real cluster of `layout` on the profiled model.
@@ -405,19 +411,22 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // the long prompts. At least kFewest requests, the least queued.
   constexpr int kFewest = 8;
   std::vector<std::pair<double, size_t>> by_wait;
+  std::vector<double> alone_ttft(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     auto alone = planner::Simulate(prompts_slowed, layout,
                                    {{0, requests[i].prompt_tokens, kTokens}},
                                    {}, fitted_steps);
     if (!alone.ok()) return alone.status();
+    alone_ttft[i] = alone->ttft_p50;
     by_wait.push_back({all_prompts->request_ttft[i] - alone->ttft_p50, i});
   }
   std::sort(by_wait.begin(), by_wait.end());
-  std::vector<double> prompts, ttft_extra, gap_extra;
+  std::vector<double> prompts, ttft_extra, gap_extra, prompt_seconds;
   for (size_t k = 0; k < by_wait.size(); ++k) {
     const auto [wait, i] = by_wait[k];
     if (wait > 0.002 && static_cast<int>(k) >= kFewest) break;
     const RequestResult& r = load.requests[i];
+    prompt_seconds.push_back(alone_ttft[i]);
     prompts.push_back(requests[i].prompt_tokens);
     ttft_extra.push_back(r.ttft - all_prompts->request_ttft[i]);
     // Every token carries the same delivery offset, so the first gap is
@@ -426,8 +435,51 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   }
   c.unqueued = static_cast<int>(prompts.size());
   c.ttft = FitLine(prompts, ttft_extra);
+  // The requests' scatter around the line, less what the prompt steps'
+  // own spread explains: the simulator scales each step by a draw from
+  // its configuration's spread, so a request's prompt steps of t seconds
+  // already vary by t · (x − 1) there. Taken out as variance, Var(t · x)
+  // over these requests (an upper bound where a prompt runs in several
+  // steps, each drawn on its own), by shrinking the residuals towards the
+  // line's 0 (their mean), which keeps their shape.
+  const planner::ComputeConfig prompt_config =
+      layout.colocated ? decode_config
+                       : planner::ComputeConfig{1, layout.prefill_threads};
+  auto prompt_cost = model.Step(prompt_config);
+  if (!prompt_cost.ok()) return prompt_cost.status();
+  std::vector<double> residuals;
+  double residual_variance = 0, step_variance = 0;
+  const std::vector<double>& spread = (*prompt_cost)->spread();
+  double spread_mean = 0, spread_variance = 0;
+  for (double x : spread) spread_mean += x / spread.size();
+  for (double x : spread) {
+    spread_variance += (x - spread_mean) * (x - spread_mean) / spread.size();
+  }
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    residuals.push_back(ttft_extra[k] - c.ttft.At(prompts[k]));
+    residual_variance += residuals.back() * residuals.back() / prompts.size();
+    step_variance += prompt_seconds[k] * prompt_seconds[k] * spread_variance /
+                     prompts.size();
+  }
+  c.scatter_shrink =
+      residual_variance > 0
+          ? std::sqrt(std::max(0.0, 1 - step_variance / residual_variance))
+          : 0;
+  std::sort(residuals.begin(), residuals.end());
+  for (double& e : residuals) e *= c.scatter_shrink;
+  // As many quantiles as requests (each the midpoint of an equal share).
+  c.ttft.scatter = std::move(residuals);
   c.handoff = std::max(0.0, planner::Percentile(gap_extra, 0.5));
   return c;
+}
+
+// "scatter q10 X, q50 Y, q90 Z ms (S of the residuals)".
+std::string ScatterSummary(const Calibration& c) {
+  const planner::LinearCost& t = c.ttft;
+  return absl::StrFormat(
+      "scatter q10 %+.1f, q50 %+.1f, q90 %+.1f ms (%.0f%% of the residuals)",
+      t.ScatterAt(0.1) * 1e3, t.ScatterAt(0.5) * 1e3, t.ScatterAt(0.9) * 1e3,
+      c.scatter_shrink * 100);
 }
 
 // A piece of work on an in-process worker: one phase of the measured
@@ -957,14 +1009,15 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     if (!c.ok()) return c.status();
     model.calibrated[config] = {c->step_overhead, c->ttft};
     delivery_cpu += c->delivery_cpu / model.steps.size();
-    Say(options, absl::StrFormat(
-                     "  TTFT extra %.1f ms %+.3f ms/token; decode step "
-                     "overhead %+.2f ms; router + client CPU %.3f ms/token; "
-                     "steps meanwhile at %.2fx the fit's time (prompts "
-                     "%.2fx); requests at %.2f/s, %d unqueued",
-                     c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
-                     c->step_overhead * 1e3, c->delivery_cpu * 1e3, c->slowness,
-                     c->prompt_slowness, c->stream_rate, c->unqueued));
+    Say(options,
+        absl::StrFormat("  TTFT extra %.1f ms %+.3f ms/token; decode step "
+                        "overhead %+.2f ms; router + client CPU %.3f ms/token; "
+                        "steps meanwhile at %.2fx the fit's time (prompts "
+                        "%.2fx); requests at %.2f/s, %d unqueued; %s",
+                        c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
+                        c->step_overhead * 1e3, c->delivery_cpu * 1e3,
+                        c->slowness, c->prompt_slowness, c->stream_rate,
+                        c->unqueued, ScatterSummary(*c)));
   }
   // Configurations not calibrated (none today) fall back on tp 1 × 1.
   const planner::PerfModel::Calibration& base =
@@ -985,11 +1038,12 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
         absl::StrFormat("  disaggregated TTFT extra %.1f ms %+.3f ms/token; "
                         "hand-off %.2f ms; steps meanwhile at %.2fx the "
                         "fit's time (prompts %.2fx); requests at %.2f/s, %d "
-                        "unqueued",
+                        "unqueued; %s",
                         model.disaggregated_ttft.base * 1e3,
                         model.disaggregated_ttft.per_prompt_token * 1e3,
                         model.handoff_seconds * 1e3, d->slowness,
-                        d->prompt_slowness, d->stream_rate, d->unqueued));
+                        d->prompt_slowness, d->stream_rate, d->unqueued,
+                        ScatterSummary(*d)));
   } else {
     model.disaggregated_ttft = model.colocated_ttft;
   }

@@ -1,5 +1,7 @@
 #include "planner/perf_model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -19,6 +21,20 @@ absl::Status CheckGangPoint(const PerfModel::GangPoint& p,
     return absl::InvalidArgumentError(absl::StrCat(
         "perf model: ", name, " needs a share in (0, 1] and an exponent in [",
         min_exponent, ", 4], got ", p.share, " and ", p.exponent));
+  }
+  return absl::OkStatus();
+}
+
+// A TTFT offset's scatter: finite seconds within a minute either way,
+// ascending; `name` says which offset in the error.
+absl::Status CheckScatter(const LinearCost& cost, const std::string& name) {
+  for (size_t i = 0; i < cost.scatter.size(); ++i) {
+    const double s = cost.scatter[i];
+    if (!(std::abs(s) <= 60) || (i > 0 && !(s >= cost.scatter[i - 1]))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "perf model: ", name,
+          ".scatter must be ascending seconds within ±60, got ", s, " at ", i));
+    }
   }
   return absl::OkStatus();
 }
@@ -49,6 +65,15 @@ double PerfModel::StepOverhead(ComputeConfig config) const {
                                 : decode_step_overhead_seconds;
 }
 
+double LinearCost::ScatterAt(double u) const {
+  if (scatter.empty()) return 0;
+  const size_t i =
+      std::min(scatter.size() - 1,
+               static_cast<size_t>(std::max(0.0, u) *
+                                   static_cast<double>(scatter.size())));
+  return scatter[i];
+}
+
 LinearCost PerfModel::ColocatedTtft(ComputeConfig config) const {
   auto it = calibrated.find(config);
   return it != calibrated.end() ? it->second.colocated_ttft : colocated_ttft;
@@ -66,8 +91,10 @@ nlohmann::json PerfModel::ToJson() const {
     configs.push_back(std::move(entry));
   }
   auto linear = [](const LinearCost& l) {
-    return nlohmann::json{{"base", l.base},
-                          {"per_prompt_token", l.per_prompt_token}};
+    nlohmann::json json = {{"base", l.base},
+                           {"per_prompt_token", l.per_prompt_token}};
+    if (!l.scatter.empty()) json["scatter"] = l.scatter;
+    return json;
   };
   nlohmann::json calibrations = nlohmann::json::array();
   for (const auto& [c, cal] : calibrated) {
@@ -142,9 +169,11 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
         m.busy_cores[config] = busy;
       }
     }
+    // Profiles from before the scatter was measured have none.
     auto linear = [](const nlohmann::json& j) {
       return LinearCost{j.at("base").get<double>(),
-                        j.at("per_prompt_token").get<double>()};
+                        j.at("per_prompt_token").get<double>(),
+                        j.value("scatter", std::vector<double>{})};
     };
     m.colocated_ttft = linear(json.at("colocated_ttft"));
     m.disaggregated_ttft = linear(json.at("disaggregated_ttft"));
@@ -214,6 +243,14 @@ absl::StatusOr<PerfModel> PerfModel::FromJson(const nlohmann::json& json) {
           "perf model: gang_sharing_points must be ordered by share, "
           "descending, each share once");
     }
+  }
+  PDS_RETURN_IF_ERROR(CheckScatter(m.colocated_ttft, "colocated_ttft"));
+  PDS_RETURN_IF_ERROR(CheckScatter(m.disaggregated_ttft, "disaggregated_ttft"));
+  for (const auto& [c, cal] : m.calibrated) {
+    PDS_RETURN_IF_ERROR(
+        CheckScatter(cal.colocated_ttft,
+                     absl::StrCat("calibrated tp ", c.tp, " x ",
+                                  c.threads_per_rank, " colocated_ttft")));
   }
   // Beside gangs the exponent may be negative (PerfModel::gang_beside_gang),
   // down to a TP 2 gang's full speed.

@@ -27,13 +27,24 @@ struct ComputeConfig {
 };
 
 // Seconds a request spends outside the steps the simulator runs, as
-// a + b · prompt_tokens (b: the KV hand-off grows with the prompt).
+// a + b · prompt_tokens (b: the KV hand-off grows with the prompt), plus a
+// per-request draw from `scatter`.
 struct LinearCost {
   double base = 0;
   double per_prompt_token = 0;
+  // How the calibration's requests scattered around the line, in seconds:
+  // evenly spaced quantiles, ascending (median near 0), with the part the
+  // prompt steps' own spread explains taken out (the simulator draws that
+  // per step). The same request's every token carries its draw, so it moves
+  // TTFT, not TPOT. Short-prompt TTFT p99s came out 22-28% low with the
+  // line alone: per request, measured minus predicted had a median near 0
+  // and a q90 of +33-55 ms (runs 26-27). Empty: none (older profiles).
+  std::vector<double> scatter;
   double At(int prompt_tokens) const {
     return base + per_prompt_token * prompt_tokens;
   }
+  // The scatter's quantile at u ∈ [0, 1); 0 with none.
+  double ScatterAt(double u) const;
 };
 
 struct PerfModel {

@@ -270,6 +270,9 @@ struct Req {
   // the last stage has finished the prompt (the hand-off waits for both).
   int kv_in_flight = 0;
   bool prefilled = false;
+  // Seconds from a step emitting a token to the client having it (the TTFT
+  // offset with this request's scatter draw), set at the first delivery.
+  std::optional<double> delivery_delay;
   std::vector<double> deliveries;  // when each streamed item reaches the client
   std::vector<int> item_tokens;
   double end = 0;
@@ -286,7 +289,8 @@ class Simulation {
         loop_(options.nodes, options.cores,
               options.gang_sharing ? &model : nullptr),
         rng_(options.seed),
-        spread_rng_(options.seed ^ 0x9E3779B97F4A7C15ull) {}
+        spread_rng_(options.seed ^ 0x9E3779B97F4A7C15ull),
+        scatter_rng_(options.seed ^ 0xD1B54A32D192ED03ull) {}
 
   absl::Status Init() {
     placement_ = PlaceLayout(layout_, options_.nodes);
@@ -415,12 +419,22 @@ class Simulation {
   }
 
   void Deliver(Req& r, int tokens, double t) {
-    const double delay =
-        (layout_.colocated
-             ? model_.ColocatedTtft({layout_.tp, layout_.decode_threads})
-             : model_.disaggregated_ttft)
-            .At(r.prompt);
-    r.deliveries.push_back(t + delay);
+    if (!r.delivery_delay) {
+      const LinearCost offset =
+          layout_.colocated
+              ? model_.ColocatedTtft({layout_.tp, layout_.decode_threads})
+              : model_.disaggregated_ttft;
+      const double line = offset.At(r.prompt);
+      double scatter = 0;
+      if (options_.ttft_scatter && !offset.scatter.empty()) {
+        scatter = offset.ScatterAt(
+            std::uniform_real_distribution<double>(0.0, 1.0)(scatter_rng_));
+      }
+      // A draw below the line never makes the offset negative where the
+      // line is not (a client never has a token before it is emitted).
+      r.delivery_delay = std::max(std::min(line, 0.0), line + scatter);
+    }
+    r.deliveries.push_back(t + *r.delivery_delay);
     // The router streams from node 0.
     if (options_.router_shares_cores && model_.delivery_cpu_seconds > 0) {
       loop_.StartJob(/*node=*/0, model_.delivery_cpu_seconds * tokens, 1,
@@ -701,6 +715,8 @@ class Simulation {
   // Its own stream, so turning the spread on or off leaves the acceptance
   // draws as they were.
   std::mt19937_64 spread_rng_;
+  // And the TTFT offsets' scatter draws theirs.
+  std::mt19937_64 scatter_rng_;
   std::vector<Req> reqs_;
   std::vector<std::unique_ptr<DecodeSim>> decode_;
   std::vector<std::unique_ptr<GroupSim>> prefill_;
@@ -775,8 +791,12 @@ absl::StatusOr<Prediction> Simulate(const PerfModel& model,
                      " nodes of ≥ 1 core, a link bandwidth ≥ 0, an "
                      "acceptance in [0, 1) and ≥ 1 replication"));
   }
-  const bool draws =
-      options.step_spread || (layout.gamma > 0 && options.ngram_acceptance > 0);
+  const LinearCost& ttft_offset =
+      layout.colocated ? model.ColocatedTtft({layout.tp, layout.decode_threads})
+                       : model.disaggregated_ttft;
+  const bool draws = options.step_spread ||
+                     (options.ttft_scatter && !ttft_offset.scatter.empty()) ||
+                     (layout.gamma > 0 && options.ngram_acceptance > 0);
   const int runs = draws ? options.replications : 1;
   std::vector<Prediction> predictions;
   for (int i = 0; i < runs; ++i) {

@@ -110,6 +110,9 @@ struct SimOptions {
   // Scale each step by a draw from its configuration's measured spread
   // (StepCost::SpreadAt); off, every step takes its fitted time.
   bool step_spread = true;
+  // Add to each request's TTFT offset a draw from its measured scatter
+  // (LinearCost::scatter); off, every request pays the fitted line.
+  bool ttft_scatter = true;
   // The router (and client) stream on the same cores as the workers: each
   // streamed token's PerfModel::delivery_cpu_seconds competes with them.
   bool router_shares_cores = true;

@@ -61,7 +61,16 @@ TEST(PlannerBadInputTest, MalformedPerfModelJson) {
                                    {"share":0.5,"exponent":0.4}]})",
         R"({"gang_beside_gang":0.5})", R"({"gang_beside_gang":{"share":0.5}})",
         R"({"gang_beside_gang":{"share":2,"exponent":0.5}})",
-        R"({"gang_beside_gang":{"share":0.5,"exponent":-1.5}})"}) {
+        R"({"gang_beside_gang":{"share":0.5,"exponent":-1.5}})",
+        R"({"colocated_ttft":{"base":0,"per_prompt_token":0,
+            "scatter":0.01}})",
+        R"({"colocated_ttft":{"base":0,"per_prompt_token":0,
+            "scatter":[0.02,-0.01]}})",
+        R"({"disaggregated_ttft":{"base":0,"per_prompt_token":0,
+            "scatter":[-0.01,1e9]}})",
+        R"({"calibrated":[{"tp":1,"threads_per_rank":1,
+            "step_overhead_seconds":0,"colocated_ttft":{"base":0,
+            "per_prompt_token":0,"scatter":["late"]}}]})"}) {
     nlohmann::json bad = nlohmann::json::parse(valid);
     bad.update(nlohmann::json::parse(field));
     auto m = PerfModel::FromJson(bad);

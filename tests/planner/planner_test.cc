@@ -151,7 +151,8 @@ TEST(SimulatorTest, IdleRequestIsItsSteps) {
   auto cost = StepCost::Fit(Samples(0, 1));
   ASSERT_TRUE(cost.ok());
   PerfModel model = ModelWith(*cost);
-  model.colocated_ttft = {0.003, 1e-5};
+  model.colocated_ttft.base = 0.003;
+  model.colocated_ttft.per_prompt_token = 1e-5;
   model.decode_step_overhead_seconds = 0.001;
   Layout coloc;
   coloc.colocated = true;
@@ -260,6 +261,82 @@ std::vector<SimRequest> PoissonRequests(int n, LengthRange output) {
   w.prompt = {16, 300};
   w.output = output;
   return SimRequests(w);
+}
+
+TEST(SimulatorTest, TtftScatterMovesEachRequestsTtftNotItsTpot) {
+  // Requests far apart (no queue), steps at their fitted times: a request's
+  // TTFT is its steps plus the offset's line plus one draw from the scatter,
+  // and every token of it carries the same draw, so its TPOT is the
+  // scatter-free one.
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.colocated_ttft = {
+      .base = 0.01, .per_prompt_token = 0, .scatter = {-0.005, 0.04}};
+  std::vector<SimRequest> requests;
+  for (int i = 0; i < 200; ++i) requests.push_back({10.0 * i, 16, 8});
+  const Layout coloc = Colocated();
+  const SimOptions steps_fitted{.step_spread = false, .per_request = true};
+  SimOptions no_scatter = steps_fitted;
+  no_scatter.ttft_scatter = false;
+  auto with = Simulate(model, coloc, requests, Slo{}, steps_fitted);
+  auto without = Simulate(model, coloc, requests, Slo{}, no_scatter);
+  ASSERT_TRUE(with.ok()) << with.status();
+  ASSERT_TRUE(without.ok()) << without.status();
+  int low = 0, high = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const double moved = with->request_ttft[i] - without->request_ttft[i];
+    if (std::abs(moved + 0.005) < 1e-9) ++low;
+    if (std::abs(moved - 0.04) < 1e-9) ++high;
+    EXPECT_NEAR(with->request_tpot[i], without->request_tpot[i], 1e-12) << i;
+  }
+  EXPECT_EQ(low + high, 200);
+  EXPECT_GT(low, 70);  // each quantile half of the draws
+  EXPECT_GT(high, 70);
+  EXPECT_NEAR(with->ttft_p99 - without->ttft_p99, 0.04, 1e-9);
+  // Without the flag, the line alone: every request the same.
+  EXPECT_NEAR(without->ttft_p99, without->ttft_p50, 1e-9);
+  // Saved with the profile, in the per-configuration calibrations too; an
+  // older profile has none.
+  model.calibrated[{1, 1}] = {0.001, model.colocated_ttft};
+  auto loaded = PerfModel::FromJson(model.ToJson());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->colocated_ttft.scatter, model.colocated_ttft.scatter);
+  EXPECT_EQ(loaded->ColocatedTtft({1, 1}).scatter,
+            model.colocated_ttft.scatter);
+  EXPECT_TRUE(loaded->disaggregated_ttft.scatter.empty());
+  EXPECT_FALSE(model.ToJson()["disaggregated_ttft"].contains("scatter"));
+  model.calibrated.clear();
+
+  // A draw below the line never takes a non-negative offset below 0 (the
+  // client cannot have a token before it is emitted), and leaves a negative
+  // line where it is.
+  model.colocated_ttft = {
+      .base = 0.004, .per_prompt_token = 0, .scatter = {-0.01, 0.01}};
+  auto clamped = Simulate(model, coloc, requests, Slo{}, steps_fitted);
+  model.colocated_ttft = {
+      .base = -0.002, .per_prompt_token = 0, .scatter = {-0.01, 0.01}};
+  auto negative = Simulate(model, coloc, requests, Slo{}, steps_fitted);
+  model.colocated_ttft = {};
+  auto zero = Simulate(model, coloc, requests, Slo{}, steps_fitted);
+  ASSERT_TRUE(clamped.ok() && negative.ok() && zero.ok());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const double moved = clamped->request_ttft[i] - zero->request_ttft[i];
+    EXPECT_TRUE(std::abs(moved) < 1e-9 || std::abs(moved - 0.014) < 1e-9)
+        << moved;
+    const double below = negative->request_ttft[i] - zero->request_ttft[i];
+    EXPECT_TRUE(std::abs(below + 0.002) < 1e-9 ||
+                std::abs(below - 0.008) < 1e-9)
+        << below;
+  }
+
+  // The draws make replications differ, spread or not.
+  model.colocated_ttft = {
+      .base = 0.01, .per_prompt_token = 0, .scatter = {-0.005, 0.04}};
+  auto five = Simulate(model, coloc, requests, Slo{},
+                       {.step_spread = false, .replications = 5});
+  ASSERT_TRUE(five.ok());
+  EXPECT_EQ(five->replications, 5);
 }
 
 TEST(SimulatorTest, ReplicationsReportEachFiguresMedian) {
