@@ -79,10 +79,11 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
     const PlannerProfileOptions& options);
 
 // A decode worker's step trace (decode_worker --step-trace): each step's
-// shape and seconds, in order. A last line cut short (the worker stopped
+// shape and seconds, in order, and with `end_unix_seconds` when each ended
+// (Unix time, one per step). A last line cut short (the worker stopped
 // mid-write) is skipped; NOT_FOUND without the file.
 absl::StatusOr<std::vector<planner::StepSample>> ReadStepTrace(
-    const std::string& path);
+    const std::string& path, std::vector<double>* end_unix_seconds = nullptr);
 
 // A step that carries a prompt (or a chunk of one): more tokens fed than
 // logit rows. A decode step, drafts included, makes a row per token.

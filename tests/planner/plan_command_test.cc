@@ -98,6 +98,7 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   // workload's rate (20/s, or slower where the layout would be over half
   // busy), and fitted the TTFT offsets on at least 8 of its 24 requests.
   int probe_readings = 0;
+  std::vector<int> unqueued_by_calibration;
   for (size_t at = profiled.find("steps meanwhile at ");
        at != std::string::npos;
        at = profiled.find("steps meanwhile at ", at + 1)) {
@@ -119,9 +120,46 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
     EXPECT_LE(rate, 20);
     EXPECT_GE(unqueued, 8);
     EXPECT_LE(unqueued, 24);
+    // The scatter around the TTFT line: on the colocated layouts (the first
+    // three) less the request's own prompt steps, which the decode worker
+    // traced; on the disaggregated one (its stage untraced) the residuals
+    // shrunk by the steps' spread.
+    const size_t scatter_at = profiled.find("; scatter q10 ", at);
+    ASSERT_NE(scatter_at, std::string::npos) << profiled.substr(at, 200);
+    double q10 = 0, q50 = 0, q90 = 0;
+    char how[64] = {};
+    ASSERT_EQ(std::sscanf(profiled.c_str() + scatter_at,
+                          "; scatter q10 %lf, q50 %lf, q90 %lf ms (%63[^)]",
+                          &q10, &q50, &q90, how),
+              4)
+        << profiled.substr(scatter_at, 120);
+    EXPECT_LE(q10, q50);
+    EXPECT_LE(q50, q90);
+    int traced = 0;
+    if (probe_readings < 3) {
+      ASSERT_EQ(
+          std::sscanf(how, "less %d requests' traced prompt steps", &traced), 1)
+          << how;
+      EXPECT_GE(traced, 1);
+      EXPECT_LE(traced, unqueued);
+    } else {
+      EXPECT_NE(std::string(how).find("% of the residuals"), std::string::npos)
+          << how;
+    }
+    unqueued_by_calibration.push_back(unqueued);
     ++probe_readings;
   }
   EXPECT_EQ(probe_readings, 4) << profiled;
+  // Saved: one scatter quantile per unqueued request, ascending.
+  ASSERT_EQ(unqueued_by_calibration.size(), 4u);
+  ASSERT_EQ(model->calibrated.size(), 3u);
+  for (const auto& [config, calibration] : model->calibrated) {
+    const std::vector<double>& scatter = calibration.colocated_ttft.scatter;
+    EXPECT_TRUE(std::is_sorted(scatter.begin(), scatter.end()));
+    EXPECT_GE(scatter.size(), 8u);
+  }
+  EXPECT_EQ(model->disaggregated_ttft.scatter.size(),
+            static_cast<size_t>(unqueued_by_calibration[3]));
   // The saved profile carries the slow-downs the calibration printed.
   int percent[4] = {-1, -1, -1, -1};
   const size_t printed = profiled.find("co-running slow-down: prefill stage");
