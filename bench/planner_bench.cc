@@ -181,12 +181,14 @@ int WriteRequests(std::FILE* csv, const std::string& key, int round,
                   const planner::Layout& layout,
                   const std::vector<planner::Arrival>& arrivals,
                   const tools::LoadReport& report, const planner::Slo& slo,
-                  int cores, uint64_t seed, int replications) {
+                  int cores, uint64_t seed, int replications,
+                  bool ttft_scatter) {
   const std::vector<planner::SimRequest> requests =
       planner::SimRequests(arrivals);
   auto p = planner::Simulate(model, layout, requests, slo,
                              {.cores = cores,
                               .seed = seed,
+                              .ttft_scatter = ttft_scatter,
                               .replications = replications,
                               .per_request = true});
   if (!p.ok()) {
@@ -255,6 +257,10 @@ int Main(int argc, char** argv) {
       "Simulation runs per predicted layout (different step-time draws); "
       "predictions are their medians.");
   profile.cores = flags.Num<int>("cores", 2, "Cores the layouts may use.");
+  const bool ttft_scatter = flags.Bool(
+      "ttft-scatter", false,
+      "1: predict with each request's TTFT offset drawn from the profile's "
+      "measured scatter (pdserve plan --ttft-scatter).");
   const bool default_ngram = flags.Bool(
       "default-ngram", false,
       "1: measure today's default with n-gram speculation, as shipped (it is "
@@ -395,6 +401,7 @@ int Main(int argc, char** argv) {
     request.resources.cores = profile.cores;
     request.resources.allow_oversubscription = oversubscribe;
     request.replications = replications;
+    request.ttft_scatter = ttft_scatter;
     auto ranked = planner::Plan(model, request);
     if (!ranked.ok()) {
       std::fprintf(stderr, "%s\n", ranked.status().ToString().c_str());
@@ -441,9 +448,12 @@ int Main(int argc, char** argv) {
       has_default |= r.layout.Name() == default_layout.Name();
     }
     if (!has_default) {
-      auto p = planner::Simulate(
-          model, default_layout, planner::SimRequests(request.workload), w.slo,
-          {.cores = profile.cores, .seed = seed, .replications = replications});
+      auto p = planner::Simulate(model, default_layout,
+                                 planner::SimRequests(request.workload), w.slo,
+                                 {.cores = profile.cores,
+                                  .seed = seed,
+                                  .ttft_scatter = ttft_scatter,
+                                  .replications = replications});
       if (!p.ok()) {
         std::fprintf(stderr, "%s\n", p.status().ToString().c_str());
         return 1;
@@ -610,7 +620,8 @@ int Main(int argc, char** argv) {
         if (csv != nullptr) {
           if (int rc = WriteRequests(csv, run.key, round, model, run.row.layout,
                                      arrivals, report, run.workload->slo,
-                                     profile.cores, seed, replications);
+                                     profile.cores, seed, replications,
+                                     ttft_scatter);
               rc != 0) {
             return rc;
           }

@@ -92,7 +92,8 @@ def predict(args, profile, prompts, requests, rate, slo_ttft, slo_tpot):
          str(requests), "--seed", str(args.seed), "--replications",
          str(args.replications), "--slo-ttft-ms", str(slo_ttft),
          "--slo-tpot-ms", str(slo_tpot), "--oversubscribe", "1", "--show",
-         "100000"], capture_output=True, text=True)
+         "100000", "--ttft-scatter", str(args.ttft_scatter)],
+        capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"pdserve plan failed: {out.stderr or out.stdout}")
     table, last = {}, None
@@ -134,6 +135,8 @@ def main():
     p.add_argument("--pdserve", default=os.path.join(ROOT, "build", "pdserve"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--replications", type=int, default=15)
+    p.add_argument("--ttft-scatter", type=int, choices=(0, 1), default=0,
+                   help="1: draw the TTFT offsets' measured scatter")
     args = p.parse_args()
 
     with open(args.log, encoding="utf-8") as f:

@@ -118,6 +118,11 @@ absl::Status RunPlan(int argc, char** argv) {
       "replications", 15,
       "Simulation runs per layout with different step-time draws; figures "
       "are their medians (the goodput column shows the runs' range).");
+  request.ttft_scatter = flags.Bool(
+      "ttft-scatter", false,
+      "1: draw each request's TTFT offset from the scatter the profile "
+      "measured around it (off by default: from a dozen requests per "
+      "calibration it predicted past runs worse, docs/PERFORMANCE.md run 28).");
   const std::string router_metrics = flags.Str(
       "router-metrics", "",
       "http://H:P/metrics of a running router: take the rate and mean "

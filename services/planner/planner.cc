@@ -67,6 +67,7 @@ absl::StatusOr<std::vector<RankedLayout>> Plan(const PerfModel& model,
   options.router_shares_cores = request.resources.router_shares_cores;
   options.seed = request.workload.seed;
   options.replications = request.replications;
+  options.ttft_scatter = request.ttft_scatter;
   std::vector<RankedLayout> ranked;
   absl::Status last_error;
   for (const Layout& layout : layouts) {

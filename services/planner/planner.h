@@ -29,6 +29,9 @@ struct PlanRequest {
   std::vector<Layout> extra;
   // Simulation runs per layout (SimOptions::replications); ≥ 1.
   int replications = 15;
+  // Draw each request's TTFT offset from the profile's measured scatter
+  // (SimOptions::ttft_scatter, which says why it is off by default).
+  bool ttft_scatter = false;
 };
 
 struct RankedLayout {

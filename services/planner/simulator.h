@@ -111,8 +111,12 @@ struct SimOptions {
   // (StepCost::SpreadAt); off, every step takes its fitted time.
   bool step_spread = true;
   // Add to each request's TTFT offset a draw from its measured scatter
-  // (LinearCost::scatter); off, every request pays the fitted line.
-  bool ttft_scatter = true;
+  // (LinearCost::scatter); off, every request pays the fitted line. Off by
+  // default: the calibrations' scatter rests on 12-19 requests, one of which
+  // can sit 40-60 ms out, and with it drawn run 28's profile predicted runs
+  // 21-28 worse (343 of 384 figures within 20% against 351 without; TTFT
+  // p99's mean |log error| higher on 7 of the 8 runs; docs/PERFORMANCE.md).
+  bool ttft_scatter = false;
   // The router (and client) stream on the same cores as the workers: each
   // streamed token's PerfModel::delivery_cpu_seconds competes with them.
   bool router_shares_cores = true;

@@ -276,7 +276,8 @@ TEST(SimulatorTest, TtftScatterMovesEachRequestsTtftNotItsTpot) {
   std::vector<SimRequest> requests;
   for (int i = 0; i < 200; ++i) requests.push_back({10.0 * i, 16, 8});
   const Layout coloc = Colocated();
-  const SimOptions steps_fitted{.step_spread = false, .per_request = true};
+  const SimOptions steps_fitted{
+      .step_spread = false, .ttft_scatter = true, .per_request = true};
   SimOptions no_scatter = steps_fitted;
   no_scatter.ttft_scatter = false;
   auto with = Simulate(model, coloc, requests, Slo{}, steps_fitted);
@@ -294,7 +295,11 @@ TEST(SimulatorTest, TtftScatterMovesEachRequestsTtftNotItsTpot) {
   EXPECT_GT(low, 70);  // each quantile half of the draws
   EXPECT_GT(high, 70);
   EXPECT_NEAR(with->ttft_p99 - without->ttft_p99, 0.04, 1e-9);
-  // Without the flag, the line alone: every request the same.
+  // Without the flag (the default), the line alone: every request the same.
+  auto by_default = Simulate(model, coloc, requests, Slo{},
+                             {.step_spread = false, .per_request = true});
+  ASSERT_TRUE(by_default.ok());
+  EXPECT_EQ(by_default->request_ttft, without->request_ttft);
   EXPECT_NEAR(without->ttft_p99, without->ttft_p50, 1e-9);
   // Saved with the profile, in the per-configuration calibrations too; an
   // older profile has none.
@@ -333,8 +338,9 @@ TEST(SimulatorTest, TtftScatterMovesEachRequestsTtftNotItsTpot) {
   // The draws make replications differ, spread or not.
   model.colocated_ttft = {
       .base = 0.01, .per_prompt_token = 0, .scatter = {-0.005, 0.04}};
-  auto five = Simulate(model, coloc, requests, Slo{},
-                       {.step_spread = false, .replications = 5});
+  auto five =
+      Simulate(model, coloc, requests, Slo{},
+               {.step_spread = false, .ttft_scatter = true, .replications = 5});
   ASSERT_TRUE(five.ok());
   EXPECT_EQ(five->replications, 5);
 }
