@@ -36,9 +36,8 @@ struct LinearCost {
   // evenly spaced quantiles, ascending (median near 0), with the part the
   // prompt steps' own spread explains taken out (the simulator draws that
   // per step). The same request's every token carries its draw, so it moves
-  // TTFT, not TPOT. Short-prompt TTFT p99s came out 22-28% low with the
-  // line alone: per request, measured minus predicted had a median near 0
-  // and a q90 of +33-55 ms (runs 26-27). Empty: none (older profiles).
+  // TTFT, not TPOT; drawn only where asked (SimOptions::ttft_scatter says
+  // why). Empty: none (older profiles).
   std::vector<double> scatter;
   double At(int prompt_tokens) const {
     return base + per_prompt_token * prompt_tokens;
