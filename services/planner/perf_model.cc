@@ -66,12 +66,7 @@ double PerfModel::StepOverhead(ComputeConfig config) const {
 }
 
 double LinearCost::ScatterAt(double u) const {
-  if (scatter.empty()) return 0;
-  const size_t i =
-      std::min(scatter.size() - 1,
-               static_cast<size_t>(std::max(0.0, u) *
-                                   static_cast<double>(scatter.size())));
-  return scatter[i];
+  return EvenQuantileAt(scatter, u, 0.0);
 }
 
 LinearCost PerfModel::ColocatedTtft(ComputeConfig config) const {

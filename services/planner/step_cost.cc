@@ -192,13 +192,18 @@ absl::StatusOr<StepCost> StepCost::Fit(const std::vector<StepSample>& samples) {
   return cost;
 }
 
-double StepCost::SpreadAt(double u) const {
-  if (spread_.empty()) return 1.0;
+double EvenQuantileAt(const std::vector<double>& quantiles, double u,
+                      double none) {
+  if (quantiles.empty()) return none;
   const size_t i =
-      std::min(spread_.size() - 1,
+      std::min(quantiles.size() - 1,
                static_cast<size_t>(std::max(0.0, u) *
-                                   static_cast<double>(spread_.size())));
-  return spread_[i];
+                                   static_cast<double>(quantiles.size())));
+  return quantiles[i];
+}
+
+double StepCost::SpreadAt(double u) const {
+  return EvenQuantileAt(spread_, u, 1.0);
 }
 
 absl::Status StepCost::SetSpread(std::vector<double> quantiles) {

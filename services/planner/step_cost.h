@@ -36,6 +36,12 @@ struct StepShape {
   int64_t attended_positions = 0;
 };
 
+// The quantile at u ∈ [0, 1) of evenly spaced quantiles (ascending, each the
+// midpoint of an equal share: StepCost's spread, LinearCost's scatter), or
+// `none` for none.
+double EvenQuantileAt(const std::vector<double>& quantiles, double u,
+                      double none);
+
 // A step as measured.
 struct StepSample {
   StepShape shape;
