@@ -27,8 +27,8 @@ struct ComputeConfig {
 };
 
 // Seconds a request spends outside the steps the simulator runs, as
-// a + b · prompt_tokens (b: the KV hand-off grows with the prompt), plus a
-// per-request draw from `scatter`.
+// a + b · prompt_tokens (b: the KV hand-off grows with the prompt), plus,
+// where the simulation asks for it, a per-request draw from `scatter`.
 struct LinearCost {
   double base = 0;
   double per_prompt_token = 0;

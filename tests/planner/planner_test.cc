@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <random>
 
 #include "gtest/gtest.h"
@@ -1072,6 +1073,47 @@ TEST(PlannerTest, RanksByGoodputThenWorstRunThenHeadroom) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_NE(FormatPlan(*ranked, 3).find(ranked->front().layout.Name()),
             std::string::npos);
+}
+
+// PlanRequest::ttft_scatter reaches every simulated layout: with a scatter
+// of {0, +0.5 s} drawn, each layout's TTFT p99 is no lower and some higher,
+// its TPOT p99 the same; without it, as if the profile had none.
+TEST(PlannerTest, TtftScatterIsDrawnOnlyWhereAsked) {
+  auto cost = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(cost.ok());
+  PerfModel model = ModelWith(*cost);
+  model.colocated_ttft.scatter = {0, 0.5};
+  model.disaggregated_ttft.scatter = {0, 0.5};
+  PlanRequest request;
+  request.workload.requests = 40;
+  request.workload.rate = 2;
+  request.replications = 3;
+  auto off = Plan(model, request);
+  request.ttft_scatter = true;
+  auto on = Plan(model, request);
+  PerfModel plain = model;
+  plain.colocated_ttft.scatter.clear();
+  plain.disaggregated_ttft.scatter.clear();
+  request.ttft_scatter = false;
+  auto none = Plan(plain, request);
+  ASSERT_TRUE(off.ok() && on.ok() && none.ok());
+  std::map<std::string, Prediction> by_name;
+  for (const RankedLayout& r : *off) by_name[r.layout.Name()] = r.prediction;
+  ASSERT_EQ(on->size(), off->size());
+  int higher = 0;
+  for (const RankedLayout& r : *on) {
+    const Prediction& without = by_name.at(r.layout.Name());
+    EXPECT_GE(r.prediction.ttft_p99, without.ttft_p99) << r.layout.Name();
+    EXPECT_DOUBLE_EQ(r.prediction.tpot_p99, without.tpot_p99)
+        << r.layout.Name();
+    higher += r.prediction.ttft_p99 > without.ttft_p99 + 0.25;
+  }
+  EXPECT_GT(higher, 0);
+  for (size_t i = 0; i < none->size(); ++i) {
+    EXPECT_EQ((*none)[i].layout.Name(), (*off)[i].layout.Name());
+    EXPECT_DOUBLE_EQ((*none)[i].prediction.ttft_p99,
+                     (*off)[i].prediction.ttft_p99);
+  }
 }
 
 // Prompts that fit the smallest chunk and step budget make the budgets
