@@ -185,7 +185,8 @@ struct Calibration {
   double slowness = 1;
   double prompt_slowness = 1;
   double stream_rate = 0;  // the requests' arrival rate, requests/s
-  int unqueued = 0;        // requests the TTFT offsets were fitted on
+  int requests = 0;        // requests sent
+  int unqueued = 0;        // of them, those the TTFT offsets were fitted on
   // Requests whose prompt steps the decode worker traced (their own
   // deviations taken off their residuals); with none, the residuals' scale
   // kept in ttft.scatter, [0, 1] (1: the prompt steps' spread explains none
@@ -292,7 +293,11 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // As many tokens as a typical answer, so per-request costs (channel,
   // stream set-up) weigh on the per-token CPU as they do in serving.
   constexpr int kTokens = 24;
-  constexpr int kRequests = 24;
+  // 24 requests (12-19 unqueued) left the TTFT line's level 20-30 ms apart
+  // between two profiles of the same machine (runs 27 and 28,
+  // bench/planner_runs): twice as many average the VM's speed over twice the
+  // time and give the scatter's quantiles twice the requests.
+  constexpr int kRequests = 48;
   RunRequest(*stub, RandomPrompt(32, vocab, rng), 2);  // warm the path
 
   // What the steps alone predict (no per-request costs yet).
@@ -359,6 +364,7 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   Calibration c;
   c.delivery_cpu = std::max(0.0, cpu_seconds / delivered);
   c.stream_rate = stream.rate;
+  c.requests = kRequests;
   bare.delivery_cpu_seconds = c.delivery_cpu;  // it competes here too
   // The stream against the fitted steps slowed to the speed its own steps
   // ran at: what is left over is the time outside the steps, whatever this
@@ -1062,11 +1068,11 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
         absl::StrFormat("  TTFT extra %.1f ms %+.3f ms/token; decode step "
                         "overhead %+.2f ms; router + client CPU %.3f ms/token; "
                         "steps meanwhile at %.2fx the fit's time (prompts "
-                        "%.2fx); requests at %.2f/s, %d unqueued; %s",
+                        "%.2fx); requests at %.2f/s, %d of %d unqueued; %s",
                         c->ttft.base * 1e3, c->ttft.per_prompt_token * 1e3,
                         c->step_overhead * 1e3, c->delivery_cpu * 1e3,
                         c->slowness, c->prompt_slowness, c->stream_rate,
-                        c->unqueued, ScatterSummary(*c)));
+                        c->unqueued, c->requests, ScatterSummary(*c)));
   }
   // Configurations not calibrated (none today) fall back on tp 1 × 1.
   const planner::PerfModel::Calibration& base =
@@ -1087,12 +1093,12 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
         absl::StrFormat("  disaggregated TTFT extra %.1f ms %+.3f ms/token; "
                         "hand-off %.2f ms; steps meanwhile at %.2fx the "
                         "fit's time (prompts %.2fx); requests at %.2f/s, %d "
-                        "unqueued; %s",
+                        "of %d unqueued; %s",
                         model.disaggregated_ttft.base * 1e3,
                         model.disaggregated_ttft.per_prompt_token * 1e3,
                         model.handoff_seconds * 1e3, d->slowness,
                         d->prompt_slowness, d->stream_rate, d->unqueued,
-                        ScatterSummary(*d)));
+                        d->requests, ScatterSummary(*d)));
   } else {
     model.disaggregated_ttft = model.colocated_ttft;
   }

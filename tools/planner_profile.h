@@ -14,7 +14,7 @@
 //     within seconds, and one round is a snapshot of it.
 //  2. What happens outside the steps. Real clusters (router + workers as
 //     processes, tools/local_cluster.h), colocated and disaggregated, serve
-//     24 requests arriving open loop at the workload's rate (slower where
+//     48 requests arriving open loop at the workload's rate (slower where
 //     the simulation has the layout over half busy); what they measure minus
 //     what the simulator predicts for the same arrivals is the per-request
 //     cost: TTFT overhead as a + b·prompt (router, gRPC, the KV hand-off;
