@@ -1,5 +1,8 @@
 // Transport benchmark (not a test). Forks its peers; loopback only.
-//   transport_bench [--no-peer-errors]
+//   transport_bench [--no-peer-errors] [--shm-messages]
+// (--shm-messages: with peer errors off, messages on the shared-memory worker
+// too, as before UcxWorkerOptions::messages_over_tcp; to measure what the
+// tcp message worker costs.)
 // 1. Raw put bandwidth, 64 KiB .. 16 MiB: a window of puts then a flush,
 //    repeated (what ucx_perftest -t ucp_put_bw measures).
 // 2. KV transfer of a 4096-token prompt in the llama-110m shape (12 layers,
@@ -9,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -16,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kv/kv_pool.h"
 #include "transport/kv_transfer.h"
@@ -25,6 +30,7 @@ namespace pdserve::transport {
 namespace {
 
 bool g_peer_errors = true;
+bool g_messages_over_tcp = true;
 
 bool WriteFrame(int fd, const std::string& s) {
   uint64_t n = s.size();
@@ -47,6 +53,7 @@ std::string ReadFrame(int fd) {
 std::unique_ptr<UcxWorker> NewWorker() {
   UcxWorkerOptions o;
   o.peer_error_handling = g_peer_errors;
+  o.messages_over_tcp = g_messages_over_tcp;
   auto w = UcxWorker::Create(o);
   if (!w.ok()) {
     std::fprintf(stderr, "%s\n", w.status().ToString().c_str());
@@ -140,6 +147,7 @@ void AmChild(int fd) {
   auto worker = NewWorker();
   auto ep = worker->Connect(ReadFrame(fd));
   if (!ep.ok()) std::exit(1);
+  WriteFrame(fd, worker->address());  // for the pings' answers
   std::string report;
   for (size_t size = 64 << 10; size <= kMaxSize; size *= 4) {
     const int iters =
@@ -161,6 +169,31 @@ void AmChild(int fd) {
     absl::StrAppend(&report, size, " ", double(size) * iters / secs / 1e6,
                     "\n");
   }
+  // Round trips of 64-byte messages (what a KV chunk's notice is): one at a
+  // time, each answered by the other side's handler.
+  absl::Mutex mu;
+  int answers = 0;
+  worker->SetMessageHandler(12, [&](uint64_t, std::string) {
+    absl::MutexLock l(&mu);
+    ++answers;
+  });
+  constexpr int kPings = 2000;
+  std::vector<double> micros;
+  for (int i = 0; i < kPings + 100; ++i) {
+    const absl::Time t0 = absl::Now();
+    if (!(*ep)->Send(11, std::string(64, 'p')).ok()) std::exit(1);
+    absl::MutexLock l(&mu);
+    auto answered = [&, want = i + 1] { return answers >= want; };
+    if (!mu.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(10))) {
+      std::exit(1);
+    }
+    if (i >= 100)
+      micros.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+  }
+  std::sort(micros.begin(), micros.end());
+  absl::StrAppend(&report, "round_trip_64B_us p50 ", micros[micros.size() / 2],
+                  " p99 ", micros[micros.size() * 99 / 100], "\n");
+  worker->SetMessageHandler(12, nullptr);
   WriteFrame(fd, report);
 }
 
@@ -177,13 +210,24 @@ void Am() {
   auto worker = NewWorker();
   worker->SetMessageHandler(9, [](uint64_t, std::string) {});
   int fd = sv[0];
+  // The ping's answer goes back on an endpoint to the sender's address,
+  // which the child sends first.
+  std::shared_ptr<UcxEndpoint> back;
+  worker->SetMessageHandler(11, [&back](uint64_t, std::string p) {
+    if (back) (void)back->Send(12, std::move(p));
+  });
   worker->SetMessageHandler(
       10, [fd](uint64_t, std::string) { WriteFrame(fd, "ok"); });
   WriteFrame(sv[0], worker->address());
+  auto ep = worker->Connect(ReadFrame(sv[0]));
+  if (!ep.ok()) std::exit(1);
+  back = *ep;
   std::string report = ReadFrame(sv[0]);
   waitpid(pid, nullptr, 0);
-  std::printf("am_send peer_errors=%d (bytes MB/s)\n%s", g_peer_errors ? 1 : 0,
-              report.c_str());
+  worker->SetMessageHandler(11, nullptr);
+  std::printf("am_send peer_errors=%d messages_over_tcp=%d (bytes MB/s)\n%s",
+              g_peer_errors ? 1 : 0,
+              !g_peer_errors && g_messages_over_tcp ? 1 : 0, report.c_str());
 }
 
 KvModelSpec Llama110m() {
@@ -316,6 +360,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no-peer-errors")
       pdserve::transport::g_peer_errors = false;
+    if (std::string(argv[i]) == "--shm-messages")
+      pdserve::transport::g_messages_over_tcp = false;
   }
   if (std::getenv("BENCH_AM")) pdserve::transport::Am();
   pdserve::transport::RawPut();

@@ -71,6 +71,24 @@ struct detail::WorkerCore {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   int efd = -1;
+  // With peer error handling off, messages travel on a second worker of
+  // its own context restricted to tcp, with peer error handling on (null
+  // otherwise: messages share `worker`). UCX's shared-memory transport gives
+  // each receiver one FIFO whose slots every sender claims before writing
+  // them: a sender killed between the claim and marking the slot written
+  // leaves the receiver waiting on that slot for good, deaf to every other
+  // peer (a decode worker to every prefill stage). Over tcp each peer has
+  // its own socket, a dead one fails alone, and the failure is reported.
+  // Puts stay on `worker`: shared memory, no target CPU involved.
+  ucp_context_h control_context = nullptr;
+  ucp_worker_h control_worker = nullptr;
+  int control_efd = -1;
+  // What each worker's active-message callback is given.
+  struct AmTarget {
+    WorkerCore* core;
+    ucp_worker_h worker;
+  };
+  AmTarget data_target{}, control_target{};
   uint64_t uid = 0;
   absl::Duration tick;
   bool peer_error_handling = true;
@@ -89,8 +107,16 @@ struct detail::WorkerCore {
   std::set<ucp_rkey_h> rkeys ABSL_GUARDED_BY(mu);
   std::set<ucp_ep_h> eps ABSL_GUARDED_BY(mu);
 
+  // Progresses both workers; nonzero when either did something.
+  unsigned Progress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    unsigned n = ucp_worker_progress(worker);
+    if (control_worker != nullptr) n += ucp_worker_progress(control_worker);
+    return n;
+  }
+
   // Force-closes an endpoint, bounded.
   void CloseEp(ucp_ep_h ep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (ep == nullptr) return;
     eps.erase(ep);
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -101,7 +127,7 @@ struct detail::WorkerCore {
       absl::Time deadline = absl::Now() + absl::Seconds(2);
       while (ucp_request_check_status(req) == UCS_INPROGRESS &&
              absl::Now() < deadline) {
-        ucp_worker_progress(worker);
+        Progress();
       }
       ucp_request_free(req);
     }
@@ -176,6 +202,7 @@ namespace {
 
 struct RndvRecv {
   detail::WorkerCore* impl;
+  ucp_worker_h worker;  // the one the message arrived on
   std::pair<uint64_t, uint64_t> key;
   uint64_t seq;
 };
@@ -199,7 +226,8 @@ ucs_status_t AmRecv(void* arg, const void* header, size_t header_length,
                     void* data, size_t length, const ucp_am_recv_param_t* param)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Runs inside ucp_worker_progress, i.e. with impl->mu held.
-  auto* impl = static_cast<detail::WorkerCore*>(arg);
+  const auto* target = static_cast<const detail::WorkerCore::AmTarget*>(arg);
+  detail::WorkerCore* impl = target->core;
   if (header_length != sizeof(WireHeader)) {
     PDS_LOG(WARNING) << "transport: dropping message with a bad header";
     return UCS_OK;
@@ -224,14 +252,14 @@ ucs_status_t AmRecv(void* arg, const void* header, size_t header_length,
   // buffer, outside this callback.
   in.payload.resize(length);
   char* dst = in.payload.data();
-  auto* r = new RndvRecv{impl, key, h.seq};
-  impl->locked_tasks.push_back([impl, data, dst, length, r]() {
+  ucp_worker_h worker = target->worker;
+  auto* r = new RndvRecv{impl, worker, key, h.seq};
+  impl->locked_tasks.push_back([worker, data, dst, length, r]() {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv_am = RndvRecvDone;
     p.user_data = r;
-    ucs_status_ptr_t req =
-        ucp_am_recv_data_nbx(impl->worker, data, dst, length, &p);
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker, data, dst, length, &p);
     if (req == nullptr) {
       RndvRecvDone(nullptr, UCS_OK, length, r);
     } else if (UCS_PTR_IS_ERR(req)) {
@@ -249,12 +277,12 @@ void detail::WorkerCore::Loop() {
     bool busy = false;
     {
       absl::MutexLock l(&mu);
-      while (ucp_worker_progress(worker) != 0) busy = true;
+      while (Progress() != 0) busy = true;
       while (!locked_tasks.empty()) {
         auto tasks = std::move(locked_tasks);
         locked_tasks.clear();
         for (auto& t : tasks) t();
-        while (ucp_worker_progress(worker) != 0) {
+        while (Progress() != 0) {
         }
         busy = true;
       }
@@ -280,6 +308,9 @@ void detail::WorkerCore::Loop() {
     {
       absl::MutexLock l(&mu);
       st = ucp_worker_arm(worker);
+      if (st != UCS_ERR_BUSY && control_worker != nullptr) {
+        st = ucp_worker_arm(control_worker);
+      }
     }
     if (st == UCS_ERR_BUSY) continue;
     {
@@ -290,8 +321,8 @@ void detail::WorkerCore::Loop() {
     // or the next tick is due.
     int wait_ms =
         static_cast<int>(absl::ToInt64Milliseconds(next_tick - absl::Now()));
-    pollfd pfd{efd, POLLIN, 0};
-    poll(&pfd, 1, std::max(wait_ms, 0) + 1);
+    pollfd pfds[2] = {{efd, POLLIN, 0}, {control_efd, POLLIN, 0}};
+    poll(pfds, control_worker != nullptr ? 2 : 1, std::max(wait_ms, 0) + 1);
   }
 }
 
@@ -412,7 +443,9 @@ ucp_request_param_t SendParam(SendCtx* ctx) {
 
 struct UcxEndpoint::State {
   detail::WorkerCore* impl = nullptr;
-  ucp_ep_h ep = nullptr;
+  ucp_ep_h ep = nullptr;  // puts, region keys
+  // Messages: on the control worker where there is one, else `ep`.
+  ucp_ep_h control_ep = nullptr;
   uint64_t peer_uid = 0;
   uint64_t ep_id = 0;
   uint64_t next_seq = 0;  // guarded by impl->mu
@@ -449,6 +482,7 @@ void EpError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 UcxEndpoint::~UcxEndpoint() {
   absl::MutexLock l(&core_->mu);
   if (core_->destroyed) return;  // ~UcxWorker closed it
+  core_->CloseEp(state_->control_ep);
   core_->CloseEp(state_->ep);
 }
 
@@ -460,7 +494,13 @@ absl::Status UcxEndpoint::health() const {
 std::string UcxEndpoint::TransportInfo() const {
   absl::MutexLock l(&core_->mu);
   if (core_->destroyed) return "";
-  return CaptureInfo([&](FILE* f) { ucp_ep_print_info(state_->ep, f); });
+  return CaptureInfo([&](FILE* f) {
+    ucp_ep_print_info(state_->ep, f);
+    if (state_->control_ep != nullptr) {
+      std::fprintf(f, "# messages:\n");
+      ucp_ep_print_info(state_->control_ep, f);
+    }
+  });
 }
 
 absl::StatusOr<std::unique_ptr<RemoteRegion>> UcxEndpoint::ImportRegion(
@@ -558,8 +598,10 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::Send(uint16_t kind,
     ctx->payload = std::move(payload);
     ucp_request_param_t p = SendParam(ctx);
     FinishImmediate(
-        ucp_am_send_nbx(state_->ep, kAmId, &ctx->header, sizeof(WireHeader),
-                        ctx->payload.data(), ctx->payload.size(), &p),
+        ucp_am_send_nbx(
+            state_->control_ep != nullptr ? state_->control_ep : state_->ep,
+            kAmId, &ctx->header, sizeof(WireHeader), ctx->payload.data(),
+            ctx->payload.size(), &p),
         ctx);
   }
   ucp_worker_signal(impl->worker);
@@ -570,16 +612,20 @@ absl::StatusOr<std::shared_ptr<OpHandle>> UcxEndpoint::Flush(
     Continuation then) {
   PDS_RETURN_IF_ERROR(health());
   auto handle = std::make_shared<OpHandle>();
-  handle->AddParts(1);
+  // Puts and messages alike: both endpoints where messages have their own.
+  handle->AddParts(state_->control_ep != nullptr ? 2 : 1);
   if (then) handle->SetContinuation(core_, std::move(then));
   detail::WorkerCore* impl = core_.get();
   {
     absl::MutexLock l(&impl->mu);
     if (impl->destroyed)
       return absl::FailedPreconditionError("UCX worker shut down");
-    auto* ctx = new SendCtx{handle, {}, {}};
-    ucp_request_param_t p = SendParam(ctx);
-    FinishImmediate(ucp_ep_flush_nbx(state_->ep, &p), ctx);
+    for (ucp_ep_h ep : {state_->ep, state_->control_ep}) {
+      if (ep == nullptr) continue;
+      auto* ctx = new SendCtx{handle, {}, {}};
+      ucp_request_param_t p = SendParam(ctx);
+      FinishImmediate(ucp_ep_flush_nbx(ep, &p), ctx);
+    }
   }
   ucp_worker_signal(impl->worker);
   return handle;
@@ -637,6 +683,12 @@ UcxWorker::~UcxWorker() {
   for (ucp_mem_h memh : impl_->memhs) ucp_mem_unmap(impl_->context, memh);
   impl_->memhs.clear();
   impl_->destroyed = true;
+  if (impl_->control_worker != nullptr) {
+    ucp_worker_destroy(impl_->control_worker);
+  }
+  if (impl_->control_context != nullptr) {
+    ucp_cleanup(impl_->control_context);
+  }
   ucp_worker_destroy(impl_->worker);
   ucp_cleanup(impl_->context);
 }
@@ -684,26 +736,65 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
   st = ucp_worker_get_efd(im->worker, &im->efd);
   if (st != UCS_OK) return UcsError("ucp_worker_get_efd", st);
 
-  ucp_am_handler_param_t ap{};
-  ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                  UCP_AM_HANDLER_PARAM_FIELD_CB |
-                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  ap.id = kAmId;
-  ap.cb = AmRecv;
-  ap.arg = im;
-  st = ucp_worker_set_am_recv_handler(im->worker, &ap);
-  if (st != UCS_OK) return UcsError("ucp_worker_set_am_recv_handler", st);
+  if (!options.peer_error_handling && options.messages_over_tcp) {
+    // The message worker (see WorkerCore::control_worker): tcp whatever
+    // UCX_TLS says, since the point is a transport where peers do not
+    // share a queue; messages only, so no software RMA over it.
+    ucp_config_t* raw_control = nullptr;
+    st = ucp_config_read(nullptr, nullptr, &raw_control);
+    if (st != UCS_OK) return UcsError("ucp_config_read", st);
+    std::unique_ptr<ucp_config_t, ConfigDeleter> control_config(raw_control);
+    st = ucp_config_modify(control_config.get(), "TLS", "tcp");
+    if (st != UCS_OK) return UcsError("UCX config TLS=tcp (messages)", st);
+    ucp_params_t control_params{};
+    control_params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    control_params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    st = ucp_init(&control_params, control_config.get(), &im->control_context);
+    if (st != UCS_OK) return UcsError("ucp_init (messages over tcp)", st);
+    st = ucp_worker_create(im->control_context, &wp, &im->control_worker);
+    if (st != UCS_OK) {
+      return UcsError("ucp_worker_create (messages over tcp)", st);
+    }
+    st = ucp_worker_get_efd(im->control_worker, &im->control_efd);
+    if (st != UCS_OK) return UcsError("ucp_worker_get_efd", st);
+  }
 
-  ucp_address_t* addr = nullptr;
-  size_t addr_len = 0;
-  st = ucp_worker_get_address(im->worker, &addr, &addr_len);
-  if (st != UCS_OK) return UcsError("ucp_worker_get_address", st);
+  // Both workers take messages: a peer without a message worker of its own
+  // (peer error handling on) sends them to the one that takes its puts.
+  im->data_target = {im, im->worker};
+  im->control_target = {im, im->control_worker};
+  for (Impl::AmTarget* target : {&im->data_target, &im->control_target}) {
+    if (target->worker == nullptr) continue;
+    ucp_am_handler_param_t ap{};
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    ap.id = kAmId;
+    ap.cb = AmRecv;
+    ap.arg = target;
+    st = ucp_worker_set_am_recv_handler(target->worker, &ap);
+    if (st != UCS_OK) return UcsError("ucp_worker_set_am_recv_handler", st);
+  }
+
+  // The blob: magic, uid, the put worker's UCX address, the message
+  // worker's (empty without one).
   ByteWriter bw;
   bw.Put(kAddressMagic);
   bw.Put(im->uid);
-  bw.PutBytes(absl::string_view(reinterpret_cast<const char*>(addr), addr_len));
+  for (ucp_worker_h worker : {im->worker, im->control_worker}) {
+    if (worker == nullptr) {
+      bw.PutBytes("");
+      continue;
+    }
+    ucp_address_t* addr = nullptr;
+    size_t addr_len = 0;
+    st = ucp_worker_get_address(worker, &addr, &addr_len);
+    if (st != UCS_OK) return UcsError("ucp_worker_get_address", st);
+    bw.PutBytes(
+        absl::string_view(reinterpret_cast<const char*>(addr), addr_len));
+    ucp_worker_release_address(worker, addr);
+  }
   w->address_ = bw.Take();
-  ucp_worker_release_address(im->worker, addr);
 
   // Which transports UCX opened: the "md[...]"/"resource[...]" lines of the
   // context summary, e.g. "posix/memory", "cma/memory", "tcp/lo".
@@ -718,8 +809,10 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(
     }
   }
   const char* tls = std::getenv("UCX_TLS");
-  w->transports_ = absl::StrCat("UCX_TLS=", tls != nullptr ? tls : "(default)",
-                                "; resources: ", absl::StrJoin(resources, " "));
+  w->transports_ = absl::StrCat(
+      "UCX_TLS=", tls != nullptr ? tls : "(default)",
+      "; resources: ", absl::StrJoin(resources, " "),
+      im->control_worker != nullptr ? "; messages: tcp, peer errors on" : "");
   PDS_LOG(INFO) << "transport: worker " << absl::StrCat(absl::Hex(im->uid))
                 << " " << w->transports_;
 
@@ -732,9 +825,10 @@ absl::StatusOr<std::shared_ptr<UcxEndpoint>> UcxWorker::Connect(
   ByteReader r(address_blob);
   uint32_t magic = 0;
   uint64_t peer_uid = 0;
-  std::string ucp_addr;
+  std::string ucp_addr, control_addr;
   if (!r.Get(&magic) || magic != kAddressMagic || !r.Get(&peer_uid) ||
-      !r.GetBytes(&ucp_addr, 1 << 20) || !r.empty() || ucp_addr.empty()) {
+      !r.GetBytes(&ucp_addr, 1 << 20) || !r.GetBytes(&control_addr, 1 << 20) ||
+      !r.empty() || ucp_addr.empty()) {
     return absl::InvalidArgumentError("malformed worker address");
   }
   auto state = std::make_shared<UcxEndpoint::State>();
@@ -766,6 +860,21 @@ absl::StatusOr<std::shared_ptr<UcxEndpoint>> UcxWorker::Connect(
           st);
     }
     impl_->eps.insert(state->ep);
+    if (impl_->control_worker != nullptr) {
+      // Messages from our message worker to the peer's (or, where it has
+      // none, to the worker that takes its puts, which listens on tcp too),
+      // in peer mode: the peer's death is reported, not waited out.
+      ucp_ep_params_t control = ep;
+      control.address = reinterpret_cast<const ucp_address_t*>(
+          control_addr.empty() ? ucp_addr.data() : control_addr.data());
+      control.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      st = ucp_ep_create(impl_->control_worker, &control, &state->control_ep);
+      if (st != UCS_OK) {
+        impl_->CloseEp(state->ep);
+        return UcsError("ucp_ep_create (messages over tcp)", st);
+      }
+      impl_->eps.insert(state->control_ep);
+    }
   }
   std::shared_ptr<UcxEndpoint> out(
       new UcxEndpoint(impl_, peer_uid, std::move(state)));

@@ -219,6 +219,13 @@ struct UcxWorkerOptions {
   // (tcp, verbs), not shared memory/CMA. With false, UCX may pick shared
   // memory/CMA and a dead peer is noticed by leases and bounded waits only.
   bool peer_error_handling = true;
+  // With peer_error_handling off: messages (not puts) on a second UCX worker
+  // restricted to tcp, with peer error handling on. Over shared memory all
+  // senders share the receiver's one queue, and a sender killed mid-message
+  // stops it for every peer (FaultTest.SenderKilledMidMessageLeavesOther-
+  // SendersHeard); over tcp a dead peer fails alone and is reported. Off
+  // only to measure what it costs.
+  bool messages_over_tcp = true;
   // Period of the progress thread's housekeeping tick (leases, timeouts).
   absl::Duration tick = absl::Milliseconds(20);
 };
@@ -238,7 +245,8 @@ class UcxWorker {
 
   // Random id naming this worker in every message it sends.
   uint64_t uid() const { return uid_; }
-  // Blob for Connect(): uid + UCX worker address. The control plane carries it.
+  // Blob for Connect(): uid + UCX worker addresses (puts; messages, where
+  // they have their own worker). The control plane carries it.
   const std::string& address() const { return address_; }
 
   // Creates an endpoint to the worker that published `address_blob`.

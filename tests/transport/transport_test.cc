@@ -7,15 +7,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kv/kv_pool.h"
@@ -358,10 +362,12 @@ TEST(FaultTest, SourceKilledMidTransferFailsRequestAndFreesBlocks) {
 }
 
 // A stage dies while its puts are streaming, on the same-host shared-memory
-// path (UCX-allocated sink memory, peer error handling off): the sink notices
-// by the lease, waits out the quarantine (the dead source cannot confirm) and
-// frees the blocks; nothing aborts. (On UCX 1.13's software-RMA path over tcp
-// the same kill aborts the *sink* process inside UCX; see the README.)
+// path (UCX-allocated sink memory, peer error handling off): the sink hears
+// of the death from its message endpoint (tcp, peer errors on; before that
+// endpoint it waited for the lease and then the quarantine), fails the
+// request and frees the blocks; nothing aborts. (On UCX 1.13's software-RMA
+// path over tcp the same kill aborts the *sink* process inside UCX; see the
+// README.)
 TEST(FaultTest, SourceKilledMidPutOnSharedMemoryPath) {
   UcxWorkerOptions wopts;
   wopts.peer_error_handling = false;
@@ -407,6 +413,72 @@ TEST(FaultTest, SourceKilledMidPutOnSharedMemoryPath) {
   EXPECT_EQ((*sink)->active_requests(), 0);
   absl::MutexLock lock(&mu);
   EXPECT_EQ(released.size(), blocks.size());
+}
+
+// A peer dies while it is sending messages to this worker over shared memory
+// (peer error handling off, as `pdserve local` runs): another peer's messages
+// must still arrive. UCX's shared-memory transport gives each receiver one
+// FIFO that every sender claims slots in; a sender killed between claiming a
+// slot and marking it written would leave the receiver waiting on that slot
+// for good, and a decode worker deaf to every prefill stage.
+TEST(FaultTest, SenderKilledMidMessageLeavesOtherSendersHeard) {
+  constexpr int kRounds = 12;
+  std::mt19937_64 rng(11);
+  for (int round = 0; round < kRounds; ++round) {
+    UcxWorkerOptions wopts;
+    wopts.peer_error_handling = false;
+    auto created = UcxWorker::Create(wopts);
+    ASSERT_TRUE(created.ok()) << created.status();
+    std::unique_ptr<UcxWorker> worker = std::move(*created);
+    absl::Mutex mu;
+    std::map<uint64_t, int> echoes_by_sender;
+    worker->SetMessageHandler(2, [&](uint64_t sender, std::string) {
+      absl::MutexLock l(&mu);
+      ++echoes_by_sender[sender];
+    });
+    auto start_echo = [&](std::unique_ptr<PeerProcess>* peer)
+        -> absl::StatusOr<std::shared_ptr<UcxEndpoint>> {
+      *peer = std::make_unique<PeerProcess>(
+          std::vector<std::string>{"--mode=echo", "--no_peer_errors=1"});
+      if (!WriteFrame((*peer)->fd(), worker->address())) {
+        return absl::UnavailableError("echo peer gone");
+      }
+      PDS_ASSIGN_OR_RETURN(std::string address,
+                           ReadFrame((*peer)->fd(), absl::Seconds(30)));
+      return worker->Connect(address);
+    };
+    // The one that dies: it echoes a stream of small and page-sized
+    // messages back until it is killed at a random point.
+    std::unique_ptr<PeerProcess> dying;
+    auto dying_ep = start_echo(&dying);
+    ASSERT_TRUE(dying_ep.ok()) << dying_ep.status();
+    std::atomic<bool> stop{false};
+    std::thread flood([&] {
+      const size_t kSizes[] = {8, 64, 900, 4096};
+      for (int i = 0; !stop.load(); ++i) {
+        auto h = (*dying_ep)->Send(1, std::string(kSizes[i % 4], 'x'));
+        if (!h.ok()) break;
+        if (i % 64 == 63) (void)(*h)->Wait(absl::Milliseconds(50));
+      }
+    });
+    absl::SleepFor(absl::Microseconds(2000 + rng() % 20000));
+    dying->Kill();
+    stop = true;
+    flood.join();
+    // A live peer's echo must come back.
+    std::unique_ptr<PeerProcess> live;
+    auto live_ep = start_echo(&live);
+    ASSERT_TRUE(live_ep.ok()) << live_ep.status();
+    auto sent = (*live_ep)->Send(1, "are you there");
+    ASSERT_TRUE(sent.ok()) << sent.status();
+    absl::MutexLock l(&mu);
+    const uint64_t live_uid = (*live_ep)->peer_uid();
+    auto heard = [&] { return echoes_by_sender[live_uid] > 0; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&heard), absl::Seconds(5)))
+        << "round " << round << ": no echo from a live peer after another "
+        << "died mid-stream (" << echoes_by_sender.size() << " senders heard)";
+    worker->SetMessageHandler(2, nullptr);
+  }
 }
 
 // The decode rank dies: writes fail (or time out) instead of hanging, and a
