@@ -1007,9 +1007,12 @@ TEST(ClusterTest, StageKilledMidTransferLeavesTheDecodeWorkerServing) {
   Generated after =
       GrpcGenerate(cluster->grpc_address(), TextRequest(long_case.prompt, 8));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
-  // Once in a full suite run (2026-12-06, not since in eight runs alone or
-  // beside busy loops) every request here ran into its deadline, the one
-  // after the kill too: what each process last said, for whoever meets it.
+  // Once in a full suite run (2026-12-06) every request here ran into its
+  // deadline, the one after the kill too: the stage died mid-message into
+  // the decode worker's shared-memory FIFO, which stopped at that slot for
+  // every peer (FaultTest.SenderKilledMidMessageLeavesOtherSendersHeard;
+  // messages go over tcp since). What each process last said, should it
+  // come back.
   if (ok == 0 || !after.status.ok()) {
     ADD_FAILURE() << "router:\n"
                   << cluster->LogTail("router", 16384) << "\ndecode-0:\n"
