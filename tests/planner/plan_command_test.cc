@@ -307,9 +307,13 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
 TEST(PlanCommandTest, TakesTheWorkloadFromARunningRouter) {
   const std::string perf = ::testing::TempDir() + "/stories_perf_router.json";
   int code = 0;
-  const std::string profiled = RunPlan(
-      "--model " + kModel + " --profile-max-prompt 64 --perf-model " + perf,
-      &code);
+  // At 6 requests/s: the four calibrations' 48 requests each take 8 s
+  // instead of the default 1.5/s's 32 s (the workload here comes from the
+  // router below, not from this profile's rate).
+  const std::string profiled =
+      RunPlan("--model " + kModel +
+                  " --rate 6 --profile-max-prompt 64 --perf-model " + perf,
+              &code);
   ASSERT_EQ(code, 0) << profiled;
 
   tools::LocalClusterOptions o;
