@@ -211,9 +211,11 @@ void Am() {
   worker->SetMessageHandler(9, [](uint64_t, std::string) {});
   int fd = sv[0];
   // The ping's answer goes back on an endpoint to the sender's address,
-  // which the child sends first.
+  // which the child sends first (set here, read on the progress thread).
+  absl::Mutex back_mu;
   std::shared_ptr<UcxEndpoint> back;
-  worker->SetMessageHandler(11, [&back](uint64_t, std::string p) {
+  worker->SetMessageHandler(11, [&](uint64_t, std::string p) {
+    absl::MutexLock l(&back_mu);
     if (back) (void)back->Send(12, std::move(p));
   });
   worker->SetMessageHandler(
@@ -221,7 +223,10 @@ void Am() {
   WriteFrame(sv[0], worker->address());
   auto ep = worker->Connect(ReadFrame(sv[0]));
   if (!ep.ok()) std::exit(1);
-  back = *ep;
+  {
+    absl::MutexLock l(&back_mu);
+    back = *ep;
+  }
   std::string report = ReadFrame(sv[0]);
   waitpid(pid, nullptr, 0);
   worker->SetMessageHandler(11, nullptr);

@@ -202,7 +202,6 @@ namespace {
 
 struct RndvRecv {
   detail::WorkerCore* impl;
-  ucp_worker_h worker;  // the one the message arrived on
   std::pair<uint64_t, uint64_t> key;
   uint64_t seq;
 };
@@ -253,7 +252,7 @@ ucs_status_t AmRecv(void* arg, const void* header, size_t header_length,
   in.payload.resize(length);
   char* dst = in.payload.data();
   ucp_worker_h worker = target->worker;
-  auto* r = new RndvRecv{impl, worker, key, h.seq};
+  auto* r = new RndvRecv{impl, key, h.seq};
   impl->locked_tasks.push_back([worker, data, dst, length, r]() {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
