@@ -35,7 +35,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "common/command_line_flags.h"
 #include "decode/decode_worker.h"
 #include "decode_worker/decode_service.h"
@@ -43,6 +42,7 @@
 #include "engine/backend_flags.h"
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
+#include "planner/step_trace.h"
 #include "process/port_file.h"
 #include "rpc/auth.h"
 #include "rpc/server.h"
@@ -65,41 +65,6 @@ constexpr char kNotes[] =
     "Prints \"metrics on HOST:PORT\" (with --metrics-port) and then "
     "\"listening on HOST:PORT\" once serving; SIGINT/SIGTERM stop. See "
     "decode_worker/README.md.\n";
-
-// One CSV line per forward step, written as it ends (line-buffered: the
-// worker is stopped by a signal, and a trace cut at its last whole line is
-// still readable). For setting a loaded worker's steps beside the layout
-// planner's step costs (planner_bench --step-traces).
-class StepTrace {
- public:
-  static absl::StatusOr<std::unique_ptr<StepTrace>> Open(
-      const std::string& path) {
-    std::FILE* file = std::fopen(path.c_str(), "w");
-    if (file == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--step-trace: cannot write ", path));
-    }
-    std::setvbuf(file, nullptr, _IOLBF, 0);
-    std::fprintf(file,
-                 "end_unix_s,seconds,sequences,tokens_fed,logit_rows,"
-                 "attended_positions,output_tokens\n");
-    return std::unique_ptr<StepTrace>(new StepTrace(file));
-  }
-  ~StepTrace() { std::fclose(file_); }
-  StepTrace(const StepTrace&) = delete;
-  StepTrace& operator=(const StepTrace&) = delete;
-
-  void Record(const decode::StepStats& s) {
-    std::fprintf(file_, "%.6f,%.6f,%d,%d,%d,%lld,%d\n",
-                 absl::ToUnixMicros(absl::Now()) * 1e-6, s.seconds, s.sequences,
-                 s.tokens_fed, s.logit_rows,
-                 static_cast<long long>(s.attended_positions), s.output_tokens);
-  }
-
- private:
-  explicit StepTrace(std::FILE* file) : file_(file) {}
-  std::FILE* file_;
-};
 
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "decode_worker: %s\n", s.ToString().c_str());
@@ -223,7 +188,7 @@ int Main(int argc, char** argv) {
                 "Write the bound metrics HOST:PORT here once serving.");
   const std::string step_trace_path = flags.Str(
       "step-trace", "",
-      "Write one CSV line per forward step to this file (end time, seconds, "
+      "Append one CSV line per forward step to this file (end time, seconds, "
       "sequences, tokens fed, logit rows, attended positions, output "
       "tokens): a loaded worker's steps, to set beside the layout planner's "
       "step costs.",
@@ -349,15 +314,16 @@ int Main(int argc, char** argv) {
     worker_metrics = std::make_unique<DecodeWorkerMetrics>(*registry);
     wo.step_observer = worker_metrics->StepObserver();
   }
-  std::unique_ptr<StepTrace> step_trace;
+  std::unique_ptr<planner::StepTraceWriter> step_trace;
   if (!step_trace_path.empty()) {
-    auto trace = StepTrace::Open(step_trace_path);
+    auto trace = planner::StepTraceWriter::Open(step_trace_path);
     if (!trace.ok()) return Fail(trace.status());
     step_trace = *std::move(trace);
     wo.step_observer = [metrics_observer = std::move(wo.step_observer),
                         trace = step_trace.get()](const decode::StepStats& s) {
       if (metrics_observer) metrics_observer(s);
-      trace->Record(s);
+      trace->Record({s.seconds, s.sequences, s.tokens_fed, s.logit_rows,
+                     s.attended_positions, s.output_tokens});
     };
   }
   auto worker = decode::DecodeWorker::Create(**weights, tok, wo);

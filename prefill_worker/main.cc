@@ -35,6 +35,7 @@
 #include "grammar/structured_output.h"
 #include "metrics/metrics.h"
 #include "model/weight_source.h"
+#include "planner/step_trace.h"
 #include "prefill/chunk_policy.h"
 #include "prefill/layer_split.h"
 #include "prefill_worker/prefill_service.h"
@@ -247,6 +248,13 @@ int Main(int argc, char** argv) {
   const std::string worker_id = flags.Str(
       "worker-id", "prefill",
       "worker_id label on the metrics, shared by the group's stages.");
+  const std::string step_trace_path = flags.Str(
+      "step-trace", "",
+      "Append one CSV line per microbatch to this file (end time, seconds, "
+      "chunks, tokens fed, logit rows, attended positions, first tokens "
+      "sampled): a loaded stage's steps, to set beside the layout planner's "
+      "step costs.",
+      "(none)");
   if (flags.help_requested()) {
     std::fputs(flags.Usage(kSynopsis, kNotes).c_str(), stdout);
     return 0;
@@ -338,6 +346,19 @@ int Main(int argc, char** argv) {
         metrics::Layout{"prefill", worker_id, stage, stages, 1});
     stage_metrics = std::make_unique<PrefillStageMetrics>(*registry);
     stage_options.observer = stage_metrics->Observer();
+  }
+  std::unique_ptr<planner::StepTraceWriter> step_trace;
+  if (!step_trace_path.empty()) {
+    auto trace = planner::StepTraceWriter::Open(step_trace_path);
+    if (!trace.ok()) return Fail(trace.status());
+    step_trace = *std::move(trace);
+    stage_options.observer.on_step = [trace = step_trace.get()](
+                                         const prefill::MicrobatchShape& shape,
+                                         double seconds) {
+      trace->Record({seconds, shape.chunks, static_cast<int>(shape.tokens),
+                     shape.logit_rows, shape.attended_positions,
+                     shape.first_tokens});
+    };
   }
   // The last stage samples first tokens, under a grammar for structured
   // output: the model's tokenizer is loaded on the first such request (none:

@@ -100,9 +100,10 @@ struct LocalClusterOptions {
   // router B, prefill group g stage i B + 10 + g * stages + i, decode worker
   // w B + 20 + w.
   int metrics_port_base = -1;
-  // Decode worker w writes a CSV line per forward step to
-  // `<step_trace_prefix>decode-<w>.csv` (decode_worker --step-trace); "" =
-  // no trace.
+  // Decode worker w appends a CSV line per forward step to
+  // `<step_trace_prefix>decode-<w>.csv` (decode_worker --step-trace), stage s
+  // of prefill group g one per microbatch to
+  // `<step_trace_prefix>prefill-<g>-stage-<s>.csv`; "" = no trace.
   std::string step_trace_prefix;
   // Supervise(): the wait before restarting a process that died, doubling
   // with each death in a row up to the max; a process that stayed up for

@@ -277,13 +277,21 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
     return absl::UnavailableError("cannot create a folder in /tmp");
   }
   const std::string trace_path = absl::StrCat(trace_dir, "/decode-0.csv");
+  // A disaggregated layout's prefill stage traces its microbatches too: the
+  // TTFT offsets are what is left beside the stage's own speed. (A stage of
+  // a deeper pipeline computes a share of the layers, which its trace does
+  // not say; calibrations run one stage.)
+  const bool stage_traced = !layout.colocated && layout.stages == 1;
+  const std::string stage_trace_path =
+      absl::StrCat(trace_dir, "/prefill-0-stage-0.csv");
   struct RemoveTrace {
-    std::string dir, file;
+    std::string dir;
+    std::vector<std::string> files;
     ~RemoveTrace() {
-      std::remove(file.c_str());
+      for (const std::string& file : files) std::remove(file.c_str());
       rmdir(dir.c_str());
     }
-  } remove_trace{trace_dir, trace_path};
+  } remove_trace{trace_dir, {trace_path, stage_trace_path}};
   auto cluster = StartCluster(o, layout, absl::StrCat(trace_dir, "/"));
   if (!cluster.ok()) return cluster.status();
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(
@@ -342,6 +350,12 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   const pid_t router_pid = (*cluster)->pids().front();
   auto traced_before = ReadStepTrace(trace_path);
   if (!traced_before.ok()) return traced_before.status();
+  size_t stage_traced_before = 0;
+  if (stage_traced) {
+    auto steps = ReadStepTrace(stage_trace_path);
+    if (!steps.ok()) return steps.status();
+    stage_traced_before = steps->size();
+  }
   const double cpu_before = ProcessCpuSeconds(router_pid) + OwnCpuSeconds();
   const LoadReport load = RunLoad(layout.Name(), (*cluster)->grpc_address(),
                                   arrivals, /*slo_ttft=*/1e9, /*slo_tpot=*/1e9);
@@ -353,6 +367,28 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   traced->erase(traced->begin(), traced->begin() + traced_before->size());
   traced_ends.erase(traced_ends.begin(),
                     traced_ends.begin() + traced_before->size());
+  // The steps that computed prompts during the requests, and their cost:
+  // the decode worker's own where it prefills (colocated), else the stage's.
+  const planner::ComputeConfig prompt_config =
+      layout.colocated ? decode_config
+                       : planner::ComputeConfig{1, layout.prefill_threads};
+  auto prompt_cost = model.Step(prompt_config);
+  if (!prompt_cost.ok()) return prompt_cost.status();
+  std::vector<planner::StepSample> prompt_steps;
+  std::vector<double> prompt_step_ends;
+  if (stage_traced) {
+    auto steps = ReadStepTrace(stage_trace_path, &prompt_step_ends);
+    if (!steps.ok()) return steps.status();
+    prompt_steps.assign(steps->begin() + stage_traced_before, steps->end());
+    prompt_step_ends.erase(prompt_step_ends.begin(),
+                           prompt_step_ends.begin() + stage_traced_before);
+  } else if (layout.colocated) {
+    for (size_t j = 0; j < traced->size(); ++j) {
+      if (!CarriesPrompt((*traced)[j].shape)) continue;
+      prompt_steps.push_back((*traced)[j]);
+      prompt_step_ends.push_back(traced_ends[j]);
+    }
+  }
   int delivered = 0;
   for (const RequestResult& r : load.requests) {
     if (!r.ok || r.tokens != kTokens) {
@@ -372,10 +408,14 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // at their own (the TPOT and hand-off against the first, the TTFT
   // against the second): one factor for both, the decode steps' 0.84-0.88x
   // against prompt steps nearer 1x, left 30-40 ms of prefill time in the TTFT
-  // offsets. The disaggregated layout's prefill stage is not traced; its
-  // steps are taken at the fit. (An in-process speed probe before and after
-  // the requests read 1.14-1.16x while the steps ran at 0.95-1.10x.)
+  // offsets. A disaggregated layout's prompt steps are its prefill stage's:
+  // untraced, its steps were taken at the fit, and one calibration read in
+  // a slow spell of the VM put 154 ms in the TTFT offset where 19 others
+  // read 13-81 (run 29, bench/planner_runs). (An in-process speed probe
+  // before and after the requests read 1.14-1.16x while the steps ran at
+  // 0.95-1.10x.)
   const StepsOverFit over_fit = OverFit(*traced, **cost);
+  const double prompt_over_fit = OverFit(prompt_steps, **prompt_cost).prompt;
   if (!(over_fit.decode > 0)) {
     return absl::InternalError(
         absl::StrCat("calibration on ", layout.Name(),
@@ -390,7 +430,7 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
     return std::clamp(ratio, 2.0 / 3, 1.5);
   };
   c.slowness = speed_range(over_fit.decode);
-  c.prompt_slowness = over_fit.prompt > 0 ? speed_range(over_fit.prompt) : 1.0;
+  c.prompt_slowness = prompt_over_fit > 0 ? speed_range(prompt_over_fit) : 1.0;
   const planner::PerfModel slowed = SlowedBy(bare, c.slowness);
   if (!step_overhead.has_value()) {
     auto all = planner::Simulate(slowed, layout, requests, {}, fitted_steps);
@@ -454,18 +494,14 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // worker traced a request's prompt steps (colocated: those that started
   // after it was sent and ended by its first token), their measured time
   // over the fit at the stream's prompt speed comes off its residual: what
-  // is left is what the request paid outside the steps. Where none were
-  // traced (a disaggregated layout's stage is not), the residuals shrink
+  // is left is what the request paid outside the steps (a disaggregated
+  // layout's stage traces its microbatches likewise). Where none were
+  // traced (a pipeline of several stages), the residuals shrink
   // towards the line's 0 by the share of their variance the spread
   // explains, Var(t · x) over the requests for prompt steps of t seconds
   // (an upper bound where a prompt runs in several steps, each drawn on its
   // own). The first calibrations, by variance alone, kept 90-96% of the
   // residuals in one profile and none in the next.
-  const planner::ComputeConfig prompt_config =
-      layout.colocated ? decode_config
-                       : planner::ComputeConfig{1, layout.prefill_threads};
-  auto prompt_cost = model.Step(prompt_config);
-  if (!prompt_cost.ok()) return prompt_cost.status();
   std::vector<double> residuals;
   double residual_variance = 0, step_variance = 0;
   const std::vector<double>& spread = (*prompt_cost)->spread();
@@ -480,19 +516,19 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
     const double sent =
         absl::ToDoubleSeconds(r.end - absl::UnixEpoch()) - r.e2e;
     double off_fit = 0;
-    int prompt_steps = 0;
-    for (size_t j = 0; j < traced->size(); ++j) {
-      const planner::StepSample& step = (*traced)[j];
-      const double end = traced_ends[j];
+    int steps_in_request = 0;
+    for (size_t j = 0; j < prompt_steps.size(); ++j) {
+      const planner::StepSample& step = prompt_steps[j];
+      const double end = prompt_step_ends[j];
       if (!CarriesPrompt(step.shape) || end - step.seconds < sent ||
           end > sent + r.ttft) {
         continue;
       }
-      off_fit +=
-          step.seconds - (*cost)->Seconds(step.shape) * c.prompt_slowness;
-      ++prompt_steps;
+      off_fit += step.seconds -
+                 (*prompt_cost)->Seconds(step.shape) * c.prompt_slowness;
+      ++steps_in_request;
     }
-    if (prompt_steps > 0) {
+    if (steps_in_request > 0) {
       residual -= off_fit;
       ++c.scatter_traced;
     }

@@ -179,6 +179,23 @@ void PipelineStage::Process(StageMessage message) {
         done.tokens, static_cast<int>(message.chunks.size()),
         absl::ToDoubleSeconds(done.end - done.start));
   }
+  if (options_.observer.on_step && status.ok()) {
+    MicrobatchShape shape;
+    shape.chunks = static_cast<int>(message.chunks.size());
+    shape.tokens = done.tokens;
+    for (const ChunkHeader& chunk : message.chunks) {
+      const int64_t n = chunk.num_tokens();
+      shape.attended_positions += n * chunk.token_begin + n * (n + 1) / 2;
+      if (out_ == nullptr && chunk.final_chunk) ++shape.first_tokens;
+    }
+    for (const engine::SequenceStep& step : batch.sequences) {
+      if (out_ == nullptr) {
+        shape.logit_rows += static_cast<int>(step.logit_indices.size());
+      }
+    }
+    options_.observer.on_step(shape,
+                              absl::ToDoubleSeconds(done.end - done.start));
+  }
   if (!status.ok()) {
     done.status = absl::Status(
         status.code(), absl::StrCat("prefill stage ", options_.stage_index,

@@ -43,6 +43,18 @@
 
 namespace pdserve::prefill {
 
+// What one microbatch fed the stage's layers.
+struct MicrobatchShape {
+  int chunks = 0;
+  int64_t tokens = 0;
+  // Rows the LM head turned into logits (the last stage's; 0 on the others).
+  int logit_rows = 0;
+  // Σ over the fed tokens of the positions each attends to, its own
+  // included (planner::AttendedPositions of each chunk).
+  int64_t attended_positions = 0;
+  int first_tokens = 0;  // requests whose first token the stage sampled
+};
+
 // Per-event hooks for metrics. on_microbatch runs on the stage thread after
 // every microbatch's compute, on_kv_transfer on the KV output's completion
 // thread once a write landed or failed; both must be quick (no blocking).
@@ -51,6 +63,9 @@ struct StageObserver {
   // `bytes` is the KV payload of the stage's layers (every KV head once);
   // `seconds` runs from issuing the write until it landed or failed.
   std::function<void(int64_t bytes, double seconds, bool ok)> on_kv_transfer;
+  // The microbatch's shape beside its time, as the layout planner's step
+  // costs take it (prefill_worker --step-trace); after on_microbatch.
+  std::function<void(const MicrobatchShape&, double seconds)> on_step;
 };
 
 struct PipelineStageOptions {

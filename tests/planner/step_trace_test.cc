@@ -1,5 +1,7 @@
 // Reading a decode worker's step trace (decode_worker --step-trace) and
 // setting its steps against a fitted cost, as the profile's calibrations do.
+#include "planner/step_trace.h"
+
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -55,6 +57,40 @@ TEST(StepTraceTest, ReadsEveryWholeLineAndSplitsDecodeFromPromptSteps) {
   EXPECT_EQ(OverFit({}, cost).decode, 0);
   std::remove(path.c_str());
   EXPECT_EQ(ReadStepTrace(path).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A worker restarted on the same --step-trace path continues the file: one
+// header, every step of both, readable as one trace.
+TEST(StepTraceTest, WriterAppendsAcrossRestartsUnderOneHeader) {
+  const std::string path = ::testing::TempDir() + "/appended.csv";
+  std::remove(path.c_str());
+  for (int life = 0; life < 2; ++life) {
+    auto writer = planner::StepTraceWriter::Open(path);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    (*writer)->Record({0.002 * (life + 1), 1, 32, 1, 528, 1});
+    (*writer)->Record({0.001, 2, 2, 2, 40, 2});
+  }
+  std::vector<double> ends;
+  auto steps = ReadStepTrace(path, &ends);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  ASSERT_EQ(steps->size(), 4u);
+  EXPECT_DOUBLE_EQ((*steps)[2].seconds, 0.004);
+  EXPECT_EQ((*steps)[2].shape.tokens, 32);
+  EXPECT_EQ((*steps)[2].shape.attended_positions, 528);
+  EXPECT_EQ((*steps)[3].shape.logit_rows, 2);
+  ASSERT_EQ(ends.size(), 4u);
+  EXPECT_LE(ends[0], ends[3]);
+  std::ifstream in(path);
+  int headers = 0;
+  for (std::string line; std::getline(in, line);) {
+    headers += line.rfind("end_unix_s,", 0) == 0;
+  }
+  EXPECT_EQ(headers, 1);
+  EXPECT_EQ(planner::StepTraceWriter::Open("/nonexistent-dir/steps.csv")
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -6,7 +6,11 @@
 // blocks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <string>
 
 #include "absl/synchronization/notification.h"
 #include "tests/prefill_worker/worker_test_util.h"
@@ -326,6 +330,73 @@ TEST(PrefillWorkerTest, CancelMidPrefillReleasesEverything) {
   grpc::Status s =
       group.Prefill(MakeRequest(78, prompt, ranks, dst2, 0, ""), &response);
   EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.first_token(), cases.back().greedy_ids[0]);
+}
+
+// --step-trace: one line per microbatch a stage computed, with the shape the
+// layout planner's step costs take (its profile replays the disaggregated
+// calibration at the speed these lines say the stage ran at).
+TEST(PrefillWorkerTest, StepTraceHasEveryMicrobatchWithItsShape) {
+  auto weights = engine::testing_util::OpenStories(true);
+  ASSERT_NE(weights, nullptr);
+  DecodeRanks ranks(weights->config());
+  WorkerGroup group(2, "3,2",
+                    {"--chunk-policy", "fixed", "--chunk-tokens", "16",
+                     "--microbatch-tokens", "32"},
+                    /*trace_steps=*/true);
+  ASSERT_NE(group.stub(), nullptr);
+  const auto cases = pdserve::testing::LoadGoldenCases("golden_long.jsonl");
+  const auto& prompt = cases.back().prompt_ids;
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  ASSERT_GT(n, 32) << "a prompt of several chunks";
+  std::vector<int64_t> dst;
+  for (int b = 0; b < (n + 15) / 16; ++b) dst.push_back(b);
+  const double sent = absl::ToUnixMicros(absl::Now()) * 1e-6;
+  v1::PrefillSubmitResponse response;
+  grpc::Status s =
+      group.Prefill(MakeRequest(5, prompt, ranks, dst, 0, ""), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message() << "\n" << group.Logs();
+  const double answered = absl::ToUnixMicros(absl::Now()) * 1e-6;
+  for (int stage = 0; stage < 2; ++stage) {
+    SCOPED_TRACE(absl::StrCat("stage ", stage));
+    std::ifstream in(group.StepTrace(stage));
+    ASSERT_TRUE(in) << group.StepTrace(stage);
+    std::string line;
+    ASSERT_TRUE(std::getline(in, line));
+    EXPECT_EQ(line,
+              "end_unix_s,seconds,sequences,tokens_fed,logit_rows,"
+              "attended_positions,output_tokens");
+    int microbatches = 0, logit_rows = 0, first_tokens = 0;
+    int64_t tokens = 0, attended = 0;
+    double last_end = 0;
+    while (std::getline(in, line)) {
+      double end = 0, seconds = 0;
+      int chunks = 0, fed = 0, rows = 0, out = 0;
+      long long att = 0;
+      ASSERT_EQ(std::sscanf(line.c_str(), "%lf,%lf,%d,%d,%d,%lld,%d", &end,
+                            &seconds, &chunks, &fed, &rows, &att, &out),
+                7)
+          << line;
+      EXPECT_EQ(chunks, 1) << "one request";
+      EXPECT_LE(fed, 32) << "within the microbatch budget";
+      EXPECT_GT(seconds, 0);
+      EXPECT_GE(end, std::max(last_end, sent)) << "in order, after the send";
+      EXPECT_LE(end, answered);
+      last_end = end;
+      ++microbatches;
+      tokens += fed;
+      logit_rows += rows;
+      first_tokens += out;
+      attended += att;
+    }
+    EXPECT_GE(microbatches, static_cast<int>((n + 31) / 32));
+    EXPECT_EQ(tokens, n);
+    // Σ over positions p of p + 1, whatever the chunking.
+    EXPECT_EQ(attended, n * (n + 1) / 2);
+    // The LM head and the sampled first token are the last stage's.
+    EXPECT_EQ(logit_rows, stage == 1 ? 1 : 0);
+    EXPECT_EQ(first_tokens, stage == 1 ? 1 : 0);
+  }
   EXPECT_EQ(response.first_token(), cases.back().greedy_ids[0]);
 }
 

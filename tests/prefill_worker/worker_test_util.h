@@ -165,10 +165,12 @@ struct DecodeRanks {
 
 class WorkerGroup {
  public:
-  // Starts S processes; `extra` flags go to every stage. Fails the test (and
-  // leaves stub() null) when the group does not come up within 60 s.
+  // Starts S processes; `extra` flags go to every stage; with
+  // `trace_steps` each stage writes its --step-trace at StepTrace(stage).
+  // Fails the test (and leaves stub() null) when the group does not come up
+  // within 60 s.
   WorkerGroup(int stages, const std::string& split,
-              std::vector<std::string> extra = {})
+              std::vector<std::string> extra = {}, bool trace_steps = false)
       : stages_(stages) {
     char tmpl[] = "/tmp/prefill_worker_test.XXXXXX";
     dir_ = mkdtemp(tmpl);
@@ -189,6 +191,10 @@ class WorkerGroup {
         args.push_back(absl::StrJoin(peers.begin() + 1, peers.end(), ","));
       }
       for (const auto& e : extra) args.push_back(e);
+      if (trace_steps) {
+        args.push_back("--step-trace");
+        args.push_back(StepTrace(i));
+      }
       pids_.insert(pids_.begin(), Spawn(args, absl::StrCat(dir_, "/log", i)));
       // Stage 0 needs every later stage's address; they come up in parallel
       // otherwise (stage 0 waits for them itself).
@@ -218,6 +224,9 @@ class WorkerGroup {
   }
 
   pdserve::v1::PrefillGroup::Stub* stub() { return stub_.get(); }
+  std::string StepTrace(int stage) const {
+    return absl::StrCat(dir_, "/steps", stage, ".csv");
+  }
   pid_t pid(int stage) const { return pids_[stage]; }
   void Signal(int stage, int sig) { kill(pids_[stage], sig); }
   void Kill(int stage) {
