@@ -21,9 +21,13 @@
 //     fitted on the requests the simulation has finding no queue, so a
 //     queueing error is not read as a cost), the decode step overhead, and
 //     the prefill→decode hand-off. The cluster's decode worker traces its
-//     steps (decode_worker --step-trace), and the stream is simulated with
-//     the fitted steps slowed to the speed those steps ran at, so the
-//     machine's speed in those seconds stays out of the per-request costs.
+//     steps (decode_worker --step-trace), a disaggregated layout's prefill
+//     stage its microbatches (prefill_worker --step-trace), and the stream
+//     is simulated with the fitted steps slowed to the speed those steps ran
+//     at, so the machine's speed in those seconds stays out of the
+//     per-request costs. A calibration whose steps ran more than 1.2x off
+//     the fit, or whose decode step overhead hit its floor, is measured
+//     again (up to three times; the steadiest is kept).
 //     Open loop, because a request's cost outside the steps depends on the
 //     state it finds the path's threads in: requests sent one at a time
 //     right after a computation paid 5-17 ms less than a measured run's,

@@ -98,6 +98,7 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   // workload's rate (20/s, or slower where the layout would be over half
   // busy), and fitted the TTFT offsets on at least 8 of its requests.
   int probe_readings = 0;
+  size_t previous_summary = 0;
   std::vector<int> unqueued_by_calibration;
   for (size_t at = profiled.find("steps meanwhile at ");
        at != std::string::npos;
@@ -141,6 +142,23 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
         << how;
     EXPECT_GE(traced, 1);
     EXPECT_LE(traced, unqueued);
+    // A calibration read while the VM's speed moved is measured again, at
+    // most twice; the one kept is among those made.
+    const size_t kept_at = profiled.find("; measurement ", scatter_at);
+    ASSERT_NE(kept_at, std::string::npos) << profiled.substr(scatter_at, 200);
+    int kept = 0;
+    ASSERT_EQ(
+        std::sscanf(profiled.c_str() + kept_at, "; measurement %d", &kept), 1);
+    int again = 0;
+    for (size_t a = profiled.find("measuring again", previous_summary);
+         a != std::string::npos && a < at;
+         a = profiled.find("measuring again", a + 1)) {
+      ++again;
+    }
+    EXPECT_LE(again, 2);
+    EXPECT_GE(kept, 1);
+    EXPECT_LE(kept, again + 1);
+    previous_summary = at;
     unqueued_by_calibration.push_back(unqueued);
     ++probe_readings;
   }
