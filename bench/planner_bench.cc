@@ -142,14 +142,15 @@ std::string FileSafe(const std::string& text) {
   return out;
 }
 
-// A decode worker's step trace against the profile: each step's seconds
-// over the fitted cost of its shape (without the spread), for steps that
-// only decode and steps that carry a prompt, as median and 90th
+// A worker's step trace against the profile's fit for its compute
+// configuration (a decode worker's, or a one-stage prefill group's): each
+// step's seconds over the fitted cost of its shape (without the spread), for
+// steps that only decode and steps that carry a prompt, as median and 90th
 // percentile, and the seconds the worker computed.
 std::string StepTraceSummary(const std::string& path,
                              const planner::PerfModel& model,
-                             const planner::Layout& layout) {
-  auto cost = model.Step({layout.tp, layout.decode_threads});
+                             const planner::ComputeConfig& config) {
+  auto cost = model.Step(config);
   if (!cost.ok()) return cost.status().ToString();
   auto steps = tools::ReadStepTrace(path);
   if (!steps.ok()) return steps.status().ToString();
@@ -286,10 +287,12 @@ int Main(int argc, char** argv) {
       "(not written)");
   const std::string step_traces = flags.Str(
       "step-traces", "",
-      "Every measured decode worker writes its forward steps to a CSV in "
-      "this folder, made if missing (decode_worker --step-trace), and each run "
-      "prints its steps' time over the profile's fitted time for the same "
-      "shapes: whether a loaded cluster's steps are the profile's.",
+      "Every measured decode worker and prefill stage writes its forward "
+      "steps to a CSV in this folder, made if missing (decode_worker and "
+      "prefill_worker --step-trace), and each run prints its steps' time over "
+      "the profile's fitted time for the same shapes (decode workers, and the "
+      "stage of one-stage prefill groups): whether a loaded cluster's steps "
+      "are the profile's.",
       "(none)");
   const std::string only_prompts = flags.Str(
       "prompts", "",
@@ -613,8 +616,22 @@ int Main(int argc, char** argv) {
              w < run.row.layout.decode_workers && !trace_prefix.empty(); ++w) {
           std::printf(
               "  decode-%d %s\n", w,
-              StepTraceSummary(absl::StrCat(trace_prefix, "decode-", w, ".csv"),
-                               model, run.row.layout)
+              StepTraceSummary(
+                  absl::StrCat(trace_prefix, "decode-", w, ".csv"), model,
+                  {run.row.layout.tp, run.row.layout.decode_threads})
+                  .c_str());
+        }
+        // A deeper pipeline's stage computes a share of the layers, which its
+        // trace does not say: only one-stage groups are set beside the fit.
+        for (int g = 0;
+             g < run.row.layout.prefill_groups && !run.row.layout.colocated &&
+             run.row.layout.stages == 1 && !trace_prefix.empty();
+             ++g) {
+          std::printf(
+              "  prefill-%d %s\n", g,
+              StepTraceSummary(
+                  absl::StrCat(trace_prefix, "prefill-", g, "-stage-0.csv"),
+                  model, {1, run.row.layout.prefill_threads})
                   .c_str());
         }
         if (csv != nullptr) {
