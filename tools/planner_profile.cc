@@ -598,18 +598,17 @@ absl::StatusOr<Calibration> CalibrateSteadily(
     std::optional<double> step_overhead) {
   constexpr int kAttempts = 3;
   const double kSteady = std::log(1.2);
+  // An overhead at its floor is worse than any excursion.
+  auto unsteadiness = [](const Calibration& c) {
+    return std::make_pair(c.overhead_at_floor, SpeedExcursion(c));
+  };
   std::optional<Calibration> kept;
   for (int attempt = 1; attempt <= kAttempts; ++attempt) {
     auto c = Calibrate(o, weights, model, layout, step_overhead);
     if (!c.ok()) return c.status();
     c->attempt = attempt;
-    auto worse = [](const Calibration& a, const Calibration& b) {
-      return std::make_pair(a.overhead_at_floor, SpeedExcursion(a)) >
-             std::make_pair(b.overhead_at_floor, SpeedExcursion(b));
-    };
-    const bool steady = !c->overhead_at_floor && SpeedExcursion(*c) <= kSteady;
-    if (!kept.has_value() || worse(*kept, *c)) kept = *c;
-    if (steady) break;
+    if (!kept.has_value() || unsteadiness(*c) < unsteadiness(*kept)) kept = *c;
+    if (unsteadiness(*c) <= std::make_pair(false, kSteady)) break;
     if (attempt < kAttempts) {
       Say(o, absl::StrFormat("  steps ran at %.2fx the fit's time (prompts "
                              "%.2fx)%s: measuring again",

@@ -611,10 +611,7 @@ void DecodeWorker::Impl::RunStep() {
   for (const Planned& p : plan) step.stats.tokens_fed += p.fed();
   for (const engine::SequenceStep& seq : work->batch.sequences) {
     step.stats.logit_rows += static_cast<int>(seq.logit_indices.size());
-    // Query i of the step sees start_position + i + 1 positions.
-    step.stats.attended_positions +=
-        static_cast<int64_t>(seq.num_tokens) * seq.start_position +
-        static_cast<int64_t>(seq.num_tokens) * (seq.num_tokens + 1) / 2;
+    step.stats.attended_positions += seq.AttendedPositions();
   }
   if (!status.ok()) {
     // Requests were validated on entry, so this is a bug or a shutdown: fail

@@ -132,6 +132,14 @@ struct SequenceStep {
   // Query indices (0-based within this step, ascending) that need logits;
   // ignored unless the engine holds the last layer.
   std::vector<int> logit_indices;
+
+  // Σ over the query tokens of the positions each attends to, its own
+  // included (query i sees start_position + i + 1): the step's attention
+  // work, as the layout planner's step costs take it.
+  int64_t AttendedPositions() const {
+    return int64_t{num_tokens} * start_position +
+           int64_t{num_tokens} * (num_tokens + 1) / 2;
+  }
 };
 
 struct ForwardBatch {

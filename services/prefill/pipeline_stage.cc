@@ -180,18 +180,18 @@ void PipelineStage::Process(StageMessage message) {
         absl::ToDoubleSeconds(done.end - done.start));
   }
   if (options_.observer.on_step && status.ok()) {
+    // Every stage sets a final chunk's logit index; only the last one (no
+    // stage after it) has the LM head that reads it and samples.
+    const bool last_stage = out_ == nullptr;
     MicrobatchShape shape;
     shape.chunks = static_cast<int>(message.chunks.size());
     shape.tokens = done.tokens;
-    for (const ChunkHeader& chunk : message.chunks) {
-      const int64_t n = chunk.num_tokens();
-      shape.attended_positions += n * chunk.token_begin + n * (n + 1) / 2;
-      if (out_ == nullptr && chunk.final_chunk) ++shape.first_tokens;
-    }
-    for (const engine::SequenceStep& step : batch.sequences) {
-      if (out_ == nullptr) {
-        shape.logit_rows += static_cast<int>(step.logit_indices.size());
-      }
+    for (size_t i = 0; i < batch.sequences.size(); ++i) {
+      const engine::SequenceStep& step = batch.sequences[i];
+      shape.attended_positions += step.AttendedPositions();
+      if (!last_stage) continue;
+      shape.logit_rows += static_cast<int>(step.logit_indices.size());
+      if (message.chunks[i].final_chunk) ++shape.first_tokens;
     }
     options_.observer.on_step(shape,
                               absl::ToDoubleSeconds(done.end - done.start));

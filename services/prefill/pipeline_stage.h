@@ -50,7 +50,7 @@ struct MicrobatchShape {
   // Rows the LM head turned into logits (the last stage's; 0 on the others).
   int logit_rows = 0;
   // Σ over the fed tokens of the positions each attends to, its own
-  // included (planner::AttendedPositions of each chunk).
+  // included (engine::SequenceStep::AttendedPositions of each chunk).
   int64_t attended_positions = 0;
   int first_tokens = 0;  // requests whose first token the stage sampled
 };
