@@ -47,16 +47,14 @@ absl::StatusOr<PackedMatrix> PackedMatrix::Pack(const float* w, int64_t rows,
   packed.rows_ = rows;
   packed.cols_ = cols;
   const int64_t floats = panels * cols * kPanelRows;
-  // aligned_alloc wants a multiple of the alignment; a panel is 64 bytes per
-  // column already.
-  packed.data_.reset(
-      static_cast<float*>(std::aligned_alloc(64, floats * sizeof(float))));
-  if (packed.data_ == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", floats * sizeof(float),
-                     " bytes for a packed ", rows, "x", cols, " matrix"));
+  auto buffer =
+      LargeBuffer::Allocate(static_cast<size_t>(floats) * sizeof(float));
+  if (!buffer.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a packed ", rows, "x", cols, " matrix: ", buffer.status().message()));
   }
-  float* data = packed.data_.get();
+  packed.data_ = *std::move(buffer);
+  float* data = static_cast<float*>(packed.data_.data());
   for (int64_t p = 0; p < packed.panels(); ++p) {
     float* panel = data + p * cols * kPanelRows;
     const int64_t first_row = p * kPanelRows;

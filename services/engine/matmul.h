@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/large_buffer.h"
 #include "model/quant_formats.h"
 
 namespace pdserve {
@@ -49,14 +50,12 @@ class PackedMatrix {
   float At(int64_t row, int64_t col) const;
   // Panel p: cols() groups of kPanelRows floats.
   const float* panel(int64_t p) const {
-    return data_.get() + p * cols_ * kPanelRows;
+    return static_cast<const float*>(data_.data()) + p * cols_ * kPanelRows;
   }
 
  private:
-  struct FreeAligned {
-    void operator()(float* p) const { std::free(p); }
-  };
-  std::unique_ptr<float[], FreeAligned> data_;
+  // On huge pages (common/large_buffer.h): a decode step streams it all.
+  LargeBuffer data_;
   int64_t rows_ = 0, cols_ = 0;
 };
 

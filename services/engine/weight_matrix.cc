@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/float16.h"
+#include "common/large_buffer.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "engine/int8_dot.h"
@@ -21,11 +22,9 @@ struct WeightMatrix::Segment {
   int64_t rows = 0, cols = 0;
   int64_t row_offset = 0;  // first output row of the matrix
   PackedMatrix f32;        // kF32
-  // kF16: panels of kPanelRows halves per k step, like PackedMatrix.
-  struct FreeAligned {
-    void operator()(uint16_t* p) const { std::free(p); }
-  };
-  std::unique_ptr<uint16_t[], FreeAligned> f16;
+  // kF16: panels of kPanelRows halves per k step, like PackedMatrix (and,
+  // like it, on huge pages).
+  LargeBuffer f16;
   // Quantized: row r at data + r * row_bytes, read in place.
   const uint8_t* data = nullptr;
   int64_t row_bytes = 0;
@@ -34,7 +33,7 @@ struct WeightMatrix::Segment {
 
   int64_t panels() const { return (rows + kPanelRows - 1) / kPanelRows; }
   const uint16_t* f16_panel(int64_t p) const {
-    return f16.get() + p * cols * kPanelRows;
+    return static_cast<const uint16_t*>(f16.data()) + p * cols * kPanelRows;
   }
 };
 
@@ -562,14 +561,14 @@ absl::Status WeightMatrix::AppendStored(TensorFormat format,
   segment->row_offset = rows_;
   if (format == TensorFormat::kF16) {
     const int64_t halves = segment->panels() * cols * kPanelRows;
-    segment->f16.reset(static_cast<uint16_t*>(std::aligned_alloc(
-        64, std::max<int64_t>(64, (halves * 2 + 63) / 64 * 64))));
-    if (segment->f16 == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cannot allocate ", halves * 2, " bytes for f16 panels"));
+    auto buffer = LargeBuffer::Allocate(static_cast<size_t>(halves) * 2);
+    if (!buffer.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("f16 panels: ", buffer.status().message()));
     }
-    uint16_t* panels = segment->f16.get();
-    std::fill(panels, panels + halves, uint16_t{0});
+    segment->f16 = *std::move(buffer);
+    // Zeroed by the mapping: the last panel's missing rows stay 0.
+    uint16_t* panels = static_cast<uint16_t*>(segment->f16.data());
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* row =
           data + StoredRowOf(r, interleaved_head_dim) * row_bytes;

@@ -1,11 +1,11 @@
 #include "kv/kv_pool.h"
 
-#include <sys/mman.h>
-
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "common/large_buffer.h"
 #include "common/status_macros.h"
 
 namespace pdserve::kv {
@@ -18,17 +18,18 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(
         absl::StrCat("KV pool needs at least one block, got ", num_blocks));
   }
   int64_t bytes = layout.block_bytes() * num_blocks;
-  // Anonymous mmap: page-aligned, zeroed, and returned to the OS on free.
-  void* data =
-      ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
-             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (data == MAP_FAILED) {
+  // Anonymous memory: page-aligned, zeroed, returned to the OS on free, and
+  // on huge pages (a decode step reads every running sequence's blocks).
+  auto buffer = LargeBuffer::Allocate(static_cast<size_t>(bytes));
+  if (!buffer.ok()) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate KV pool of ", bytes, " bytes"));
+        absl::StrCat("cannot allocate KV pool of ", bytes,
+                     " bytes: ", buffer.status().message()));
   }
+  void* data = buffer->data();
+  auto owner = std::make_shared<LargeBuffer>(*std::move(buffer));
   return std::unique_ptr<KvPool>(new KvPool(
-      layout, num_blocks, data, bytes,
-      [data, bytes] { ::munmap(data, static_cast<size_t>(bytes)); }));
+      layout, num_blocks, data, bytes, [owner]() mutable { owner.reset(); }));
 }
 
 int64_t KvPool::BlocksForBudget(const KvCacheLayout& layout,

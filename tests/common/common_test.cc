@@ -1,16 +1,20 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "common/float16.h"
+#include "common/large_buffer.h"
 #include "common/mapped_file.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
@@ -99,6 +103,83 @@ TEST(MappedFileTest, MapsContentsAndReportsMissingFiles) {
             std::string::npos);
   auto folder = MappedFile::Open("/tmp");
   EXPECT_EQ(folder.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Kilobytes of the mapping that starts at `start` backed by huge pages
+// (/proc/self/smaps' AnonHugePages), -1 when no mapping starts there.
+long AnonHugeKilobytes(const void* start) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::ostringstream prefix;
+  prefix << std::hex << reinterpret_cast<uintptr_t>(start) << "-";
+  std::string line;
+  bool in_mapping = false;
+  while (std::getline(smaps, line)) {
+    if (line.rfind(prefix.str(), 0) == 0) {
+      in_mapping = true;
+    } else if (in_mapping && line.rfind("AnonHugePages:", 0) == 0) {
+      return std::stol(line.substr(line.find(':') + 1));
+    }
+  }
+  return -1;
+}
+
+TEST(LargeBufferTest, SmallBuffersArePageAlignedZeroedAndNotAdvised) {
+  auto empty = LargeBuffer::Allocate(0);
+  ASSERT_TRUE(empty.ok());
+  EXPECT_EQ(empty->data(), nullptr);
+  auto small = LargeBuffer::Allocate(5000);
+  ASSERT_TRUE(small.ok()) << small.status();
+  ASSERT_NE(small->data(), nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small->data()) % sysconf(_SC_PAGESIZE),
+            0u);
+  EXPECT_EQ(small->size(), 5000u);
+  EXPECT_FALSE(small->huge_pages_advised());
+  const auto* bytes = static_cast<const unsigned char*>(small->data());
+  EXPECT_TRUE(std::all_of(bytes, bytes + 5000, [](auto b) { return b == 0; }));
+  EXPECT_EQ(LargeBuffer::Allocate(SIZE_MAX).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST(LargeBufferTest, LargeBuffersStartOnAHugePageAndGetHugePages) {
+  ASSERT_TRUE(HugePagesWanted());
+  const size_t bytes = 3 * LargeBuffer::kHugePageBytes + 12345;
+  auto buffer = LargeBuffer::Allocate(bytes);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(
+      reinterpret_cast<uintptr_t>(buffer->data()) % LargeBuffer::kHugePageBytes,
+      0u);
+  EXPECT_EQ(buffer->huge_pages_advised(), TransparentHugePagesAvailable());
+  auto* bytes_out = static_cast<unsigned char*>(buffer->data());
+  EXPECT_TRUE(
+      std::all_of(bytes_out, bytes_out + bytes, [](auto b) { return b == 0; }));
+  std::fill(bytes_out, bytes_out + bytes, 7);  // every byte is writable
+  if (TransparentHugePagesAvailable()) {
+    // The three whole 2 MiB ranges; the last 12345 bytes sit in small
+    // pages. The kernel may fall back to small pages when it has no free
+    // 2 MiB frame, which a machine with GBs free does not run out of.
+    EXPECT_GT(AnonHugeKilobytes(buffer->data()), 0);
+  }
+  LargeBuffer moved = std::move(*buffer);
+  EXPECT_EQ(buffer->data(), nullptr);
+  EXPECT_EQ(moved.size(), bytes);
+  EXPECT_EQ(static_cast<unsigned char*>(moved.data())[bytes - 1], 7);
+}
+
+TEST(LargeBufferTest, SwitchedOffLargeBuffersKeepSmallPages) {
+  SetHugePagesWanted(false);
+  auto buffer = LargeBuffer::Allocate(3 * LargeBuffer::kHugePageBytes);
+  SetHugePagesWanted(true);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_FALSE(buffer->huge_pages_advised());
+  auto* bytes = static_cast<unsigned char*>(buffer->data());
+  std::fill(bytes, bytes + buffer->size(), 1);
+  std::ifstream mode("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string modes;
+  std::getline(mode, modes);
+  // Under THP `always` the kernel backs aligned ranges unasked.
+  if (modes.find("[always]") == std::string::npos) {
+    EXPECT_EQ(AnonHugeKilobytes(buffer->data()), 0);
+  }
 }
 
 TEST(Float16Test, RoundTripsAndSpecialValues) {
