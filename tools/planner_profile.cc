@@ -192,6 +192,9 @@ struct Calibration {
   // kept in ttft.scatter, [0, 1] (1: the prompt steps' spread explains none
   // of them).
   int scatter_traced = 0;
+  // Of their traced prompt steps, those that started on a worker idle for
+  // kColdIdleSeconds or more, whose time stays in the residuals.
+  int scatter_cold_steps = 0;
   double scatter_shrink = 0;
   // The steps' median time over the fit before the speed range's clamp
   // (0: none traced), and whether the decode step overhead came out at its
@@ -269,6 +272,25 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(
 // `step_overhead` the decode step overhead of the layout's decode
 // configuration is measured here (colocated calibrations); else it is taken
 // as given.
+// A step that starts after its worker sat idle this long runs cold: in the
+// traced steps of run 31's measured clusters (bench/planner_runs), a
+// colocated decode worker's steps after 0.5-1 s idle took a median 6-16 ms
+// more than busy steps of the same shape, after 1-2 s 14-20 ms more; after
+// 0.05-0.2 s, 2-4 ms.
+constexpr double kColdIdleSeconds = 0.2;
+
+// Seconds each traced step's worker sat idle before it: from the previous
+// step's end to this one's start (end − seconds); the first step, which
+// follows the warm-up, an hour.
+std::vector<double> IdleBefore(const std::vector<planner::StepSample>& steps,
+                               const std::vector<double>& ends) {
+  std::vector<double> idle(steps.size(), 3600);
+  for (size_t j = 1; j < steps.size() && j < ends.size(); ++j) {
+    idle[j] = std::max(0.0, ends[j] - steps[j].seconds - ends[j - 1]);
+  }
+  return idle;
+}
+
 absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
                                       const model::WeightSource& weights,
                                       const planner::PerfModel& model,
@@ -383,17 +405,22 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   if (!prompt_cost.ok()) return prompt_cost.status();
   std::vector<planner::StepSample> prompt_steps;
   std::vector<double> prompt_step_ends;
+  // Seconds the worker sat idle before each prompt step.
+  std::vector<double> prompt_step_idle;
   if (stage_traced) {
     auto steps = ReadStepTrace(stage_trace_path, &prompt_step_ends);
     if (!steps.ok()) return steps.status();
     prompt_steps.assign(steps->begin() + stage_traced_before, steps->end());
     prompt_step_ends.erase(prompt_step_ends.begin(),
                            prompt_step_ends.begin() + stage_traced_before);
+    prompt_step_idle = IdleBefore(prompt_steps, prompt_step_ends);
   } else if (layout.colocated) {
+    const std::vector<double> idle = IdleBefore(*traced, traced_ends);
     for (size_t j = 0; j < traced->size(); ++j) {
       if (!CarriesPrompt((*traced)[j].shape)) continue;
       prompt_steps.push_back((*traced)[j]);
       prompt_step_ends.push_back(traced_ends[j]);
+      prompt_step_idle.push_back(idle[j]);
     }
   }
   int delivered = 0;
@@ -512,7 +539,12 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
   // explains, Var(t · x) over the requests for prompt steps of t seconds
   // (an upper bound where a prompt runs in several steps, each drawn on its
   // own). The first calibrations, by variance alone, kept 90-96% of the
-  // residuals in one profile and none in the next.
+  // residuals in one profile and none in the next. A prompt step that
+  // started on a worker idle for kColdIdleSeconds or more keeps its time in
+  // the residual: such a step runs longer than the same step on a busy
+  // worker (the idle cores' wake-up, page translations the host dropped;
+  // bench/huge_page_bench), which the profile's back-to-back steps and
+  // their spread do not show, so the simulator draws it with the scatter.
   std::vector<double> residuals;
   double residual_variance = 0, step_variance = 0;
   const std::vector<double>& spread = (*prompt_cost)->spread();
@@ -535,9 +567,13 @@ absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
           end > sent + r.ttft) {
         continue;
       }
+      ++steps_in_request;
+      if (prompt_step_idle[j] >= kColdIdleSeconds) {
+        ++c.scatter_cold_steps;
+        continue;
+      }
       off_fit += step.seconds -
                  (*prompt_cost)->Seconds(step.shape) * c.prompt_slowness;
-      ++steps_in_request;
     }
     if (steps_in_request > 0) {
       residual -= off_fit;
@@ -621,14 +657,17 @@ absl::StatusOr<Calibration> CalibrateSteadily(
   return *kept;
 }
 
-// "scatter q10 X, q50 Y, q90 Z ms (less N requests' traced prompt steps)", or
+// "scatter q10 X, q50 Y, q90 Z ms (less N requests' traced prompt steps, M cold
+// ones kept)", or
 // "(S of the residuals)" where none were traced.
 std::string ScatterSummary(const Calibration& c) {
   const planner::LinearCost& t = c.ttft;
   const std::string less =
       c.scatter_traced > 0
-          ? absl::StrFormat("less %d requests' traced prompt steps",
-                            c.scatter_traced)
+          ? absl::StrFormat(
+                "less %d requests' traced prompt steps, %d cold "
+                "ones kept",
+                c.scatter_traced, c.scatter_cold_steps)
           : absl::StrFormat("%.0f%% of the residuals", c.scatter_shrink * 100);
   return absl::StrFormat("scatter q10 %+.1f, q50 %+.1f, q90 %+.1f ms (%s)",
                          t.ScatterAt(0.1) * 1e3, t.ScatterAt(0.5) * 1e3,
