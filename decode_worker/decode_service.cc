@@ -590,7 +590,7 @@ grpc::ServerUnaryReactor* DecodeService::KvComplete(
   engine::TokenLogprobs first_logprobs =
       rpc::LogprobsFromWire(request->first_token_logprob());
   jobs_.push_back({id, request->first_token(), std::move(first_logprobs),
-                   std::move(ch), reactor});
+                   std::move(ch), reactor, absl::Now()});
   return reactor;
 }
 
@@ -626,7 +626,10 @@ absl::Status DecodeService::Complete(const CompleteJob& job) {
     granted = job.channel->granted_tokens;
   }
   if (granted > 0) {
-    const absl::Time deadline = absl::Now() + options_.kv_complete_timeout;
+    // One completer thread serves every call in arrival order: behind a
+    // request whose KV never lands, each queued call would otherwise start
+    // its own timeout only once that one ran out.
+    const absl::Time deadline = job.received + options_.kv_complete_timeout;
     for (size_t r = 0; r < ranks_.size(); ++r) {
       absl::Status s = ranks_[r].sink->Wait(
           job.request_id,

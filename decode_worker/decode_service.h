@@ -52,7 +52,8 @@ struct DecodeServiceOptions {
   // DecodeWorker's own kv_lease must be longer (it is only a backstop: the
   // sink's lease restarts with every write, the worker's does not).
   absl::Duration kv_lease = absl::Seconds(30);
-  // How long KvComplete waits for the sinks to confirm every layer x token.
+  // How long KvComplete waits for the sinks to confirm every layer x token,
+  // counted from the call's arrival (calls queue for one completer thread).
   absl::Duration kv_complete_timeout = absl::Seconds(10);
   // Finished streams nobody attached to are dropped after this long.
   absl::Duration unclaimed_stream_ttl = absl::Seconds(60);
@@ -127,6 +128,9 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
     engine::TokenLogprobs first_logprobs;
     std::shared_ptr<Channel> channel;
     grpc::ServerUnaryReactor* reactor = nullptr;
+    // When the KvComplete call arrived: its kv_complete_timeout runs from
+    // here, not from when the completer thread reaches it.
+    absl::Time received;
   };
 
   DecodeService(decode::DecodeWorker* worker, const model::ModelConfig& config,

@@ -119,7 +119,12 @@ void UcxKvOutput::Write(const KvWrite& write,
 
 void UcxKvOutput::WaitLoop() {
   while (std::optional<InFlight> item = in_flight_.Pop()) {
-    absl::Status status = item->handle->Wait(write_timeout_);
+    // Bounded from when the write was issued, not from when this thread
+    // reaches it: writes complete in order, so behind a peer that stopped
+    // progressing every queued write would otherwise wait write_timeout
+    // afresh (8 in flight: 4 minutes before the last request heard).
+    absl::Status status =
+        item->handle->WaitUntil(item->issued + write_timeout_);
     if (on_transfer_) {
       on_transfer_(item->bytes,
                    absl::ToDoubleSeconds(absl::Now() - item->issued),

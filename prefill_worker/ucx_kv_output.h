@@ -4,7 +4,8 @@
 //
 // Threads: Write (stage thread) adds the request's grants on its first write
 // and issues the puts without waiting; one completion thread waits for the
-// transfers in issue order (each wait bounded) and calls `done`, so the stage
+// transfers in issue order (each until write_timeout after it was issued)
+// and calls `done`, so the stage
 // computes the next microbatch while the bytes move.
 #pragma once
 

@@ -354,6 +354,19 @@ absl::Status OpHandle::Wait(absl::Duration timeout) const {
   return status_;
 }
 
+absl::Status OpHandle::WaitUntil(absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return state_ != OpState::kInProgress;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("transport operation still in progress at its deadline, ",
+                     absl::FormatTime(deadline)));
+  }
+  return status_;
+}
+
 void OpHandle::AddParts(int n) {
   absl::MutexLock l(&mu_);
   pending_ += n;

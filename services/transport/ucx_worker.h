@@ -61,6 +61,9 @@ class OpHandle : public std::enable_shared_from_this<OpHandle> {
   // Blocks up to `timeout`: the final status, or DEADLINE_EXCEEDED if the
   // operation is still in progress (it keeps running).
   [[nodiscard]] absl::Status Wait(absl::Duration timeout) const;
+  // The same up to `deadline`: a deadline already past still returns the
+  // final status of an operation that has finished.
+  [[nodiscard]] absl::Status WaitUntil(absl::Time deadline) const;
 
   // --- for the transport's implementation ---
   // Adds n outstanding parts; the handle completes when all parts finished.

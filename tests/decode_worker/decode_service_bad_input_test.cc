@@ -1,6 +1,9 @@
 // Bad requests to the decode worker's gRPC service get precise status codes,
 // and the server keeps serving (a golden request afterwards still streams
 // golden tokens).
+#include <thread>
+#include <vector>
+
 #include "decode_service_test_util.h"
 
 namespace pdserve::decode_worker {
@@ -199,6 +202,38 @@ TEST(DecodeServiceBadInputTest, PreciseCodesAndTheServerKeepsServing) {
   EXPECT_TRUE(s.status.ok());
   EXPECT_EQ(s.tokens, c.greedy_ids);
   EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(10)));
+}
+
+// KvComplete calls queue for one completer thread; each one's timeout runs
+// from its arrival. Four completions whose KV never lands fail together
+// after one timeout, not one timeout after another (which took 4 s here).
+TEST(DecodeServiceBadInputTest, QueuedCompletionsShareOneTimeoutWindow) {
+  Server server(/*tp=*/2, absl::Seconds(30), 128,
+                /*kv_complete_timeout=*/absl::Seconds(1));
+  const int64_t baseline = server.Load().kv_blocks_used();
+  const auto c = AllGoldenCases().front();
+  constexpr int kStuck = 4;
+  for (int i = 0; i < kStuck; ++i) {
+    v1::AdmitResponse admit;
+    ASSERT_TRUE(
+        Admit(server.stub(), MakeAdmit(20 + i, c.prompt_ids, 8), &admit).ok());
+  }
+  std::vector<grpc::StatusCode> codes(kStuck, grpc::StatusCode::OK);
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kStuck; ++i) {
+    callers.emplace_back(
+        [&, i] { codes[i] = KvCompleteCode(server, 20 + i, 5); });
+  }
+  for (auto& t : callers) t.join();
+  const absl::Duration took = absl::Now() - start;
+  for (int i = 0; i < kStuck; ++i) {
+    EXPECT_EQ(codes[i], grpc::StatusCode::DEADLINE_EXCEEDED) << i;
+  }
+  // One 1 s window for all (with room for a loaded machine), where waiting
+  // in turn takes at least 4 s.
+  EXPECT_LT(took, absl::Seconds(3)) << took;
+  EXPECT_TRUE(server.WaitForBlocksUsed(baseline, absl::Seconds(15)));
 }
 
 }  // namespace

@@ -129,6 +129,41 @@ TEST(PlanKvCopyTest, MergesRunsContiguousOnBothSides) {
             absl::StatusCode::kOutOfRange);
 }
 
+// The wait behind UcxKvOutput's in-order completion thread: bounded by a
+// deadline fixed when the write was issued, so a queue of writes to a peer
+// that stopped progressing fails together, not one timeout after another.
+TEST(OpHandleTest, WaitUntilIsBoundedByItsDeadlineNotByWhenItIsCalled) {
+  auto stuck = std::make_shared<OpHandle>();
+  stuck->AddParts(1);  // never finished: a put to a frozen peer
+  const absl::Time issued = absl::Now();
+  const absl::Time deadline = issued + absl::Milliseconds(200);
+  absl::Status first = stuck->WaitUntil(deadline);
+  EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
+  EXPECT_GE(absl::Now(), deadline);
+  // A second write issued at the same time is already past its deadline:
+  // it fails at once instead of waiting another 200 ms.
+  const absl::Time second_called = absl::Now();
+  EXPECT_EQ(stuck->WaitUntil(deadline).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(absl::Now() - second_called, absl::Milliseconds(100));
+
+  // A finished operation reports its status even past its deadline.
+  auto finished = std::make_shared<OpHandle>();
+  finished->AddParts(2);
+  finished->FinishPart(absl::OkStatus());
+  finished->FinishPart(absl::UnavailableError("peer gone"));
+  EXPECT_EQ(finished->WaitUntil(absl::InfinitePast()).code(),
+            absl::StatusCode::kUnavailable);
+  auto ok = std::make_shared<OpHandle>();
+  ok->AddParts(1);
+  std::thread completer([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    ok->FinishPart(absl::OkStatus());
+  });
+  EXPECT_TRUE(ok->WaitUntil(absl::Now() + absl::Seconds(30)).ok());
+  completer.join();
+}
+
 TEST(CompatibilityTest, NamesTheDifference) {
   KvModelSpec a = TestSpec(16);
   EXPECT_TRUE(CheckCompatible(a, a).ok());
