@@ -116,6 +116,8 @@ struct SimOptions {
   // can sit 40-60 ms out, and with it drawn run 28's profile predicted runs
   // 21-28 worse (343 of 384 figures within 20% against 351 without; TTFT
   // p99's mean |log error| higher on 7 of the 8 runs; docs/PERFORMANCE.md).
+  // Run 32's scatters, with cold prompt steps kept in them, drawn: 41 of 48
+  // within 20% against 44 without.
   bool ttft_scatter = false;
   // The router (and client) stream on the same cores as the workers: each
   // streamed token's PerfModel::delivery_cpu_seconds competes with them.
