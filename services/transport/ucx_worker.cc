@@ -341,12 +341,16 @@ absl::Status OpHandle::status() const {
   return status_;
 }
 
-absl::Status OpHandle::Wait(absl::Duration timeout) const {
-  absl::MutexLock l(&mu_);
+bool OpHandle::AwaitFinished(absl::Time deadline) const {
   auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return state_ != OpState::kInProgress;
   };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+  return mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+}
+
+absl::Status OpHandle::Wait(absl::Duration timeout) const {
+  absl::MutexLock l(&mu_);
+  if (!AwaitFinished(absl::Now() + timeout)) {
     return absl::DeadlineExceededError(
         absl::StrCat("transport operation still in progress after ",
                      absl::FormatDuration(timeout)));
@@ -356,10 +360,7 @@ absl::Status OpHandle::Wait(absl::Duration timeout) const {
 
 absl::Status OpHandle::WaitUntil(absl::Time deadline) const {
   absl::MutexLock l(&mu_);
-  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return state_ != OpState::kInProgress;
-  };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+  if (!AwaitFinished(deadline)) {
     return absl::DeadlineExceededError(
         absl::StrCat("transport operation still in progress at its deadline, ",
                      absl::FormatTime(deadline)));

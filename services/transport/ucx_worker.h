@@ -77,6 +77,10 @@ class OpHandle : public std::enable_shared_from_this<OpHandle> {
                        std::function<void(absl::Status)> fn);
 
  private:
+  // Blocks (mu_ held) until the operation finished or `deadline`; whether it
+  // finished.
+  bool AwaitFinished(absl::Time deadline) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Complete();
 
   mutable absl::Mutex mu_;
