@@ -34,6 +34,7 @@
 #include "engine/matmul.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
+#include "stream_read.h"
 
 namespace pdserve {
 namespace {
@@ -69,24 +70,10 @@ double ReadBandwidth(int threads) {
   const size_t floats = size_t{128} << 20;  // 512 MiB
   std::vector<float> data(floats, 1.0f);
   double best = 0;
-  std::vector<double> sinks(threads);
   for (int rep = 0; rep < 5; ++rep) {
-    auto start = Clock::now();
-    std::vector<std::thread> workers;
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        size_t begin = floats * t / threads, end = floats * (t + 1) / threads;
-        float acc[16] = {};
-        for (size_t i = begin; i + 16 <= end; i += 16) {
-          for (int k = 0; k < 16; ++k) acc[k] += data[i + k];
-        }
-        double total = 0;
-        for (float a : acc) total += a;
-        sinks[t] = total;
-      });
-    }
-    for (auto& w : workers) w.join();
-    best = std::max(best, floats * sizeof(float) / Seconds(start));
+    best = std::max(best,
+                    floats * sizeof(float) /
+                        bench::StreamReadSeconds(data.data(), floats, threads));
   }
   return best;
 }

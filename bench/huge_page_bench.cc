@@ -19,6 +19,7 @@
 #include "engine/llama_engine.h"
 #include "kv/kv_pool.h"
 #include "model/weight_source.h"
+#include "stream_read.h"
 
 namespace pdserve {
 namespace {
@@ -45,26 +46,8 @@ struct Options {
 
 // One streaming read of `buffer` over `threads` threads, seconds.
 double StreamOnce(const LargeBuffer& buffer, int threads) {
-  const float* data = static_cast<const float*>(buffer.data());
-  const size_t floats = buffer.size() / sizeof(float);
-  std::vector<double> sinks(threads);
-  const auto start = Clock::now();
-  std::vector<std::thread> workers;
-  for (int t = 0; t < threads; ++t) {
-    workers.emplace_back([&, t] {
-      const size_t begin = floats * t / threads,
-                   end = floats * (t + 1) / threads;
-      float acc[16] = {};
-      for (size_t i = begin; i + 16 <= end; i += 16) {
-        for (int k = 0; k < 16; ++k) acc[k] += data[i + k];
-      }
-      double total = 0;
-      for (float a : acc) total += a;
-      sinks[t] = total;
-    });
-  }
-  for (auto& w : workers) w.join();
-  return Seconds(start);
+  return bench::StreamReadSeconds(static_cast<const float*>(buffer.data()),
+                                  buffer.size() / sizeof(float), threads);
 }
 
 // A model's engine, its KV pool and one sequence with `context` tokens of

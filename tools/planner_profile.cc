@@ -268,10 +268,6 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> StartCluster(
   return LocalCluster::Start(lo);
 }
 
-// Idle-cluster requests on `layout`: measured minus simulated. Without
-// `step_overhead` the decode step overhead of the layout's decode
-// configuration is measured here (colocated calibrations); else it is taken
-// as given.
 // A step that starts after its worker sat idle this long runs cold: in the
 // traced steps of run 31's measured clusters (bench/planner_runs), a
 // colocated decode worker's steps after 0.5-1 s idle took a median 6-16 ms
@@ -291,6 +287,10 @@ std::vector<double> IdleBefore(const std::vector<planner::StepSample>& steps,
   return idle;
 }
 
+// Idle-cluster requests on `layout`: measured minus simulated. Without
+// `step_overhead` the decode step overhead of the layout's decode
+// configuration is measured here (colocated calibrations); else it is taken
+// as given.
 absl::StatusOr<Calibration> Calibrate(const PlannerProfileOptions& o,
                                       const model::WeightSource& weights,
                                       const planner::PerfModel& model,
