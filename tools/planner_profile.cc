@@ -1,6 +1,8 @@
 #include "tools/planner_profile.h"
 
 #include <grpcpp/grpcpp.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -8,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <ctime>
 #include <fstream>
 #include <optional>
@@ -85,14 +88,62 @@ struct StepRecord {
   std::vector<double> decode_b1_seconds;  // per round, from its own fit
 };
 
-// One round of `config`'s step mix on a fresh in-process worker, appended to
-// `record`.
-absl::Status ProfileRound(const PlannerProfileOptions& o,
-                          const model::WeightSource& weights,
-                          planner::ComputeConfig config, int round,
-                          StepRecord* record) {
+// The first `count` CPUs this process may run on.
+std::vector<int> AllowedCpus(int count) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE && static_cast<int>(cpus.size()) < count;
+       ++cpu) {
+    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+// Pins the calling thread to one CPU, and with it the threads it starts
+// meanwhile (a new thread inherits its creator's mask); the mask it had is
+// back when this goes.
+class PinnedToCpu {
+ public:
+  static absl::StatusOr<std::unique_ptr<PinnedToCpu>> Pin(int cpu) {
+    auto pin = std::unique_ptr<PinnedToCpu>(new PinnedToCpu());
+    if (int e = pthread_getaffinity_np(pthread_self(), sizeof(pin->saved_),
+                                       &pin->saved_);
+        e != 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot read this thread's CPU mask: ", strerror(e)));
+    }
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (int e = pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+        e != 0) {
+      return absl::InternalError(absl::StrCat(
+          "cannot pin the profiling thread to CPU ", cpu, ": ", strerror(e)));
+    }
+    return pin;
+  }
+  ~PinnedToCpu() {
+    pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
+  }
+  PinnedToCpu(const PinnedToCpu&) = delete;
+  PinnedToCpu& operator=(const PinnedToCpu&) = delete;
+
+ private:
+  PinnedToCpu() = default;
+  cpu_set_t saved_;
+};
+
+// One pass of `config`'s step mix on a fresh in-process worker, appended to
+// `samples`, its CPU and wall time added to `record`.
+absl::Status ProfileMix(const PlannerProfileOptions& o,
+                        const model::WeightSource& weights,
+                        planner::ComputeConfig config, uint64_t seed,
+                        std::vector<planner::StepSample>* samples_out,
+                        StepRecord* record) {
   const model::ModelConfig& mc = weights.config();
-  std::vector<planner::StepSample> samples;
+  std::vector<planner::StepSample>& samples = *samples_out;
   absl::Mutex mu;
   bool recording = false;
   decode::DecodeWorkerOptions wo;
@@ -110,7 +161,7 @@ absl::Status ProfileRound(const PlannerProfileOptions& o,
   };
   auto worker = decode::DecodeWorker::Create(weights, nullptr, wo);
   if (!worker.ok()) return worker.status();
-  std::mt19937_64 rng(11 + round);
+  std::mt19937_64 rng(seed);
   uint64_t next_id = 1;
   // Warm-up: first touches of weights and KV pages are not what a serving
   // worker sees.
@@ -153,7 +204,45 @@ absl::Status ProfileRound(const PlannerProfileOptions& o,
   record->wall_seconds += std::chrono::duration<double>(
                               std::chrono::steady_clock::now() - wall_start)
                               .count();
-  absl::MutexLock lock(&mu);
+  return absl::OkStatus();
+}
+
+// One round of `config`'s step mix, appended to `record`. A one-thread
+// configuration runs the mix once on each of `cpus` in turn, pinned there:
+// on this project's 2-vCPU VM the two cores' speeds differ by up to 1.3x
+// and trade places over minutes (the same one-thread engine's decode step
+// took 14.9 ms pinned to one and 18.1-19.4 ms pinned to the other, minutes
+// apart; bench/huge_page_bench --threads 1), so a lone profiling thread
+// measured whichever core the scheduler gave it, while two one-thread
+// workers serving side by side (colocated 2D(tp1×1t), a one-thread stage
+// beside a one-thread decode worker) run on both: run 32's 2D(tp1×1t) steps
+// ran 1.11-1.33x the fit (median round 1.17x) where the one-worker layouts
+// beside it in the same rounds ran ~1.0-1.1x. The fit over every core is
+// the machine's average core. A configuration of more threads spans the
+// cores already (and its threads wait for the slowest at each layer).
+// `core_b1_ms` gets each core's batch-1 decode step, in `cpus` order.
+absl::Status ProfileRound(const PlannerProfileOptions& o,
+                          const model::WeightSource& weights,
+                          planner::ComputeConfig config, int round,
+                          const std::vector<int>& cpus, StepRecord* record,
+                          std::vector<double>* core_b1_ms) {
+  std::vector<planner::StepSample> samples;
+  if (config.threads() == 1 && cpus.size() >= 2) {
+    for (size_t i = 0; i < cpus.size(); ++i) {
+      auto pin = PinnedToCpu::Pin(cpus[i]);
+      if (!pin.ok()) return pin.status();
+      std::vector<planner::StepSample> on_core;
+      PDS_RETURN_IF_ERROR(ProfileMix(o, weights, config, 11 + round + 100 * i,
+                                     &on_core, record));
+      auto core_cost = planner::StepCost::Fit(on_core);
+      if (!core_cost.ok()) return core_cost.status();
+      core_b1_ms->push_back(core_cost->Seconds({1, 1, 64}) * 1e3);
+      samples.insert(samples.end(), on_core.begin(), on_core.end());
+    }
+  } else {
+    PDS_RETURN_IF_ERROR(
+        ProfileMix(o, weights, config, 11 + round, &samples, record));
+  }
   // This round alone, to show how far the machine's speed moved between
   // rounds.
   auto round_cost = planner::StepCost::Fit(samples);
@@ -1165,14 +1254,16 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
   constexpr int kStepRounds = 3;
   std::map<planner::ComputeConfig, StepRecord> records;
   int rounds_done = 0;
+  const std::vector<int> cpus = AllowedCpus(options.cores);
   auto step_round = [&]() -> absl::Status {
     ++rounds_done;
     std::string line = absl::StrFormat("step round %d of %d: decode b1",
                                        rounds_done, kStepRounds);
     for (const planner::ComputeConfig& config : configs) {
       StepRecord& record = records[config];
-      if (auto s =
-              ProfileRound(options, **weights, config, rounds_done, &record);
+      std::vector<double> core_b1_ms;
+      if (auto s = ProfileRound(options, **weights, config, rounds_done, cpus,
+                                &record, &core_b1_ms);
           !s.ok()) {
         return absl::Status(
             s.code(),
@@ -1180,10 +1271,15 @@ absl::StatusOr<planner::PerfModel> ProfileForPlanner(
                          config.threads_per_rank, " threads: ", s.message()));
       }
       PDS_RETURN_IF_ERROR(FitRecord(config, record, &model));
-      absl::StrAppend(&line,
-                      absl::StrFormat(" %.2f ms (tp %d × %d)",
-                                      record.decode_b1_seconds.back() * 1e3,
-                                      config.tp, config.threads_per_rank));
+      std::string cores;
+      for (size_t i = 0; i < core_b1_ms.size(); ++i) {
+        absl::StrAppend(&cores, i == 0 ? "; cpu " : ", cpu ", cpus[i], " ",
+                        absl::StrFormat("%.2f", core_b1_ms[i]));
+      }
+      absl::StrAppend(
+          &line, absl::StrFormat(" %.2f ms (tp %d × %d%s)",
+                                 record.decode_b1_seconds.back() * 1e3,
+                                 config.tp, config.threads_per_rank, cores));
     }
     Say(options, line);
     return absl::OkStatus();

@@ -11,7 +11,11 @@
 //     uses the tp-1 × H fit scaled by its share of the layers. The mix runs
 //     in three rounds spread over the profile (first, after the colocated
 //     calibrations, last) and the fit takes all of them: a VM's speed moves
-//     within seconds, and one round is a snapshot of it.
+//     within seconds, and one round is a snapshot of it. A one-thread
+//     configuration runs each round's mix pinned to each core in turn: a
+//     VM's cores can differ in speed by a third (and trade places), and two
+//     one-thread workers serving side by side run on both, where a lone
+//     profiling thread ran on whichever the scheduler gave it.
 //  2. What happens outside the steps. Real clusters (router + workers as
 //     processes, tools/local_cluster.h), colocated and disaggregated, serve
 //     48 requests arriving open loop at the workload's rate (slower where

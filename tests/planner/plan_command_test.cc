@@ -93,6 +93,27 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
     EXPECT_GE(fitted_ms, 0.8 * low - 0.01);
     EXPECT_LE(fitted_ms, 1.2 * high + 0.01);
   }
+  // A one-thread configuration ran each round's mix pinned to each of the
+  // two cores in turn (their speeds can differ by a third on a VM), and the
+  // round's fit over both lies between the cores' own (within the fits'
+  // error).
+  int rounds_pinned = 0;
+  for (size_t at = profiled.find("step round "); at != std::string::npos;
+       at = profiled.find("step round ", at + 1)) {
+    int round = 0, of = 0, cpu_a = -1, cpu_b = -1;
+    double round_ms = 0, a_ms = 0, b_ms = 0;
+    ASSERT_EQ(std::sscanf(profiled.c_str() + at,
+                          "step round %d of %d: decode b1 %lf ms (tp 1 × 1; "
+                          "cpu %d %lf, cpu %d %lf)",
+                          &round, &of, &round_ms, &cpu_a, &a_ms, &cpu_b, &b_ms),
+              7)
+        << profiled.substr(at, 200);
+    EXPECT_NE(cpu_a, cpu_b);
+    EXPECT_GE(round_ms, 0.8 * std::min(a_ms, b_ms) - 0.01);
+    EXPECT_LE(round_ms, 1.2 * std::max(a_ms, b_ms) + 0.01);
+    ++rounds_pinned;
+  }
+  EXPECT_EQ(rounds_pinned, 3) << profiled;
   // The request calibrations (three colocated, one disaggregated) each
   // traced their decode worker's steps under an open-loop stream at the
   // workload's rate (20/s, or slower where the layout would be over half
