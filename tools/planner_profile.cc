@@ -209,7 +209,7 @@ absl::Status ProfileMix(const PlannerProfileOptions& o,
 
 // One round of `config`'s step mix, appended to `record`. A one-thread
 // configuration runs the mix once on each of `cpus` in turn, pinned there:
-// on this project's 2-vCPU VM the two cores' speeds differ by up to 1.3x
+// on this project's 2-vCPU VM the two cores' speeds differ by up to 1.36x
 // and trade places over minutes (the same one-thread engine's decode step
 // took 14.9 ms pinned to one and 18.1-19.4 ms pinned to the other, minutes
 // apart; bench/huge_page_bench --threads 1), so a lone profiling thread
