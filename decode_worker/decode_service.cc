@@ -298,6 +298,37 @@ void DecodeService::ForgetChannel(uint64_t id, const Channel* channel) {
   if (it != channels_.end() && it->second.get() == channel) channels_.erase(it);
 }
 
+void DecodeService::StartDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
+bool DecodeService::draining() const {
+  absl::MutexLock lock(&mu_);
+  return draining_;
+}
+
+int64_t DecodeService::live_streams() const {
+  absl::MutexLock lock(&mu_);
+  int64_t live = 0;
+  for (const auto& [id, ch] : channels_) {
+    absl::MutexLock l(&ch->mu);
+    // Finished and never attached: nobody is waiting for it.
+    if (ch->final_queued && !ch->attached) continue;
+    ++live;
+  }
+  return live;
+}
+
+bool DecodeService::WaitDrained(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (live_streams() > 0) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
+
 int64_t DecodeService::channels() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(channels_.size());
@@ -442,9 +473,26 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
         "prompt scores come from its prefill group");
   }
 
+  std::optional<decode::Resumption> resume;
+  if (request.has_resume()) {
+    if (!request.local_prefill()) {
+      return absl::InvalidArgumentError(
+          "resume needs local_prefill: this worker recomputes a migrated "
+          "stream's KV itself");
+    }
+    resume.emplace();
+    resume->output.assign(request.resume().output_ids().begin(),
+                          request.resume().output_ids().end());
+    resume->delivered_text_bytes = request.resume().delivered_text_bytes();
+  }
+
   auto ch = std::make_shared<Channel>(id);
   {
     absl::MutexLock lock(&mu_);
+    if (draining_) {
+      return absl::UnavailableError(
+          "decode worker is draining (shutting down): admit elsewhere");
+    }
     if (early_aborts_.erase(id) > 0) return AbortedDuringAdmit(id);
     // Drop finished streams nobody came for.
     const absl::Time cutoff = absl::Now() - options_.unclaimed_stream_ttl;
@@ -468,9 +516,10 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   if (request.local_prefill()) {
     // Colocated: this worker prefills the prompt itself; no KV destination
     // is handed out and the stream starts without a KvComplete.
-    absl::Status submitted =
-        worker_->Submit(id, std::move(prompt), params,
-                        [ch](const decode::TokenDelta& d) { Push(*ch, d); });
+    absl::Status submitted = worker_->Submit(
+        id, std::move(prompt), params,
+        [ch](const decode::TokenDelta& d) { Push(*ch, d); },
+        resume.has_value() ? &*resume : nullptr);
     if (!submitted.ok()) {
       ForgetChannel(id, ch.get());
       return submitted;

@@ -102,6 +102,18 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
                                     const pdserve::v1::GetLoadRequest* request,
                                     pdserve::v1::DecodeLoad* response) override;
 
+  // Drain (SIGTERM): from now on Admit answers UNAVAILABLE (the router
+  // admits elsewhere); requests already admitted keep their KV transfer and
+  // stream to their end. Readiness (grpc.health) is the caller's to flip.
+  void StartDrain();
+  bool draining() const;
+  // Streams a client still waits on: admitted and not finished, or finished
+  // with their last delta not yet written.
+  int64_t live_streams() const;
+  // Blocks until live_streams() is 0 (true) or `timeout` passed (false: the
+  // streams left are cut when the server stops; the router migrates them).
+  bool WaitDrained(absl::Duration timeout);
+
   // Requests with a channel (live, or finished and not yet streamed).
   int64_t channels() const;
   // Requests whose sinks gave up waiting for KV (the sink lease expired).
@@ -196,6 +208,7 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   std::deque<std::pair<absl::Time, uint64_t>> early_abort_order_
       ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   std::thread completer_;
   std::atomic<int64_t> lease_expiries_{0};
 };

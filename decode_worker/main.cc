@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/command_line_flags.h"
 #include "decode/decode_worker.h"
 #include "decode_worker/decode_service.h"
@@ -169,6 +170,13 @@ int Main(int argc, char** argv) {
       "ucx-net-devices", "auto",
       "UCX network devices: auto (--host's interface), all, or a UCX device "
       "list such as mlx5_0:1.");
+  const double drain_s = flags.Num<double>(
+      "drain-timeout-seconds", 25.0,
+      "On SIGTERM: stop admitting (readiness NOT_SERVING, Admit "
+      "UNAVAILABLE) and let streams finish for up to this long before "
+      "stopping; what is left migrates to other workers through the router. "
+      "Keep it below the pod's terminationGracePeriodSeconds. 0: stop at "
+      "once.");
   flags.Group("Security");
   const std::string internal_token_file = flags.Str(
       "internal-token-file", "",
@@ -231,6 +239,9 @@ int Main(int argc, char** argv) {
         "give --num-blocks or --kv-memory-mb, not both"));
   if (lease_s <= 0)
     return Fail(absl::InvalidArgumentError("--kv-lease-seconds must be > 0"));
+  if (drain_s < 0)
+    return Fail(
+        absl::InvalidArgumentError("--drain-timeout-seconds must be >= 0"));
 
   auto format = model::ParseLoadFormat(format_name);
   if (!format.ok()) return Fail(format.status());
@@ -357,8 +368,25 @@ int Main(int argc, char** argv) {
 
   int sig = 0;
   sigwait(&signals, &sig);
-  std::fprintf(stderr, "decode_worker: signal %d, stopping\n", sig);
+  // Drain: out of rotation at once (the router's probes and Kubernetes'
+  // readiness see NOT_SERVING, new Admits are refused with UNAVAILABLE and
+  // go elsewhere), the streams on this worker run to their end. A second
+  // signal, or the timeout, cuts it short: the streams left are cut by the
+  // server's stop and the router continues them on other workers.
   (*server)->SetServing(false);
+  (*service)->StartDrain();
+  std::fprintf(stderr,
+               "decode_worker: signal %d, draining %lld streams (up to %.1f "
+               "s)\n",
+               sig, static_cast<long long>((*service)->live_streams()),
+               drain_s);
+  const absl::Time drain_deadline = absl::Now() + absl::Seconds(drain_s);
+  while ((*service)->live_streams() > 0 && absl::Now() < drain_deadline) {
+    const timespec poll{0, 20 * 1000 * 1000};
+    if (sigtimedwait(&signals, nullptr, &poll) > 0) break;
+  }
+  std::fprintf(stderr, "decode_worker: stopping with %lld streams left\n",
+               static_cast<long long>((*service)->live_streams()));
   (*server)->Shutdown(2.0);
   server->reset();
   metrics_server.reset();

@@ -181,6 +181,13 @@ int Main(int argc, char** argv) {
       "orphan-seconds", 30,
       "Stage > 0 only: exit when stage 0 stopped pinging this many "
       "seconds.");
+  const double drain_s = flags.Num<double>(
+      "drain-timeout-seconds", 25.0,
+      "On SIGTERM: stage 0 stops taking prompts (readiness NOT_SERVING, "
+      "Prefill UNAVAILABLE) and finishes those in the pipeline for up to "
+      "this long; a later stage keeps serving until stage 0 stops pinging "
+      "it (or this long). Keep it below terminationGracePeriodSeconds. 0: "
+      "stop at once.");
   flags.Group("Scheduling");
   const std::string policy_name = flags.Str(
       "chunk-policy", "equal-cost",
@@ -430,6 +437,17 @@ int Main(int argc, char** argv) {
         ReExec(argc, argv, bound);
       }
     }
+    // Drain: out of rotation, the prompts already taken run to their end
+    // (a second signal or the timeout cuts it short: the router retries
+    // those elsewhere).
+    (*service)->StartDrain();
+    std::fprintf(stderr,
+                 "prefill_worker: draining %lld prompts (up to %.1f s)\n",
+                 static_cast<long long>((*service)->in_flight()), drain_s);
+    const absl::Time drain_deadline = absl::Now() + absl::Seconds(drain_s);
+    while ((*service)->in_flight() > 0 && absl::Now() < drain_deadline) {
+      if (WaitForSignal(absl::Milliseconds(20))) break;
+    }
     ArmExitWatchdog();
     (*server)->Shutdown();
     stop_metrics();
@@ -451,6 +469,11 @@ int Main(int argc, char** argv) {
   std::fprintf(stderr, "prefill_worker: stage control on %s\n",
                (*server)->address().c_str());
   int code = 0;
+  // Stage 0 pinged within this: still using this stage.
+  const auto pinged_recently = [&control](absl::Duration within) {
+    const absl::Time last = control.last_ping();
+    return last != absl::InfinitePast() && absl::Now() - last < within;
+  };
   while (!WaitForSignal(absl::Milliseconds(200))) {
     if (control.restart_requested()) {
       const std::string bound = (*server)->address();
@@ -464,6 +487,16 @@ int Main(int argc, char** argv) {
                    "prefill_worker: stage 0 stopped pinging; exiting\n");
       code = 3;
       break;
+    }
+  }
+  if (code == 0) {
+    // Drain: a group's stages are stopped together (a LeaderWorkerSet, a
+    // rolling update); stage 0 finishes the prompts in the pipeline, which
+    // need every later stage, then stops pinging. Keep serving until then.
+    std::fprintf(stderr, "prefill_worker: draining until stage 0 stops\n");
+    const absl::Time drain_deadline = absl::Now() + absl::Seconds(drain_s);
+    while (pinged_recently(absl::Seconds(1)) && absl::Now() < drain_deadline) {
+      if (WaitForSignal(absl::Milliseconds(50))) break;
     }
   }
   ArmExitWatchdog();

@@ -172,7 +172,7 @@ void PrefillService::Start(rpc::RunningServer* server) {
   {
     absl::MutexLock lock(&mu_);
     server_ = server;
-    if (server_ != nullptr) server_->SetServing(down_.ok());
+    if (server_ != nullptr) server_->SetServing(down_.ok() && !draining_);
   }
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
 }
@@ -180,6 +180,17 @@ void PrefillService::Start(rpc::RunningServer* server) {
 bool PrefillService::serving() const {
   absl::MutexLock lock(&mu_);
   return down_.ok();
+}
+
+void PrefillService::StartDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  if (server_ != nullptr) server_->SetServing(false);
+}
+
+int64_t PrefillService::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(calls_.size());
 }
 
 absl::Status PrefillService::DownStatus() const {
@@ -251,6 +262,9 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
     absl::MutexLock lock(&mu_);
     if (!down_.ok()) {
       status = DownStatus();
+    } else if (draining_) {
+      status = absl::UnavailableError(
+          "prefill group is draining (shutting down): use another");
     } else if (!calls_.emplace(call->id, call).second) {
       status = absl::AlreadyExistsError(
           absl::StrCat("request ", call->id, " is already being prefilled"));

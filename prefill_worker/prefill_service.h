@@ -106,6 +106,12 @@ class PrefillService final : public pdserve::v1::PrefillGroup::CallbackService {
       pdserve::v1::PrefillLoad* response) override;
 
   bool serving() const;
+  // Drain (SIGTERM): readiness NOT_SERVING and later Prefill calls
+  // UNAVAILABLE (the router uses another group or the decode worker); the
+  // requests already taken run through the pipeline to their end.
+  void StartDrain();
+  // Prefill calls not answered yet.
+  int64_t in_flight() const;
   // The group was down and every stage answers again: the process should
   // restart in place (prefill_worker's main re-execs) to rewire the group.
   bool recovery_requested() const { return recovery_requested_.load(); }
@@ -156,6 +162,7 @@ class PrefillService final : public pdserve::v1::PrefillGroup::CallbackService {
 
   mutable absl::Mutex mu_;
   rpc::RunningServer* server_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Call>> calls_
       ABSL_GUARDED_BY(mu_);
   int queued_ ABSL_GUARDED_BY(mu_) = 0;

@@ -41,10 +41,17 @@ std::vector<ModelDescription> AdmissionLimiter::ListModels() const {
   return inner_->ListModels();
 }
 
-absl::Status AdmissionLimiter::Health() const { return inner_->Health(); }
+absl::Status AdmissionLimiter::Health() const {
+  if (draining()) return absl::UnavailableError("router is draining");
+  return inner_->Health();
+}
 
 absl::StatusOr<std::unique_ptr<GenerationCall>> AdmissionLimiter::Start(
     GenerationRequest request, GenerationObserver* observer) {
+  if (draining()) {
+    return absl::UnavailableError(
+        "router is draining (shutting down): send to another replica");
+  }
   if (in_flight_->fetch_add(1) >= limit_) {
     in_flight_->fetch_sub(1);
     return absl::ResourceExhaustedError(absl::StrCat(

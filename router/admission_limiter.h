@@ -22,6 +22,13 @@ class AdmissionLimiter : public GenerationBackend {
   absl::StatusOr<std::unique_ptr<GenerationCall>> Start(
       GenerationRequest request, GenerationObserver* observer) override;
 
+  // Drain (SIGTERM): Health() turns UNAVAILABLE (readiness and the gRPC
+  // health service say NOT_SERVING, so load balancers stop sending) and new
+  // generations are refused with UNAVAILABLE (HTTP 503, which clients and
+  // gateways retry on another replica); those in flight run to their end.
+  void StartDrain() { draining_->store(true); }
+  bool draining() const { return draining_->load(); }
+
   int in_flight() const { return in_flight_->load(); }
   int limit() const { return limit_; }
 
@@ -31,6 +38,8 @@ class AdmissionLimiter : public GenerationBackend {
   // Shared with the per-call observers, which release their slot in OnDone
   // (possibly after the limiter is gone during shutdown).
   std::shared_ptr<std::atomic<int>> in_flight_;
+  std::shared_ptr<std::atomic<bool>> draining_ =
+      std::make_shared<std::atomic<bool>>(false);
 };
 
 }  // namespace pdserve::router

@@ -55,9 +55,23 @@ struct ClusterBackendOptions {
   ModelDescription model;  // the served model (name, context, vocabulary)
   // Block size of the workers' KV (for the prefix-aware policy's hashes).
   int block_size = 16;
-  // Tries per request before the first token (each on a freshly assigned
-  // worker pair).
+  // Tries per request that fail before they stream anything (each on a
+  // freshly assigned worker pair); a migrated stream starts a fresh count.
   int max_attempts = 3;
+  // Times one request's stream may move to another decode worker after its
+  // worker died, froze or drained mid-stream (router/cluster_request.h).
+  int max_migrations = 3;
+  // A migrating stream that finds no decode worker in rotation (the only one
+  // is restarting) waits this long for one before it fails.
+  absl::Duration migration_worker_wait = absl::Seconds(10);
+  // With no prefill group in rotation, a request is prefilled by its decode
+  // worker (the colocated path) instead of failing with UNAVAILABLE.
+  bool prefill_fallback = true;
+  // Prompts of at most this many tokens are prefilled by their decode worker
+  // (a group's round trip and KV handoff cost more than the prefill itself
+  // there); 0: every prompt goes to a group. The planner's profile gives the
+  // crossover (`pdserve plan` prints it).
+  int local_prefill_max_tokens = 0;
   // Admit, Abort, Cancel.
   absl::Duration rpc_timeout = absl::Seconds(10);
   // Upper bound of one Prefill call (the request's deadline may be sooner).
@@ -85,6 +99,7 @@ struct ClusterBackendStats {
   int64_t failed = 0;
   int64_t cancelled = 0;
   int64_t retries = 0;
+  int64_t migrations = 0;  // streams continued on another decode worker
   int64_t active = 0;
 };
 

@@ -103,12 +103,39 @@ ClusterRequest::ClusterRequest(
   usage_.prompt_tokens = static_cast<int32_t>(prompt_ids_.size());
 }
 
-bool ClusterRequest::UsesDecode() const {
+bool ClusterRequest::UsesDecode(const Attempt& a) const {
   // A request that only scores its prompt on a prefill group needs no decode
-  // worker and its KV goes nowhere. (Colocated, the decode worker is what
-  // scores it.)
+  // worker and its KV goes nowhere. (Colocated, or with no group to be had,
+  // the decode worker is what scores it.)
   return mode_ == RequestMode::kDisaggregated ||
-         mode_ == RequestMode::kColocated;
+         mode_ == RequestMode::kColocated || a.local_prefill;
+}
+
+void ClusterRequest::DecidePrefill(Attempt& a) const {
+  a.resume = resuming();
+  if (mode_ == RequestMode::kColocated) {
+    a.local_prefill = true;
+    a.prefill_where = "decode_colocated";
+  } else if (a.resume) {
+    // The new decode worker recomputes prompt + streamed tokens itself: the
+    // next token's sampling needs the output so far (its index, penalties,
+    // grammar), which only a decode worker keeps.
+    a.local_prefill = true;
+    a.prefill_where = "decode_resume";
+  } else if (mode_ == RequestMode::kDisaggregated &&
+             options_.local_prefill_max_tokens > 0 &&
+             static_cast<int64_t>(prompt_ids_.size()) <=
+                 options_.local_prefill_max_tokens) {
+    a.local_prefill = true;
+    a.prefill_where = "decode_short";
+  } else {
+    a.local_prefill = false;
+    a.prefill_where = "group";
+  }
+}
+
+bool ClusterRequest::FallsBackToDecode(const absl::Status& no_group) const {
+  return options_.prefill_fallback && absl::IsUnavailable(no_group);
 }
 
 void ClusterRequest::Run() {
@@ -121,9 +148,14 @@ void ClusterRequest::Run() {
     FinishWithEcho();
     return;
   }
-  for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
-    ResetEcho();  // a retry scores the prompt again
-    if (attempt > 0) {
+  // Tries in a row that streamed nothing; a migrated stream starts afresh.
+  int failures = 0;
+  bool retrying = false;
+  while (failures < options_.max_attempts) {
+    // A retry scores the prompt again; once something reached the client
+    // the echo went with it.
+    if (!delivered_) ResetEcho();
+    if (retrying) {
       if (metrics_ != nullptr) metrics_->OnRetry(retry_side_);
       absl::MutexLock lock(&services_.book.mu);
       ++services_.book.stats.retries;
@@ -138,11 +170,18 @@ void ClusterRequest::Run() {
                        last_error_.message(), ")")));
       return;
     }
-    attempt_ = attempt;
+    attempt_ = failures;
     Attempt a;
     a.wire_id = NewWireId();
     const Next next = RunAttempt(a);
     if (next == Next::kDone) return;
+    if (next == Next::kMigrate) {
+      failures = 0;
+      retrying = false;
+      continue;
+    }
+    ++failures;
+    retrying = true;
   }
   Finish(absl::UnavailableError(
       absl::StrCat("gave up after ", options_.max_attempts,
@@ -151,10 +190,11 @@ void ClusterRequest::Run() {
 
 ClusterRequest::Next ClusterRequest::RunAttempt(Attempt& a) {
   if (Next next = Admit(a); next != Next::kContinue) return next;
+  if (metrics_ != nullptr) metrics_->OnPrefillDecision(a.prefill_where);
   // From here on the decode worker (if any) holds KV blocks for the wire id:
   // every exit path below frees them (Abort), unless the stream finished.
   a.prefill_returned_at = absl::Now();
-  if (mode_ != RequestMode::kColocated) {
+  if (!a.local_prefill) {
     if (Next next = PrefillOnGroup(a); next != Next::kContinue) return next;
   }
   return StreamFromDecode(a);
@@ -162,8 +202,24 @@ ClusterRequest::Next ClusterRequest::RunAttempt(Attempt& a) {
 
 ClusterRequest::Next ClusterRequest::Admit(Attempt& a) {
   const auto cancelled = [this] { return cancellation_->cancelled(); };
+  DecidePrefill(a);
+  if (mode_ == RequestMode::kScoreOnPrefill) {
+    // Scored by a group, no decode worker and no line to wait in; with no
+    // group in rotation, scored by a decode worker instead.
+    const AssignmentContext assignment{block_hashes_};
+    absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
+        WorkerRole::kPrefill, services_.prefill_policy, assignment);
+    if (lease.ok()) {
+      a.prefill_address = lease->address();
+      a.prefill_lease.emplace(*std::move(lease));
+      return Next::kContinue;
+    }
+    if (!FallsBackToDecode(lease.status())) return Finish(lease.status());
+    a.local_prefill = true;
+    a.prefill_where = "decode_no_group";
+  }
   std::unique_ptr<AdmissionQueue::Place> place;
-  if (UsesDecode()) {
+  if (UsesDecode(a)) {
     absl::StatusOr<std::unique_ptr<AdmissionQueue::Place>> joined =
         services_.queue.Join();
     if (!joined.ok()) return Finish(joined.status());
@@ -183,18 +239,26 @@ ClusterRequest::Next ClusterRequest::Admit(Attempt& a) {
     return next;
   };
   while (true) {
-    if (mode_ != RequestMode::kColocated) {
+    if (!a.local_prefill) {
       // A prefill group first: without one that can take the request,
       // admitting it on a decode worker would only hold KV there for
-      // nothing.
+      // nothing. With none in rotation (a group restarting, all draining)
+      // the decode worker prefills it: slower for a long prompt, but an
+      // answer instead of a 503.
       const AssignmentContext assignment{block_hashes_};
       absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
           WorkerRole::kPrefill, services_.prefill_policy, assignment);
-      if (!lease.ok()) return left_line(Finish(lease.status()));
-      a.prefill_address = lease->address();
-      a.prefill_lease.emplace(*std::move(lease));
+      if (lease.ok()) {
+        a.prefill_address = lease->address();
+        a.prefill_lease.emplace(*std::move(lease));
+      } else if (FallsBackToDecode(lease.status())) {
+        a.local_prefill = true;
+        a.prefill_where = "decode_no_group";
+      } else {
+        return left_line(Finish(lease.status()));
+      }
     }
-    if (!UsesDecode()) return Next::kContinue;
+    if (!UsesDecode(a)) return Next::kContinue;
     const Next next = AdmitOnDecode(a);
     if (next != Next::kNoRoom) return left_line(next);
     a.prefill_lease.reset();
@@ -226,6 +290,19 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
   const AssignmentContext assignment{block_hashes_};
   absl::StatusOr<WorkerLease> lease = services_.registry.Assign(
       WorkerRole::kDecode, services_.decode_policy, assignment);
+  if (!lease.ok() && a.resume) {
+    // A stream in the middle of its answer waits a while for a decode worker
+    // to come back (the only one restarting, a rolling update) rather than
+    // break in front of its client.
+    const absl::Time until = std::min(
+        request_.deadline, absl::Now() + options_.migration_worker_wait);
+    while (!lease.ok() && absl::Now() < until && !cancellation_->cancelled()) {
+      absl::SleepFor(absl::Milliseconds(100));
+      lease = services_.registry.Assign(WorkerRole::kDecode,
+                                        services_.decode_policy, assignment);
+    }
+    if (!lease.ok() && metrics_ != nullptr) metrics_->OnMigration("no_worker");
+  }
   if (!lease.ok()) {
     // No decode worker at all: retrying cannot help. After a failed attempt
     // the earlier error says more than "none left".
@@ -252,12 +329,18 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
   // Colocated scoring only: the worker prefills (and scores) the prompt and
   // samples one token, which is not returned.
   admit_request.set_max_tokens(score_only ? 1 : request_.max_tokens);
-  admit_request.set_include_prompt_logprobs(mode_ == RequestMode::kColocated &&
+  admit_request.set_include_prompt_logprobs(a.local_prefill && !a.resume &&
                                             submit_scored_);
   *admit_request.mutable_sampling() = sampling_;
   for (const std::string& s : request_.stop) admit_request.add_stop(s);
   admit_request.set_ignore_eos(request_.ignore_eos);
-  admit_request.set_local_prefill(mode_ == RequestMode::kColocated);
+  admit_request.set_local_prefill(a.local_prefill);
+  if (a.resume) {
+    v1::ResumeState* resume = admit_request.mutable_resume();
+    resume->mutable_output_ids()->Add(streamed_ids_.begin(),
+                                      streamed_ids_.end());
+    resume->set_delivered_text_bytes(streamed_text_bytes_);
+  }
   admit_request.set_include_logprobs(request_.logprobs);
   admit_request.set_top_logprobs(request_.top_logprobs);
   grpc::ClientContext context;
@@ -283,7 +366,10 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
     }
     return Retryable(s) ? Next::kRetry : Finish(last_error_);
   }
-  usage_.cached_prompt_tokens = static_cast<int32_t>(a.admit.cached_tokens());
+  // A migrated stream's usage stays its first admission's.
+  if (!a.resume) {
+    usage_.cached_prompt_tokens = static_cast<int32_t>(a.admit.cached_tokens());
+  }
   return Next::kContinue;
 }
 
@@ -389,7 +475,7 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
   bool restore_space = false;  // echo: see below
   // Colocated: the decode worker scored the prompt; its numbers ride on the
   // first delta.
-  bool awaiting_scores = mode_ == RequestMode::kColocated && submit_scored_;
+  bool awaiting_scores = a.local_prefill && !a.resume && submit_scored_;
   while (reader->Read(&in)) {
     if (awaiting_scores) {
       awaiting_scores = false;
@@ -447,7 +533,13 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
       }
       last_token_at_ = now;
     }
-    if (in.finished()) {
+    // A worker that ends the stream as cancelled without this side asking
+    // (it shut down with the request on it) broke the stream: the tokens
+    // with it are good, the end is not.
+    const bool ended_by_worker =
+        in.finished() && in.finish_reason() == v1::FINISH_REASON_CANCELLED &&
+        !cancellation_->cancelled();
+    if (in.finished() && !ended_by_worker) {
       finished = true;
       out.finished = true;
       out.finish_reason = MapFinish(in.finish_reason());
@@ -472,12 +564,26 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
     }
     if (echo_.has_value()) out.echo = std::move(echo_);  // first delta only
     echo_.reset();
+    streamed_ids_.insert(streamed_ids_.end(), out.token_ids.begin(),
+                         out.token_ids.end());
+    streamed_text_bytes_ += static_cast<int64_t>(in.text().size());
     if (out.finished || !out.token_ids.empty() || !out.text.empty() ||
         out.echo.has_value()) {
       delivered_ = true;
       observer_->OnDelta(std::move(out));
     }
     if (finished) break;
+    if (ended_by_worker) {
+      context.TryCancel();
+      (void)reader->Finish();
+      cancellation_->Leave();
+      AbortDecode(a);
+      retry_side_ = "decode";
+      return StreamBroke(
+          absl::UnavailableError(absl::StrCat(
+              "ended the stream (", in.finish_detail(), ") without a cancel")),
+          a.decode_address);
+    }
   }
   absl::Status s = rpc::FromGrpcStatus(reader->Finish());
   cancellation_->Leave();
@@ -491,8 +597,41 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
   }
   AbortDecode(a);
   retry_side_ = "decode";
+  if (!streamed_ids_.empty()) return StreamBroke(s, a.decode_address);
   return Failed(s, "decode worker", a.decode_address,
                 /*retry=*/!delivered_);
+}
+
+ClusterRequest::Next ClusterRequest::StreamBroke(const absl::Status& status,
+                                                 const std::string& address) {
+  last_error_ = Annotate(status, "decode worker", address);
+  if (absl::IsUnavailable(status)) {
+    services_.registry.MarkUnhealthy(address, std::string(status.message()));
+  }
+  if (cancellation_->cancelled()) {
+    return Finish(absl::CancelledError("cancelled"));
+  }
+  // Errors the request itself caused would only repeat elsewhere.
+  const bool request_fault =
+      absl::IsInvalidArgument(status) || absl::IsFailedPrecondition(status) ||
+      absl::IsOutOfRange(status) || absl::IsPermissionDenied(status) ||
+      absl::IsUnauthenticated(status) || absl::IsUnimplemented(status);
+  if (request_fault || absl::Now() >= request_.deadline) {
+    return Finish(last_error_);
+  }
+  if (migrations_ >= options_.max_migrations) {
+    if (metrics_ != nullptr) metrics_->OnMigration("spent");
+    return Finish(absl::Status(
+        last_error_.code(), absl::StrCat(last_error_.message(), " (after ",
+                                         migrations_, " stream migrations)")));
+  }
+  ++migrations_;
+  if (metrics_ != nullptr) metrics_->OnMigration("started");
+  {
+    absl::MutexLock lock(&services_.book.mu);
+    ++services_.book.stats.migrations;
+  }
+  return Next::kMigrate;
 }
 
 void ClusterRequest::AbortDecode(const Attempt& a) {

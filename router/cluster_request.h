@@ -12,10 +12,15 @@
 //   * once a decode worker admitted the request, every way out of the
 //     attempt frees its KV there (Abort) unless the stream finished, and a
 //     failed or cancelled Prefill is cancelled at its group;
-//   * an attempt is retried on freshly assigned workers only before anything
-//     reached the client, only for errors another worker may not have
-//     (UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED), and never past the
-//     request's deadline;
+//   * an attempt is retried on freshly assigned workers only for errors
+//     another worker may not have (UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED),
+//     and never past the request's deadline;
+//   * a stream that breaks after tokens reached the client (its decode
+//     worker died, froze or drained past its timeout) migrates: another
+//     decode worker is admitted with the prompt + every token streamed so
+//     far (AdmitRequest.resume) and continues the same stream, so the client
+//     sees no error, no duplicate and no missing token, and usage counts
+//     each token once (at most max_migrations times);
 //   * a worker that answered UNAVAILABLE is marked unhealthy in the registry
 //     until its next successful probe.
 #pragma once
@@ -119,11 +124,21 @@ class ClusterRequest {
     kContinue,  // on to the next phase
     kRetry,     // another attempt, on other workers
     kNoRoom,    // the decode worker has no KV for it now: wait in line
+    kMigrate,   // the stream broke after tokens: continue it elsewhere
     kDone,      // finished: OnDone was called
   };
   // One try on one pair of workers.
   struct Attempt {
     uint64_t wire_id = 0;
+    // The decode worker prefills the prompt itself (AdmitRequest
+    // .local_prefill): colocated serving, a short prompt, no prefill group to
+    // be had, or a migrated stream. Decided in Admit; `prefill_where` names
+    // why, for the metric.
+    bool local_prefill = false;
+    const char* prefill_where = "";
+    // The attempt continues a stream another decode worker began
+    // (AdmitRequest.resume).
+    bool resume = false;
     std::string decode_address;
     // Counts the request against its decode worker until the attempt ends
     // (what least-loaded assignment reads).
@@ -138,7 +153,17 @@ class ClusterRequest {
     metrics::TtftBreakdown breakdown;
   };
 
-  bool UsesDecode() const;
+  bool UsesDecode(const Attempt& a) const;
+  // Where the attempt's prompt is prefilled: on a group, unless the mode,
+  // a migration or ClusterBackendOptions say the decode worker does it.
+  void DecidePrefill(Attempt& a) const;
+  // Whether a request finding no prefill group for this reason is prefilled
+  // by its decode worker (ClusterBackendOptions::prefill_fallback).
+  bool FallsBackToDecode(const absl::Status& no_group) const;
+  bool resuming() const { return !streamed_ids_.empty(); }
+  // A broken stream that had delivered tokens: migrate, or finish with it
+  // when the migrations are spent or it cannot help.
+  Next StreamBroke(const absl::Status& status, const std::string& address);
   Next RunAttempt(Attempt& a);
   // In the admission queue, in arrival order: a prefill group picked, then
   // the decode worker's Admit; a refusal for lack of KV waits for room.
@@ -190,6 +215,11 @@ class ClusterRequest {
   absl::Time last_token_at_ = absl::InfinitePast();
   std::string retry_side_;
   int attempt_ = 0;
+  // Every token id the client got, in order, and the bytes of worker text
+  // with them: what a migrated stream resumes from.
+  std::vector<int32_t> streamed_ids_;
+  int64_t streamed_text_bytes_ = 0;
+  int migrations_ = 0;
   absl::Status last_error_ = absl::UnavailableError("no attempt made");
 };
 

@@ -52,6 +52,7 @@
 #include "process/port_file.h"
 #include "router/admission_limiter.h"
 #include "router/cluster_backend.h"
+#include "router/dns_resolver.h"
 #include "router/generation_service.h"
 #include "router/http_server.h"
 #include "router/metered_backend.h"
@@ -128,6 +129,13 @@ int Main(int argc, char** argv) {
       "JSON file with the prefill and decode targets, refresh and probe "
       "intervals and the model identity (router/worker_registry.h); instead "
       "of --prefill/--decode.");
+  const std::string dns_server = flags.Str(
+      "dns-server", "",
+      "Resolve the worker names at this DNS server (HOST:PORT,...; DNS "
+      "only, no /etc/hosts) instead of the system resolver. On Kubernetes "
+      "leave it empty: the system resolver asks the cluster DNS, whose "
+      "headless-Service answers list the Ready pods.",
+      "(system resolver)");
   const int refresh_ms = flags.Num<int>(
       "refresh-ms", 1000,
       "Milliseconds between re-resolving and health-probing the workers "
@@ -163,6 +171,28 @@ int Main(int argc, char** argv) {
       "max-attempts", 3,
       "Tries per request before its first token, each on a fresh "
       "prefill/decode pair.");
+  const int max_migrations = flags.Num<int>(
+      "max-migrations", 3,
+      "Times a stream may move to another decode worker after its worker "
+      "died, froze or drained mid-stream (0: such a stream fails).");
+  const double migration_wait_s = flags.Num<double>(
+      "migration-worker-wait-seconds", 10,
+      "A migrating stream that finds no decode worker in rotation waits this "
+      "long for one.");
+  const bool prefill_fallback = flags.Bool(
+      "prefill-fallback", true,
+      "With no prefill group in rotation, decode workers prefill prompts "
+      "themselves instead of the request failing with 503.");
+  const int local_prefill_max_tokens = flags.Num<int>(
+      "local-prefill-max-tokens", 0,
+      "Prompts of at most this many tokens are prefilled by their decode "
+      "worker, longer ones by a group (`pdserve plan` prints the crossover "
+      "of a profile); 0: every prompt goes to a group.");
+  const double drain_s = flags.Num<double>(
+      "drain-timeout-seconds", 25.0,
+      "On SIGTERM: NOT_SERVING and new requests refused with 503 at once, "
+      "streams in flight run for up to this long. Keep it below the pod's "
+      "terminationGracePeriodSeconds.");
   const double request_timeout_s = flags.Num<double>(
       "request-timeout-seconds", 600,
       "Each HTTP request's deadline in seconds (504 when it passes).");
@@ -260,6 +290,13 @@ int Main(int argc, char** argv) {
     return 0;
   }
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
+  if (max_migrations < 0 || migration_wait_s < 0 ||
+      local_prefill_max_tokens < 0 || drain_s < 0) {
+    return Fail(absl::InvalidArgumentError(
+        "--max-migrations, --migration-worker-wait-seconds, "
+        "--local-prefill-max-tokens and --drain-timeout-seconds must be >= "
+        "0"));
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> grpc_credentials =
       rpc::ServerCredentialsFor(tls);
   if (!grpc_credentials.ok()) return Fail(grpc_credentials.status());
@@ -374,7 +411,16 @@ int Main(int argc, char** argv) {
       MakeAssignmentPolicy(decode_policy_name);
   if (!decode_policy.ok()) return Fail(decode_policy.status());
 
-  WorkerRegistry registry(registry_config, MakeSystemResolver(),
+  std::unique_ptr<Resolver> resolver;
+  if (dns_server.empty()) {
+    resolver = MakeSystemResolver();
+  } else {
+    absl::StatusOr<std::unique_ptr<Resolver>> made =
+        MakeDnsResolver(dns_server);
+    if (!made.ok()) return Fail(made.status());
+    resolver = *std::move(made);
+  }
+  WorkerRegistry registry(registry_config, std::move(resolver),
                           MakeGrpcWorkerProber(internal_token));
   registry.StartBackgroundRefresh();
 
@@ -385,6 +431,10 @@ int Main(int argc, char** argv) {
   backend_options.model.vocab_size = (*weights)->config().vocab_size;
   backend_options.block_size = block_size;
   backend_options.max_attempts = max_attempts;
+  backend_options.max_migrations = max_migrations;
+  backend_options.migration_worker_wait = absl::Seconds(migration_wait_s);
+  backend_options.prefill_fallback = prefill_fallback;
+  backend_options.local_prefill_max_tokens = local_prefill_max_tokens;
   backend_options.colocated = colocated;
   backend_options.internal_token = internal_token;
   backend_options.queue.max_waiting =
@@ -487,7 +537,21 @@ int Main(int argc, char** argv) {
 
   int sig = 0;
   sigwait(&signals, &sig);
-  std::fprintf(stderr, "router: signal %d, stopping\n", sig);
+  // Drain: NOT_SERVING and new requests refused (503 / UNAVAILABLE) at
+  // once, the streams in flight run to their end (a second signal or the
+  // timeout cuts them short).
+  limiter.StartDrain();
+  (*grpc_server)->SetServing(false);
+  std::fprintf(stderr,
+               "router: signal %d, draining %d requests (up to %.1f s)\n", sig,
+               limiter.in_flight(), drain_s);
+  const absl::Time drain_deadline = absl::Now() + absl::Seconds(drain_s);
+  while (limiter.in_flight() > 0 && absl::Now() < drain_deadline) {
+    const timespec poll{0, 20 * 1000 * 1000};
+    if (sigtimedwait(&signals, nullptr, &poll) > 0) break;
+  }
+  std::fprintf(stderr, "router: stopping with %d requests in flight\n",
+               limiter.in_flight());
   stop_health.Notify();
   health_thread.join();
   (*grpc_server)->SetServing(false);

@@ -43,6 +43,15 @@ RouterMetrics::RouterMetrics(MetricsRegistry& registry)
       retries_(registry.CounterFamily(
           "pdserve_router_retries_total",
           "Requests retried on another worker, by side")),
+      prefill_decisions_(registry.CounterFamily(
+          "pdserve_router_prefill_decisions_total",
+          "Where requests were prefilled: a prefill group, or their decode "
+          "worker and why (short prompt, no group, colocated, resumed "
+          "stream)")),
+      migrations_(registry.CounterFamily(
+          "pdserve_router_migrations_total",
+          "Streams moved to another decode worker mid-stream (started), or "
+          "that could not move (spent, no_worker)")),
       prompt_tokens_(registry.Counter("pdserve_router_prompt_tokens_total",
                                       "Prompt tokens of admitted requests")),
       output_tokens_(registry.Counter("pdserve_router_output_tokens_total",
@@ -56,6 +65,9 @@ RouterMetrics::RouterMetrics(MetricsRegistry& registry)
   absl::MutexLock lock(&mu_);
   for (const char* side : {"prefill", "decode"})
     retry_counters_[side] = &retries_.Add({{"side", side}});
+  for (const char* where : {"group", "decode_short", "decode_no_group"})
+    decision_counters_[where] = &prefill_decisions_.Add({{"where", where}});
+  migration_counters_["started"] = &migrations_.Add({{"outcome", "started"}});
 }
 
 void RouterMetrics::OnRequest(const std::string& api, const std::string& code) {
@@ -122,15 +134,26 @@ void RouterMetrics::OnRouting(const std::string& policy,
   c->Increment();
 }
 
+prometheus::Counter* RouterMetrics::Labelled(
+    prometheus::Family<prometheus::Counter>& family, const char* label,
+    const std::string& value,
+    absl::flat_hash_map<std::string, prometheus::Counter*>& cache) {
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = cache.try_emplace(value);
+  if (inserted) it->second = &family.Add({{label, value}});
+  return it->second;
+}
+
 void RouterMetrics::OnRetry(const std::string& side) {
-  prometheus::Counter* c = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    auto [it, inserted] = retry_counters_.try_emplace(side);
-    if (inserted) it->second = &retries_.Add({{"side", side}});
-    c = it->second;
-  }
-  c->Increment();
+  Labelled(retries_, "side", side, retry_counters_)->Increment();
+}
+
+void RouterMetrics::OnPrefillDecision(const std::string& where) {
+  Labelled(prefill_decisions_, "where", where, decision_counters_)->Increment();
+}
+
+void RouterMetrics::OnMigration(const std::string& outcome) {
+  Labelled(migrations_, "outcome", outcome, migration_counters_)->Increment();
 }
 
 void RouterMetrics::OnTokens(int64_t prompt_tokens, int64_t output_tokens) {

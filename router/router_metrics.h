@@ -22,6 +22,11 @@
 //   pdserve_router_admission_wait_seconds         ObserveAdmissionWait
 //   pdserve_router_routing_decisions_total{policy,side,worker}  OnRouting
 //   pdserve_router_retries_total{side}            OnRetry
+//   pdserve_router_prefill_decisions_total{where}  OnPrefillDecision
+//       where = group | decode_short (short prompt) | decode_no_group
+//       (fallback: no group in rotation) | decode_colocated | decode_resume
+//   pdserve_router_migrations_total{outcome}      OnMigration
+//       outcome = started | spent (max_migrations reached) | no_worker
 //   pdserve_router_prompt_tokens_total            OnTokens
 //   pdserve_router_output_tokens_total            OnTokens
 #pragma once
@@ -87,6 +92,8 @@ class RouterMetrics {
   void OnRouting(const std::string& policy, const std::string& side,
                  const std::string& worker);
   void OnRetry(const std::string& side);
+  void OnPrefillDecision(const std::string& where);
+  void OnMigration(const std::string& outcome);
   // Once per successfully finished request.
   void OnTokens(int64_t prompt_tokens, int64_t output_tokens);
   ServedTotals Served() const;
@@ -108,6 +115,8 @@ class RouterMetrics {
   prometheus::Histogram& admission_wait_;
   prometheus::Family<prometheus::Counter>& routing_;
   prometheus::Family<prometheus::Counter>& retries_;
+  prometheus::Family<prometheus::Counter>& prefill_decisions_;
+  prometheus::Family<prometheus::Counter>& migrations_;
   prometheus::Counter& prompt_tokens_;
   prometheus::Counter& output_tokens_;
   std::atomic<int64_t> served_requests_{0};
@@ -120,6 +129,16 @@ class RouterMetrics {
       ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, prometheus::Counter*> retry_counters_
       ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, prometheus::Counter*> decision_counters_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, prometheus::Counter*> migration_counters_
+      ABSL_GUARDED_BY(mu_);
+
+  // The counter of `family` labelled {label=value}, cached in `cache`.
+  prometheus::Counter* Labelled(
+      prometheus::Family<prometheus::Counter>& family, const char* label,
+      const std::string& value,
+      absl::flat_hash_map<std::string, prometheus::Counter*>& cache);
 };
 
 }  // namespace pdserve::metrics

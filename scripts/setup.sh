@@ -15,6 +15,7 @@ PACKAGES=(
   libsentencepiece-dev libpcre2-dev libicu-dev libopenblas-dev nlohmann-json3-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-numpy
+  libc-ares-dev dnsmasq-base
 )
 
 missing=()

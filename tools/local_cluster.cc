@@ -1,9 +1,12 @@
 #include "tools/local_cluster.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,6 +60,40 @@ absl::Status WriteRandomToken(const std::string& path) {
   return absl::OkStatus();
 }
 
+// A port nothing listens on now (TCP and UDP): bound to port 0 and read back.
+absl::StatusOr<int> FreeLoopbackPort(int type) {
+  const int fd = socket(AF_INET, type | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError("socket() failed");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  const bool ok =
+      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  close(fd);
+  if (!ok) return absl::UnavailableError("cannot bind a loopback port");
+  return static_cast<int>(ntohs(address.sin_port));
+}
+
+// Whether something holds UDP port `port` on 127.0.0.1 (dnsmasq, once up).
+bool UdpPortTaken(int port) {
+  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool taken =
+      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 &&
+      errno == EADDRINUSE;
+  close(fd);
+  return taken;
+}
+
+constexpr char kDecodeName[] = "decode.pdserve.local";
+constexpr char kPrefillName[] = "prefill.pdserve.local";
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
@@ -96,17 +133,25 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
       rpc::BearerTokens::FromFile(options.internal_token_file));
   auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster(options));
   cluster->internal_token_ = internal_tokens.first();
+  if (options.dns_discovery) {
+    PDS_ASSIGN_OR_RETURN(cluster->decode_port_, FreeLoopbackPort(SOCK_STREAM));
+    PDS_ASSIGN_OR_RETURN(cluster->prefill_port_, FreeLoopbackPort(SOCK_STREAM));
+    PDS_RETURN_IF_ERROR(cluster->StartDns());
+  }
   // Decode workers first (they take longest to load with large TP), then
   // the prefill groups, then the router that needs both.
   for (int w = 0; w < options.decode_workers; ++w) {
-    PDS_RETURN_IF_ERROR(cluster->StartDecode(w));
+    PDS_RETURN_IF_ERROR(cluster->StartDecode(w, cluster->decode_port_));
+    cluster->published_decode_.insert(w);
   }
   const int groups = options.colocated ? 0 : options.prefill_groups;
   cluster->groups_.resize(groups);
   cluster->prefill_addresses_.resize(groups);
   for (int g = 0; g < groups; ++g) {
-    PDS_RETURN_IF_ERROR(cluster->StartPrefillGroup(g, 0));
+    PDS_RETURN_IF_ERROR(cluster->StartPrefillGroup(g, cluster->prefill_port_));
+    cluster->published_prefill_.insert(g);
   }
+  if (options.dns_discovery) PDS_RETURN_IF_ERROR(cluster->PublishDns());
   PDS_RETURN_IF_ERROR(cluster->StartRouter());
   absl::Status serving = cluster->WaitRouterServing(options.start_timeout);
   if (!serving.ok()) {
@@ -131,6 +176,171 @@ void LocalCluster::Stop() {
   for (auto& decode : decodes_) {
     if (decode != nullptr) decode->Stop();
   }
+  if (dns_ != nullptr) dns_->Stop();
+}
+
+std::string LocalCluster::DecodeHost(int worker) const {
+  return options_.dns_discovery ? absl::StrCat("127.0.2.", worker + 1)
+                                : options_.host;
+}
+
+std::string LocalCluster::PrefillHost(int group) const {
+  return options_.dns_discovery ? absl::StrCat("127.0.3.", group + 1)
+                                : options_.host;
+}
+
+absl::Status LocalCluster::StartDns() {
+  hosts_file_ = absl::StrCat(options_.work_dir, "/dns.hosts");
+  {
+    std::ofstream empty(hosts_file_, std::ios::trunc);
+    if (!empty) return absl::UnavailableError("cannot write " + hosts_file_);
+  }
+  PDS_ASSIGN_OR_RETURN(const int port, FreeLoopbackPort(SOCK_DGRAM));
+  const char* user = getenv("USER");
+  process::SpawnOptions spawn;
+  spawn.binary = "/usr/sbin/dnsmasq";
+  if (!process::IsExecutableFile(spawn.binary)) {
+    return absl::NotFoundError(
+        "dns_discovery needs dnsmasq (Debian's dnsmasq-base: "
+        "scripts/setup.sh installs it)");
+  }
+  spawn.args = {"--keep-in-foreground", "--conf-file=/dev/null",
+                absl::StrCat("--port=", port), "--listen-address=127.0.0.1",
+                "--bind-interfaces", "--no-resolv", "--no-hosts",
+                // Answers for the cluster's names come from this file only;
+                // a name without workers is NXDOMAIN, not a forward.
+                absl::StrCat("--addn-hosts=", hosts_file_),
+                "--local=/pdserve.local/", "--local-ttl=0",
+                "--pid-file=", "--log-facility=-",
+                // Stay this user: the work folder is private to it.
+                absl::StrCat("--user=", getuid() == 0     ? "root"
+                                        : user != nullptr ? user
+                                                          : "nobody")};
+  spawn.log_path = absl::StrCat(options_.work_dir, "/dns.log");
+  PDS_ASSIGN_OR_RETURN(dns_, process::ChildProcess::Spawn(std::move(spawn)));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!UdpPortTaken(port)) {
+    if (!dns_->Running() || absl::Now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "dnsmasq did not start; its log ends:\n", dns_->LogTail(1024)));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  dns_address_ = absl::StrCat("127.0.0.1:", port);
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::PublishDns() {
+  std::string records;
+  for (int w : published_decode_) {
+    absl::StrAppend(&records, DecodeHost(w), " ", kDecodeName, "\n");
+  }
+  for (int g : published_prefill_) {
+    absl::StrAppend(&records, PrefillHost(g), " ", kPrefillName, "\n");
+  }
+  const std::string staged = hosts_file_ + ".new";
+  {
+    std::ofstream out(staged, std::ios::trunc);
+    out << records;
+    if (!out) return absl::UnavailableError("cannot write " + staged);
+  }
+  if (std::rename(staged.c_str(), hosts_file_.c_str()) != 0) {
+    return absl::UnavailableError("cannot replace " + hosts_file_);
+  }
+  // SIGHUP: dnsmasq clears its cache and reads --addn-hosts again.
+  dns_->Signal(SIGHUP);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> LocalCluster::AddDecodeWorker() {
+  if (!options_.dns_discovery) {
+    return absl::FailedPreconditionError(
+        "scaling needs dns_discovery (the router's lists are fixed)");
+  }
+  const int worker = static_cast<int>(decodes_.size());
+  PDS_RETURN_IF_ERROR(StartDecode(worker, decode_port_));
+  published_decode_.insert(worker);
+  PDS_RETURN_IF_ERROR(PublishDns());
+  return worker;
+}
+
+absl::Status LocalCluster::RemoveDecodeWorker(int worker, bool drain,
+                                              absl::Duration timeout) {
+  if (!options_.dns_discovery) {
+    return absl::FailedPreconditionError("scaling needs dns_discovery");
+  }
+  if (worker < 0 || worker >= static_cast<int>(decodes_.size()) ||
+      decodes_[worker] == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no decode worker ", worker));
+  }
+  if (drain) {
+    published_decode_.erase(worker);
+    PDS_RETURN_IF_ERROR(PublishDns());
+  }
+  decodes_[worker]->Signal(drain ? SIGTERM : SIGKILL);
+  absl::Status exited = decodes_[worker]->Wait(timeout).status();
+  decodes_[worker].reset();  // SIGKILL if it did not exit
+  return exited;
+}
+
+absl::StatusOr<int> LocalCluster::AddPrefillGroup() {
+  if (!options_.dns_discovery || options_.colocated) {
+    return absl::FailedPreconditionError(
+        "scaling prefill groups needs dns_discovery and groups");
+  }
+  const int group = static_cast<int>(groups_.size());
+  groups_.emplace_back();
+  prefill_addresses_.emplace_back();
+  PDS_RETURN_IF_ERROR(StartPrefillGroup(group, prefill_port_));
+  published_prefill_.insert(group);
+  PDS_RETURN_IF_ERROR(PublishDns());
+  return group;
+}
+
+absl::Status LocalCluster::RemovePrefillGroup(int group, bool drain,
+                                              absl::Duration timeout) {
+  if (!options_.dns_discovery) {
+    return absl::FailedPreconditionError("scaling needs dns_discovery");
+  }
+  if (group < 0 || group >= static_cast<int>(groups_.size()) ||
+      groups_[group].stages.empty()) {
+    return absl::NotFoundError(absl::StrCat("no prefill group ", group));
+  }
+  if (drain) {
+    published_prefill_.erase(group);
+    PDS_RETURN_IF_ERROR(PublishDns());
+  }
+  // Every stage at once, as a LeaderWorkerSet stops a group's pods.
+  for (auto& stage : groups_[group].stages) {
+    if (stage != nullptr) stage->Signal(drain ? SIGTERM : SIGKILL);
+  }
+  absl::Status exited = absl::OkStatus();
+  const absl::Time deadline = absl::Now() + timeout;
+  for (auto& stage : groups_[group].stages) {
+    if (stage == nullptr) continue;
+    absl::Status s =
+        stage->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now()))
+            .status();
+    if (!s.ok() && exited.ok()) exited = s;
+  }
+  groups_[group].stages.clear();  // SIGKILL what did not exit
+  return exited;
+}
+
+std::vector<int> LocalCluster::live_decode_workers() const {
+  std::vector<int> out;
+  for (size_t w = 0; w < decodes_.size(); ++w) {
+    if (decodes_[w] != nullptr) out.push_back(static_cast<int>(w));
+  }
+  return out;
+}
+
+std::vector<int> LocalCluster::live_prefill_groups() const {
+  std::vector<int> out;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!groups_[g].stages.empty()) out.push_back(static_cast<int>(g));
+  }
+  return out;
 }
 
 absl::StatusOr<std::string> LocalCluster::Binary(
@@ -242,7 +452,7 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
                                    "--tp",
                                    absl::StrCat(options_.tp),
                                    "--host",
-                                   options_.host,
+                                   DecodeHost(worker),
                                    "--port",
                                    absl::StrCat(port),
                                    "--port-file",
@@ -270,6 +480,10 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});
+  }
+  if (options_.drain_timeout_s >= 0) {
+    args.insert(args.end(), {"--drain-timeout-seconds",
+                             absl::StrCat(options_.drain_timeout_s)});
   }
   if (!options_.step_trace_prefix.empty()) {
     args.insert(args.end(),
@@ -304,45 +518,50 @@ absl::Status LocalCluster::StartPrefillGroup(int group, int port) {
   auto common_args = [&](int stage, const std::string& port_file) {
     const std::string& device = devices[(group * s_count + stage) %
                                         std::max<size_t>(devices.size(), 1)];
-    std::vector<std::string> args{"--backend",
-                                  options_.backend,
-                                  "--cuda-device",
-                                  device,
-                                  "--kv-dtype",
-                                  options_.kv_dtype,
-                                  "--quantized-matmul",
-                                  options_.quantized_matmul,
-                                  "--model",
-                                  options_.model_path,
-                                  "--format",
-                                  options_.format,
-                                  "--model-name",
-                                  options_.model_name,
-                                  "--stage",
-                                  absl::StrCat(stage),
-                                  "--stages",
-                                  absl::StrCat(s_count),
-                                  "--layer-split",
-                                  options_.layer_split,
-                                  "--chunk-policy",
-                                  options_.chunk_policy,
-                                  "--chunk-tokens",
-                                  absl::StrCat(options_.chunk_tokens),
-                                  "--num-blocks",
-                                  absl::StrCat(options_.prefill_blocks),
-                                  "--host",
-                                  options_.host,
-                                  "--port-file",
-                                  port_file,
-                                  "--threads",
-                                  absl::StrCat(options_.prefill_threads),
-                                  "--ucx-peer-errors",
-                                  options_.shared_memory_kv ? "0" : "1"};
+    std::vector<std::string> args{
+        "--backend",
+        options_.backend,
+        "--cuda-device",
+        device,
+        "--kv-dtype",
+        options_.kv_dtype,
+        "--quantized-matmul",
+        options_.quantized_matmul,
+        "--model",
+        options_.model_path,
+        "--format",
+        options_.format,
+        "--model-name",
+        options_.model_name,
+        "--stage",
+        absl::StrCat(stage),
+        "--stages",
+        absl::StrCat(s_count),
+        "--layer-split",
+        options_.layer_split,
+        "--chunk-policy",
+        options_.chunk_policy,
+        "--chunk-tokens",
+        absl::StrCat(options_.chunk_tokens),
+        "--num-blocks",
+        absl::StrCat(options_.prefill_blocks),
+        "--host",
+        stage == 0 ? PrefillHost(group) : options_.host,
+        "--port-file",
+        port_file,
+        "--threads",
+        absl::StrCat(options_.prefill_threads),
+        "--ucx-peer-errors",
+        options_.shared_memory_kv ? "0" : "1"};
     if (!options_.step_trace_prefix.empty()) {
       args.insert(
           args.end(),
           {"--step-trace", absl::StrCat(options_.step_trace_prefix, "prefill-",
                                         group, "-stage-", stage, ".csv")});
+    }
+    if (options_.drain_timeout_s >= 0) {
+      args.insert(args.end(), {"--drain-timeout-seconds",
+                               absl::StrCat(options_.drain_timeout_s)});
     }
     return args;
   };
@@ -391,25 +610,59 @@ absl::Status LocalCluster::StartRouter() {
   std::remove(grpc_file.c_str());
   std::remove(http_file.c_str());
   std::vector<std::string> args = {
-      "--model",          options_.model_path,
-      "--format",         options_.format,
-      "--model-name",     options_.model_name,
-      "--prefill",        absl::StrJoin(prefill_addresses_, ","),
-      "--decode",         absl::StrJoin(decode_addresses_, ","),
-      "--prefill-policy", options_.prefill_policy,
-      "--decode-policy",  options_.decode_policy,
-      "--max-in-flight",  absl::StrCat(options_.max_in_flight),
-      "--host",           options_.host,
-      "--grpc-port",      absl::StrCat(options_.grpc_port),
-      "--http-port",      absl::StrCat(options_.http_port),
-      "--grpc-port-file", grpc_file,
-      "--http-port-file", http_file,
-      "--refresh-ms",     absl::StrCat(options_.refresh_ms),
-      "--colocated",      options_.colocated ? "1" : "0",
-      "--layout-stages",  absl::StrCat(options_.stages),
-      "--layout-tp",      absl::StrCat(options_.tp)};
+      "--model",
+      options_.model_path,
+      "--format",
+      options_.format,
+      "--model-name",
+      options_.model_name,
+      "--prefill",
+      options_.dns_discovery ? absl::StrCat(kPrefillName, ":", prefill_port_)
+                             : absl::StrJoin(prefill_addresses_, ","),
+      "--decode",
+      options_.dns_discovery ? absl::StrCat(kDecodeName, ":", decode_port_)
+                             : absl::StrJoin(decode_addresses_, ","),
+      "--prefill-policy",
+      options_.prefill_policy,
+      "--decode-policy",
+      options_.decode_policy,
+      "--max-in-flight",
+      absl::StrCat(options_.max_in_flight),
+      "--host",
+      options_.host,
+      "--grpc-port",
+      absl::StrCat(options_.grpc_port),
+      "--http-port",
+      absl::StrCat(options_.http_port),
+      "--grpc-port-file",
+      grpc_file,
+      "--http-port-file",
+      http_file,
+      "--refresh-ms",
+      absl::StrCat(options_.refresh_ms),
+      "--colocated",
+      options_.colocated ? "1" : "0",
+      "--layout-stages",
+      absl::StrCat(options_.stages),
+      "--layout-tp",
+      absl::StrCat(options_.tp)};
   if (!options_.api_key_file.empty()) {
     args.insert(args.end(), {"--api-key-file", options_.api_key_file});
+  }
+  if (options_.dns_discovery) {
+    args.insert(args.end(), {"--dns-server", dns_address_});
+  }
+  if (options_.drain_timeout_s >= 0) {
+    args.insert(args.end(), {"--drain-timeout-seconds",
+                             absl::StrCat(options_.drain_timeout_s)});
+  }
+  if (options_.max_migrations >= 0) {
+    args.insert(args.end(),
+                {"--max-migrations", absl::StrCat(options_.max_migrations)});
+  }
+  if (options_.local_prefill_max_tokens > 0) {
+    args.insert(args.end(), {"--local-prefill-max-tokens",
+                             absl::StrCat(options_.local_prefill_max_tokens)});
   }
   const std::string metrics_file = MetricsArgs("router", 0, &args);
   PDS_ASSIGN_OR_RETURN(router_, Launch("router", "router", args));

@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,21 @@ struct LocalClusterOptions {
   // with each death in a row up to the max; a process that stayed up for
   // `restart_reset` starts again from the initial wait.
   absl::Duration restart_backoff = absl::Milliseconds(500);
+  // Membership by DNS, as Kubernetes' headless Services give it: the cluster
+  // runs a DNS server (Debian's dnsmasq) on a loopback port, decode worker w
+  // listens on 127.0.2.(w+1) and prefill group g's stage 0 on
+  // 127.0.3.(g+1) (one port for all decode workers, one for all groups),
+  // and the router resolves `decode.pdserve.local` and
+  // `prefill.pdserve.local` there (--dns-server). AddDecodeWorker /
+  // RemoveDecodeWorker (and the prefill pair) then scale the cluster under
+  // the router's feet. false: the router gets the address lists.
+  bool dns_discovery = false;
+  // --drain-timeout-seconds of every process; < 0: the binaries' default.
+  double drain_timeout_s = -1;
+  // --max-migrations of the router; < 0: its default.
+  int max_migrations = -1;
+  // --local-prefill-max-tokens of the router (0: every prompt to a group).
+  int local_prefill_max_tokens = 0;
   absl::Duration max_restart_backoff = absl::Seconds(30);
   absl::Duration restart_reset = absl::Seconds(60);
 };
@@ -153,6 +169,24 @@ class LocalCluster {
   void SignalDecode(int worker, int signal);
   void KillPrefillStage(int group, int stage);
   void KillRouter();
+  // Scaling (dns_discovery only; FAILED_PRECONDITION otherwise). Add starts
+  // one more decode worker (prefill group) and publishes its DNS record once
+  // it serves, returning its index. Remove takes the record away first (a
+  // terminating pod leaves its Service's endpoints), then SIGTERM — the
+  // process drains — or, with `drain` false, SIGKILL (a lost node, whose
+  // record would linger: it is left in place), and waits up to `timeout` for
+  // the exit. A removed slot stays empty (Supervise leaves it alone).
+  [[nodiscard]] absl::StatusOr<int> AddDecodeWorker();
+  [[nodiscard]] absl::Status RemoveDecodeWorker(int worker, bool drain,
+                                                absl::Duration timeout);
+  [[nodiscard]] absl::StatusOr<int> AddPrefillGroup();
+  [[nodiscard]] absl::Status RemovePrefillGroup(int group, bool drain,
+                                                absl::Duration timeout);
+  // Indices of the decode workers / groups not removed.
+  std::vector<int> live_decode_workers() const;
+  std::vector<int> live_prefill_groups() const;
+  // The DNS server (dns_discovery): "127.0.0.1:PORT".
+  const std::string& dns_address() const { return dns_address_; }
   // Stops what is left of the group and starts all its stages again, stage 0
   // on its old port (the router's registry knows the group by it).
   [[nodiscard]] absl::Status RestartPrefillGroup(int group);
@@ -216,6 +250,14 @@ class LocalCluster {
   absl::Status StartPrefillGroup(int group, int port);
   absl::Status StartDecode(int worker, int port = 0);
   absl::Status StartRouter();
+  // dns_discovery: dnsmasq on a free loopback port over hosts_file_.
+  absl::Status StartDns();
+  // Rewrites the hosts file from the live workers' records and has dnsmasq
+  // read it again (SIGHUP).
+  absl::Status PublishDns();
+  // The host decode worker w / group g's stage 0 listens on.
+  std::string DecodeHost(int worker) const;
+  std::string PrefillHost(int group) const;
   // Supervise()'s bookkeeping for one name.
   struct Backoff {
     int deaths_in_a_row = 0;
@@ -240,6 +282,15 @@ class LocalCluster {
   std::map<std::string, std::string> metrics_addresses_;
   std::map<std::string, Backoff> backoff_;
   std::map<std::string, int> restarts_;
+  // dns_discovery.
+  std::unique_ptr<process::ChildProcess> dns_;
+  std::string dns_address_;
+  std::string hosts_file_;
+  int decode_port_ = 0;   // every decode worker's, on its own address
+  int prefill_port_ = 0;  // every group's stage 0's
+  // Workers whose record is published (added and serving, not removed).
+  std::set<int> published_decode_;
+  std::set<int> published_prefill_;
 };
 
 }  // namespace pdserve::tools

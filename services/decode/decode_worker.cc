@@ -222,6 +222,8 @@ struct DecodeWorker::Impl {
   std::unique_ptr<Request> NewRequest(uint64_t id, std::vector<int32_t> prompt,
                                       const RequestParams& params,
                                       StreamCallback callback);
+  // Replays a migrated stream's tokens into a new request (Resumption).
+  absl::Status Resume(Request& r, const Resumption& resume);
   void ApplyCommand(const Command& c);
   void CheckLeases();
   void AdmitWaiting();
@@ -426,6 +428,49 @@ std::unique_ptr<Request> DecodeWorker::Impl::NewRequest(
                             (proposer ? proposer->cost_per_token() : 0.0);
   r->gamma = speculative::AdaptiveGamma(go);
   return r;
+}
+
+absl::Status DecodeWorker::Impl::Resume(Request& r, const Resumption& resume) {
+  if (resume.output.empty())
+    return absl::InvalidArgumentError("a resumed request needs its tokens");
+  if (r.params.prompt_logprobs)
+    return absl::InvalidArgumentError(
+        "a resumed request cannot score its prompt again (prompt logprobs "
+        "went with its first delta)");
+  if (static_cast<int64_t>(resume.output.size()) >= r.params.max_new_tokens)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a resumed request's ", resume.output.size(),
+        " tokens leave nothing of max_new_tokens ", r.params.max_new_tokens));
+  // The same bookkeeping AppendTokens does for a token the worker sampled
+  // itself, without streaming it: the grammar, the history (which penalties
+  // and the proposers read), the output index, the text stop strings scan.
+  for (size_t i = 0; i < resume.output.size(); ++i) {
+    const int32_t t = resume.output[i];
+    if (t < 0 || t >= config.vocab_size)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resumed token ", i, " is ", t, ", outside the vocabulary [0, ",
+          config.vocab_size, ")"));
+    if (r.constraint != nullptr) {
+      if (absl::Status s = r.constraint->Accept(t); !s.ok())
+        return absl::InvalidArgumentError(
+            absl::StrCat("resumed token ", i, " (", t,
+                         ") breaks the request's grammar: ", s.message()));
+    }
+    r.history.push_back(t);
+    ++r.generated;
+    if (r.detokenizer != nullptr) {
+      absl::StatusOr<std::string> piece = r.detokenizer->Push(t);
+      if (!piece.ok()) return piece.status();
+      r.text += *piece;
+    }
+  }
+  if (resume.delivered_text_bytes < 0 ||
+      resume.delivered_text_bytes > static_cast<int64_t>(r.text.size()))
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the client has ", resume.delivered_text_bytes,
+        " bytes of text; the resumed tokens make ", r.text.size()));
+  r.sent = static_cast<size_t>(resume.delivered_text_bytes);
+  return absl::OkStatus();
 }
 
 // ---- Scheduler --------------------------------------------------------------
@@ -991,7 +1036,8 @@ absl::Status DecodeWorker::MarkKvComplete(
 absl::Status DecodeWorker::Submit(uint64_t request_id,
                                   std::vector<int32_t> prompt,
                                   const RequestParams& params,
-                                  StreamCallback callback) {
+                                  StreamCallback callback,
+                                  const Resumption* resume) {
   Impl& m = *impl_;
   PDS_RETURN_IF_ERROR(
       ValidateRequest(prompt, params, m.config, m.options, m.tok != nullptr));
@@ -1001,6 +1047,7 @@ absl::Status DecodeWorker::Submit(uint64_t request_id,
   auto r =
       m.NewRequest(request_id, std::move(prompt), params, std::move(callback));
   r->constraint = *std::move(constraint);
+  if (resume != nullptr) PDS_RETURN_IF_ERROR(m.Resume(*r, *resume));
   absl::MutexLock lock(&m.mu);
   if (m.stop) return absl::UnavailableError("decode worker shutting down");
   if (!m.ids.try_emplace(request_id, Impl::IdState::kActive).second)

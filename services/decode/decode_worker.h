@@ -149,6 +149,21 @@ struct RequestParams {
   bool prompt_logprobs = false;
 };
 
+// A request continued here after another worker streamed part of it (stream
+// migration: that worker died or drained). The request's history is prompt +
+// `output`, and everything that depends on what was generated — the output
+// index the seed's draws use, max_new_tokens, min_tokens, penalties, the
+// grammar's state, stop strings over the text — counts `output` as
+// generated, so the continuation is the one the first worker would have
+// produced (greedy: token for token; sampled: draw for draw, the uniforms
+// being a function of (seed, index)).
+struct Resumption {
+  std::vector<int32_t> output;  // tokens already streamed (non-empty)
+  // Bytes of their text the client has; the rest of it (text the first
+  // worker held back because it could start a stop string) is streamed.
+  int64_t delivered_text_bytes = 0;
+};
+
 enum class FinishReason { kNone, kEos, kLength, kStop, kAborted, kError };
 const char* FinishReasonName(FinishReason reason);
 
@@ -233,11 +248,16 @@ class DecodeWorker {
       uint64_t request_id, int32_t first_token,
       engine::TokenLogprobs first_logprobs = {});
   // Local-prefill path. Errors as Admit, except that a lack of free blocks
-  // only queues the request.
+  // only queues the request. With `resume`, the request continues a stream
+  // another worker began (Resumption); INVALID_ARGUMENT when its tokens are
+  // outside the vocabulary or the grammar, already reach max_new_tokens, or
+  // come with prompt_logprobs, or when the delivered text is longer than
+  // theirs.
   [[nodiscard]] absl::Status Submit(uint64_t request_id,
                                     std::vector<int32_t> prompt,
                                     const RequestParams& params,
-                                    StreamCallback callback);
+                                    StreamCallback callback,
+                                    const Resumption* resume = nullptr);
   // NOT_FOUND for an unknown or finished id.
   [[nodiscard]] absl::Status Abort(uint64_t request_id);
 

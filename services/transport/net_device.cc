@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -42,6 +43,24 @@ bool SameAddress(const sockaddr* a, const sockaddr* b) {
   return false;
 }
 
+// An IPv4 address inside a loopback interface's subnet: Linux delivers all
+// of 127.0.0.0/8 to `lo` though only 127.0.0.1 is assigned, so processes
+// bound to 127.0.2.7 (one loopback address per worker, as the discovery
+// tests run them) are on that interface.
+bool InLoopbackSubnet(const sockaddr* address, const ifaddrs& interface) {
+  if (address->sa_family != AF_INET || interface.ifa_addr == nullptr ||
+      interface.ifa_netmask == nullptr ||
+      interface.ifa_addr->sa_family != AF_INET ||
+      (interface.ifa_flags & IFF_LOOPBACK) == 0) {
+    return false;
+  }
+  const auto bits = [](const sockaddr* a) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr;
+  };
+  const uint32_t mask = bits(interface.ifa_netmask);
+  return (bits(address) & mask) == (bits(interface.ifa_addr) & mask);
+}
+
 struct AddrInfoDeleter {
   void operator()(addrinfo* info) const { freeaddrinfo(info); }
 };
@@ -80,6 +99,9 @@ absl::StatusOr<std::string> NetDeviceForHost(const std::string& host) {
       if (i->ifa_addr != nullptr && SameAddress(a->ai_addr, i->ifa_addr)) {
         return std::string(i->ifa_name);
       }
+    }
+    for (const ifaddrs* i = interfaces.get(); i != nullptr; i = i->ifa_next) {
+      if (InLoopbackSubnet(a->ai_addr, *i)) return std::string(i->ifa_name);
     }
   }
   return absl::NotFoundError(absl::StrCat(
