@@ -45,6 +45,9 @@ struct Channel {
   bool writing ABSL_GUARDED_BY(mu) = false;
   bool final_written ABSL_GUARDED_BY(mu) = false;
   bool cancelled ABSL_GUARDED_BY(mu) = false;
+  // The worker stops before the stream ended (CutStreams): finish with this
+  // instead of the deltas still queued.
+  absl::Status cut ABSL_GUARDED_BY(mu);
   bool finish_called ABSL_GUARDED_BY(mu) = false;
   v1::DecodeDelta current;  // the write in flight (owned by gRPC meanwhile)
 };
@@ -84,6 +87,10 @@ Action Decide(Channel& ch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ch.mu) {
     ch.finish_called = true;
     a.kind = Action::kFinish;
     a.status = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
+  } else if (!ch.cut.ok() && !ch.final_written) {
+    ch.finish_called = true;
+    a.kind = Action::kFinish;
+    a.status = rpc::ToGrpcStatus(ch.cut);
   } else if (ch.final_written) {
     ch.finish_called = true;
     a.kind = Action::kFinish;
@@ -318,6 +325,29 @@ int64_t DecodeService::live_streams() const {
     ++live;
   }
   return live;
+}
+
+void DecodeService::CutStreams(const absl::Status& why) {
+  std::vector<std::shared_ptr<Channel>> live;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, ch] : channels_) live.push_back(ch);
+  }
+  for (const std::shared_ptr<Channel>& ch : live) {
+    Action a;
+    bool abort = false;
+    {
+      absl::MutexLock lock(&ch->mu);
+      if (ch->final_written || ch->finish_called) continue;
+      ch->cut = why;
+      abort = !ch->final_queued;
+      a = Decide(*ch);
+    }
+    // Its KV goes back now; the tokens not yet written are the router's to
+    // recompute elsewhere from what it has.
+    if (abort) (void)worker_->Abort(ch->id);
+    TokenStream::Act(a);
+  }
 }
 
 bool DecodeService::WaitDrained(absl::Duration timeout) {

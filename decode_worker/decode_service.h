@@ -113,6 +113,10 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   // Blocks until live_streams() is 0 (true) or `timeout` passed (false: the
   // streams left are cut when the server stops; the router migrates them).
   bool WaitDrained(absl::Duration timeout);
+  // Ends every stream not finished yet with `why` (UNAVAILABLE: the router
+  // continues it on another worker from the tokens it got) and aborts its
+  // request: the end of a drain that ran out of time.
+  void CutStreams(const absl::Status& why);
 
   // Requests with a channel (live, or finished and not yet streamed).
   int64_t channels() const;

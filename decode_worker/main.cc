@@ -387,6 +387,13 @@ int Main(int argc, char** argv) {
   }
   std::fprintf(stderr, "decode_worker: stopping with %lld streams left\n",
                static_cast<long long>((*service)->live_streams()));
+  // The drain had its time: the streams left end now with UNAVAILABLE, and
+  // the router continues each on another worker from the tokens it has.
+  if ((*service)->live_streams() > 0) {
+    (*service)->CutStreams(absl::UnavailableError(
+        "decode worker stopped before the stream ended (drain timeout): "
+        "continue elsewhere"));
+  }
   (*server)->Shutdown(2.0);
   server->reset();
   metrics_server.reset();

@@ -27,6 +27,7 @@
 #include "common/status_macros.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "model/weight_source.h"
+#include "process/dns_server.h"
 #include "process/port_file.h"
 #include "rpc/auth.h"
 
@@ -76,21 +77,6 @@ absl::StatusOr<int> FreeLoopbackPort(int type) {
   return static_cast<int>(ntohs(address.sin_port));
 }
 
-// Whether something holds UDP port `port` on 127.0.0.1 (dnsmasq, once up).
-bool UdpPortTaken(int port) {
-  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  const bool taken =
-      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 &&
-      errno == EADDRINUSE;
-  close(fd);
-  return taken;
-}
-
 constexpr char kDecodeName[] = "decode.pdserve.local";
 constexpr char kPrefillName[] = "prefill.pdserve.local";
 
@@ -136,7 +122,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   if (options.dns_discovery) {
     PDS_ASSIGN_OR_RETURN(cluster->decode_port_, FreeLoopbackPort(SOCK_STREAM));
     PDS_ASSIGN_OR_RETURN(cluster->prefill_port_, FreeLoopbackPort(SOCK_STREAM));
-    PDS_RETURN_IF_ERROR(cluster->StartDns());
+    PDS_ASSIGN_OR_RETURN(cluster->dns_, process::DnsServer::Start(
+                                            options.work_dir, "pdserve.local"));
   }
   // Decode workers first (they take longest to load with large TP), then
   // the prefill groups, then the router that needs both.
@@ -176,7 +163,7 @@ void LocalCluster::Stop() {
   for (auto& decode : decodes_) {
     if (decode != nullptr) decode->Stop();
   }
-  if (dns_ != nullptr) dns_->Stop();
+  dns_.reset();
 }
 
 std::string LocalCluster::DecodeHost(int worker) const {
@@ -189,67 +176,13 @@ std::string LocalCluster::PrefillHost(int group) const {
                                 : options_.host;
 }
 
-absl::Status LocalCluster::StartDns() {
-  hosts_file_ = absl::StrCat(options_.work_dir, "/dns.hosts");
-  {
-    std::ofstream empty(hosts_file_, std::ios::trunc);
-    if (!empty) return absl::UnavailableError("cannot write " + hosts_file_);
-  }
-  PDS_ASSIGN_OR_RETURN(const int port, FreeLoopbackPort(SOCK_DGRAM));
-  const char* user = getenv("USER");
-  process::SpawnOptions spawn;
-  spawn.binary = "/usr/sbin/dnsmasq";
-  if (!process::IsExecutableFile(spawn.binary)) {
-    return absl::NotFoundError(
-        "dns_discovery needs dnsmasq (Debian's dnsmasq-base: "
-        "scripts/setup.sh installs it)");
-  }
-  spawn.args = {"--keep-in-foreground", "--conf-file=/dev/null",
-                absl::StrCat("--port=", port), "--listen-address=127.0.0.1",
-                "--bind-interfaces", "--no-resolv", "--no-hosts",
-                // Answers for the cluster's names come from this file only;
-                // a name without workers is NXDOMAIN, not a forward.
-                absl::StrCat("--addn-hosts=", hosts_file_),
-                "--local=/pdserve.local/", "--local-ttl=0",
-                "--pid-file=", "--log-facility=-",
-                // Stay this user: the work folder is private to it.
-                absl::StrCat("--user=", getuid() == 0     ? "root"
-                                        : user != nullptr ? user
-                                                          : "nobody")};
-  spawn.log_path = absl::StrCat(options_.work_dir, "/dns.log");
-  PDS_ASSIGN_OR_RETURN(dns_, process::ChildProcess::Spawn(std::move(spawn)));
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!UdpPortTaken(port)) {
-    if (!dns_->Running() || absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat(
-          "dnsmasq did not start; its log ends:\n", dns_->LogTail(1024)));
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  dns_address_ = absl::StrCat("127.0.0.1:", port);
-  return absl::OkStatus();
-}
-
 absl::Status LocalCluster::PublishDns() {
-  std::string records;
-  for (int w : published_decode_) {
-    absl::StrAppend(&records, DecodeHost(w), " ", kDecodeName, "\n");
-  }
+  std::map<std::string, std::set<std::string>> records;
+  for (int w : published_decode_) records[kDecodeName].insert(DecodeHost(w));
   for (int g : published_prefill_) {
-    absl::StrAppend(&records, PrefillHost(g), " ", kPrefillName, "\n");
+    records[kPrefillName].insert(PrefillHost(g));
   }
-  const std::string staged = hosts_file_ + ".new";
-  {
-    std::ofstream out(staged, std::ios::trunc);
-    out << records;
-    if (!out) return absl::UnavailableError("cannot write " + staged);
-  }
-  if (std::rename(staged.c_str(), hosts_file_.c_str()) != 0) {
-    return absl::UnavailableError("cannot replace " + hosts_file_);
-  }
-  // SIGHUP: dnsmasq clears its cache and reads --addn-hosts again.
-  dns_->Signal(SIGHUP);
-  return absl::OkStatus();
+  return dns_->SetRecords(records);
 }
 
 absl::StatusOr<int> LocalCluster::AddDecodeWorker() {
@@ -650,7 +583,7 @@ absl::Status LocalCluster::StartRouter() {
     args.insert(args.end(), {"--api-key-file", options_.api_key_file});
   }
   if (options_.dns_discovery) {
-    args.insert(args.end(), {"--dns-server", dns_address_});
+    args.insert(args.end(), {"--dns-server", dns_->address()});
   }
   if (options_.drain_timeout_s >= 0) {
     args.insert(args.end(), {"--drain-timeout-seconds",

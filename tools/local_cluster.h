@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "process/child_process.h"
+#include "process/dns_server.h"
 
 namespace pdserve::tools {
 
@@ -185,8 +186,8 @@ class LocalCluster {
   // Indices of the decode workers / groups not removed.
   std::vector<int> live_decode_workers() const;
   std::vector<int> live_prefill_groups() const;
-  // The DNS server (dns_discovery): "127.0.0.1:PORT".
-  const std::string& dns_address() const { return dns_address_; }
+  // The DNS server (dns_discovery; null otherwise).
+  const process::DnsServer* dns() const { return dns_.get(); }
   // Stops what is left of the group and starts all its stages again, stage 0
   // on its old port (the router's registry knows the group by it).
   [[nodiscard]] absl::Status RestartPrefillGroup(int group);
@@ -250,10 +251,7 @@ class LocalCluster {
   absl::Status StartPrefillGroup(int group, int port);
   absl::Status StartDecode(int worker, int port = 0);
   absl::Status StartRouter();
-  // dns_discovery: dnsmasq on a free loopback port over hosts_file_.
-  absl::Status StartDns();
-  // Rewrites the hosts file from the live workers' records and has dnsmasq
-  // read it again (SIGHUP).
+  // Sets the DNS server's records to the published workers'.
   absl::Status PublishDns();
   // The host decode worker w / group g's stage 0 listens on.
   std::string DecodeHost(int worker) const;
@@ -283,9 +281,7 @@ class LocalCluster {
   std::map<std::string, Backoff> backoff_;
   std::map<std::string, int> restarts_;
   // dns_discovery.
-  std::unique_ptr<process::ChildProcess> dns_;
-  std::string dns_address_;
-  std::string hosts_file_;
+  std::unique_ptr<process::DnsServer> dns_;
   int decode_port_ = 0;   // every decode worker's, on its own address
   int prefill_port_ = 0;  // every group's stage 0's
   // Workers whose record is published (added and serving, not removed).
