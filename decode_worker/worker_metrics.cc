@@ -35,6 +35,28 @@ DecodeWorkerMetrics::DecodeWorkerMetrics(metrics::MetricsRegistry& r)
                            "KV blocks referenced by requests")),
       blocks_total_(r.Gauge("pdserve_decode_kv_blocks_capacity",
                             "KV blocks of the worker's pool")),
+      // The Gateway API Inference Extension's model-server protocol, under
+      // the names its endpoint picker (and llm-d's, and KEDA setups written
+      // for vLLM) read by default: TotalQueuedRequests, TotalRunningRequests,
+      // KVCacheUtilization (0-1; both the current and the older name).
+      gateway_waiting_(r.Gauge("vllm:num_requests_waiting",
+                               "Requests queued on this worker: waiting for "
+                               "the batch or for their prefill's KV "
+                               "(inference-extension TotalQueuedRequests)")),
+      gateway_running_(r.Gauge("vllm:num_requests_running",
+                               "Requests in the running batch "
+                               "(inference-extension TotalRunningRequests)")),
+      gateway_kv_usage_(r.Gauge("vllm:kv_cache_usage_perc",
+                                "KV blocks used / capacity, 0-1 "
+                                "(inference-extension KVCacheUtilization)")),
+      gateway_kv_usage_legacy_(
+          r.Gauge("vllm:gpu_cache_usage_perc",
+                  "Same as vllm:kv_cache_usage_perc (the older name)")),
+      draining_(r.Gauge("pdserve_decode_draining",
+                        "1 while the worker drains (SIGTERM): out of "
+                        "rotation, finishing its streams")),
+      live_streams_(r.Gauge("pdserve_decode_live_streams",
+                            "Streams a client still waits on")),
       blocks_cached_(r.Gauge(
           "pdserve_decode_kv_blocks_cached",
           "Unreferenced KV blocks kept for the prefix cache (evictable)")),
@@ -101,6 +123,18 @@ void DecodeWorkerMetrics::Refresh(const decode::DecodeWorker& worker,
   blocks_used_.Set(static_cast<double>(kv.used_blocks));
   blocks_total_.Set(static_cast<double>(kv.total_blocks));
   blocks_cached_.Set(static_cast<double>(kv.cached_blocks));
+  gateway_waiting_.Set(load.waiting + load.awaiting_kv);
+  gateway_running_.Set(load.running);
+  const double usage = kv.total_blocks > 0
+                           ? static_cast<double>(kv.used_blocks) /
+                                 static_cast<double>(kv.total_blocks)
+                           : 0.0;
+  gateway_kv_usage_.Set(usage);
+  gateway_kv_usage_legacy_.Set(usage);
+  if (service != nullptr) {
+    draining_.Set(service->draining() ? 1 : 0);
+    live_streams_.Set(static_cast<double>(service->live_streams()));
+  }
   SyncCounter(prefix_queries_, static_cast<double>(kv.prefix_queries));
   SyncCounter(prefix_query_blocks_,
               static_cast<double>(kv.prefix_query_blocks));

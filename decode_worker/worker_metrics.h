@@ -45,6 +45,12 @@ class DecodeWorkerMetrics {
   prometheus::Gauge& awaiting_kv_;
   prometheus::Gauge& blocks_used_;
   prometheus::Gauge& blocks_total_;
+  prometheus::Gauge& gateway_waiting_;
+  prometheus::Gauge& gateway_running_;
+  prometheus::Gauge& gateway_kv_usage_;
+  prometheus::Gauge& gateway_kv_usage_legacy_;
+  prometheus::Gauge& draining_;
+  prometheus::Gauge& live_streams_;
   prometheus::Gauge& blocks_cached_;
   prometheus::Counter& prefix_queries_;
   prometheus::Counter& prefix_query_blocks_;

@@ -517,6 +517,16 @@ int Main(int argc, char** argv) {
   std::thread health_thread([&] {
     do {
       (*grpc_server)->SetServing(limiter.Health().ok());
+      int64_t used = 0;
+      int64_t total = 0;
+      for (const WorkerView& w : registry.Snapshot(WorkerRole::kDecode)) {
+        if (!w.eligible) continue;
+        used += w.load.kv_blocks_used;
+        total += w.load.kv_blocks_total;
+      }
+      router_metrics.SetClusterKvUsage(
+          total > 0 ? static_cast<double>(used) / static_cast<double>(total)
+                    : 0.0);
     } while (
         !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(250)));
   });

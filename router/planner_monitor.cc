@@ -87,6 +87,16 @@ PlannerMonitor::PlannerMonitor(PlannerMonitorOptions options,
           "pdserve_planner_desired_replicas",
           "Copies of the recommended layout the observed rate needs: "
           "ceil(rate / capacity), at least 1.")),
+      // What the autoscalers read (deploy/kubernetes/base/autoscaling.yaml):
+      // the recommended layout's workers times its desired copies.
+      desired_decode_(registry.Gauge(
+          "pdserve_planner_desired_decode_workers",
+          "Decode workers the observed rate needs: the recommended layout's "
+          "decode workers times pdserve_planner_desired_replicas.")),
+      desired_prefill_(registry.Gauge(
+          "pdserve_planner_desired_prefill_groups",
+          "Prefill groups the observed rate needs (0 when colocated serving "
+          "is recommended): the layout's groups times the desired copies.")),
       layout_nodes_(registry.Gauge(
           "pdserve_planner_layout_nodes",
           "Nodes one copy of the recommended layout spans (its placement; "
@@ -175,8 +185,12 @@ absl::Status PlannerMonitor::EvaluateNow() {
   const double capacity = Capacity(best.layout, request.workload);
   capacity_.Set(capacity);
   headroom_.Set(capacity > 0 ? capacity / rate : 0);
-  replicas_.Set(capacity > 0 ? std::max(1.0, std::ceil(rate / capacity))
-                             : std::ceil(rate / 0.01));
+  const double copies = capacity > 0 ? std::max(1.0, std::ceil(rate / capacity))
+                                     : std::ceil(rate / 0.01);
+  replicas_.Set(copies);
+  desired_decode_.Set(copies * best.layout.decode_workers);
+  desired_prefill_.Set(
+      best.layout.colocated ? 0 : copies * best.layout.prefill_groups);
   layout_nodes_.Set(best.nodes_used);
   evaluations_.Increment();
   return absl::OkStatus();

@@ -101,6 +101,8 @@ class PlannerMonitor {
   prometheus::Gauge& capacity_;
   prometheus::Gauge& headroom_;
   prometheus::Gauge& replicas_;
+  prometheus::Gauge& desired_decode_;
+  prometheus::Gauge& desired_prefill_;
   prometheus::Gauge& layout_nodes_;
   prometheus::Counter& evaluations_;
   absl::Notification stop_;

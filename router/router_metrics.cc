@@ -52,6 +52,24 @@ RouterMetrics::RouterMetrics(MetricsRegistry& registry)
           "pdserve_router_migrations_total",
           "Streams moved to another decode worker mid-stream (started), or "
           "that could not move (spent, no_worker)")),
+      // The Gateway API Inference Extension's model-server protocol, for a
+      // gateway whose endpoint picker chooses among routers: the names its
+      // picker reads by default (vLLM's).
+      gateway_waiting_(registry.Gauge(
+          "vllm:num_requests_waiting",
+          "Requests not yet at their first token (inference-extension "
+          "TotalQueuedRequests)")),
+      gateway_running_(
+          registry.Gauge("vllm:num_requests_running",
+                         "Requests streaming tokens (inference-extension "
+                         "TotalRunningRequests)")),
+      gateway_kv_usage_(registry.Gauge(
+          "vllm:kv_cache_usage_perc",
+          "KV blocks used / capacity over the decode workers in rotation, "
+          "0-1 (inference-extension KVCacheUtilization)")),
+      gateway_kv_usage_legacy_(
+          registry.Gauge("vllm:gpu_cache_usage_perc",
+                         "Same as vllm:kv_cache_usage_perc (the older name)")),
       prompt_tokens_(registry.Counter("pdserve_router_prompt_tokens_total",
                                       "Prompt tokens of admitted requests")),
       output_tokens_(registry.Counter("pdserve_router_output_tokens_total",
@@ -104,9 +122,20 @@ void RouterMetrics::ObserveTpot(double seconds) { tpot_.Observe(seconds); }
 void RouterMetrics::ObserveE2e(double seconds) { e2e_.Observe(seconds); }
 void RouterMetrics::SetInFlight(int64_t n) {
   in_flight_.Set(static_cast<double>(n));
+  in_flight_now_.store(n);
+  gateway_running_.Set(
+      static_cast<double>(std::max<int64_t>(0, n - queued_now_.load())));
 }
 void RouterMetrics::SetQueued(int64_t n) {
   queued_.Set(static_cast<double>(n));
+  queued_now_.store(n);
+  gateway_waiting_.Set(static_cast<double>(n));
+  gateway_running_.Set(
+      static_cast<double>(std::max<int64_t>(0, in_flight_now_.load() - n)));
+}
+void RouterMetrics::SetClusterKvUsage(double fraction) {
+  gateway_kv_usage_.Set(fraction);
+  gateway_kv_usage_legacy_.Set(fraction);
 }
 
 void RouterMetrics::SetAdmissionQueueDepth(int64_t n) {

@@ -25,6 +25,10 @@
 //   pdserve_router_prefill_decisions_total{where}  OnPrefillDecision
 //       where = group | decode_short (short prompt) | decode_no_group
 //       (fallback: no group in rotation) | decode_colocated | decode_resume
+//   vllm:num_requests_waiting / vllm:num_requests_running /
+//   vllm:kv_cache_usage_perc (and vllm:gpu_cache_usage_perc): the Gateway
+//       API Inference Extension's model-server gauges (SetQueued,
+//       SetInFlight, SetClusterKvUsage)
 //   pdserve_router_migrations_total{outcome}      OnMigration
 //       outcome = started | spent (max_migrations reached) | no_worker
 //   pdserve_router_prompt_tokens_total            OnTokens
@@ -86,6 +90,8 @@ class RouterMetrics {
   // The admission queue (router/admission_queue.h): requests waiting in line
   // for KV room, and how long each waited before it was admitted or gave up.
   void SetAdmissionQueueDepth(int64_t n);
+  // KV blocks used / capacity summed over the decode workers in rotation.
+  void SetClusterKvUsage(double fraction);
   void ObserveAdmissionWait(double seconds);
   // `policy` e.g. "round_robin", "least_load", "prefix"; `side` "prefill"
   // or "decode"; `worker` the chosen worker's address or id.
@@ -117,6 +123,12 @@ class RouterMetrics {
   prometheus::Family<prometheus::Counter>& retries_;
   prometheus::Family<prometheus::Counter>& prefill_decisions_;
   prometheus::Family<prometheus::Counter>& migrations_;
+  prometheus::Gauge& gateway_waiting_;
+  prometheus::Gauge& gateway_running_;
+  prometheus::Gauge& gateway_kv_usage_;
+  prometheus::Gauge& gateway_kv_usage_legacy_;
+  std::atomic<int64_t> in_flight_now_{0};
+  std::atomic<int64_t> queued_now_{0};
   prometheus::Counter& prompt_tokens_;
   prometheus::Counter& output_tokens_;
   std::atomic<int64_t> served_requests_{0};

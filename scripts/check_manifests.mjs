@@ -1,6 +1,11 @@
 // Renders Kustomize overlays offline and validates every object against the
-// Kubernetes (and Prometheus Operator) schemas of the npm kubernetes-models
-// packages, plus pdserve's own rules (probes, metrics, layout consistency).
+// Kubernetes, Prometheus Operator and KEDA schemas of the npm
+// kubernetes-models packages (generated from the upstream OpenAPI and CRD
+// schemas), plus pdserve's own rules (probes, metrics, layout consistency,
+// drain and disruption budgets, autoscaling targets).
+// LeaderWorkerSet has no such package: its pod templates are validated as
+// core/v1 PodTemplateSpecs (kubernetes-models) and its own fields against
+// the published leaderworkerset.x-k8s.io/v1 API reference (LWS_SPEC below).
 //
 //   node scripts/check_manifests.mjs --modules DIR [--out DIR]
 //        [--compare-kubectl] OVERLAY...
@@ -83,14 +88,28 @@ function build(dir) {
       o.metadata.namespace = k.namespace;
     }
   }
+  // As Kustomize's image transformer: every containers / initContainers
+  // list at any depth (a LeaderWorkerSet's templates too).
+  const containerLists = (value, out = []) => {
+    if (Array.isArray(value)) {
+      for (const v of value) containerLists(v, out);
+    } else if (value && typeof value === "object") {
+      for (const [key, v] of Object.entries(value)) {
+        if ((key === "containers" || key === "initContainers") && Array.isArray(v)) out.push(v);
+        containerLists(v, out);
+      }
+    }
+    return out;
+  };
   for (const img of k.images ?? []) {
     for (const o of objects) {
-      const spec = o.spec?.template?.spec;
-      if (!spec) continue;
-      for (const c of [...(spec.containers ?? []), ...(spec.initContainers ?? [])]) {
-        const [name, tag] = c.image.split(":");
-        if (name !== img.name) continue;
-        c.image = `${img.newName ?? name}:${img.newTag ?? tag ?? "latest"}`;
+      for (const list of containerLists(o)) {
+        for (const c of list) {
+          if (typeof c.image !== "string") continue;
+          const [name, tag] = c.image.split(":");
+          if (name !== img.name) continue;
+          c.image = `${img.newName ?? name}:${img.newTag ?? tag ?? "latest"}`;
+        }
       }
     }
   }
@@ -99,10 +118,94 @@ function build(dir) {
 
 // ---- Schema validation ------------------------------------------------------
 
+// leaderworkerset.x-k8s.io/v1 LeaderWorkerSet, from its API reference
+// (kubernetes-sigs/lws site/content/en/docs/reference/leaderworkerset.v1.md):
+// field -> [type, required, allowed values]. Nested objects are their own
+// entries; unknown fields are errors, as the CRD's structural schema prunes
+// or rejects them.
+const LWS_SPEC = {
+  "spec": ["object", true],
+  "spec.replicas": ["integer", false],
+  "spec.startupPolicy": ["string", false, ["LeaderCreated", "LeaderReady"]],
+  "spec.groupIdentity": ["string", false, ["Ordinal", "Hash"]],
+  "spec.networkConfig": ["object", false],
+  "spec.networkConfig.subdomainPolicy": ["string", true, ["Shared", "UniquePerReplica"]],
+  "spec.rolloutStrategy": ["object", false],
+  "spec.rolloutStrategy.type": ["string", true, ["RollingUpdate"]],
+  "spec.rolloutStrategy.rollingUpdateConfiguration": ["object", false],
+  "spec.rolloutStrategy.rollingUpdateConfiguration.partition": ["integer", false],
+  "spec.rolloutStrategy.rollingUpdateConfiguration.maxUnavailable": ["int-or-string", true],
+  "spec.rolloutStrategy.rollingUpdateConfiguration.maxSurge": ["int-or-string", true],
+  "spec.leaderWorkerTemplate": ["object", true],
+  "spec.leaderWorkerTemplate.size": ["integer", false],
+  "spec.leaderWorkerTemplate.restartPolicy": ["string", false,
+    ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None", "Default"]],
+  "spec.leaderWorkerTemplate.leaderTemplate": ["podtemplate", false],
+  "spec.leaderWorkerTemplate.workerTemplate": ["podtemplate", true],
+  "spec.leaderWorkerTemplate.subGroupPolicy": ["object", false],
+  "spec.leaderWorkerTemplate.subGroupPolicy.subGroupPolicyType": ["string", false],
+  "spec.leaderWorkerTemplate.subGroupPolicy.subGroupSize": ["integer", true],
+  "spec.leaderWorkerTemplate.volumeClaimTemplates": ["array", false],
+  "spec.leaderWorkerTemplate.persistentVolumeClaimRetentionPolicy": ["object", false],
+};
+
+async function validateLeaderWorkerSet(o, where) {
+  const typeOk = (type, v) => {
+    switch (type) {
+      case "object": return v !== null && typeof v === "object" && !Array.isArray(v);
+      case "podtemplate": return v !== null && typeof v === "object";
+      case "array": return Array.isArray(v);
+      case "integer": return Number.isInteger(v);
+      case "string": return typeof v === "string";
+      case "int-or-string": return Number.isInteger(v) || (typeof v === "string" && /^[0-9]+%?$/.test(v));
+    }
+    return false;
+  };
+  const walk = (value, prefix) => {
+    for (const [k, v] of Object.entries(value)) {
+      const key = prefix ? `${prefix}.${k}` : k;
+      const rule = LWS_SPEC[key];
+      if (!rule) {
+        fail(where, `schema: LeaderWorkerSet has no field ${key}`);
+        continue;
+      }
+      const [type, , allowed] = rule;
+      if (!typeOk(type, v)) fail(where, `schema: ${key} must be ${type}`);
+      else if (allowed && !allowed.includes(v)) fail(where, `schema: ${key} must be one of ${allowed.join(", ")}`);
+      else if (type === "object") walk(v, key);
+    }
+  };
+  walk({ spec: o.spec }, "");
+  // A required field is missing where its parent object is present.
+  const get = (path) => path.split(".").reduce((v, k) => (v == null ? undefined : v[k]), o);
+  for (const [key, [, required]] of Object.entries(LWS_SPEC)) {
+    if (!required) continue;
+    const parent = key.includes(".") ? get(key.slice(0, key.lastIndexOf("."))) : o;
+    if (parent !== undefined && get(key) === undefined) fail(where, `schema: ${key} is required`);
+  }
+  const size = o.spec?.leaderWorkerTemplate?.size;
+  if (size !== undefined && size < 1) fail(where, "schema: leaderWorkerTemplate.size must be >= 1");
+  const { PodTemplate } = await load("kubernetes-models/v1/PodTemplate.js");
+  for (const t of ["leaderTemplate", "workerTemplate"]) {
+    const template = o.spec?.leaderWorkerTemplate?.[t];
+    if (template === undefined) continue;
+    try {
+      new PodTemplate({ metadata: { name: `${o.metadata.name}-${t}` }, template }).validate();
+    } catch (e) {
+      fail(where, `schema: ${t}: ${e.message}`);
+    }
+  }
+}
+
 async function validate(o, where) {
   const [group, version] = o.apiVersion.includes("/") ? o.apiVersion.split("/") : ["", o.apiVersion];
+  if (group === "leaderworkerset.x-k8s.io" && version === "v1" && o.kind === "LeaderWorkerSet") {
+    return validateLeaderWorkerSet(o, where);
+  }
   const file = group === "monitoring.coreos.com"
     ? `@kubernetes-models/prometheus-operator/${group}/${version}/${o.kind}.js`
+    : group === "keda.sh"
+    ? `@kubernetes-models/keda/${group}/${version}/${o.kind}.js`
     : `kubernetes-models/${group ? group + "/" : ""}${version}/${o.kind}.js`;
   let mod;
   try {
@@ -120,6 +223,105 @@ async function validate(o, where) {
 
 // ---- pdserve's rules --------------------------------------------------------
 
+// The pod template of a workload (a LeaderWorkerSet's is its worker
+// template, which its leader takes too when it has none of its own).
+function podTemplate(w) {
+  if (w.kind === "LeaderWorkerSet") {
+    return w.spec.leaderWorkerTemplate.leaderTemplate ?? w.spec.leaderWorkerTemplate.workerTemplate;
+  }
+  return w.spec.template;
+}
+
+// The labels a workload's pods carry (the LeaderWorkerSet's controller adds
+// its own).
+function podLabels(w) {
+  const labels = { ...(podTemplate(w).metadata?.labels ?? {}) };
+  if (w.kind === "LeaderWorkerSet") labels["leaderworkerset.sigs.k8s.io/name"] = w.metadata.name;
+  return labels;
+}
+
+// Whether a label selector (matchLabels, or a Service's plain map) selects
+// pods with `labels`.
+function selects(selector, labels) {
+  const match = selector?.matchLabels ?? selector ?? {};
+  if ((selector?.matchExpressions ?? []).length) return false;  // not used here
+  return Object.keys(match).length > 0 &&
+    Object.entries(match).every(([k, v]) => labels[k] === v);
+}
+
+function argValue(container, flag) {
+  const a = container.args.find((x) => x.startsWith(`${flag}=`));
+  return a === undefined ? undefined : a.slice(flag.length + 1);
+}
+
+// Drain: SIGTERM starts each process's drain, bounded by
+// --drain-timeout-seconds; preStop first lets the routers (and Services)
+// take the pod out; the grace period must cover both and the stop.
+function checkDrain(where, pod, c) {
+  const drain = Number(argValue(c, "--drain-timeout-seconds"));
+  if (!(drain > 0)) return fail(where, "args lack --drain-timeout-seconds");
+  const cmd = c.lifecycle?.preStop?.exec?.command ?? [];
+  if (cmd[0] !== "sleep" || !(Number(cmd[1]) > 0))
+    return fail(where, "no preStop sleep: SIGTERM would come before the routers re-resolve");
+  const grace = pod.spec.terminationGracePeriodSeconds ?? 30;
+  if (grace < Number(cmd[1]) + drain + 5)
+    fail(where, `terminationGracePeriodSeconds ${grace} < preStop ${cmd[1]} + drain ${drain} + 5`);
+}
+
+// The router finds the workers by DNS: each --decode / --prefill target is a
+// headless Service (one record per pod) over Ready pods only, selecting the
+// decode workers / the prefill groups' leaders (stage 0).
+function checkDiscovery(objects, overlay, decode, lws) {
+  const router = objects.find((o) => o.kind === "Deployment" && o.metadata.name === "router");
+  if (!router) return fail(overlay, "no router Deployment");
+  const c = router.spec.template.spec.containers[0];
+  const check = (flag, labels, what) => {
+    const target = argValue(c, flag);
+    const [name, port] = (target ?? "").split(":");
+    const svc = objects.find((o) => o.kind === "Service" && o.metadata.name === name);
+    if (!svc) return fail(overlay, `router ${flag}=${target}: no Service ${name}`);
+    if (svc.spec.clusterIP !== "None") fail(overlay, `Service ${name} must be headless (a record per pod)`);
+    if (svc.spec.publishNotReadyAddresses) fail(overlay, `Service ${name} must list Ready pods only`);
+    if (!selects(svc.spec.selector, labels)) fail(overlay, `Service ${name} does not select ${what}`);
+    if (!(svc.spec.ports ?? []).some((p) => String(p.port) === port))
+      fail(overlay, `Service ${name} has no port ${port}`);
+  };
+  check("--decode", podLabels(decode), "the decode workers");
+  check("--prefill", { ...podLabels(lws), "leaderworkerset.sigs.k8s.io/worker-index": "0" },
+        "the prefill groups' leaders");
+  // A selector that also matched stages > 0 would hand the router a stage's
+  // control port as a group.
+  const leaders = objects.find((o) => o.kind === "Service" &&
+    o.metadata.name === (argValue(c, "--prefill") ?? "").split(":")[0]);
+  if (leaders && leaders.spec.selector?.["leaderworkerset.sigs.k8s.io/worker-index"] !== "0")
+    fail(overlay, `Service ${leaders.metadata.name} must select worker-index 0 only`);
+}
+
+// KEDA: decode workers and prefill groups each scaled by a ScaledObject
+// whose target exists, from pdserve's metrics through Prometheus.
+function checkAutoscaling(objects, overlay, decode, lws) {
+  for (const target of [decode, lws]) {
+    const scalers = objects.filter((o) => o.kind === "ScaledObject" &&
+      o.spec.scaleTargetRef.name === target.metadata.name &&
+      (o.spec.scaleTargetRef.kind ?? "Deployment") === target.kind &&
+      (o.spec.scaleTargetRef.apiVersion ?? "apps/v1") === target.apiVersion);
+    const where = `${overlay} ScaledObject for ${target.kind}/${target.metadata.name}`;
+    if (scalers.length !== 1) {
+      fail(where, `${scalers.length} ScaledObjects target it (want 1)`);
+      continue;
+    }
+    const so = scalers[0];
+    if (!(so.spec.minReplicaCount >= 1))
+      fail(where, "minReplicaCount must be >= 1 (scaling to zero drops every stream)");
+    for (const t of so.spec.triggers) {
+      if (t.type !== "prometheus") fail(where, `trigger ${t.name}: type ${t.type}, not prometheus`);
+      const query = t.metadata?.query ?? "";
+      if (!/pdserve_[a-z_]+/.test(query)) fail(where, `trigger ${t.name}: query reads no pdserve metric`);
+      if (!(Number(t.metadata?.threshold) > 0)) fail(where, `trigger ${t.name}: no positive threshold`);
+    }
+  }
+}
+
 const BINARIES = new Set(["/opt/pdserve/bin/router", "/opt/pdserve/bin/decode_worker",
   "/opt/pdserve/bin/prefill-stage"]);
 
@@ -131,11 +333,11 @@ function checkPdserve(objects, overlay) {
   for (const [name, json] of Object.entries(dash?.data ?? {})) {
     try { JSON.parse(json); } catch (e) { fail(overlay, `dashboard ${name}: ${e.message}`); }
   }
-  const workloads = objects.filter((o) => ["Deployment", "StatefulSet"].includes(o.kind));
+  const workloads = objects.filter((o) => ["Deployment", "StatefulSet", "LeaderWorkerSet"].includes(o.kind));
   if (workloads.length < 3) fail(overlay, "expected router, prefill and decode workloads");
   for (const w of workloads) {
     const where = `${overlay} ${w.kind}/${w.metadata.name}`;
-    const pod = w.spec.template;
+    const pod = podTemplate(w);
     const ann = pod.metadata.annotations ?? {};
     if (ann["prometheus.io/scrape"] !== "true" || ann["prometheus.io/port"] !== "9100")
       fail(where, "pod lacks prometheus.io annotations for port 9100");
@@ -183,17 +385,26 @@ function checkPdserve(objects, overlay) {
     }
     if (pod.spec.securityContext?.fsGroup === undefined)
       fail(where, "no fsGroup: the image's non-root user cannot read the Secret");
+    checkDrain(where, pod, c);
+    if (!objects.some((o) => o.kind === "PodDisruptionBudget" && selects(o.spec.selector, podLabels(w))))
+      fail(where, "no PodDisruptionBudget covers its pods");
   }
-  const sts = objects.find((o) => o.kind === "StatefulSet" && o.metadata.name === "prefill");
-  if (!sts) return fail(overlay, "no prefill StatefulSet");
-  if (String(sts.spec.replicas) !== layout.data.PREFILL_STAGES)
-    fail(overlay, `prefill replicas ${sts.spec.replicas} != PREFILL_STAGES ${layout.data.PREFILL_STAGES}`);
-  const headless = objects.find((o) => o.kind === "Service" && o.metadata.name === sts.spec.serviceName);
-  if (!headless || headless.spec.clusterIP !== "None" || !headless.spec.publishNotReadyAddresses)
-    fail(overlay, "prefill needs a headless Service publishing not-ready addresses");
-  const decode = workloads.filter((w) => w.spec.template.metadata.labels["pdserve.io/role"] === "decode");
+  const lws = objects.find((o) => o.kind === "LeaderWorkerSet" && o.metadata.name === "prefill");
+  if (!lws) return fail(overlay, "no prefill LeaderWorkerSet");
+  const group = lws.spec.leaderWorkerTemplate;
+  if (String(group.size) !== layout.data.PREFILL_STAGES)
+    fail(overlay, `prefill group size ${group.size} != PREFILL_STAGES ${layout.data.PREFILL_STAGES}`);
+  // A stage lost takes its group down (the pipeline must be rewired): the
+  // group is replaced whole.
+  if ((group.restartPolicy ?? "RecreateGroupOnPodRestart") !== "RecreateGroupOnPodRestart")
+    fail(overlay, "prefill groups must restart whole (restartPolicy RecreateGroupOnPodRestart)");
+  const decode = workloads.filter((w) => podTemplate(w).metadata.labels["pdserve.io/role"] === "decode");
+  if (decode.length !== 1 || decode[0].kind !== "Deployment")
+    fail(overlay, "decode workers must be one Deployment (its replicas are the workers)");
+  checkDiscovery(objects, overlay, decode[0], lws);
+  checkAutoscaling(objects, overlay, decode[0], lws);
   for (const d of decode) {
-    const gpus = d.spec.template.spec.containers[0].resources?.limits?.["nvidia.com/gpu"];
+    const gpus = podTemplate(d).spec.containers[0].resources?.limits?.["nvidia.com/gpu"];
     if (gpus !== undefined && String(gpus) !== layout.data.DECODE_TP)
       fail(overlay, `${d.metadata.name}: nvidia.com/gpu ${gpus} != DECODE_TP ${layout.data.DECODE_TP}`);
   }
@@ -202,8 +413,8 @@ function checkPdserve(objects, overlay) {
   const backend = layout.data.BACKEND;
   if (backend !== "cpu" && backend !== "cuda")
     return fail(overlay, `BACKEND ${backend} is neither cpu nor cuda`);
-  for (const w of [...decode, sts]) {
-    const gpus = w.spec.template.spec.containers[0].resources?.limits?.["nvidia.com/gpu"];
+  for (const w of [...decode, lws]) {
+    const gpus = podTemplate(w).spec.containers[0].resources?.limits?.["nvidia.com/gpu"];
     if (backend === "cuda" && gpus === undefined)
       fail(overlay, `${w.metadata.name}: BACKEND cuda but no nvidia.com/gpu limit`);
     if (backend === "cpu" && gpus !== undefined)

@@ -11,6 +11,7 @@ DIR="${1:-${PDSERVE_DEPLOY_CHECKS_DIR:-build/deploy-checks}}"
 PACKAGES=(
   kubernetes-models@5.1.0
   @kubernetes-models/prometheus-operator@6.0.0
+  @kubernetes-models/keda@2.0.0
   js-yaml@4.1.0
   fast-json-patch@3.1.1
 )

@@ -65,13 +65,23 @@ MetricsRegistry::MetricsRegistry(Layout layout)
 MetricsRegistry::~MetricsRegistry() = default;
 
 namespace {
+// The Gateway API Inference Extension's model-server gauges under the names
+// its endpoint picker reads by default (vLLM's): exported beside pdserve's
+// own so gateways and autoscalers written for that protocol need no adapter.
+// The only families outside the pdserve_ prefix.
+constexpr const char* kModelServerProtocolNames[] = {
+    "vllm:num_requests_waiting", "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"};
+
 void CheckName(const std::string& name) {
   // A misnamed family is a programming error, caught by every test that
   // builds the registry.
-  if (!absl::StartsWith(name, "pdserve_")) {
-    std::fprintf(stderr, "metric %s must start with pdserve_\n", name.c_str());
-    std::abort();
+  if (absl::StartsWith(name, "pdserve_")) return;
+  for (const char* allowed : kModelServerProtocolNames) {
+    if (name == allowed) return;
   }
+  std::fprintf(stderr, "metric %s must start with pdserve_\n", name.c_str());
+  std::abort();
 }
 }  // namespace
 

@@ -83,30 +83,42 @@ TEST(DeployTest, DashboardsAreWhatTheGeneratorWrites) {
   fs::remove_all(dir);
 }
 
-TEST(DeployTest, DockerfileCopiesWhatTheBuildMakes) {
-  // The image copies from the build stage's tree (scripts/setup.sh builds
+TEST(DeployTest, DockerfilesCopyWhatTheBuildMakes) {
+  // The images copy from the build stage's tree (scripts/setup.sh builds
   // into build/): every such path must be something this build makes too,
-  // so a renamed binary cannot leave the image without it unnoticed.
-  const std::string dockerfile = Slurp(kSource + "/deploy/docker/Dockerfile");
-  ASSERT_FALSE(dockerfile.empty());
-  std::regex path_re("/(?:src/)?build/([A-Za-z0-9_./-]+)");
-  int checked = 0;
-  for (auto it =
-           std::sregex_iterator(dockerfile.begin(), dockerfile.end(), path_re);
-       it != std::sregex_iterator(); ++it) {
-    const std::string rel = (*it)[1].str();
-    if (rel.empty() || rel.back() == '/') continue;
-    EXPECT_TRUE(fs::exists(fs::path(PDSERVE_BINARY_DIR) / rel))
-        << "the Dockerfile copies build/" << rel << ", which this build lacks";
-    ++checked;
+  // so a renamed binary cannot leave the image without it unnoticed. The
+  // CUDA image (the gpu overlay's) copies the same set.
+  for (const char* name : {"Dockerfile", "Dockerfile.cuda"}) {
+    SCOPED_TRACE(name);
+    const std::string dockerfile =
+        Slurp(kSource + "/deploy/docker/" + std::string(name));
+    ASSERT_FALSE(dockerfile.empty());
+    std::regex path_re("/(?:src/)?build/([A-Za-z0-9_./-]+)");
+    int checked = 0;
+    for (auto it = std::sregex_iterator(dockerfile.begin(), dockerfile.end(),
+                                        path_re);
+         it != std::sregex_iterator(); ++it) {
+      const std::string rel = (*it)[1].str();
+      if (rel.empty() || rel.back() == '/') continue;
+      EXPECT_TRUE(fs::exists(fs::path(PDSERVE_BINARY_DIR) / rel))
+          << "the Dockerfile copies build/" << rel
+          << ", which this build lacks";
+      ++checked;
+    }
+    // pdserve, pdserve-cluster, the shim, prefill_worker, decode_worker,
+    // router, layout_report.
+    EXPECT_GE(checked, 7) << dockerfile;
+    // The entry point the prefill LeaderWorkerSet runs is in the image.
+    EXPECT_TRUE(absl::StrContains(
+        dockerfile,
+        "COPY deploy/docker/prefill-stage.sh /opt/pdserve/bin/prefill-stage"));
   }
-  // pdserve, pdserve-cluster, the shim, prefill_worker, decode_worker,
-  // router, layout_report.
-  EXPECT_GE(checked, 7) << dockerfile;
-  // The entry point the prefill StatefulSet runs is in the image.
+  // The CUDA build is the one the gpu overlay's image holds.
   EXPECT_TRUE(absl::StrContains(
-      dockerfile,
-      "COPY deploy/docker/prefill-stage.sh /opt/pdserve/bin/prefill-stage"));
+      Slurp(kSource + "/deploy/docker/Dockerfile.cuda"), "-DPDSERVE_CUDA=ON"));
+  EXPECT_TRUE(absl::StrContains(
+      Slurp(kSource + "/deploy/kubernetes/overlays/gpu/kustomization.yaml"),
+      "Dockerfile.cuda"));
 }
 
 // Installs the npm packages (idempotent) and renders + validates overlays.
@@ -141,6 +153,43 @@ TEST(DeployTest, ManifestsRenderAndValidateOffline) {
       CheckManifests(absl::StrCat(dir, "/deploy/kubernetes/overlays/cpu-demo"));
   EXPECT_NE(bad.code, 0) << bad.output;
   EXPECT_TRUE(absl::StrContains(bad.output, "replicas")) << bad.output;
+  std::ofstream(decode) << text;
+
+  // The CRDs' schemas: a KEDA field of the wrong type, a LeaderWorkerSet
+  // field that does not exist, an enum value it does not take.
+  const std::string scaling = dir + "/deploy/kubernetes/base/autoscaling.yaml";
+  const std::string scaling_text = Slurp(scaling);
+  ASSERT_TRUE(absl::StrContains(scaling_text, "maxReplicaCount: 16"));
+  std::ofstream(scaling) << absl::StrReplaceAll(
+      scaling_text, {{"maxReplicaCount: 16", "maxReplicaCount: lots"}});
+  const std::string groups = dir + "/deploy/kubernetes/base/prefill.yaml";
+  const std::string groups_text = Slurp(groups);
+  ASSERT_TRUE(absl::StrContains(groups_text, "startupPolicy: LeaderCreated"));
+  std::ofstream(groups) << absl::StrReplaceAll(
+      groups_text, {{"startupPolicy: LeaderCreated",
+                     "startupPolicy: WhenReady\n  groupsPerNode: 2"}});
+  const CommandResult bad_crds =
+      CheckManifests(absl::StrCat(dir, "/deploy/kubernetes/overlays/cpu-demo"));
+  EXPECT_NE(bad_crds.code, 0) << bad_crds.output;
+  EXPECT_TRUE(absl::StrContains(bad_crds.output, "maxReplicaCount"))
+      << bad_crds.output;
+  EXPECT_TRUE(absl::StrContains(bad_crds.output, "spec.startupPolicy must be"))
+      << bad_crds.output;
+  EXPECT_TRUE(absl::StrContains(bad_crds.output, "no field spec.groupsPerNode"))
+      << bad_crds.output;
+  std::ofstream(scaling) << scaling_text;
+  std::ofstream(groups) << groups_text;
+
+  // A drain longer than the pod's grace period would be cut by SIGKILL.
+  std::ofstream(decode) << absl::StrReplaceAll(
+      text, {{"terminationGracePeriodSeconds: 60",
+              "terminationGracePeriodSeconds: 30"}});
+  const CommandResult short_grace =
+      CheckManifests(absl::StrCat(dir, "/deploy/kubernetes/overlays/cpu-demo"));
+  EXPECT_NE(short_grace.code, 0) << short_grace.output;
+  EXPECT_TRUE(absl::StrContains(short_grace.output,
+                                "terminationGracePeriodSeconds 30 < preStop"))
+      << short_grace.output;
   std::ofstream(decode) << text;
 
   // GPUs requested with the CPU backend are caught too.
@@ -199,11 +248,17 @@ Container FromManifest(
   EXPECT_NE(layout, nullptr);
   EXPECT_NE(workload, nullptr) << kind << "/" << name;
   if (layout == nullptr || workload == nullptr) return {};
-  const auto& c = (*workload)["spec"]["template"]["spec"]["containers"][0];
+  const nlohmann::json& pod =
+      kind == "LeaderWorkerSet"
+          ? (*workload)["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+          : (*workload)["spec"]["template"];
+  const auto& c = pod["spec"]["containers"][0];
   std::map<std::string, std::string> env;
   for (const auto& [k, v] : (*layout)["data"].items()) env[k] = v;
-  for (const auto& e : c.value("env", nlohmann::json::array()))
-    env[e["name"]] = e["value"];
+  for (const auto& e : c.value("env", nlohmann::json::array())) {
+    // valueFrom (the downward API's pod name): the test gives it.
+    if (e.contains("value")) env[e["name"]] = e["value"];
+  }
   const std::string models = pdserve::testing::ModelsDir() + "/";
   auto map = [&](std::string s) {
     for (const auto& [k, v] : env)
@@ -231,8 +286,10 @@ Container FromManifest(
   } else {
     ADD_FAILURE() << "unexpected command " << command;
   }
-  for (const auto& a : c["args"]) out.argv.push_back(map(a));
+  // The downward API's values and the controller's (LWS_*), which $(VAR)
+  // in the args may name, as the kubelet expands them.
   for (const auto& [k, v] : extra_env) env[k] = v;
+  for (const auto& a : c["args"]) out.argv.push_back(map(a));
   env["PATH"] = "/usr/bin:/bin";
   for (const auto& [k, v] : env) out.env.push_back(k + "=" + map(v));
   return out;
@@ -257,18 +314,26 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
       {"/etc/pdserve/auth/", dir + "/auth/"}};
 
   const Container decode_spec =
-      FromManifest(objects, "Deployment", "decode-0", decode_port, {}, secrets);
+      FromManifest(objects, "Deployment", "decode", decode_port,
+                   {{"POD_NAME", "decode-5d9c7-x2x4q"}}, secrets);
   Child decode(decode_spec.argv, dir + "/decode.log", decode_spec.env);
+  // As the LeaderWorkerSet's controller starts group 0: its worker 1 ...
   const Container stage1_spec =
-      FromManifest(objects, "StatefulSet", "prefill", stage1_port,
-                   {{"HOSTNAME", "prefill-1"}}, secrets);
+      FromManifest(objects, "LeaderWorkerSet", "prefill", stage1_port,
+                   {{"POD_NAME", "prefill-0-1"},
+                    {"LWS_WORKER_INDEX", "1"},
+                    {"LWS_LEADER_ADDRESS", "prefill-0.prefill.pdserve"}},
+                   secrets);
   Child stage1(stage1_spec.argv, dir + "/stage1.log", stage1_spec.env);
   ASSERT_FALSE(
       stage1.WaitFor("stage control on ([0-9.:]+)", absl::Seconds(60)).empty());
-  // prefill-1.prefill:50051, mapped to loopback.
+  // ... and its leader, stage 0 (prefill-0-1.prefill:50051, mapped to
+  // loopback).
   const Container stage0_spec =
-      FromManifest(objects, "StatefulSet", "prefill", stage0_port,
-                   {{"HOSTNAME", "prefill-0"},
+      FromManifest(objects, "LeaderWorkerSet", "prefill", stage0_port,
+                   {{"POD_NAME", "prefill-0"},
+                    {"LWS_WORKER_INDEX", "0"},
+                    {"LWS_LEADER_ADDRESS", "prefill-0.prefill.pdserve"},
                     {"PDSERVE_PEERS", absl::StrCat("127.0.0.1:", stage1_port)}},
                    secrets);
   Child stage0(stage0_spec.argv, dir + "/stage0.log", stage0_spec.env);
@@ -307,14 +372,14 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
     if (o["metadata"]["name"] == "pdserve-layout") tp = o["data"]["DECODE_TP"];
   }
   EXPECT_TRUE(absl::StrContains(res->body, "tp=\"" + tp + "\"")) << tp;
-  EXPECT_TRUE(absl::StrContains(res->body, "worker_id=\"decode-0\""));
+  EXPECT_TRUE(absl::StrContains(res->body, "worker_id=\"decode-5d9c7-x2x4q\""));
   // The router, as its Deployment starts it, in front of the same workers.
   const int router_port = testing::FreePort();
   const int http_port = testing::FreePort();
   const Container router_spec = FromManifest(
       objects, "Deployment", "router", router_port, {},
-      {{"prefill-0.prefill:50051", stage0_address},
-       {"decode-0:50051", decode_address},
+      {{"prefill-leaders:50051", stage0_address},
+       {"decode:50051", decode_address},
        {"/etc/pdserve/auth/", dir + "/auth/"},
        {"--http-port=8080", absl::StrCat("--http-port=", http_port)}});
   Child router(router_spec.argv, dir + "/router.log", router_spec.env);
@@ -340,10 +405,45 @@ TEST(DeployTest, CpuDemoContainersServeARequestAsTheManifestsStartThem) {
   EXPECT_EQ(std::vector<int32_t>(response.token_ids().begin(),
                                  response.token_ids().end()),
             cases[1].greedy_ids);
-  EXPECT_FALSE(testing::MetricsAddress(router.Log()).empty()) << router.Log();
+  const std::string router_metrics = testing::MetricsAddress(router.Log());
+  EXPECT_FALSE(router_metrics.empty()) << router.Log();
+  // Every metric the autoscalers' queries read is one these processes
+  // export (the planner's when the router runs it: planner_monitor.cc).
+  std::string exported;
+  for (const std::string& address :
+       {metrics, router_metrics, testing::MetricsAddress(stage0.Log())}) {
+    httplib::Client scrape("http://" + address);
+    if (auto got = scrape.Get("/metrics")) exported += got->body;
+  }
+  const std::string planner = Slurp(kSource + "/router/planner_monitor.cc");
+  int queried = 0;
+  for (const auto& o : objects) {
+    if (o["kind"] != "ScaledObject") continue;
+    for (const auto& t : o["spec"]["triggers"]) {
+      const std::string query = t["metadata"]["query"];
+      std::regex name_re("pdserve_[a-z_]+");
+      for (auto it = std::sregex_iterator(query.begin(), query.end(), name_re);
+           it != std::sregex_iterator(); ++it) {
+        const std::string name = it->str();
+        ++queried;
+        EXPECT_TRUE(absl::StrContains(exported, "\n" + name + "{") ||
+                    absl::StrContains(planner, "\"" + name + "\""))
+            << "ScaledObject " << o["metadata"]["name"] << " reads " << name
+            << ", which nothing exports";
+      }
+    }
+  }
+  EXPECT_GE(queried, 6);
+  // The gauges the Gateway API Inference Extension's endpoint picker reads.
+  for (const char* name :
+       {"vllm:num_requests_waiting", "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}) {
+    EXPECT_TRUE(absl::StrContains(exported, absl::StrCat("\n", name, "{")))
+        << name;
+  }
   std::printf(
-      "started from the cpu-demo manifests: decode-0, prefill-0, prefill-1 "
-      "and the router\n");
+      "started from the cpu-demo manifests: a decode worker, prefill group 0's "
+      "leader and worker, and the router\n");
   fs::remove_all(dir);
 }
 

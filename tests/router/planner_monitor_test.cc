@@ -109,7 +109,16 @@ TEST(PlannerMonitorTest, ExportsTheRecommendationForTheObservedWindow) {
   now += absl::Seconds(20);
   ASSERT_TRUE((*monitor)->EvaluateNow().ok());
   samples = Scrape(registry);
-  EXPECT_GE(Value(samples, "pdserve_planner_desired_replicas"), 2);
+  const double copies = Value(samples, "pdserve_planner_desired_replicas");
+  EXPECT_GE(copies, 2);
+  // The autoscalers' targets: the layout's workers times its copies.
+  EXPECT_GE(Value(samples, "pdserve_planner_desired_decode_workers"), copies);
+  EXPECT_EQ(std::fmod(Value(samples, "pdserve_planner_desired_decode_workers"),
+                      copies),
+            0);
+  EXPECT_EQ(std::fmod(Value(samples, "pdserve_planner_desired_prefill_groups"),
+                      copies),
+            0);
   EXPECT_LT(Value(samples, "pdserve_planner_headroom_ratio"), 1);
   EXPECT_EQ(Named(samples, "pdserve_planner_recommended_layout").size(), 1u);
 }
