@@ -1,9 +1,12 @@
 #include "router/http_server.h"
 
+#include <dirent.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <deque>
 #include <optional>
 #include <thread>
@@ -17,6 +20,55 @@
 
 namespace pdserve::router {
 namespace {
+
+// Shuts down (both ways) every connection this process accepted on TCP port
+// `port` other than `listener`: the server's own connections, found
+// through /proc/self/fd. Called once the listener is closed, so no new one
+// appears meanwhile; the descriptors stay open (their threads close them),
+// only their reads end. cpp-httplib gives no handle on accepted sockets.
+void ShutdownConnections(int port, int listener) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return;
+  while (dirent* entry = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0' || fd == listener ||
+        fd == dirfd(dir)) {
+      continue;
+    }
+    const int sock = static_cast<int>(fd);
+    int type = 0;
+    int listening = 0;
+    socklen_t length = sizeof(type);
+    if (getsockopt(sock, SOL_SOCKET, SO_TYPE, &type, &length) != 0 ||
+        type != SOCK_STREAM) {
+      continue;
+    }
+    length = sizeof(listening);
+    if (getsockopt(sock, SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 ||
+        listening != 0) {
+      continue;
+    }
+    sockaddr_storage local{};
+    sockaddr_storage peer{};
+    socklen_t local_length = sizeof(local);
+    socklen_t peer_length = sizeof(peer);
+    if (getsockname(sock, reinterpret_cast<sockaddr*>(&local), &local_length) !=
+            0 ||
+        getpeername(sock, reinterpret_cast<sockaddr*>(&peer), &peer_length) !=
+            0) {
+      continue;
+    }
+    int local_port = -1;
+    if (local.ss_family == AF_INET) {
+      local_port = ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
+    } else if (local.ss_family == AF_INET6) {
+      local_port = ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port);
+    }
+    if (local_port == port) shutdown(sock, SHUT_RDWR);
+  }
+  closedir(dir);
+}
 
 // How long a blocked handler sleeps between checks of the server's stop flag.
 constexpr absl::Duration kPollSlice = absl::Milliseconds(100);
@@ -281,8 +333,17 @@ class OpenAiHttpServer::Impl {
           "application/json");
       return httplib::Server::HandlerResponse::Handled;
     });
-    // Short keep-alive so Stop() does not wait long on idle connections.
-    server_->set_keep_alive_timeout(1);
+    server_->set_keep_alive_timeout(
+        std::max<int64_t>(1, absl::ToInt64Seconds(options_.keep_alive)));
+    server_->set_keep_alive_max_count(
+        static_cast<size_t>(std::max(1, options_.keep_alive_requests)));
+    if (options_.draining) {
+      // A draining router hands its clients to the other replicas.
+      server_->set_post_routing_handler(
+          [this](const httplib::Request&, httplib::Response& res) {
+            if (options_.draining()) res.set_header("Connection", "close");
+          });
+    }
     server_->Post("/v1/completions",
                   [this](const httplib::Request& req, httplib::Response& res) {
                     HandleGenerate(OpenAiEndpoint::kCompletions, req, res);
@@ -401,6 +462,10 @@ class OpenAiHttpServer::Impl {
     if (stopped_.exchange(true)) return;
     if (server_ == nullptr) return;  // Start() failed before creating it
     server_->stop();
+    // httplib waits out each idle keep-alive connection's timeout before its
+    // thread ends; end them now (streams in flight end too: NextEvent sees
+    // stopped_ and cancels them).
+    ShutdownConnections(port_, listen_fd_);
     if (listener_.joinable()) listener_.join();
   }
 

@@ -220,6 +220,11 @@ int Main(int argc, char** argv) {
       "http-threads", 0,
       "HTTP connection threads, the most concurrent HTTP requests (0: "
       "--max-in-flight + 16).");
+  const double http_keep_alive_s = flags.Num<double>(
+      "http-keep-alive-seconds", 60,
+      "Seconds an idle HTTP keep-alive connection stays open; clients reuse "
+      "pooled connections after their own pauses, and a shorter timeout "
+      "races their next request (a broken pipe). >= 1.");
   flags.Group("Security");
   const std::string api_key_file = flags.Str(
       "api-key-file", "",
@@ -291,11 +296,11 @@ int Main(int argc, char** argv) {
   }
   if (auto s = flags.Check(); !s.ok()) return Fail(s);
   if (max_migrations < 0 || migration_wait_s < 0 ||
-      local_prefill_max_tokens < 0 || drain_s < 0) {
+      local_prefill_max_tokens < 0 || drain_s < 0 || http_keep_alive_s < 1) {
     return Fail(absl::InvalidArgumentError(
         "--max-migrations, --migration-worker-wait-seconds, "
         "--local-prefill-max-tokens and --drain-timeout-seconds must be >= "
-        "0"));
+        "0, --http-keep-alive-seconds >= 1"));
   }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> grpc_credentials =
       rpc::ServerCredentialsFor(tls);
@@ -505,6 +510,8 @@ int Main(int argc, char** argv) {
   http_options.tls = tls;
   http_options.tokenizer = tokenizer.get();
   http_options.chat_prompt = chat_prompt.get();
+  http_options.keep_alive = absl::Seconds(http_keep_alive_s);
+  http_options.draining = [&limiter] { return limiter.draining(); };
   absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> http_server =
       OpenAiHttpServer::Start(http_options, &metered);
   if (!http_server.ok()) return Fail(http_server.status());

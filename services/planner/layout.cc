@@ -29,11 +29,12 @@ std::string Layout::LocalFlags() const {
 }
 
 std::string Layout::KubernetesValues() const {
-  // What deploy/kubernetes/base needs changed (deploy/README.md): the layout
-  // ConfigMap, one Deployment + Service per decode worker, one StatefulSet
-  // (+ headless Service) per prefill group with a pod per stage, and cpu
-  // requests equal to each pod's compute threads, so the scheduler places
-  // them as PlaceLayout assumes.
+  // What deploy/kubernetes/base needs set (deploy/README.md): the layout
+  // ConfigMap, the decode Deployment's replicas, the prefill
+  // LeaderWorkerSet's groups (replicas) and group size (stages), the KEDA
+  // ScaledObjects' lower bounds at those counts (the autoscalers add
+  // replicas from there), and cpu requests equal to each pod's compute
+  // threads, so the scheduler places them as PlaceLayout assumes.
   std::string out = absl::StrCat("ConfigMap pdserve-layout:\n  DECODE_TP: \"",
                                  tp, "\"\n  DECODE_THREADS_PER_RANK: \"",
                                  decode_threads, "\"\n  MAX_STEP_TOKENS: \"",
@@ -44,28 +45,22 @@ std::string Layout::KubernetesValues() const {
                     "\"\n  PREFILL_THREADS: \"", prefill_threads,
                     "\"\n  CHUNK_TOKENS: \"", chunk_tokens, "\"\n");
   }
-  absl::StrAppend(&out, "Decode: ", decode_workers,
-                  " worker(s), Deployment + Service decode-0",
-                  decode_workers > 1
-                      ? absl::StrCat(" .. decode-", decode_workers - 1,
-                                     " (each listed in the router's --decode)")
-                      : "",
-                  "; resources.requests.cpu \"", tp * decode_threads, "\"\n");
+  absl::StrAppend(
+      &out, "Deployment decode: replicas ", decode_workers,
+      "; containers[0].resources.requests.cpu \"", tp * decode_threads,
+      "\"\nScaledObject decode: minReplicaCount ", decode_workers, "\n");
   if (colocated) {
     absl::StrAppend(&out,
-                    "Prefill: none (router --colocated=1, no prefill "
-                    "StatefulSet)\n");
+                    "LeaderWorkerSet prefill: none (router --colocated=1; "
+                    "leave out prefill.yaml and its ScaledObject)\n");
     return out;
   }
-  absl::StrAppend(
-      &out, "Prefill: ", prefill_groups, " group(s), StatefulSet prefill",
-      prefill_groups > 1
-          ? absl::StrCat(" .. prefill-", prefill_groups - 1,
-                         " (each with its headless Service, stage 0 of each "
-                         "listed in the router's --prefill)")
-          : "",
-      ", replicas ", stages, " (= PREFILL_STAGES); resources.requests.cpu \"",
-      prefill_threads, "\"\n");
+  absl::StrAppend(&out, "LeaderWorkerSet prefill: replicas ", prefill_groups,
+                  " (groups), leaderWorkerTemplate.size ", stages,
+                  " (= PREFILL_STAGES); containers[0].resources.requests.cpu "
+                  "\"",
+                  prefill_threads, "\"\nScaledObject prefill: minReplicaCount ",
+                  prefill_groups, "\n");
   return out;
 }
 

@@ -38,8 +38,9 @@ struct Layout {
   std::string Name() const;
   // Flags of `pdserve local` that build this layout.
   std::string LocalFlags() const;
-  // The deploy/kubernetes/base layout ConfigMap values and StatefulSet
-  // replicas that build it.
+  // The deploy/kubernetes/base values that build it: the layout ConfigMap,
+  // the decode Deployment's and prefill LeaderWorkerSet's replica counts and
+  // group size, and the KEDA ScaledObjects' lower bounds at those counts.
   std::string KubernetesValues() const;
 };
 

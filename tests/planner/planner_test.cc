@@ -10,6 +10,7 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "planner/layout.h"
 
 namespace pdserve::planner {
 namespace {
@@ -1163,6 +1164,39 @@ TEST(PlannerTest, FoldsLayoutsPredictedTheSame) {
     }
   }
   EXPECT_TRUE(folded_steps);
+}
+
+}  // namespace
+}  // namespace pdserve::planner
+
+namespace pdserve::planner {
+namespace {
+
+// The Kubernetes values name the objects deploy/kubernetes/base ships, and
+// the counts that build the layout there.
+TEST(LayoutTest, KubernetesValuesNameTheShippedObjects) {
+  Layout l;
+  l.prefill_groups = 3;
+  l.stages = 2;
+  l.decode_workers = 4;
+  l.tp = 2;
+  const std::string values = l.KubernetesValues();
+  EXPECT_NE(values.find("PREFILL_STAGES: \"2\""), std::string::npos) << values;
+  EXPECT_NE(values.find("Deployment decode: replicas 4"), std::string::npos)
+      << values;
+  EXPECT_NE(values.find("ScaledObject decode: minReplicaCount 4"),
+            std::string::npos)
+      << values;
+  EXPECT_NE(values.find("LeaderWorkerSet prefill: replicas 3 (groups), "
+                        "leaderWorkerTemplate.size 2"),
+            std::string::npos)
+      << values;
+  EXPECT_NE(values.find("ScaledObject prefill: minReplicaCount 3"),
+            std::string::npos)
+      << values;
+  l.colocated = true;
+  EXPECT_NE(l.KubernetesValues().find("LeaderWorkerSet prefill: none"),
+            std::string::npos);
 }
 
 }  // namespace

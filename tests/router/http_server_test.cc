@@ -6,6 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
@@ -785,6 +788,107 @@ TEST_F(HttpServerTest, ApiKeysKeepOutCallersWithoutOne) {
   absl::MutexLock lock(&mu);
   EXPECT_EQ(rejected, std::vector<absl::StatusCode>(
                           3, absl::StatusCode::kUnauthenticated));
+}
+
+}  // namespace
+}  // namespace pdserve::router
+
+namespace pdserve::router {
+namespace {
+
+// A raw keep-alive HTTP/1.1 connection: what a pooled client holds.
+class RawConnection {
+ public:
+  explicit RawConnection(int port) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = connect(fd_, reinterpret_cast<sockaddr*>(&address),
+                         sizeof(address)) == 0;
+    timeval timeout{5, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  }
+  ~RawConnection() { close(fd_); }
+  bool connected() const { return connected_; }
+  // One GET on this connection; the response's head and body, "" when the
+  // server had closed it (what a client sees as a broken pipe or reset).
+  std::string Get(const std::string& path) {
+    const std::string request =
+        absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n");
+    if (send(fd_, request.data(), request.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(request.size())) {
+      return "";
+    }
+    std::string response;
+    char buffer[4096];
+    while (true) {
+      const ssize_t n = recv(fd_, buffer, sizeof(buffer), 0);
+      if (n <= 0) return response;
+      response.append(buffer, static_cast<size_t>(n));
+      const size_t head_end = response.find("\r\n\r\n");
+      if (head_end == std::string::npos) continue;
+      const size_t at = response.find("Content-Length: ");
+      if (at == std::string::npos || at > head_end) return response;
+      const size_t length = std::stoul(response.substr(at + 16));
+      if (response.size() >= head_end + 4 + length) return response;
+    }
+  }
+  // Whether the server ended the connection (EOF) within `timeout`.
+  bool ClosedWithin(absl::Duration timeout) {
+    timeval t = absl::ToTimeval(timeout);
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof(t));
+    char byte;
+    return recv(fd_, &byte, 1, 0) == 0;
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+// An idle pooled connection stays usable across a client's pause (the 1 s
+// timeout it had failed a third of a paced load: the server closed
+// connections as their next request went out), and Stop() still ends at
+// once with such connections open.
+TEST(HttpKeepAliveTest, IdleConnectionsOutliveClientPausesAndStopIsPrompt) {
+  FakeBackend backend;
+  HttpServerOptions options;
+  options.keep_alive = absl::Seconds(30);
+  auto server = OpenAiHttpServer::Start(options, &backend);
+  ASSERT_TRUE(server.ok()) << server.status();
+  RawConnection connection((*server)->port());
+  ASSERT_TRUE(connection.connected());
+  std::string first = connection.Get("/health");
+  EXPECT_TRUE(absl::StartsWith(first, "HTTP/1.1 200")) << first;
+  EXPECT_NE(first.find("Keep-Alive: timeout=30"), std::string::npos) << first;
+  absl::SleepFor(absl::Milliseconds(1500));
+  std::string second = connection.Get("/health");
+  EXPECT_TRUE(absl::StartsWith(second, "HTTP/1.1 200")) << second;
+  const absl::Time stop = absl::Now();
+  (*server)->Stop();
+  EXPECT_LT(absl::Now() - stop, absl::Seconds(2));
+  EXPECT_TRUE(connection.ClosedWithin(absl::Seconds(1)));
+}
+
+// A draining router asks its clients to reconnect (to another replica).
+TEST(HttpKeepAliveTest, DrainingServerClosesConnectionsAfterEachResponse) {
+  FakeBackend backend;
+  std::atomic<bool> draining{false};
+  HttpServerOptions options;
+  options.draining = [&draining] { return draining.load(); };
+  auto server = OpenAiHttpServer::Start(options, &backend);
+  ASSERT_TRUE(server.ok()) << server.status();
+  RawConnection connection((*server)->port());
+  std::string before = connection.Get("/v1/models");
+  EXPECT_EQ(before.find("Connection: close"), std::string::npos) << before;
+  draining.store(true);
+  std::string during = connection.Get("/v1/models");
+  EXPECT_NE(during.find("Connection: close"), std::string::npos) << during;
+  // (The client closes on that header; Stop() ends what a client keeps.)
+  (*server)->Stop();
+  EXPECT_TRUE(connection.ClosedWithin(absl::Seconds(1)));
 }
 
 }  // namespace
