@@ -849,8 +849,9 @@ TEST(ClusterTest, CancelMidStreamReturnsKvToBaselineOnBothSides) {
 
 // A decode worker killed under its streams: each of them continues on the
 // other worker (stream migration) with prompt + the tokens it had, and the
-// client sees one unbroken greedy answer — token for token and byte for
-// byte the answer of a run nobody disturbed, usage counted once.
+// client sees one unbroken answer — greedy or seeded sampling, token for
+// token and byte for byte the answer of a run nobody disturbed, usage
+// counted once.
 std::vector<metrics::Sample> Scrape(const std::string& address);
 
 TEST(ClusterTest, DecodeWorkerKilledMidStreamMigratesItsStreams) {
@@ -860,12 +861,29 @@ TEST(ClusterTest, DecodeWorkerKilledMidStreamMigratesItsStreams) {
   o.decode_policy = "round-robin";
   std::unique_ptr<LocalCluster> cluster = StartCluster(o);
   ASSERT_NE(cluster, nullptr);
-  const v1::GenerateRequest request = TextRequest("Once upon a time", 450);
-  const Generated reference = GrpcGenerate(cluster->grpc_address(), request);
-  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
-  ASSERT_GT(reference.ids.size(), 100u);
-  // Four long streams (round-robin: two on each decode worker).
-  constexpr int kStreams = 4;
+  // Greedy streams, and sampled ones with a seed: a request's draws are a
+  // function of (seed, output index), so a migrated sampled stream
+  // continues with exactly the draws the unbroken run made.
+  v1::GenerateRequest greedy = TextRequest("Once upon a time", 450);
+  greedy.set_ignore_eos(true);
+  v1::GenerateRequest sampled = greedy;
+  sampled.mutable_sampling()->set_temperature(0.9f);
+  sampled.mutable_sampling()->set_top_p(0.95f);
+  sampled.mutable_sampling()->set_presence_penalty(0.3f);
+  sampled.mutable_sampling()->set_seed(77);
+  const Generated greedy_reference =
+      GrpcGenerate(cluster->grpc_address(), greedy);
+  const Generated sampled_reference =
+      GrpcGenerate(cluster->grpc_address(), sampled);
+  ASSERT_TRUE(greedy_reference.status.ok())
+      << greedy_reference.status.error_message();
+  ASSERT_TRUE(sampled_reference.status.ok())
+      << sampled_reference.status.error_message();
+  ASSERT_EQ(greedy_reference.ids.size(), 450u);
+  ASSERT_NE(sampled_reference.ids, greedy_reference.ids);
+  // Six long streams (round-robin: three on each decode worker), every
+  // other one sampled.
+  constexpr int kStreams = 6;
   std::vector<Generated> results(kStreams);
   std::atomic<int> started{0};
   std::vector<std::thread> threads;
@@ -876,7 +894,7 @@ TEST(ClusterTest, DecodeWorkerKilledMidStreamMigratesItsStreams) {
       grpc::ClientContext context;
       context.set_deadline(
           absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
-      auto reader = stub->Generate(&context, request);
+      auto reader = stub->Generate(&context, i % 2 == 0 ? greedy : sampled);
       v1::GenerateResponse item;
       bool counted = false;
       while (reader->Read(&item)) {
@@ -899,6 +917,8 @@ TEST(ClusterTest, DecodeWorkerKilledMidStreamMigratesItsStreams) {
   cluster->KillDecode(0);
   for (auto& t : threads) t.join();
   for (int i = 0; i < kStreams; ++i) {
+    const Generated& reference =
+        i % 2 == 0 ? greedy_reference : sampled_reference;
     EXPECT_TRUE(results[i].status.ok()) << results[i].status.error_message();
     EXPECT_EQ(results[i].ids, reference.ids) << "stream " << i;
     EXPECT_EQ(results[i].text, reference.text) << "stream " << i;
