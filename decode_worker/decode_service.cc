@@ -460,19 +460,7 @@ absl::Status DecodeService::AbortedDuringAdmit(uint64_t id) {
 
 void DecodeService::RememberEarlyAbort(uint64_t id) {
   absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
-  // An Admit later than this is one the router stopped waiting for long ago
-  // (its RPC deadline is far shorter); the bound keeps a flood of Aborts for
-  // made-up ids from growing the set without limit.
-  constexpr absl::Duration kEarlyAbortMemory = absl::Seconds(60);
-  constexpr size_t kMaxEarlyAborts = 1 << 16;
-  while (!early_abort_order_.empty() &&
-         (early_abort_order_.front().first < now - kEarlyAbortMemory ||
-          early_abort_order_.size() >= kMaxEarlyAborts)) {
-    early_aborts_.erase(early_abort_order_.front().second);
-    early_abort_order_.pop_front();
-  }
-  if (early_aborts_.insert(id).second) early_abort_order_.emplace_back(now, id);
+  early_aborts_.Insert(id);
 }
 
 absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
@@ -483,14 +471,14 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
   // 0 on this wire is unset: the default (the router always sets it).
   const int32_t max_tokens = rpc::MaxTokensFromWorkerWire(request.max_tokens());
   PDS_RETURN_IF_ERROR(rpc::CheckMaxTokens(max_tokens, /*echo=*/false));
-  const rpc::Sampling sampling =
+  const engine::SamplingParams sampling =
       rpc::SamplingFromWire(request.sampling(), /*seed_if_unset=*/0);
   PDS_RETURN_IF_ERROR(rpc::CheckSampling(sampling));
   PDS_RETURN_IF_ERROR(
       rpc::CheckLogprobs(request.include_logprobs(), request.top_logprobs()));
   decode::RequestParams params;
   params.max_new_tokens = max_tokens;
-  params.sampling = rpc::ToEngine(sampling);
+  params.sampling = sampling;
   params.stop.assign(request.stop().begin(), request.stop().end());
   PDS_RETURN_IF_ERROR(rpc::CheckStops(params.stop));
   params.ignore_eos = request.ignore_eos();
@@ -523,7 +511,7 @@ absl::Status DecodeService::AdmitImpl(const v1::AdmitRequest& request,
       return absl::UnavailableError(
           "decode worker is draining (shutting down): admit elsewhere");
     }
-    if (early_aborts_.erase(id) > 0) return AbortedDuringAdmit(id);
+    if (early_aborts_.Erase(id)) return AbortedDuringAdmit(id);
     // Drop finished streams nobody came for.
     const absl::Time cutoff = absl::Now() - options_.unclaimed_stream_ttl;
     absl::erase_if(channels_, [&](const auto& entry) {

@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/recent_ids.h"
 #include "decode/decode_worker.h"
 #include "model/model_config.h"
 #include "pdserve/v1/decode.grpc.pb.h"
@@ -206,11 +207,11 @@ class DecodeService final : public pdserve::v1::DecodeWorker::CallbackService {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_
       ABSL_GUARDED_BY(mu_);
   std::deque<CompleteJob> jobs_ ABSL_GUARDED_BY(mu_);
-  // Ids aborted before their Admit arrived, refused when it does; oldest
-  // first in `early_abort_order_` for pruning.
-  absl::flat_hash_set<uint64_t> early_aborts_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::pair<absl::Time, uint64_t>> early_abort_order_
-      ABSL_GUARDED_BY(mu_);
+  // Ids aborted before their Admit arrived, refused when it does. An Admit
+  // later than a minute is one the router stopped waiting for long ago (its
+  // RPC deadline is far shorter); the bound keeps a flood of Aborts for
+  // made-up ids from growing it without limit.
+  RecentIds early_aborts_ ABSL_GUARDED_BY(mu_){1 << 16, absl::Seconds(60)};
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   std::thread completer_;

@@ -223,9 +223,9 @@ grpc::ServerUnaryReactor* PrefillService::Prefill(
   PrefillRequest& r = call->request;
   r.request_id = request->request_id();
   r.prompt.assign(request->prompt_ids().begin(), request->prompt_ids().end());
-  const rpc::Sampling sampling =
+  const engine::SamplingParams sampling =
       rpc::SamplingFromWire(request->sampling(), /*seed_if_unset=*/0);
-  r.sampling = rpc::ToEngine(sampling);
+  r.sampling = sampling;
   r.top_logprobs = request->top_logprobs();
   r.prompt_logprobs = request->prompt_logprobs();
   r.write_kv = request->has_destination();

@@ -21,9 +21,7 @@ UcxKvOutput::~UcxKvOutput() {
   if (waiter_.joinable()) waiter_.join();
 }
 
-namespace {
-constexpr size_t kMaxTombstones = 4096;
-}  // namespace
+namespace {}  // namespace
 
 absl::Status UcxKvOutput::AddGrants(std::span<const std::string> grants) {
   absl::MutexLock lock(&mu_);
@@ -40,20 +38,14 @@ absl::Status UcxKvOutput::Cancel(uint64_t request_id,
                                  std::span<const std::string> grants) {
   absl::MutexLock lock(&mu_);
   for (const std::string& grant : grants) (void)source_->AddGrant(grant);
-  if (tombstones_.insert(request_id).second) {
-    tombstone_order_.push_back(request_id);
-    if (tombstone_order_.size() > kMaxTombstones) {
-      tombstones_.erase(tombstone_order_.front());
-      tombstone_order_.pop_front();
-    }
-  }
+  tombstones_.Insert(request_id);
   return source_->Cancel(request_id);
 }
 
 void UcxKvOutput::Write(const KvWrite& write,
                         std::function<void(absl::Status)> done) {
   absl::ReleasableMutexLock lock(&mu_);
-  if (tombstones_.contains(write.request_id)) {
+  if (tombstones_.Contains(write.request_id)) {
     lock.Release();
     done(absl::CancelledError(
         absl::StrCat("request ", write.request_id, " was cancelled")));

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/closable_queue.h"
+#include "common/recent_ids.h"
 #include "prefill/kv_output.h"
 #include "transport/kv_transfer.h"
 
@@ -79,9 +80,8 @@ class UcxKvOutput : public StageKvOutput {
   // cancel (and the sink's revoke flushes it) or sees the tombstone.
   absl::Mutex mu_;
   // Cancelled ids, oldest first; bounded (a straggler chunk arrives within
-  // the pipeline depth, long before kMaxTombstones later cancels).
-  std::deque<uint64_t> tombstone_order_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<uint64_t> tombstones_ ABSL_GUARDED_BY(mu_);
+  // the pipeline depth, long before 4096 later cancels).
+  RecentIds tombstones_ ABSL_GUARDED_BY(mu_){4096};
   ClosableQueue<InFlight> in_flight_;
   std::thread waiter_;
 };

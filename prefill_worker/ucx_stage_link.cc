@@ -2,6 +2,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "pdserve/v1/common.pb.h"
+#include "rpc/request_contract.h"
 #include "transport/wire.h"
 
 namespace pdserve::prefill {
@@ -72,56 +74,26 @@ bool GetLogprobs(transport::ByteReader& r, engine::TokenLogprobs* l) {
   return true;
 }
 
+// A chunk's sampling fields in the request contract's own encoding (the
+// pdserve.v1.SamplingParams the router and workers exchange), not a second
+// hand-kept codec: a field added to the contract crosses the stages too.
 void PutSampling(transport::ByteWriter& w, const engine::SamplingParams& s) {
-  w.Put<float>(s.temperature);
-  w.Put<int32_t>(s.top_k);
-  w.Put<float>(s.top_p);
-  w.Put<uint64_t>(s.seed);
-  w.Put<float>(s.min_p);
-  w.Put<float>(s.presence_penalty);
-  w.Put<float>(s.frequency_penalty);
-  w.Put<float>(s.repetition_penalty);
-  w.Put<int32_t>(s.min_tokens);
-  w.Put<uint32_t>(static_cast<uint32_t>(s.logit_bias.size()));
-  for (const engine::LogitBias& b : s.logit_bias) {
-    w.Put<int32_t>(b.token);
-    w.Put<float>(b.bias);
-  }
-  const engine::StructuredOutput& so = s.structured_output;
-  w.Put<uint8_t>(static_cast<uint8_t>(so.kind));
-  w.PutBytes(so.text);
-  w.Put<uint32_t>(static_cast<uint32_t>(so.choices.size()));
-  for (const std::string& c : so.choices) w.PutBytes(c);
+  v1::SamplingParams wire;
+  rpc::SamplingToWire(s, &wire);
+  w.PutBytes(wire.SerializeAsString());
 }
 
 // The values are checked where the chunk is used (SamplingParams::Validate).
 bool GetSampling(transport::ByteReader& r, engine::SamplingParams* s) {
-  uint32_t biases = 0;
-  if (!r.Get(&s->temperature) || !r.Get(&s->top_k) || !r.Get(&s->top_p) ||
-      !r.Get(&s->seed) || !r.Get(&s->min_p) || !r.Get(&s->presence_penalty) ||
-      !r.Get(&s->frequency_penalty) || !r.Get(&s->repetition_penalty) ||
-      !r.Get(&s->min_tokens) || !r.Get(&biases) ||
-      biases > static_cast<uint32_t>(engine::kMaxLogitBiasEntries)) {
-    return false;
-  }
-  s->logit_bias.resize(biases);
-  for (engine::LogitBias& b : s->logit_bias) {
-    if (!r.Get(&b.token) || !r.Get(&b.bias)) return false;
-  }
-  uint8_t kind = 0;
-  uint32_t choices = 0;
-  if (!r.Get(&kind) ||
-      kind > static_cast<uint8_t>(engine::StructuredOutput::Kind::kChoice) ||
-      !r.GetBytes(&s->structured_output.text) || !r.Get(&choices) ||
-      choices > kMaxStructuredChoices) {
-    return false;
-  }
-  s->structured_output.kind = static_cast<engine::StructuredOutput::Kind>(kind);
-  s->structured_output.choices.resize(choices);
-  for (std::string& c : s->structured_output.choices) {
-    if (!r.GetBytes(&c)) return false;
-  }
-  return true;
+  std::string bytes;
+  v1::SamplingParams wire;
+  if (!r.GetBytes(&bytes) || !wire.ParseFromString(bytes)) return false;
+  // Every stage link message carries its seed (SamplingToWire sets it).
+  if (!wire.has_seed()) return false;
+  *s = rpc::SamplingFromWire(wire, /*seed_if_unset=*/0);
+  return s->logit_bias.size() <=
+             static_cast<size_t>(engine::kMaxLogitBiasEntries) &&
+         s->structured_output.choices.size() <= kMaxStructuredChoices;
 }
 
 }  // namespace

@@ -156,8 +156,8 @@ absl::StatusOr<std::unique_ptr<GenerationCall>> ClusterBackend::Start(
     return absl::NotFoundError(
         absl::StrCat("model '", request.model, "' is not served here"));
   }
-  if (absl::Status s = rpc::ToEngine(request.sampling)
-                           .ValidateForVocab(options_.model.vocab_size);
+  if (absl::Status s =
+          request.sampling.ValidateForVocab(options_.model.vocab_size);
       !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling: ", s.message()));
   }

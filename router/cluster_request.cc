@@ -353,7 +353,7 @@ ClusterRequest::Next ClusterRequest::AdmitOnDecode(Attempt& a) {
   cancellation_->Leave();
   if (!s.ok()) {
     if (cancellation_->cancelled()) {
-      AbortDecode(a);  // the Admit may have landed: free it
+      (void)AbortDecode(a);  // the Admit may have landed: free it
       return Finish(absl::CancelledError("cancelled"));
     }
     // (Never past the deadline here: an Admit deadline is the rpc bound.)
@@ -399,7 +399,7 @@ ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
   grpc::ClientContext context;
   context.set_deadline(Deadline(request_.deadline, options_.prefill_timeout));
   if (!cancellation_->Enter(&context)) {
-    AbortDecode(a);
+    (void)AbortDecode(a);
     return Finish(absl::CancelledError("cancelled"));
   }
   const absl::Time submitted_at = absl::Now();
@@ -419,9 +419,17 @@ ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
     cancel.set_request_id(a.wire_id);
     v1::PrefillCancelResponse ignored;
     (void)prefill->Cancel(&cancel_context, cancel, &ignored);
-    AbortDecode(a);
+    const absl::Status aborted = AbortDecode(a);
     if (cancellation_->cancelled()) {
       return Finish(absl::CancelledError("cancelled"));
+    }
+    if (absl::IsUnavailable(s) && absl::IsUnavailable(aborted)) {
+      // The group could not reach the decode worker, and neither can we:
+      // the decode worker is what failed (it died under the prefill), not
+      // the group, which stays in rotation.
+      retry_side_ = "decode";
+      return Failed(aborted, "decode worker", a.decode_address,
+                    /*retry=*/true);
     }
     return Failed(s, "prefill group", address, /*retry=*/true);
   }
@@ -438,7 +446,7 @@ ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
     const absl::Status scored = TakeScores(
         prefilled.prompt_logprobs(), absl::StrCat("prefill group ", address));
     if (!scored.ok()) {
-      AbortDecode(a);
+      (void)AbortDecode(a);
       return Finish(scored);
     }
   }
@@ -453,7 +461,7 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
     context.set_deadline(absl::ToChronoTime(request_.deadline));
   }
   if (!cancellation_->Enter(&context)) {
-    AbortDecode(a);
+    (void)AbortDecode(a);
     return Finish(absl::CancelledError("cancelled"));
   }
   v1::StreamTokensRequest stream_request;
@@ -466,7 +474,7 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
     context.TryCancel();
     (void)reader->Finish();
     cancellation_->Leave();
-    AbortDecode(a);
+    (void)AbortDecode(a);
     return Finish(std::move(why));
   };
   const bool score_only = request_.max_tokens == 0;
@@ -577,7 +585,7 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
       context.TryCancel();
       (void)reader->Finish();
       cancellation_->Leave();
-      AbortDecode(a);
+      (void)AbortDecode(a);
       retry_side_ = "decode";
       return StreamBroke(
           absl::UnavailableError(absl::StrCat(
@@ -589,13 +597,13 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
   cancellation_->Leave();
   if (finished) return Finish(absl::OkStatus());
   if (cancellation_->cancelled()) {
-    AbortDecode(a);  // the cancelled stream aborted it already; be sure
+    (void)AbortDecode(a);  // the cancelled stream aborted it already; be sure
     return Finish(absl::CancelledError("cancelled"));
   }
   if (s.ok()) {
     s = absl::InternalError("token stream ended without a finished item");
   }
-  AbortDecode(a);
+  (void)AbortDecode(a);
   retry_side_ = "decode";
   if (!streamed_ids_.empty()) return StreamBroke(s, a.decode_address);
   return Failed(s, "decode worker", a.decode_address,
@@ -634,8 +642,8 @@ ClusterRequest::Next ClusterRequest::StreamBroke(const absl::Status& status,
   return Next::kMigrate;
 }
 
-void ClusterRequest::AbortDecode(const Attempt& a) {
-  if (a.decode == nullptr) return;
+absl::Status ClusterRequest::AbortDecode(const Attempt& a) {
+  if (a.decode == nullptr) return absl::OkStatus();
   grpc::ClientContext context;
   context.set_deadline(Deadline(absl::InfiniteFuture(), options_.rpc_timeout));
   v1::AbortRequest abort;
@@ -646,6 +654,7 @@ void ClusterRequest::AbortDecode(const Attempt& a) {
   if (services_.abort_retrier != nullptr && AbortRetrier::WorthRetrying(s)) {
     services_.abort_retrier->Add(a.decode_address, a.wire_id);
   }
+  return s;
 }
 
 void ClusterRequest::ResetEcho() {

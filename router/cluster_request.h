@@ -173,7 +173,8 @@ class ClusterRequest {
   Next StreamFromDecode(Attempt& a);
   // Frees the request's blocks at the attempt's decode worker (best effort:
   // NOT_FOUND when it already finished or was never admitted).
-  void AbortDecode(const Attempt& a);
+  // Returns the Abort's status (OK without a decode side).
+  absl::Status AbortDecode(const Attempt& a);
   // A failed RPC of `who` at `address`: remembers it, marks an UNAVAILABLE
   // worker unhealthy, and retries when another worker may succeed (and
   // `retry` allows), else finishes with it.

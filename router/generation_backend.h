@@ -38,7 +38,6 @@ const char* FinishReasonName(FinishReason reason);
 
 // The contract's (services/rpc/request_contract.h). The seed is always
 // resolved by the front-end: the client's, or NewRandomSeed().
-using SamplingOptions = rpc::Sampling;
 
 struct GenerationRequest {
   std::string request_id;
@@ -53,7 +52,7 @@ struct GenerationRequest {
   // a chat rendered by the model's template, which writes its own.
   bool add_special_tokens = true;
   int32_t max_tokens = rpc::kDefaultMaxTokens;
-  SamplingOptions sampling;
+  engine::SamplingParams sampling;
   std::vector<std::string> stop;
   // Keep generating past the end-of-sequence token until max_tokens (what
   // load generators ask for fixed-length outputs: vLLM's `ignore_eos`).

@@ -530,7 +530,7 @@ absl::Status ReadBoundedNumber(const json& body, const char* field,
 // name them: presence_penalty, frequency_penalty, repetition_penalty, min_p,
 // min_tokens and logit_bias ({"token id": bias}).
 absl::Status ReadLogitProcessors(const json& body, int64_t max_tokens,
-                                 SamplingOptions* sampling) {
+                                 engine::SamplingParams* sampling) {
   double presence = 0, frequency = 0, repetition = 1, min_p = 0;
   if (absl::Status s =
           ReadBoundedNumber(body, "presence_penalty", -engine::kMaxAbsPenalty,

@@ -42,7 +42,8 @@ class TokenConstraint {
 
 // The request's tokens the logit processors read. Spans must outlive the call.
 struct SamplingHistory {
-  std::span<const int32_t> prompt;  // read by repetition_penalty only
+  // Read only when the request penalizes prompt tokens too.
+  std::span<const int32_t> prompt;
   std::span<const int32_t> output;  // tokens generated before this one
   // The ids min_tokens holds back (the model's EOS ids).
   std::span<const int32_t> end_tokens;

@@ -70,6 +70,9 @@ struct SamplingParams {
   StructuredOutput structured_output;
 
   bool greedy() const { return temperature <= 0.0f || top_k == 1; }
+  // The prompt's tokens count too (not only the output's): the
+  // multiplicative penalty applies to every token seen so far.
+  bool penalizes_prompt_tokens() const { return repetition_penalty != 1.0f; }
   // Whether any logit processor is on (then the arg-max of the raw logits is
   // not the greedy choice, and the distribution depends on the history).
   bool processes_logits() const {

@@ -335,7 +335,7 @@ void PipelineStage::StartKvWrites(const ChunkHeader& chunk) {
     PendingWrites& pending = writes_[id];
     // A straggler chunk of a forgotten request: count it so its completion
     // settles, and drop the entry then.
-    if (forgotten_.contains(id)) pending.abandoned = true;
+    if (forgotten_.Contains(id)) pending.abandoned = true;
     ++pending.outstanding;
     if (chunk.final_chunk) pending.final_issued = true;
   }
@@ -396,15 +396,8 @@ size_t PipelineStage::open_write_entries() const {
 }
 
 void PipelineStage::Forget(uint64_t request_id) {
-  constexpr size_t kRememberForgotten = 4096;
   absl::MutexLock lock(&mu_);
-  if (forgotten_.insert(request_id).second) {
-    forgotten_order_.push_back(request_id);
-    if (forgotten_order_.size() > kRememberForgotten) {
-      forgotten_.erase(forgotten_order_.front());
-      forgotten_order_.pop_front();
-    }
-  }
+  forgotten_.Insert(request_id);
   auto it = writes_.find(request_id);
   if (it == writes_.end()) return;
   if (it->second.outstanding == 0) {

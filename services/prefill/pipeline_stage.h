@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/recent_ids.h"
 #include "engine/llama_engine.h"
 #include "grammar/structured_output.h"
 #include "kv/kv_pool.h"
@@ -201,8 +202,7 @@ class PipelineStage {
   absl::flat_hash_map<uint64_t, PendingWrites> writes_ ABSL_GUARDED_BY(mu_);
   // Recently forgotten ids (bounded, oldest first): a straggler chunk of one
   // must not open a new entry that no final chunk would ever close.
-  absl::flat_hash_set<uint64_t> forgotten_ ABSL_GUARDED_BY(mu_);
-  std::deque<uint64_t> forgotten_order_ ABSL_GUARDED_BY(mu_);
+  RecentIds forgotten_ ABSL_GUARDED_BY(mu_){4096};
   StageStats stats_ ABSL_GUARDED_BY(mu_);
   absl::Time started_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::pair<absl::Time, absl::Time>> intervals_

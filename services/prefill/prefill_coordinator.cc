@@ -331,7 +331,7 @@ void PrefillCoordinator::Launch() {
       header.block_table.assign(state.block_table.begin(),
                                 state.block_table.begin() + blocks);
       header.sampling = state.request.sampling;
-      if (chunk.final_chunk && header.sampling.repetition_penalty != 1.0f) {
+      if (chunk.final_chunk && header.sampling.penalizes_prompt_tokens()) {
         header.penalized_prompt_tokens = state.request.prompt;
         std::sort(header.penalized_prompt_tokens.begin(),
                   header.penalized_prompt_tokens.end());

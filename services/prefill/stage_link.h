@@ -37,8 +37,9 @@ struct ChunkHeader {
   std::vector<int32_t>
       block_table;  // group-wide block ids covering [0, token_end)
   engine::SamplingParams sampling;  // used by the last stage on the final chunk
-  // The prompt's distinct tokens, on a final chunk whose sampling has a
-  // repetition_penalty (the last stage sees only its chunk's tokens).
+  // The prompt's distinct tokens, on a final chunk whose sampling penalizes
+  // them (SamplingParams::penalizes_prompt_tokens: the last stage sees only
+  // its chunk's tokens).
   std::vector<int32_t> penalized_prompt_tokens;
   int top_logprobs = 0;  // alternatives of the first token to report
   // Score the prompt: the last stage computes logits at every position of the

@@ -8,7 +8,7 @@
 
 namespace pdserve::rpc {
 
-absl::Status CheckSampling(const Sampling& s) {
+absl::Status CheckSampling(const engine::SamplingParams& s) {
   if (!std::isfinite(s.temperature) || s.temperature < 0 ||
       s.temperature > kMaxTemperature) {
     return absl::InvalidArgumentError(
@@ -24,7 +24,7 @@ absl::Status CheckSampling(const Sampling& s) {
         absl::StrCat("sampling: top_k must be >= 0 (got ", s.top_k, ")"));
   }
   // The processors' bounds are the engine's own (one definition).
-  if (absl::Status status = ToEngine(s).Validate(); !status.ok()) {
+  if (absl::Status status = s.Validate(); !status.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("sampling: ", status.message()));
   }
@@ -67,9 +67,9 @@ absl::Status CheckStops(std::span<const std::string> stop) {
   return absl::OkStatus();
 }
 
-Sampling SamplingFromWire(const v1::SamplingParams& wire,
-                          uint64_t seed_if_unset) {
-  Sampling s;
+engine::SamplingParams SamplingFromWire(const v1::SamplingParams& wire,
+                                        uint64_t seed_if_unset) {
+  engine::SamplingParams s;
   s.temperature = wire.temperature();
   s.top_p = wire.top_p() == 0 ? 1.0f : wire.top_p();
   s.top_k = wire.top_k();
@@ -114,7 +114,7 @@ Sampling SamplingFromWire(const v1::SamplingParams& wire,
   return s;
 }
 
-void SamplingToWire(const Sampling& s, v1::SamplingParams* wire) {
+void SamplingToWire(const engine::SamplingParams& s, v1::SamplingParams* wire) {
   wire->set_temperature(s.temperature);
   wire->set_top_p(s.top_p);
   wire->set_top_k(s.top_k);

@@ -29,27 +29,14 @@ inline constexpr int kMaxStopStrings = 16;
 // OpenAI's bound; one bound on every API (gRPC took 9 when HTTP refused it).
 inline constexpr float kMaxTemperature = 2.0f;
 
-// A request's sampling fields as every layer keeps them.
-struct Sampling {
-  float temperature = 0.0f;  // 0 = greedy
-  float top_p = 1.0f;        // 1 = off
-  int32_t top_k = 0;         // 0 = off
-  uint64_t seed = 0;
-  // engine::SamplingParams's logit processors and min-p, same meaning.
-  float min_p = 0.0f;
-  float presence_penalty = 0.0f;
-  float frequency_penalty = 0.0f;
-  float repetition_penalty = 1.0f;
-  int32_t min_tokens = 0;
-  std::vector<engine::LogitBias> logit_bias;  // sorted by token, unique
-  engine::StructuredOutput structured_output;
-};
-
 // INVALID_ARGUMENT "sampling: <field> ...": temperature outside [0,
 // kMaxTemperature] or not finite, top_p outside (0, 1], top_k < 0, and the
 // processors' bounds (engine::SamplingParams::Validate). Token ids of
 // logit_bias are checked against the vocabulary where it is known.
-[[nodiscard]] absl::Status CheckSampling(const Sampling& sampling);
+// (Every layer keeps a request's sampling fields as the engine's own
+// engine::SamplingParams: one type from the front-end to the sampler.)
+[[nodiscard]] absl::Status CheckSampling(
+    const engine::SamplingParams& sampling);
 
 // max_tokens >= 1, or >= 0 with echo (0 = score or return the prompt only),
 // and within int32.
@@ -65,25 +52,10 @@ struct Sampling {
 // reads as 1 (off); an unset seed reads as `seed_if_unset` (the router's
 // front-end passes a fresh random one, workers 0: the router always sets
 // it).
-Sampling SamplingFromWire(const v1::SamplingParams& wire,
-                          uint64_t seed_if_unset);
-void SamplingToWire(const Sampling& sampling, v1::SamplingParams* wire);
-
-inline engine::SamplingParams ToEngine(const Sampling& s) {
-  engine::SamplingParams out;
-  out.temperature = s.temperature;
-  out.top_p = s.top_p;
-  out.top_k = s.top_k;
-  out.seed = s.seed;
-  out.min_p = s.min_p;
-  out.presence_penalty = s.presence_penalty;
-  out.frequency_penalty = s.frequency_penalty;
-  out.repetition_penalty = s.repetition_penalty;
-  out.min_tokens = s.min_tokens;
-  out.logit_bias = s.logit_bias;
-  out.structured_output = s.structured_output;
-  return out;
-}
+engine::SamplingParams SamplingFromWire(const v1::SamplingParams& wire,
+                                        uint64_t seed_if_unset);
+void SamplingToWire(const engine::SamplingParams& sampling,
+                    v1::SamplingParams* wire);
 
 // A worker's max_tokens field (AdmitRequest): 0 is unset = the default.
 inline int32_t MaxTokensFromWorkerWire(int32_t wire) {

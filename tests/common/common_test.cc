@@ -16,6 +16,7 @@
 #include "common/float16.h"
 #include "common/large_buffer.h"
 #include "common/mapped_file.h"
+#include "common/recent_ids.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 
@@ -215,6 +216,43 @@ TEST(StatusMacrosTest, PropagateErrorsAndAssignValues) {
   EXPECT_TRUE(Quarter(8, &out).ok());
   EXPECT_EQ(out, 2);
   EXPECT_EQ(Quarter(6, &out).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace pdserve
+
+namespace pdserve {
+namespace {
+
+TEST(RecentIdsTest, BoundedInCountAndAge) {
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  RecentIds ids(3, absl::Seconds(10));
+  EXPECT_TRUE(ids.Insert(1, t0));
+  EXPECT_FALSE(ids.Insert(1, t0));  // known
+  EXPECT_TRUE(ids.Insert(2, t0));
+  EXPECT_TRUE(ids.Insert(3, t0));
+  EXPECT_TRUE(ids.Insert(4, t0));  // over capacity: the oldest goes
+  EXPECT_FALSE(ids.Contains(1));
+  EXPECT_TRUE(ids.Contains(2) && ids.Contains(3) && ids.Contains(4));
+  // Erased, then remembered again: the old entry does not take it away.
+  EXPECT_TRUE(ids.Erase(2));
+  EXPECT_FALSE(ids.Erase(2));
+  EXPECT_TRUE(ids.Insert(2, t0 + absl::Seconds(5)));
+  EXPECT_TRUE(ids.Insert(5, t0 + absl::Seconds(5)));
+  EXPECT_TRUE(ids.Contains(2));
+  // Past their age the first ones are gone; the later ones stay.
+  EXPECT_TRUE(ids.Insert(6, t0 + absl::Seconds(11)));
+  EXPECT_FALSE(ids.Contains(3));
+  EXPECT_FALSE(ids.Contains(4));
+  EXPECT_TRUE(ids.Contains(2) && ids.Contains(5) && ids.Contains(6));
+  EXPECT_LE(ids.size(), 3u);
+  // A flood of erased ids leaves the structure bounded.
+  RecentIds churn(4);
+  for (uint64_t i = 0; i < 10000; ++i) {
+    churn.Insert(i, t0);
+    churn.Erase(i);
+  }
+  EXPECT_EQ(churn.size(), 0u);
 }
 
 }  // namespace

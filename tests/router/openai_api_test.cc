@@ -372,7 +372,7 @@ TEST(OpenAiApiTest, SamplingControlsReachTheRequest) {
           "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 3,
           "logit_bias": {"12": -100, "3": 2.5}, "n": 2, "best_of": 5})");
   ASSERT_TRUE(r.ok()) << r.status();
-  const SamplingOptions& s = r->generation.sampling;
+  const engine::SamplingParams& s = r->generation.sampling;
   EXPECT_FLOAT_EQ(s.presence_penalty, -0.5f);
   EXPECT_FLOAT_EQ(s.frequency_penalty, 1.25f);
   EXPECT_FLOAT_EQ(s.repetition_penalty, 1.1f);
@@ -416,7 +416,7 @@ TEST(OpenAiApiTest, SamplingControlsReachTheRequest) {
   absl::StatusOr<OpenAiRequest> plain = Completion(R"({"prompt": "a"})");
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ(plain->best_of, 1);
-  EXPECT_FALSE(rpc::ToEngine(plain->generation.sampling).processes_logits());
+  EXPECT_FALSE(plain->generation.sampling.processes_logits());
 }
 
 // best_of keeps each prompt's n candidates of highest cumulative logprob,

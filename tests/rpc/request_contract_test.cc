@@ -11,17 +11,25 @@
 namespace pdserve::rpc {
 namespace {
 
+engine::SamplingParams Sampling(float temperature, float top_p, int top_k) {
+  engine::SamplingParams s;
+  s.temperature = temperature;
+  s.top_p = top_p;
+  s.top_k = top_k;
+  return s;
+}
+
 TEST(RequestContractTest, SamplingBoundsNameTheField) {
   EXPECT_TRUE(CheckSampling({}).ok());
-  EXPECT_TRUE(CheckSampling({kMaxTemperature, 1.0f, 0, 0}).ok());
+  EXPECT_TRUE(CheckSampling(Sampling(kMaxTemperature, 1.0f, 0)).ok());
   for (const auto& [sampling, field] :
-       std::vector<std::pair<Sampling, std::string>>{
-           {{-0.1f, 1.0f, 0, 0}, "temperature"},
-           {{2.5f, 1.0f, 0, 0}, "temperature"},
-           {{std::nanf(""), 1.0f, 0, 0}, "temperature"},
-           {{1.0f, 0.0f, 0, 0}, "top_p"},
-           {{1.0f, 1.5f, 0, 0}, "top_p"},
-           {{1.0f, 1.0f, -1, 0}, "top_k"}}) {
+       std::vector<std::pair<engine::SamplingParams, std::string>>{
+           {Sampling(-0.1f, 1.0f, 0), "temperature"},
+           {Sampling(2.5f, 1.0f, 0), "temperature"},
+           {Sampling(std::nanf(""), 1.0f, 0), "temperature"},
+           {Sampling(1.0f, 0.0f, 0), "top_p"},
+           {Sampling(1.0f, 1.5f, 0), "top_p"},
+           {Sampling(1.0f, 1.0f, -1), "top_k"}}) {
     const absl::Status s = CheckSampling(sampling);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
     EXPECT_NE(s.message().find(field), std::string::npos) << s;
@@ -50,23 +58,42 @@ TEST(RequestContractTest, MaxTokensLogprobsAndStops) {
 TEST(RequestContractTest, SamplingCrossesTheWire) {
   v1::SamplingParams wire;
   // Unset top_p (0 on the wire) is off; an unset seed takes the fallback.
-  Sampling s = SamplingFromWire(wire, 99);
+  engine::SamplingParams s = SamplingFromWire(wire, 99);
   EXPECT_EQ(s.top_p, 1.0f);
+  EXPECT_EQ(s.repetition_penalty, 1.0f);
   EXPECT_EQ(s.seed, 99u);
-  const Sampling sent{0.7f, 0.9f, 40, 12345};
+  // Every field there and back: the one type every layer keeps.
+  engine::SamplingParams sent;
+  sent.temperature = 0.7f;
+  sent.top_p = 0.9f;
+  sent.top_k = 40;
+  sent.seed = 12345;
+  sent.min_p = 0.05f;
+  sent.presence_penalty = 0.5f;
+  sent.frequency_penalty = -0.25f;
+  sent.repetition_penalty = 1.2f;
+  sent.min_tokens = 3;
+  sent.logit_bias = {{2, -1.5f}, {7, 3.0f}};
+  sent.structured_output.kind = engine::StructuredOutput::Kind::kChoice;
+  sent.structured_output.choices = {"yes", "no"};
   SamplingToWire(sent, &wire);
   s = SamplingFromWire(wire, 99);
   EXPECT_EQ(s.temperature, sent.temperature);
   EXPECT_EQ(s.top_p, sent.top_p);
   EXPECT_EQ(s.top_k, sent.top_k);
   EXPECT_EQ(s.seed, sent.seed);  // a set seed, 0 included, is kept
+  EXPECT_EQ(s.min_p, sent.min_p);
+  EXPECT_EQ(s.presence_penalty, sent.presence_penalty);
+  EXPECT_EQ(s.frequency_penalty, sent.frequency_penalty);
+  EXPECT_EQ(s.repetition_penalty, sent.repetition_penalty);
+  EXPECT_EQ(s.min_tokens, sent.min_tokens);
+  ASSERT_EQ(s.logit_bias.size(), 2u);
+  EXPECT_EQ(s.logit_bias[0].token, 2);  // sorted by token
+  EXPECT_EQ(s.logit_bias[1].bias, 3.0f);
+  EXPECT_EQ(s.structured_output, sent.structured_output);
+  EXPECT_TRUE(CheckSampling(s).ok());
   wire.set_seed(0);
   EXPECT_EQ(SamplingFromWire(wire, 99).seed, 0u);
-  const engine::SamplingParams e = ToEngine(sent);
-  EXPECT_EQ(e.temperature, sent.temperature);
-  EXPECT_EQ(e.top_k, sent.top_k);
-  EXPECT_EQ(e.top_p, sent.top_p);
-  EXPECT_EQ(e.seed, sent.seed);
 }
 
 TEST(RequestContractTest, LogprobsCrossTheWire) {
