@@ -157,6 +157,10 @@ class ClusterRequest {
   // Where the attempt's prompt is prefilled: on a group, unless the mode,
   // a migration or ClusterBackendOptions say the decode worker does it.
   void DecidePrefill(Attempt& a) const;
+  // Leases a prefill group for the attempt, or, with none in rotation and
+  // the fallback on, has its decode worker prefill (a.local_prefill); the
+  // assignment's error otherwise.
+  absl::Status PickPrefillGroup(Attempt& a);
   // Whether a request finding no prefill group for this reason is prefilled
   // by its decode worker (ClusterBackendOptions::prefill_fallback).
   bool FallsBackToDecode(const absl::Status& no_group) const;

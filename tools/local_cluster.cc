@@ -61,22 +61,6 @@ absl::Status WriteRandomToken(const std::string& path) {
   return absl::OkStatus();
 }
 
-// A port nothing listens on now (TCP and UDP): bound to port 0 and read back.
-absl::StatusOr<int> FreeLoopbackPort(int type) {
-  const int fd = socket(AF_INET, type | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError("socket() failed");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  const bool ok =
-      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  close(fd);
-  if (!ok) return absl::UnavailableError("cannot bind a loopback port");
-  return static_cast<int>(ntohs(address.sin_port));
-}
-
 constexpr char kDecodeName[] = "decode.pdserve.local";
 constexpr char kPrefillName[] = "prefill.pdserve.local";
 
@@ -120,8 +104,10 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster(options));
   cluster->internal_token_ = internal_tokens.first();
   if (options.dns_discovery) {
-    PDS_ASSIGN_OR_RETURN(cluster->decode_port_, FreeLoopbackPort(SOCK_STREAM));
-    PDS_ASSIGN_OR_RETURN(cluster->prefill_port_, FreeLoopbackPort(SOCK_STREAM));
+    PDS_ASSIGN_OR_RETURN(cluster->decode_port_,
+                         process::FreeLoopbackPort(SOCK_STREAM));
+    PDS_ASSIGN_OR_RETURN(cluster->prefill_port_,
+                         process::FreeLoopbackPort(SOCK_STREAM));
     PDS_ASSIGN_OR_RETURN(cluster->dns_, process::DnsServer::Start(
                                             options.work_dir, "pdserve.local"));
   }
@@ -185,11 +171,16 @@ absl::Status LocalCluster::PublishDns() {
   return dns_->SetRecords(records);
 }
 
-absl::StatusOr<int> LocalCluster::AddDecodeWorker() {
+absl::Status LocalCluster::CheckScaling() const {
   if (!options_.dns_discovery) {
     return absl::FailedPreconditionError(
         "scaling needs dns_discovery (the router's lists are fixed)");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> LocalCluster::AddDecodeWorker() {
+  PDS_RETURN_IF_ERROR(CheckScaling());
   const int worker = static_cast<int>(decodes_.size());
   PDS_RETURN_IF_ERROR(StartDecode(worker, decode_port_));
   published_decode_.insert(worker);
@@ -199,9 +190,7 @@ absl::StatusOr<int> LocalCluster::AddDecodeWorker() {
 
 absl::Status LocalCluster::RemoveDecodeWorker(int worker, bool drain,
                                               absl::Duration timeout) {
-  if (!options_.dns_discovery) {
-    return absl::FailedPreconditionError("scaling needs dns_discovery");
-  }
+  PDS_RETURN_IF_ERROR(CheckScaling());
   if (worker < 0 || worker >= static_cast<int>(decodes_.size()) ||
       decodes_[worker] == nullptr) {
     return absl::NotFoundError(absl::StrCat("no decode worker ", worker));
@@ -232,9 +221,7 @@ absl::StatusOr<int> LocalCluster::AddPrefillGroup() {
 
 absl::Status LocalCluster::RemovePrefillGroup(int group, bool drain,
                                               absl::Duration timeout) {
-  if (!options_.dns_discovery) {
-    return absl::FailedPreconditionError("scaling needs dns_discovery");
-  }
+  PDS_RETURN_IF_ERROR(CheckScaling());
   if (group < 0 || group >= static_cast<int>(groups_.size()) ||
       groups_[group].stages.empty()) {
     return absl::NotFoundError(absl::StrCat("no prefill group ", group));

@@ -251,6 +251,8 @@ class LocalCluster {
   absl::Status StartPrefillGroup(int group, int port);
   absl::Status StartDecode(int worker, int port = 0);
   absl::Status StartRouter();
+  // FAILED_PRECONDITION unless dns_discovery (the router's lists are fixed).
+  absl::Status CheckScaling() const;
   // Sets the DNS server's records to the published workers'.
   absl::Status PublishDns();
   // The host decode worker w / group g's stage 0 listens on.

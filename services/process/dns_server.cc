@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "process/port_file.h"
 
 namespace pdserve::process {
 namespace {
@@ -28,20 +29,6 @@ sockaddr_in Loopback(int port) {
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   address.sin_port = htons(static_cast<uint16_t>(port));
   return address;
-}
-
-// A UDP port free on 127.0.0.1 now (bound to 0 and read back).
-absl::StatusOr<int> FreeUdpPort() {
-  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError("socket() failed");
-  sockaddr_in address = Loopback(0);
-  socklen_t length = sizeof(address);
-  const bool ok =
-      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  close(fd);
-  if (!ok) return absl::UnavailableError("cannot bind a loopback UDP port");
-  return static_cast<int>(ntohs(address.sin_port));
 }
 
 // Whether something (dnsmasq, once up) holds UDP `port` on 127.0.0.1.
@@ -70,7 +57,7 @@ absl::StatusOr<std::unique_ptr<DnsServer>> DnsServer::Start(
     std::ofstream empty(hosts_file, std::ios::trunc);
     if (!empty) return absl::UnavailableError("cannot write " + hosts_file);
   }
-  absl::StatusOr<int> port = FreeUdpPort();
+  absl::StatusOr<int> port = FreeLoopbackPort(SOCK_DGRAM);
   if (!port.ok()) return port.status();
   const char* user = std::getenv("USER");
   SpawnOptions spawn;

@@ -1,5 +1,8 @@
 #include "process/port_file.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -63,6 +66,21 @@ std::string ReadFileTail(const std::string& path, size_t max_bytes) {
   std::string text = buffer.str();
   if (text.size() > max_bytes) text = text.substr(text.size() - max_bytes);
   return text;
+}
+
+absl::StatusOr<int> FreeLoopbackPort(int socket_type) {
+  const int fd = socket(AF_INET, socket_type | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError("socket() failed");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  const bool ok =
+      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  close(fd);
+  if (!ok) return absl::UnavailableError("cannot bind a loopback port");
+  return static_cast<int>(ntohs(address.sin_port));
 }
 
 }  // namespace pdserve::process

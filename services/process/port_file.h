@@ -28,4 +28,9 @@ class ChildProcess;
 // error messages that quote a process's log.
 std::string ReadFileTail(const std::string& path, size_t max_bytes);
 
+// A port free on 127.0.0.1 now for `socket_type` (SOCK_STREAM or
+// SOCK_DGRAM): bound to port 0 and read back. Another process may take it
+// before the caller binds it; good enough for loopback tests and launchers.
+[[nodiscard]] absl::StatusOr<int> FreeLoopbackPort(int socket_type);
+
 }  // namespace pdserve::process
