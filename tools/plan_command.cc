@@ -265,6 +265,22 @@ absl::Status RunPlan(int argc, char** argv) {
       ranked->front().prediction.replications,
       planner::FormatPlan(*ranked, rows).c_str());
   const planner::Layout& best = ranked->front().layout;
+  // The per-request disaggregation threshold for this layout's workers.
+  if (!best.colocated) {
+    const int crossover = model.LocalPrefillCrossover(
+        {best.tp, best.decode_threads}, {1, best.prefill_threads},
+        best.max_step_tokens);
+    std::printf(
+        "per-request disaggregation: %s (idle TTFT, this profile)\n  router "
+        "--local-prefill-max-tokens=%d\n\n",
+        crossover > 0
+            ? absl::StrFormat("prompts of up to %d tokens reach their first "
+                              "token sooner prefilled by their decode worker",
+                              crossover)
+                  .c_str()
+            : "a prefill group is faster from the shortest prompt on",
+        crossover);
+  }
   if (request.resources.nodes > 1) {
     // `pdserve local` runs one machine; across nodes only the manifests
     // build the layout.

@@ -74,6 +74,26 @@ LinearCost PerfModel::ColocatedTtft(ComputeConfig config) const {
   return it != calibrated.end() ? it->second.colocated_ttft : colocated_ttft;
 }
 
+int PerfModel::LocalPrefillCrossover(ComputeConfig decode, ComputeConfig stage,
+                                     int max_prompt_tokens) const {
+  auto decode_cost = steps.find(decode);
+  auto stage_cost = steps.find(stage);
+  if (decode_cost == steps.end() || stage_cost == steps.end()) return 0;
+  const LinearCost colocated = ColocatedTtft(decode);
+  int crossover = 0;
+  for (int tokens = block_size; tokens <= max_prompt_tokens;
+       tokens += block_size) {
+    const StepShape prompt{tokens, 1, AttendedPositions(0, tokens)};
+    const double local =
+        colocated.At(tokens) + decode_cost->second.Seconds(prompt);
+    const double remote = disaggregated_ttft.At(tokens) +
+                          stage_cost->second.Seconds(prompt) + handoff_seconds;
+    if (local > remote) break;
+    crossover = tokens;
+  }
+  return crossover;
+}
+
 nlohmann::json PerfModel::ToJson() const {
   nlohmann::json configs = nlohmann::json::array();
   for (const auto& [c, cost] : steps) {

@@ -156,6 +156,17 @@ struct PerfModel {
   double BusyCores(ComputeConfig config) const;
   double StepOverhead(ComputeConfig config) const;
   LinearCost ColocatedTtft(ComputeConfig config) const;
+  // The per-request disaggregation threshold (router
+  // --local-prefill-max-tokens): the longest prompt, in whole blocks up to
+  // `max_prompt_tokens`, whose idle TTFT is no longer prefilled by a decode
+  // worker of `decode` (its calibrated colocated TTFT + the prompt step)
+  // than by a stage of `stage` (the disaggregated TTFT + the stage's prompt
+  // step + the hand-off). 0 when the group wins from the shortest prompt
+  // on, or when either configuration was not profiled. Idle TTFT only: a
+  // prompt prefilled on the decode worker also delays its running streams
+  // for one step, which the threshold leaves to the TPOT SLO's margin.
+  int LocalPrefillCrossover(ComputeConfig decode, ComputeConfig stage,
+                            int max_prompt_tokens) const;
 
   // The step cost of `config`, or NOT_FOUND naming what was profiled.
   absl::StatusOr<const StepCost*> Step(ComputeConfig config) const;

@@ -54,6 +54,13 @@ TEST(PlanCommandTest, ProfilesRanksAndReplansFromTheSavedProfile) {
   EXPECT_NE(profiled.find("pdserve local --model " + kModel + " "),
             std::string::npos);
   EXPECT_NE(profiled.find("ConfigMap pdserve-layout:"), std::string::npos);
+  EXPECT_NE(profiled.find("Deployment decode: replicas "), std::string::npos);
+  // Disaggregated best layouts come with the per-request threshold.
+  if (profiled.find("best: colocated") == std::string::npos) {
+    EXPECT_NE(profiled.find("router --local-prefill-max-tokens="),
+              std::string::npos)
+        << profiled;
+  }
   // The co-running calibration measured each pair of kinds side by side.
   for (const char* pair :
        {"decode beside a prefill: ", "decode beside a decode: ",

@@ -1201,3 +1201,31 @@ TEST(LayoutTest, KubernetesValuesNameTheShippedObjects) {
 
 }  // namespace
 }  // namespace pdserve::planner
+
+namespace pdserve::planner {
+namespace {
+
+// The per-request disaggregation threshold: where prefilling on the decode
+// worker stops being the sooner first token.
+TEST(PerfModelTest, LocalPrefillCrossoverIsWhereTheGroupBecomesFaster) {
+  auto fitted = StepCost::Fit(Samples(0, 1));
+  ASSERT_TRUE(fitted.ok()) << fitted.status();
+  PerfModel m = ModelWith(*fitted);
+  m.block_size = 16;
+  // Same step costs on both sides: only the fixed costs differ. Local:
+  // 5 ms + 0.1 ms a token; remote: 30 ms + 5 ms hand-off. Equal at 300.
+  m.colocated_ttft = {0.005, 0.0001, {}};
+  m.disaggregated_ttft = {0.030, 0, {}};
+  m.handoff_seconds = 0.005;
+  EXPECT_EQ(m.LocalPrefillCrossover({1, 1}, {1, 2}, 512), 288);
+  // A decode worker twice as slow at prompt steps: the group wins past a
+  // block (the step itself is ~24 ms at 16 tokens, ~32 ms at 32).
+  m.steps[{2, 1}] = fitted->Scaled(2.0);
+  EXPECT_EQ(m.LocalPrefillCrossover({2, 1}, {1, 1}, 512), 16);
+  // The bound holds; an unprofiled configuration gives no threshold.
+  EXPECT_EQ(m.LocalPrefillCrossover({1, 1}, {1, 2}, 100), 96);
+  EXPECT_EQ(m.LocalPrefillCrossover({4, 1}, {1, 1}, 512), 0);
+}
+
+}  // namespace
+}  // namespace pdserve::planner
