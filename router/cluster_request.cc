@@ -456,6 +456,65 @@ ClusterRequest::Next ClusterRequest::PrefillOnGroup(Attempt& a) {
   return Next::kContinue;
 }
 
+absl::StatusOr<GenerationDelta> ClusterRequest::ReadDelta(
+    const v1::DecodeDelta& in, const Attempt& a) const {
+  GenerationDelta out;
+  out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
+  out.text = in.text();
+  if (!request_.logprobs) return out;
+  if (in.logprobs_size() != in.token_ids_size()) {
+    return absl::InternalError(absl::StrCat(
+        "decode worker ", a.decode_address, " sent ", in.logprobs_size(),
+        " logprobs for ", in.token_ids_size(), " tokens"));
+  }
+  out.logprobs.reserve(in.logprobs_size());
+  for (int k = 0; k < in.logprobs_size(); ++k) {
+    out.logprobs.push_back(ToTokenLogprob(in.token_ids(k), in.logprobs(k)));
+  }
+  return out;
+}
+
+void ClusterRequest::ObserveTokens(size_t tokens, Attempt& a) {
+  const absl::Time now = absl::Now();
+  if (first_token_at_ == absl::InfinitePast()) {
+    first_token_at_ = now;
+    timing_.time_to_first_token_seconds = absl::ToDoubleSeconds(now - started_);
+    FirstTokenReached();
+    if (metrics_ != nullptr) {
+      metrics_->ObserveTtft(timing_.time_to_first_token_seconds);
+      a.breakdown.first_step =
+          absl::ToDoubleSeconds(now - a.prefill_returned_at);
+      metrics_->ObserveTtftBreakdown(a.breakdown);
+    }
+  } else if (metrics_ != nullptr) {
+    // A speculative step delivers several tokens at once: spread the gap
+    // over them, as a client reading tokens sees it.
+    const double per_token = absl::ToDoubleSeconds(now - last_token_at_) /
+                             static_cast<double>(tokens);
+    for (size_t k = 0; k < tokens; ++k) metrics_->ObserveItl(per_token);
+  }
+  last_token_at_ = now;
+}
+
+void ClusterRequest::RestoreEchoSpace(GenerationDelta& out,
+                                      bool& restore_space) const {
+  const bool first_tokens =
+      !out.token_ids.empty() &&
+      usage_.completion_tokens == static_cast<int32_t>(out.token_ids.size());
+  if (request_.echo && services_.tokenizer != nullptr && first_tokens) {
+    absl::StatusOr<std::string> bytes =
+        services_.tokenizer->TokenBytes(out.token_ids[0]);
+    restore_space = bytes.ok() && absl::StartsWith(*bytes, " ");
+  }
+  if (restore_space && !out.text.empty()) {
+    // The worker decodes the continuation on its own, dropping its first
+    // word's space (SentencePiece's dummy prefix); after the echoed prompt
+    // that space separates the two.
+    if (!absl::StartsWith(out.text, " ")) out.text.insert(0, " ");
+    restore_space = false;
+  }
+}
+
 ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
   grpc::ClientContext context;
   if (request_.deadline != absl::InfiniteFuture()) {
@@ -501,47 +560,15 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
       cancellation_->Leave();
       return FinishWithEcho();
     }
-    GenerationDelta out;
-    out.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
-    out.text = in.text();
-    if (request_.logprobs) {
-      if (in.logprobs_size() != in.token_ids_size()) {
-        last_error_ = absl::InternalError(absl::StrCat(
-            "decode worker ", a.decode_address, " sent ", in.logprobs_size(),
-            " logprobs for ", in.token_ids_size(), " tokens"));
-        return abandon(last_error_);
-      }
-      out.logprobs.reserve(in.logprobs_size());
-      for (int k = 0; k < in.logprobs_size(); ++k) {
-        out.logprobs.push_back(ToTokenLogprob(in.token_ids(k), in.logprobs(k)));
-      }
+    absl::StatusOr<GenerationDelta> read = ReadDelta(in, a);
+    if (!read.ok()) {
+      last_error_ = read.status();
+      return abandon(last_error_);
     }
+    GenerationDelta& out = *read;
     usage_.completion_tokens += static_cast<int32_t>(out.token_ids.size());
     const absl::Duration since_start = absl::Now() - started_;
-    if (!out.token_ids.empty()) {
-      const absl::Time now = absl::Now();
-      if (first_token_at_ == absl::InfinitePast()) {
-        first_token_at_ = now;
-        timing_.time_to_first_token_seconds =
-            absl::ToDoubleSeconds(since_start);
-        FirstTokenReached();
-        if (metrics_ != nullptr) {
-          metrics_->ObserveTtft(timing_.time_to_first_token_seconds);
-          a.breakdown.first_step =
-              absl::ToDoubleSeconds(now - a.prefill_returned_at);
-          metrics_->ObserveTtftBreakdown(a.breakdown);
-        }
-      } else if (metrics_ != nullptr) {
-        // A speculative step delivers several tokens at once: spread the gap
-        // over them, as a client reading tokens sees it.
-        const double per_token = absl::ToDoubleSeconds(now - last_token_at_) /
-                                 static_cast<double>(out.token_ids.size());
-        for (size_t k = 0; k < out.token_ids.size(); ++k) {
-          metrics_->ObserveItl(per_token);
-        }
-      }
-      last_token_at_ = now;
-    }
+    if (!out.token_ids.empty()) ObserveTokens(out.token_ids.size(), a);
     // A worker that ends the stream as cancelled without this side asking
     // (it shut down with the request on it) broke the stream: the tokens
     // with it are good, the end is not.
@@ -556,21 +583,7 @@ ClusterRequest::Next ClusterRequest::StreamFromDecode(Attempt& a) {
       timing_.total_seconds = absl::ToDoubleSeconds(since_start);
       out.timing = timing_;
     }
-    const bool first_tokens =
-        !out.token_ids.empty() &&
-        usage_.completion_tokens == static_cast<int32_t>(out.token_ids.size());
-    if (request_.echo && services_.tokenizer != nullptr && first_tokens) {
-      absl::StatusOr<std::string> bytes =
-          services_.tokenizer->TokenBytes(out.token_ids[0]);
-      restore_space = bytes.ok() && absl::StartsWith(*bytes, " ");
-    }
-    if (restore_space && !out.text.empty()) {
-      // The worker decodes the continuation on its own, dropping its first
-      // word's space (SentencePiece's dummy prefix); after the echoed prompt
-      // that space separates the two.
-      if (!absl::StartsWith(out.text, " ")) out.text.insert(0, " ");
-      restore_space = false;
-    }
+    RestoreEchoSpace(out, restore_space);
     if (echo_.has_value()) out.echo = std::move(echo_);  // first delta only
     echo_.reset();
     streamed_ids_.insert(streamed_ids_.end(), out.token_ids.begin(),

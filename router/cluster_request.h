@@ -175,6 +175,15 @@ class ClusterRequest {
   Next AdmitOnDecode(Attempt& a);
   Next PrefillOnGroup(Attempt& a);
   Next StreamFromDecode(Attempt& a);
+  // One wire delta as the observer's, its logprobs checked against its ids.
+  absl::StatusOr<GenerationDelta> ReadDelta(const v1::DecodeDelta& in,
+                                            const Attempt& a) const;
+  // TTFT (and its breakdown) at the first tokens, inter-token latency after.
+  void ObserveTokens(size_t tokens, Attempt& a);
+  // Echo: the space the worker's detokenizer dropped before the first word
+  // of the continuation (`restore_space` carries over until a delta has
+  // text).
+  void RestoreEchoSpace(GenerationDelta& out, bool& restore_space) const;
   // Frees the request's blocks at the attempt's decode worker (best effort:
   // NOT_FOUND when it already finished or was never admitted).
   // Returns the Abort's status (OK without a decode side).

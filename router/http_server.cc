@@ -268,6 +268,67 @@ class StreamBuffer : public std::enable_shared_from_this<StreamBuffer> {
   std::shared_ptr<StreamBuffer> keep_alive_ ABSL_GUARDED_BY(mu_);
 };
 
+// One admitted generate request, as its responders need it.
+struct GenerateReply {
+  OpenAiEndpoint endpoint = OpenAiEndpoint::kCompletions;
+  std::string id;  // cmpl-... / chatcmpl-...
+  int64_t created = 0;
+  std::string model;
+  bool logprobs = false;  // as the client asked (best_of may force them on)
+  int32_t top_logprobs = 0;
+  int n = 1;            // choices returned
+  int candidates = 1;   // per prompt, generated (best_of)
+  int num_choices = 1;  // generated: prompts x candidates
+  absl::Time deadline;
+  ToolCallFormat tool_format = ToolCallFormat::kNone;
+  std::string answer_prefix;  // forced opening of the answer (tool calls)
+  bool include_usage = false;
+};
+
+// Choice p * candidates + i: prompt p's i-th, its own request (id suffix)
+// with seed + i, so sampled choices differ and a fixed seed reproduces all
+// of them.
+std::vector<GenerationRequest> ChoiceRequests(
+    const GenerationRequest& generation,
+    const std::vector<PromptInput>& prompts, const GenerateReply& reply) {
+  const int num_prompts = reply.num_choices / reply.candidates;
+  std::vector<GenerationRequest> choices;
+  for (int p = 0; p < num_prompts; ++p) {
+    for (int i = 0; i < reply.candidates; ++i) {
+      GenerationRequest& choice = choices.emplace_back(generation);
+      if (p > 0) {
+        choice.prompt_text = prompts[p].text;
+        choice.prompt_ids = prompts[p].ids;
+      }
+      if (reply.num_choices > 1) {
+        absl::StrAppend(&choice.request_id, "-", p * reply.candidates + i);
+      }
+      choice.sampling.seed += static_cast<uint64_t>(i);
+    }
+  }
+  return choices;
+}
+
+// Adds one delta of a unary (non-streaming) choice to its outcome.
+void AccumulateDelta(GenerationDelta& delta, bool logprobs,
+                     CompletionOutcome& outcome) {
+  if (delta.echo.has_value()) {
+    // The first delta: the prompt comes before anything generated.
+    PromptEcho& echo = *delta.echo;
+    outcome.text = echo.text + outcome.text;
+    outcome.logprobs.text_offset = TextCharacters(echo.text);
+    if (logprobs) outcome.logprobs.prompt = std::move(echo);
+  }
+  outcome.text += delta.text;
+  for (TokenLogprob& l : delta.logprobs) {
+    outcome.logprobs.tokens.push_back(std::move(l));
+  }
+  if (delta.finished) {
+    outcome.finish_reason = delta.finish_reason;
+    outcome.usage = delta.usage;
+  }
+}
+
 void SendError(httplib::Response& res, const absl::Status& status) {
   res.status = HttpStatusFor(status);
   res.set_content(ErrorBody(status), "application/json");
@@ -285,6 +346,40 @@ class OpenAiHttpServer::Impl {
   ~Impl() { Stop(); }
 
   absl::Status Start() {
+    if (absl::Status s = CreateServer(); !s.ok()) return s;
+    InstallAuthentication();
+    server_->set_keep_alive_timeout(
+        std::max<int64_t>(1, absl::ToInt64Seconds(options_.keep_alive)));
+    server_->set_keep_alive_max_count(
+        static_cast<size_t>(std::max(1, options_.keep_alive_requests)));
+    if (options_.draining) {
+      // A draining router hands its clients to the other replicas.
+      server_->set_post_routing_handler(
+          [this](const httplib::Request&, httplib::Response& res) {
+            if (options_.draining()) res.set_header("Connection", "close");
+          });
+    }
+    InstallRoutes();
+    InstallErrorHandler();
+    return BindAndListen();
+  }
+
+  void Stop() {
+    if (stopped_.exchange(true)) return;
+    if (server_ == nullptr) return;  // Start() failed before creating it
+    server_->stop();
+    // httplib waits out each idle keep-alive connection's timeout before its
+    // thread ends; end them now (streams in flight end too: NextEvent sees
+    // stopped_ and cancels them).
+    ShutdownConnections(port_, listen_fd_);
+    if (listener_.joinable()) listener_.join();
+  }
+
+  int port() const { return port_; }
+
+ private:
+  // The server (TLS or plain), its threads and its body limit.
+  absl::Status CreateServer() {
     if (absl::Status s = rpc::CheckTlsFiles(options_.tls); !s.ok()) return s;
     if (options_.tls.enabled()) {
       auto tls = std::make_unique<httplib::SSLServer>(
@@ -307,6 +402,10 @@ class OpenAiHttpServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(threads));
     };
     server_->set_payload_max_length(options_.max_body_bytes);
+    return absl::OkStatus();
+  }
+
+  void InstallAuthentication() {
     // API keys: every /v1/ route and /tokenize, /detokenize check the caller
     // before any work (/health, /version and /metrics stay open).
     server_->set_pre_routing_handler([this](const httplib::Request& req,
@@ -333,17 +432,9 @@ class OpenAiHttpServer::Impl {
           "application/json");
       return httplib::Server::HandlerResponse::Handled;
     });
-    server_->set_keep_alive_timeout(
-        std::max<int64_t>(1, absl::ToInt64Seconds(options_.keep_alive)));
-    server_->set_keep_alive_max_count(
-        static_cast<size_t>(std::max(1, options_.keep_alive_requests)));
-    if (options_.draining) {
-      // A draining router hands its clients to the other replicas.
-      server_->set_post_routing_handler(
-          [this](const httplib::Request&, httplib::Response& res) {
-            if (options_.draining()) res.set_header("Connection", "close");
-          });
-    }
+  }
+
+  void InstallRoutes() {
     server_->Post("/v1/completions",
                   [this](const httplib::Request& req, httplib::Response& res) {
                     HandleGenerate(OpenAiEndpoint::kCompletions, req, res);
@@ -392,6 +483,9 @@ class OpenAiHttpServer::Impl {
       }
       res.set_content("{\"status\":\"ok\"}", "application/json");
     });
+  }
+
+  void InstallErrorHandler() {
     // cpp-httplib's own errors (unknown path, 413 oversized body, ...) get
     // the OpenAI shape too, unless a handler already wrote a body (then the
     // handler has counted the request already). They are counted like every
@@ -425,6 +519,9 @@ class OpenAiHttpServer::Impl {
               "application/json");
           return httplib::Server::HandlerResponse::Handled;
         }));
+  }
+
+  absl::Status BindAndListen() {
     // Debian's build compiles httplib's listen backlog to 5: a burst of new
     // connections (many clients opening streams at once) overflows it and
     // some fail. Remember the listening socket and listen() again with a
@@ -458,22 +555,14 @@ class OpenAiHttpServer::Impl {
     return absl::OkStatus();
   }
 
-  void Stop() {
-    if (stopped_.exchange(true)) return;
-    if (server_ == nullptr) return;  // Start() failed before creating it
-    server_->stop();
-    // httplib waits out each idle keep-alive connection's timeout before its
-    // thread ends; end them now (streams in flight end too: NextEvent sees
-    // stopped_ and cancels them).
-    ShutdownConnections(port_, listen_fd_);
-    if (listener_.joinable()) listener_.join();
-  }
+  class SseStream;
 
-  int port() const { return port_; }
-
- private:
   void HandleGenerate(OpenAiEndpoint endpoint, const httplib::Request& req,
                       httplib::Response& res);
+  void RespondUnary(const GenerateReply& reply, StreamBuffer& buffer,
+                    StreamBuffer::Event first, httplib::Response& res);
+  // Why a request ended with no event: the server stopping or its deadline.
+  absl::Status EndedWithoutAnswer() const;
   void HandleTokenize(const httplib::Request& req, httplib::Response& res);
   void HandleDetokenize(const httplib::Request& req, httplib::Response& res);
   // Waits for the next event up to `until`, waking every kPollSlice to see
@@ -540,6 +629,161 @@ void OpenAiHttpServer::Impl::HandleDetokenize(const httplib::Request& req,
   res.set_content(DetokenizeBody(*text), "application/json");
 }
 
+// The server-sent events of one streaming request: cpp-httplib calls
+// Provide on the connection's thread after the handler returned, once per
+// event, until it calls done() or returns false. Choices' chunks interleave
+// as they come, each with its index.
+class OpenAiHttpServer::Impl::SseStream {
+ public:
+  SseStream(Impl* server, std::shared_ptr<StreamBuffer> buffer,
+            StreamBuffer::Event first, GenerateReply reply)
+      : server_(server),
+        buffer_(std::move(buffer)),
+        pending_(std::move(first)),
+        reply_(std::move(reply)),
+        open_(reply_.num_choices),
+        first_(reply_.num_choices, true),
+        text_offset_(reply_.num_choices, 0),
+        usage_(reply_.num_choices) {
+    if (reply_.tool_format != ToolCallFormat::kNone) {
+      for (int c = 0; c < reply_.num_choices; ++c) {
+        tool_calls_.emplace_back(reply_.tool_format);
+        // The forced opening is part of the answer (held: it starts a call).
+        (void)tool_calls_.back().Push(reply_.answer_prefix);
+      }
+    }
+  }
+
+  bool Provide(httplib::DataSink& sink) {
+    std::optional<StreamBuffer::Event> event = std::move(pending_);
+    pending_.reset();
+    if (!event.has_value()) {
+      event = server_->NextEvent(*buffer_, reply_.deadline + kDeadlineGrace);
+    }
+    if (!event.has_value()) {
+      // Deadline or shutdown mid-stream: say so, then end the stream.
+      Write(sink, StreamErrorEvent(server_->EndedWithoutAnswer()));
+      return EndStream(sink);
+    }
+    if (!event->delta.has_value()) return ChoiceDone(sink, event->status);
+    return WriteDelta(sink, event->choice, *event->delta);
+  }
+
+  // The connection is gone or the stream ended: stop what still runs.
+  void Release() {
+    if (!finished_) buffer_->Cancel();
+  }
+
+ private:
+  static bool Write(httplib::DataSink& sink, const std::string& data) {
+    return sink.write(data.data(), data.size());
+  }
+  bool EndStream(httplib::DataSink& sink) {
+    Write(sink, std::string(kStreamDoneEvent));
+    finished_ = true;
+    sink.done();
+    return true;
+  }
+
+  // A choice's OnDone: OK after its finished delta, or a mid-stream error,
+  // which ends the whole stream (the other choices stop).
+  bool ChoiceDone(httplib::DataSink& sink, const absl::Status& status) {
+    if (!status.ok()) {
+      buffer_->Cancel();
+      Write(sink, StreamErrorEvent(status));
+      return EndStream(sink);
+    }
+    if (--open_ > 0) return true;
+    if (reply_.include_usage &&
+        !Write(sink, StreamUsageEvent(reply_.endpoint, reply_.id,
+                                      reply_.created, reply_.model,
+                                      CombinedUsage(usage_, reply_.n)))) {
+      return false;
+    }
+    return EndStream(sink);
+  }
+
+  bool WriteDelta(httplib::DataSink& sink, int choice, GenerationDelta& delta) {
+    if (delta.finished) usage_[choice] = delta.usage;
+    // Tokens whose text is held back (a possible stop string, half a
+    // character) still get their chunk when logprobs were asked for.
+    if (delta.text.empty() && !delta.finished && !first_[choice] &&
+        delta.logprobs.empty() && !delta.echo.has_value()) {
+      return true;
+    }
+    LogprobsOutput chunk_logprobs;
+    chunk_logprobs.requested = reply_.logprobs;
+    chunk_logprobs.top_logprobs = reply_.top_logprobs;
+    std::string text = std::move(delta.text);
+    if (delta.echo.has_value()) {
+      // The prompt leads the choice's first chunk; offsets of the generated
+      // tokens count from its end.
+      text = delta.echo->text + text;
+      text_offset_[choice] += TextCharacters(delta.echo->text);
+      if (reply_.logprobs) chunk_logprobs.prompt = std::move(delta.echo);
+    }
+    chunk_logprobs.text_offset = text_offset_[choice];
+    for (const TokenLogprob& l : delta.logprobs) {
+      text_offset_[choice] += TokenCharacters(l.chosen);
+    }
+    chunk_logprobs.tokens = std::move(delta.logprobs);
+    const bool first_chunk = first_[choice];
+    first_[choice] = false;
+    if (!tool_calls_.empty()) {
+      ToolCallStream& calls = tool_calls_[choice];
+      text = calls.Push(text);
+      if (text.empty() && !delta.finished && !first_chunk &&
+          chunk_logprobs.tokens.empty()) {
+        return true;  // all held back (a call is being written)
+      }
+      if (delta.finished) {
+        ParsedAnswer rest = calls.Finish();
+        text += rest.content;
+        if (!rest.tool_calls.empty()) {
+          if ((!text.empty() || first_chunk) &&
+              !Write(sink, Chunk(text, FinishReason::kNone, first_chunk,
+                                 chunk_logprobs, choice))) {
+            return false;
+          }
+          return Write(sink, StreamToolCallsEvent(reply_.id, reply_.created,
+                                                  reply_.model, rest.tool_calls,
+                                                  choice));
+        }
+      }
+    }
+    // A failed write means the client went away: returning false closes the
+    // connection and Release cancels the generation.
+    return Write(
+        sink,
+        Chunk(text, delta.finished ? delta.finish_reason : FinishReason::kNone,
+              first_chunk, chunk_logprobs, choice));
+  }
+
+  std::string Chunk(const std::string& text, FinishReason finish,
+                    bool first_chunk, const LogprobsOutput& logprobs,
+                    int choice) const {
+    return StreamChunkEvent(reply_.endpoint, reply_.id, reply_.created,
+                            reply_.model, text, finish, first_chunk, logprobs,
+                            choice);
+  }
+
+  Impl* const server_;
+  const std::shared_ptr<StreamBuffer> buffer_;
+  std::optional<StreamBuffer::Event> pending_;  // the first event, unsent
+  const GenerateReply reply_;
+  int open_;                                // choices not finished yet
+  std::vector<bool> first_;                 // per choice: no chunk sent yet
+  std::vector<int64_t> text_offset_;        // per choice: characters reported
+  std::vector<GenerationUsage> usage_;      // per choice, from its last delta
+  std::vector<ToolCallStream> tool_calls_;  // chat with tools: held calls
+  bool finished_ = false;
+};
+
+absl::Status OpenAiHttpServer::Impl::EndedWithoutAnswer() const {
+  return stopped_ ? absl::UnavailableError("router stopping")
+                  : absl::DeadlineExceededError("request deadline exceeded");
+}
+
 void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
                                             const httplib::Request& req,
                                             httplib::Response& res) {
@@ -558,254 +802,108 @@ void OpenAiHttpServer::Impl::HandleGenerate(OpenAiEndpoint endpoint,
   if (!model.ok()) return reject(model.status());
 
   GenerationRequest generation = std::move(parsed->generation);
-  const bool logprobs = generation.logprobs;
-  const int32_t top_logprobs = generation.top_logprobs;
-  const int n = parsed->n;
+  GenerateReply reply;
+  reply.endpoint = endpoint;
+  reply.model = model->name;
+  reply.logprobs = generation.logprobs;
+  reply.top_logprobs = generation.top_logprobs;
+  reply.n = parsed->n;
   // best_of > n: every prompt gets best_of candidates, generated with
   // logprobs whatever the client asked, and the n best are returned.
-  const int candidates = parsed->best_of;
-  const bool pick_best = candidates > n;
-  if (pick_best) generation.logprobs = true;
+  reply.candidates = parsed->best_of;
+  if (reply.candidates > reply.n) generation.logprobs = true;
   // A completions batch: every prompt gets its candidates.
   const int num_prompts = std::max<int>(1, parsed->prompts.size());
-  const int num_choices = num_prompts * candidates;
+  reply.num_choices = num_prompts * reply.candidates;
+  reply.deadline = absl::Now() + options_.request_timeout;
+  reply.tool_format = parsed->tool_format;
+  reply.answer_prefix = parsed->answer_prefix;
+  reply.include_usage = parsed->include_usage;
   generation.api = api;
   generation.model = model->name;
   generation.request_id = NewRequestId();
-  const absl::Time deadline = absl::Now() + options_.request_timeout;
-  generation.deadline = deadline;
-  const std::string id = absl::StrCat(
+  generation.deadline = reply.deadline;
+  reply.id = absl::StrCat(
       endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-",
       generation.request_id);
-  const int64_t created = NowUnixSeconds();
-  // Choice p * candidates + i: prompt p's i-th, its own request (id suffix)
-  // with seed + i, so sampled choices differ and a fixed seed reproduces all
-  // of them.
-  std::vector<GenerationRequest> choices;
-  for (int p = 0; p < num_prompts; ++p) {
-    for (int i = 0; i < candidates; ++i) {
-      GenerationRequest& choice = choices.emplace_back(generation);
-      if (p > 0) {
-        choice.prompt_text = parsed->prompts[p].text;
-        choice.prompt_ids = parsed->prompts[p].ids;
-      }
-      if (num_choices > 1) {
-        absl::StrAppend(&choice.request_id, "-", p * candidates + i);
-      }
-      choice.sampling.seed += static_cast<uint64_t>(i);
-    }
-  }
+  reply.created = NowUnixSeconds();
 
   auto buffer = std::make_shared<StreamBuffer>();
   // The stagger shares one prompt's prefill among its choices; a batch of
   // prompts starts at once.
   if (absl::Status started = buffer->Start(
-          backend_, std::move(choices),
-          options_.stagger_choices && candidates > 1 && num_prompts == 1);
+          backend_, ChoiceRequests(generation, parsed->prompts, reply),
+          options_.stagger_choices && reply.candidates > 1 && num_prompts == 1);
       !started.ok()) {
     return SendError(res, started);
   }
-  const absl::Status timeout =
-      absl::DeadlineExceededError("request deadline exceeded");
-  auto fail = [&](const absl::Status& status) {
-    buffer->Cancel();  // the other choices, if any are still running
-    SendError(res, status);
-  };
   // The first event decides the status line: an error before any token is
   // an HTTP error with the right code, even for a streaming request.
   std::optional<StreamBuffer::Event> first =
-      NextEvent(*buffer, deadline + kDeadlineGrace);
-  if (!first.has_value()) {
-    return fail(stopped_ ? absl::UnavailableError("router stopping") : timeout);
+      NextEvent(*buffer, reply.deadline + kDeadlineGrace);
+  absl::Status failed = !first.has_value()          ? EndedWithoutAnswer()
+                        : !first->delta.has_value() ? first->status
+                                                    : absl::OkStatus();
+  if (!failed.ok()) {
+    buffer->Cancel();  // the other choices, if any are still running
+    return SendError(res, failed);
   }
-  if (!first->delta.has_value() && !first->status.ok()) {
-    return fail(first->status);
-  }
-
   if (!parsed->stream) {
-    std::vector<CompletionOutcome> outcomes(num_choices);
-    for (CompletionOutcome& outcome : outcomes) {
-      outcome.logprobs.requested = logprobs;
-      outcome.logprobs.top_logprobs = top_logprobs;
-    }
-    std::optional<StreamBuffer::Event> event = std::move(first);
-    for (int open = num_choices; open > 0;) {
-      if (!event.has_value()) {
-        return fail(stopped_ ? absl::UnavailableError("router stopping")
-                             : timeout);
-      }
-      if (!event->delta.has_value()) {
-        if (!event->status.ok()) return fail(event->status);
-        --open;
-      } else {
-        CompletionOutcome& outcome = outcomes[event->choice];
-        if (event->delta->echo.has_value()) {
-          // The first delta: the prompt comes before anything generated.
-          PromptEcho& echo = *event->delta->echo;
-          outcome.text = echo.text + outcome.text;
-          outcome.logprobs.text_offset = TextCharacters(echo.text);
-          if (logprobs) outcome.logprobs.prompt = std::move(echo);
-        }
-        outcome.text += event->delta->text;
-        for (TokenLogprob& l : event->delta->logprobs) {
-          outcome.logprobs.tokens.push_back(std::move(l));
-        }
-        if (event->delta->finished) {
-          outcome.finish_reason = event->delta->finish_reason;
-          outcome.usage = event->delta->usage;
-        }
-      }
-      if (open > 0) event = NextEvent(*buffer, deadline + kDeadlineGrace);
-    }
-    if (pick_best) {
-      outcomes = BestCandidates(std::move(outcomes), candidates, n, logprobs);
-    }
-    if (parsed->tool_format != ToolCallFormat::kNone) {
-      for (CompletionOutcome& outcome : outcomes) {
-        ParsedAnswer answer = ParseToolCalls(
-            parsed->tool_format, parsed->answer_prefix + outcome.text);
-        if (answer.tool_calls.empty()) continue;  // plain text stays as is
-        outcome.text = std::move(answer.content);
-        outcome.tool_calls = std::move(answer.tool_calls);
-      }
-    }
-    res.set_content(
-        CompletionBody(endpoint, id, created, model->name, outcomes, n),
-        "application/json");
-    return;
+    return RespondUnary(reply, *buffer, std::move(*first), res);
   }
-
-  // Streaming: the provider runs on this connection's thread after the
-  // handler returns, once per event, until it calls done() or returns false.
-  // Choices' chunks interleave as they come, each with its index.
-  struct StreamState {
-    std::shared_ptr<StreamBuffer> buffer;
-    std::optional<StreamBuffer::Event> pending;
-    int open = 0;                        // choices not finished yet
-    std::vector<bool> first;             // per choice: no chunk sent yet
-    std::vector<int64_t> text_offset;    // per choice: characters reported
-    std::vector<GenerationUsage> usage;  // per choice, from its last delta
-    // Chat with tools: per choice, the answer's tool calls held back.
-    std::vector<ToolCallStream> tool_calls;
-    bool finished = false;
-  };
-  auto state = std::make_shared<StreamState>();
-  state->buffer = buffer;
-  state->pending = std::move(first);
-  state->open = num_choices;
-  state->first.assign(num_choices, true);
-  state->text_offset.assign(num_choices, 0);
-  state->usage.resize(num_choices);
-  if (parsed->tool_format != ToolCallFormat::kNone) {
-    for (int c = 0; c < num_choices; ++c) {
-      state->tool_calls.emplace_back(parsed->tool_format);
-      // The forced opening is part of the answer (held: it starts a call).
-      (void)state->tool_calls.back().Push(parsed->answer_prefix);
-    }
-  }
-  const bool include_usage = parsed->include_usage;
+  auto stream =
+      std::make_shared<SseStream>(this, buffer, std::move(*first), reply);
   res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Request-Id", id);
+  res.set_header("X-Request-Id", reply.id);
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, state, endpoint, id, created, name = model->name, include_usage,
-       logprobs, top_logprobs, deadline, n,
-       timeout](size_t, httplib::DataSink& sink) {
-        std::optional<StreamBuffer::Event> event = std::move(state->pending);
-        state->pending.reset();
-        if (!event.has_value()) {
-          event = NextEvent(*state->buffer, deadline + kDeadlineGrace);
-        }
-        auto write = [&sink](const std::string& data) {
-          return sink.write(data.data(), data.size());
-        };
-        auto end_stream = [&] {
-          write(std::string(kStreamDoneEvent));
-          state->finished = true;
-          sink.done();
-          return true;
-        };
-        if (!event.has_value()) {
-          // Deadline or shutdown mid-stream: say so, then end the stream.
-          write(StreamErrorEvent(
-              stopped_ ? absl::UnavailableError("router stopping") : timeout));
-          return end_stream();
-        }
-        if (!event->delta.has_value()) {
-          // A choice's OnDone: OK after its finished delta, or a mid-stream
-          // error, which ends the whole stream (the other choices stop).
-          if (!event->status.ok()) {
-            state->buffer->Cancel();
-            write(StreamErrorEvent(event->status));
-            return end_stream();
-          }
-          if (--state->open > 0) return true;
-          if (include_usage &&
-              !write(StreamUsageEvent(endpoint, id, created, name,
-                                      CombinedUsage(state->usage, n)))) {
-            return false;
-          }
-          return end_stream();
-        }
-        const int choice = event->choice;
-        GenerationDelta& delta = *event->delta;
-        if (delta.finished) state->usage[choice] = delta.usage;
-        // Tokens whose text is held back (a possible stop string, half a
-        // character) still get their chunk when logprobs were asked for.
-        if (delta.text.empty() && !delta.finished && !state->first[choice] &&
-            delta.logprobs.empty() && !delta.echo.has_value()) {
-          return true;
-        }
-        LogprobsOutput chunk_logprobs;
-        chunk_logprobs.requested = logprobs;
-        chunk_logprobs.top_logprobs = top_logprobs;
-        std::string text = std::move(delta.text);
-        if (delta.echo.has_value()) {
-          // The prompt leads the choice's first chunk; offsets of the
-          // generated tokens count from its end.
-          text = delta.echo->text + text;
-          state->text_offset[choice] += TextCharacters(delta.echo->text);
-          if (logprobs) chunk_logprobs.prompt = std::move(delta.echo);
-        }
-        chunk_logprobs.text_offset = state->text_offset[choice];
-        for (const TokenLogprob& l : delta.logprobs) {
-          state->text_offset[choice] += TokenCharacters(l.chosen);
-        }
-        chunk_logprobs.tokens = std::move(delta.logprobs);
-        const bool first_chunk = state->first[choice];
-        state->first[choice] = false;
-        if (!state->tool_calls.empty()) {
-          ToolCallStream& calls = state->tool_calls[choice];
-          text = calls.Push(text);
-          if (text.empty() && !delta.finished && !first_chunk &&
-              chunk_logprobs.tokens.empty()) {
-            return true;  // all held back (a call is being written)
-          }
-          if (delta.finished) {
-            ParsedAnswer rest = calls.Finish();
-            text += rest.content;
-            if (!rest.tool_calls.empty()) {
-              if ((!text.empty() || first_chunk) &&
-                  !write(StreamChunkEvent(endpoint, id, created, name, text,
-                                          FinishReason::kNone, first_chunk,
-                                          chunk_logprobs, choice))) {
-                return false;
-              }
-              return write(StreamToolCallsEvent(id, created, name,
-                                                rest.tool_calls, choice));
-            }
-          }
-        }
-        // A failed write means the client went away: returning false closes
-        // the connection and the releaser cancels the generation.
-        return write(StreamChunkEvent(
-            endpoint, id, created, name, text,
-            delta.finished ? delta.finish_reason : FinishReason::kNone,
-            first_chunk, chunk_logprobs, choice));
+      [stream](size_t, httplib::DataSink& sink) {
+        return stream->Provide(sink);
       },
-      [state](bool /*success*/) {
-        if (!state->finished) state->buffer->Cancel();
-      });
+      [stream](bool /*success*/) { stream->Release(); });
+}
+
+void OpenAiHttpServer::Impl::RespondUnary(const GenerateReply& reply,
+                                          StreamBuffer& buffer,
+                                          StreamBuffer::Event first,
+                                          httplib::Response& res) {
+  std::vector<CompletionOutcome> outcomes(reply.num_choices);
+  for (CompletionOutcome& outcome : outcomes) {
+    outcome.logprobs.requested = reply.logprobs;
+    outcome.logprobs.top_logprobs = reply.top_logprobs;
+  }
+  std::optional<StreamBuffer::Event> event = std::move(first);
+  for (int open = reply.num_choices; open > 0;) {
+    absl::Status failed = !event.has_value()          ? EndedWithoutAnswer()
+                          : !event->delta.has_value() ? event->status
+                                                      : absl::OkStatus();
+    if (!failed.ok()) {
+      buffer.Cancel();  // the other choices, if any are still running
+      return SendError(res, failed);
+    }
+    if (event->delta.has_value()) {
+      AccumulateDelta(*event->delta, reply.logprobs, outcomes[event->choice]);
+    } else {
+      --open;
+    }
+    if (open > 0) event = NextEvent(buffer, reply.deadline + kDeadlineGrace);
+  }
+  if (reply.candidates > reply.n) {
+    outcomes = BestCandidates(std::move(outcomes), reply.candidates, reply.n,
+                              reply.logprobs);
+  }
+  if (reply.tool_format != ToolCallFormat::kNone) {
+    for (CompletionOutcome& outcome : outcomes) {
+      ParsedAnswer answer =
+          ParseToolCalls(reply.tool_format, reply.answer_prefix + outcome.text);
+      if (answer.tool_calls.empty()) continue;  // plain text stays as is
+      outcome.text = std::move(answer.content);
+      outcome.tool_calls = std::move(answer.tool_calls);
+    }
+  }
+  res.set_content(CompletionBody(reply.endpoint, reply.id, reply.created,
+                                 reply.model, outcomes, reply.n),
+                  "application/json");
 }
 
 OpenAiHttpServer::OpenAiHttpServer(std::unique_ptr<Impl> impl)

@@ -190,77 +190,72 @@ absl::Status ReadToolCalls(size_t index, const ojson& calls, ojson* out) {
   return absl::OkStatus();
 }
 
-// Chat messages, tools and template options into `chat` (and the plain
-// role/content pairs into `plain`).
-absl::Status ReadChat(const ojson& body, ChatInput* chat,
-                      std::vector<ChatMessage>* plain) {
-  auto it = body.find("messages");
-  if (it == body.end() || it->is_null()) {
-    return FieldError("messages", "is required");
-  }
-  if (!it->is_array() || it->empty()) {
-    return FieldError("messages", "must be a non-empty array");
-  }
+// One chat message (the index-th) into `chat` (and its plain role/content
+// pair into `plain`).
+absl::Status ReadMessage(size_t index, const ojson& message, ChatInput* chat,
+                         std::vector<ChatMessage>* plain) {
   static const absl::flat_hash_set<std::string_view> kMessageFields = {
       "role", "content", "name", "tool_calls", "tool_call_id"};
-  for (size_t i = 0; i < it->size(); ++i) {
-    const ojson& message = (*it)[i];
-    if (!message.is_object()) {
-      return FieldError("messages", "must hold objects");
-    }
-    for (const auto& [key, value] : message.items()) {
-      if (!value.is_null() && !kMessageFields.contains(key)) {
-        return MessageError(i, absl::StrCat(".", key),
-                            "is not supported by this server (refused "
-                            "rather than ignored)");
-      }
-    }
-    auto role = message.find("role");
-    if (role == message.end() || !role->is_string()) {
-      return MessageError(i, ".role", "is required");
-    }
-    std::string role_name = role->get<std::string>();
-    if (role_name == "developer") role_name = "system";
-    if (role_name != "system" && role_name != "user" &&
-        role_name != "assistant" && role_name != "tool") {
-      return MessageError(i, ".role",
-                          "must be system, developer, user, assistant or "
-                          "tool");
-    }
-    ojson normalized = {{"role", role_name}};
-    const bool calls_tools = role_name == "assistant" &&
-                             message.contains("tool_calls") &&
-                             !message["tool_calls"].is_null();
-    std::string text;
-    PDS_RETURN_IF_ERROR(ReadContent(i, message, calls_tools, &text));
-    normalized["content"] = text;
-    if (auto name = message.find("name");
-        name != message.end() && !name->is_null()) {
-      if (!name->is_string()) {
-        return MessageError(i, ".name", "must be a string");
-      }
-      normalized["name"] = *name;
-    }
-    if (calls_tools) {
-      ojson calls;
-      PDS_RETURN_IF_ERROR(ReadToolCalls(i, message["tool_calls"], &calls));
-      normalized["tool_calls"] = std::move(calls);
-    } else if (message.contains("tool_calls") &&
-               !message["tool_calls"].is_null()) {
-      return MessageError(i, ".tool_calls", "only assistant turns call tools");
-    }
-    if (auto id = message.find("tool_call_id");
-        id != message.end() && !id->is_null()) {
-      if (role_name != "tool" || !id->is_string()) {
-        return MessageError(i, ".tool_call_id",
-                            "belongs to a tool turn, as a string");
-      }
-      normalized["tool_call_id"] = *id;
-    }
-    chat->messages.push_back(std::move(normalized));
-    plain->push_back({role_name, std::move(text)});
+  if (!message.is_object()) {
+    return FieldError("messages", "must hold objects");
   }
+  for (const auto& [key, value] : message.items()) {
+    if (!value.is_null() && !kMessageFields.contains(key)) {
+      return MessageError(index, absl::StrCat(".", key),
+                          "is not supported by this server (refused "
+                          "rather than ignored)");
+    }
+  }
+  auto role = message.find("role");
+  if (role == message.end() || !role->is_string()) {
+    return MessageError(index, ".role", "is required");
+  }
+  std::string role_name = role->get<std::string>();
+  if (role_name == "developer") role_name = "system";
+  if (role_name != "system" && role_name != "user" &&
+      role_name != "assistant" && role_name != "tool") {
+    return MessageError(index, ".role",
+                        "must be system, developer, user, assistant or "
+                        "tool");
+  }
+  ojson normalized = {{"role", role_name}};
+  const bool calls_tools = role_name == "assistant" &&
+                           message.contains("tool_calls") &&
+                           !message["tool_calls"].is_null();
+  std::string text;
+  PDS_RETURN_IF_ERROR(ReadContent(index, message, calls_tools, &text));
+  normalized["content"] = text;
+  if (auto name = message.find("name");
+      name != message.end() && !name->is_null()) {
+    if (!name->is_string()) {
+      return MessageError(index, ".name", "must be a string");
+    }
+    normalized["name"] = *name;
+  }
+  if (calls_tools) {
+    ojson calls;
+    PDS_RETURN_IF_ERROR(ReadToolCalls(index, message["tool_calls"], &calls));
+    normalized["tool_calls"] = std::move(calls);
+  } else if (message.contains("tool_calls") &&
+             !message["tool_calls"].is_null()) {
+    return MessageError(index, ".tool_calls",
+                        "only assistant turns call tools");
+  }
+  if (auto id = message.find("tool_call_id");
+      id != message.end() && !id->is_null()) {
+    if (role_name != "tool" || !id->is_string()) {
+      return MessageError(index, ".tool_call_id",
+                          "belongs to a tool turn, as a string");
+    }
+    normalized["tool_call_id"] = *id;
+  }
+  chat->messages.push_back(std::move(normalized));
+  plain->push_back({role_name, std::move(text)});
+  return absl::OkStatus();
+}
 
+// The request's `tools` and `tool_choice` into `chat`.
+absl::Status ReadTools(const ojson& body, ChatInput* chat) {
   if (auto tools = body.find("tools");
       tools != body.end() && !tools->is_null()) {
     if (!tools->is_array()) return FieldError("tools", "must be an array");
@@ -321,6 +316,24 @@ absl::Status ReadChat(const ojson& body, ChatInput* chat,
       return FieldError("tool_choice", "\"required\" needs 'tools'");
     }
   }
+  return absl::OkStatus();
+}
+
+// Chat messages, tools and template options into `chat` (and the plain
+// role/content pairs into `plain`).
+absl::Status ReadChat(const ojson& body, ChatInput* chat,
+                      std::vector<ChatMessage>* plain) {
+  auto it = body.find("messages");
+  if (it == body.end() || it->is_null()) {
+    return FieldError("messages", "is required");
+  }
+  if (!it->is_array() || it->empty()) {
+    return FieldError("messages", "must be a non-empty array");
+  }
+  for (size_t i = 0; i < it->size(); ++i) {
+    PDS_RETURN_IF_ERROR(ReadMessage(i, (*it)[i], chat, plain));
+  }
+  PDS_RETURN_IF_ERROR(ReadTools(body, chat));
   if (auto kwargs = body.find("chat_template_kwargs");
       kwargs != body.end() && !kwargs->is_null()) {
     if (!kwargs->is_object()) {
@@ -804,69 +817,48 @@ json LogprobsJson(OpenAiEndpoint endpoint, const LogprobsOutput& logprobs) {
 
 }  // namespace
 
-absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
-    OpenAiEndpoint endpoint, std::string_view body_text,
-    const ChatPrompt* chat_prompt) {
-  json body = json::parse(body_text, /*cb=*/nullptr,
-                          /*allow_exceptions=*/false);
-  if (body.is_discarded()) {
-    return absl::InvalidArgumentError(
-        "request body is not valid JSON (or not valid UTF-8)");
-  }
-  if (!body.is_object()) {
-    return absl::InvalidArgumentError("request body must be a JSON object");
-  }
-  OpenAiRequest request;
-  request.endpoint = endpoint;
-  GenerationRequest& gen = request.generation;
+namespace {
 
-  if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
-    if (!it->is_string()) return FieldError("model", "must be a string");
-    gen.model = it->get<std::string>();
-  }
-  if (absl::Status s = RejectUnknownFields(endpoint, body); !s.ok()) return s;
+// The prompt(s) of a completion, or the rendered chat of a chat completion.
+absl::Status ReadPromptOrChat(OpenAiEndpoint endpoint, const json& body,
+                              std::string_view body_text,
+                              const ChatPrompt* chat_prompt,
+                              OpenAiRequest* request) {
+  GenerationRequest& gen = request->generation;
   if (endpoint == OpenAiEndpoint::kCompletions) {
-    if (absl::Status s = ReadPrompts(body, &request.prompts); !s.ok()) {
-      return s;
-    }
-    gen.prompt_text = request.prompts.front().text;
-    gen.prompt_ids = request.prompts.front().ids;
-  } else {
-    // Key order matters to templates (tojson of tool schemas): read the
-    // chat fields from an order-keeping parse.
-    const ojson ordered = ojson::parse(body_text, nullptr, false);
-    ChatInput chat;
-    PDS_RETURN_IF_ERROR(ReadChat(ordered, &chat, &request.messages));
-    const std::unique_ptr<ChatPrompt> fallback =
-        chat_prompt == nullptr ? ChatPrompt::Fallback() : nullptr;
-    absl::StatusOr<RenderedChat> rendered =
-        (chat_prompt != nullptr ? *chat_prompt : *fallback).Render(chat);
-    if (!rendered.ok()) return rendered.status();
-    gen.prompt_text = std::move(rendered->text);
-    gen.add_special_tokens = rendered->add_special_tokens;
-    request.tool_format = rendered->tool_format;
-    request.answer_prefix = std::move(rendered->answer_prefix);
+    PDS_RETURN_IF_ERROR(ReadPrompts(body, &request->prompts));
+    gen.prompt_text = request->prompts.front().text;
+    gen.prompt_ids = request->prompts.front().ids;
+    return absl::OkStatus();
   }
-  if (absl::Status s = RejectUnsupported(body); !s.ok()) return s;
-  if (endpoint == OpenAiEndpoint::kCompletions && body.contains("tools") &&
-      !body["tools"].is_null()) {
-    return FieldError("tools", "is a chat option (/v1/chat/completions)");
-  }
-  if (absl::Status s = ReadLogprobs(endpoint, body, &gen); !s.ok()) return s;
+  // Key order matters to templates (tojson of tool schemas): read the chat
+  // fields from an order-keeping parse.
+  const ojson ordered = ojson::parse(body_text, nullptr, false);
+  ChatInput chat;
+  PDS_RETURN_IF_ERROR(ReadChat(ordered, &chat, &request->messages));
+  const std::unique_ptr<ChatPrompt> fallback =
+      chat_prompt == nullptr ? ChatPrompt::Fallback() : nullptr;
+  absl::StatusOr<RenderedChat> rendered =
+      (chat_prompt != nullptr ? *chat_prompt : *fallback).Render(chat);
+  if (!rendered.ok()) return rendered.status();
+  gen.prompt_text = std::move(rendered->text);
+  gen.add_special_tokens = rendered->add_special_tokens;
+  request->tool_format = rendered->tool_format;
+  request->answer_prefix = std::move(rendered->answer_prefix);
+  return absl::OkStatus();
+}
 
+// max_tokens (or max_completion_tokens) and echo, checked together.
+absl::Status ReadLengthAndEcho(OpenAiEndpoint endpoint, const json& body,
+                               GenerationRequest* gen) {
   // The contract's default when absent, for both endpoints (OpenAI's chat
   // would run to the context; a fixed default keeps a forgotten field from
   // holding KV for minutes).
   int64_t max_tokens = rpc::kDefaultMaxTokens;
-  if (absl::Status s = ReadInteger(body, "max_tokens", &max_tokens); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = ReadInteger(body, "max_completion_tokens", &max_tokens);
-      !s.ok()) {
-    return s;
-  }
+  PDS_RETURN_IF_ERROR(ReadInteger(body, "max_tokens", &max_tokens));
+  PDS_RETURN_IF_ERROR(ReadInteger(body, "max_completion_tokens", &max_tokens));
   if (endpoint == OpenAiEndpoint::kCompletions) {
-    if (absl::Status s = ReadBool(body, "echo", &gen.echo); !s.ok()) return s;
+    PDS_RETURN_IF_ERROR(ReadBool(body, "echo", &gen->echo));
   } else if (auto it = body.find("echo");
              it != body.end() && !it->is_null() &&
              !(it->is_boolean() && !it->get<bool>())) {
@@ -874,24 +866,25 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
   }
   // max_tokens 0 with echo scores the prompt (lm-eval-harness's
   // loglikelihood requests) or just returns it.
-  if (absl::Status s = rpc::CheckMaxTokens(max_tokens, gen.echo); !s.ok()) {
-    return s;
-  }
-  gen.max_tokens = static_cast<int32_t>(max_tokens);
+  PDS_RETURN_IF_ERROR(rpc::CheckMaxTokens(max_tokens, gen->echo));
+  gen->max_tokens = static_cast<int32_t>(max_tokens);
+  return absl::OkStatus();
+}
 
+// temperature, top_p, top_k, seed and the logit processors.
+absl::Status ReadSampling(const json& body, int64_t max_tokens,
+                          engine::SamplingParams* sampling) {
   double temperature = 1.0;  // OpenAI's default
-  if (absl::Status s = ReadNumber(body, "temperature", &temperature); !s.ok()) {
-    return s;
-  }
+  PDS_RETURN_IF_ERROR(ReadNumber(body, "temperature", &temperature));
   if (temperature < 0 || temperature > rpc::kMaxTemperature) {
     return FieldError("temperature", absl::StrCat("must be in [0, ",
                                                   rpc::kMaxTemperature, "]"));
   }
   double top_p = 1.0;
-  if (absl::Status s = ReadNumber(body, "top_p", &top_p); !s.ok()) return s;
+  PDS_RETURN_IF_ERROR(ReadNumber(body, "top_p", &top_p));
   if (top_p <= 0 || top_p > 1) return FieldError("top_p", "must be in (0, 1]");
   int64_t top_k = 0;
-  if (absl::Status s = ReadInteger(body, "top_k", &top_k); !s.ok()) return s;
+  PDS_RETURN_IF_ERROR(ReadInteger(body, "top_k", &top_k));
   if (top_k == -1) top_k = 0;  // vLLM's "off"
   if (top_k < 0 || top_k > std::numeric_limits<int32_t>::max()) {
     return FieldError("top_k", "must be >= 0 (or -1 for off)");
@@ -899,54 +892,43 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
   // No seed: a fresh one, so repeated sampled requests differ (OpenAI's
   // behaviour); a given seed reproduces the text.
   int64_t seed = static_cast<int64_t>(NewRandomSeed());
-  if (absl::Status s = ReadInteger(body, "seed", &seed); !s.ok()) return s;
-  gen.sampling.temperature = static_cast<float>(temperature);
-  gen.sampling.top_p = static_cast<float>(top_p);
-  gen.sampling.top_k = static_cast<int32_t>(top_k);
-  gen.sampling.seed = static_cast<uint64_t>(seed);
-  if (absl::Status s = ReadLogitProcessors(body, max_tokens, &gen.sampling);
-      !s.ok()) {
-    return s;
-  }
+  PDS_RETURN_IF_ERROR(ReadInteger(body, "seed", &seed));
+  sampling->temperature = static_cast<float>(temperature);
+  sampling->top_p = static_cast<float>(top_p);
+  sampling->top_k = static_cast<int32_t>(top_k);
+  sampling->seed = static_cast<uint64_t>(seed);
+  return ReadLogitProcessors(body, max_tokens, sampling);
+}
 
+// n and best_of, within the per-request and per-batch bounds.
+absl::Status ReadChoiceCounts(const json& body, OpenAiRequest* request) {
   int64_t n = 1;
-  if (absl::Status s = ReadInteger(body, "n", &n); !s.ok()) return s;
+  PDS_RETURN_IF_ERROR(ReadInteger(body, "n", &n));
   if (n < 1 || n > kMaxChoices) {
     return FieldError("n", absl::StrCat("must be in [1, ", kMaxChoices, "]"));
   }
-  request.n = static_cast<int>(n);
+  request->n = static_cast<int>(n);
   // best_of: that many candidates per prompt, the n with the highest
   // cumulative log-probability returned (OpenAI's completions option).
   int64_t best_of = n;
-  if (absl::Status s = ReadInteger(body, "best_of", &best_of); !s.ok()) {
-    return s;
-  }
+  PDS_RETURN_IF_ERROR(ReadInteger(body, "best_of", &best_of));
   if (best_of < n || best_of > kMaxChoices) {
     return FieldError(
         "best_of", absl::StrCat("must be in [n = ", n, ", ", kMaxChoices, "]"));
   }
-  request.best_of = static_cast<int>(best_of);
-  if (request.prompts.size() * request.best_of > kMaxBatchChoices) {
+  request->best_of = static_cast<int>(best_of);
+  if (request->prompts.size() * request->best_of > kMaxBatchChoices) {
     return FieldError(
-        request.best_of > request.n ? "best_of" : "n",
-        absl::StrCat("times the ", request.prompts.size(), " prompts exceeds ",
+        request->best_of > request->n ? "best_of" : "n",
+        absl::StrCat("times the ", request->prompts.size(), " prompts exceeds ",
                      kMaxBatchChoices, " choices"));
   }
+  return absl::OkStatus();
+}
 
-  if (absl::Status s = ReadStop(body, &gen.stop); !s.ok()) return s;
-  // vLLM's extension, sent by its benchmark_serving and genai-perf for
-  // fixed-length outputs.
-  if (absl::Status s = ReadBool(body, "ignore_eos", &gen.ignore_eos); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = ReadBool(body, "stream", &request.stream); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = ReadStructuredOutput(body, body_text,
-                                            &gen.sampling.structured_output);
-      !s.ok()) {
-    return s;
-  }
+// Options that cannot go together with the others asked.
+absl::Status CheckCombinations(const OpenAiRequest& request) {
+  const GenerationRequest& gen = request.generation;
   if (gen.sampling.structured_output.enabled()) {
     // A completed grammar allows only EOS: running past it, or holding EOS
     // back, would leave no token to sample.
@@ -970,19 +952,14 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
     // Which candidates win is known only once all have finished.
     return FieldError("best_of", "cannot exceed n when streaming");
   }
-  if (auto it = body.find("stream_options");
-      it != body.end() && !it->is_null()) {
-    if (!it->is_object()) {
-      return FieldError("stream_options", "must be an object");
-    }
-    if (absl::Status s = ReadBool(*it, "include_usage", &request.include_usage);
-        !s.ok()) {
-      return s;
-    }
-  }
-  if (absl::Status s = ValidateGenerationRequest(gen); !s.ok()) return s;
+  return absl::OkStatus();
+}
+
+// The contract's checks, for every prompt of a batch.
+absl::Status ValidateEveryPrompt(const OpenAiRequest& request) {
+  PDS_RETURN_IF_ERROR(ValidateGenerationRequest(request.generation));
   for (size_t p = 1; p < request.prompts.size(); ++p) {
-    GenerationRequest other = gen;
+    GenerationRequest other = request.generation;
     other.prompt_text = request.prompts[p].text;
     other.prompt_ids = request.prompts[p].ids;
     if (absl::Status s = ValidateGenerationRequest(other); !s.ok()) {
@@ -990,6 +967,59 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
           absl::StrCat("prompt ", p, ": ", s.message()));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
+    OpenAiEndpoint endpoint, std::string_view body_text,
+    const ChatPrompt* chat_prompt) {
+  json body = json::parse(body_text, /*cb=*/nullptr,
+                          /*allow_exceptions=*/false);
+  if (body.is_discarded()) {
+    return absl::InvalidArgumentError(
+        "request body is not valid JSON (or not valid UTF-8)");
+  }
+  if (!body.is_object()) {
+    return absl::InvalidArgumentError("request body must be a JSON object");
+  }
+  OpenAiRequest request;
+  request.endpoint = endpoint;
+  GenerationRequest& gen = request.generation;
+
+  if (auto it = body.find("model"); it != body.end() && !it->is_null()) {
+    if (!it->is_string()) return FieldError("model", "must be a string");
+    gen.model = it->get<std::string>();
+  }
+  PDS_RETURN_IF_ERROR(RejectUnknownFields(endpoint, body));
+  PDS_RETURN_IF_ERROR(
+      ReadPromptOrChat(endpoint, body, body_text, chat_prompt, &request));
+  PDS_RETURN_IF_ERROR(RejectUnsupported(body));
+  if (endpoint == OpenAiEndpoint::kCompletions && body.contains("tools") &&
+      !body["tools"].is_null()) {
+    return FieldError("tools", "is a chat option (/v1/chat/completions)");
+  }
+  PDS_RETURN_IF_ERROR(ReadLogprobs(endpoint, body, &gen));
+  PDS_RETURN_IF_ERROR(ReadLengthAndEcho(endpoint, body, &gen));
+  PDS_RETURN_IF_ERROR(ReadSampling(body, gen.max_tokens, &gen.sampling));
+  PDS_RETURN_IF_ERROR(ReadChoiceCounts(body, &request));
+  PDS_RETURN_IF_ERROR(ReadStop(body, &gen.stop));
+  // vLLM's extension, sent by its benchmark_serving and genai-perf for
+  // fixed-length outputs.
+  PDS_RETURN_IF_ERROR(ReadBool(body, "ignore_eos", &gen.ignore_eos));
+  PDS_RETURN_IF_ERROR(ReadBool(body, "stream", &request.stream));
+  PDS_RETURN_IF_ERROR(
+      ReadStructuredOutput(body, body_text, &gen.sampling.structured_output));
+  PDS_RETURN_IF_ERROR(CheckCombinations(request));
+  if (auto it = body.find("stream_options");
+      it != body.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return FieldError("stream_options", "must be an object");
+    }
+    PDS_RETURN_IF_ERROR(ReadBool(*it, "include_usage", &request.include_usage));
+  }
+  PDS_RETURN_IF_ERROR(ValidateEveryPrompt(request));
   return request;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "engine/attention_math.h"
 
 namespace pdserve::engine {
@@ -86,30 +87,36 @@ StepMetadataLayout StepMetadataLayout::For(int max_tokens, int max_sequences,
   return l;
 }
 
-absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
-                              const StepMetadataLayout& layout,
-                              const std::optional<GraphShape>& graph,
-                              std::span<int32_t> out, StepCounts* counts) {
-  if (static_cast<int64_t>(out.size()) < layout.total) {
-    return absl::InvalidArgumentError("step metadata buffer too small");
-  }
-  const int real_sequences = static_cast<int>(batch.sequences.size());
-  const int num_sequences = graph ? graph->batch : real_sequences;
+namespace {
+
+// What a step holds, checked against its graph shape and the layout.
+struct StepSize {
+  int real_sequences = 0;
+  int num_sequences = 0;   // with graph padding
+  int64_t num_tokens = 0;  // with graph padding
+  int64_t real_rows = 0;   // logit rows the caller asked for
+};
+
+absl::StatusOr<StepSize> SizeStep(const ForwardBatch& batch, int block_size,
+                                  const StepMetadataLayout& layout,
+                                  const std::optional<GraphShape>& graph) {
+  StepSize size;
+  size.real_sequences = static_cast<int>(batch.sequences.size());
+  size.num_sequences = graph ? graph->batch : size.real_sequences;
   int64_t real_tokens = 0;
-  int64_t real_rows = 0;
   int64_t longest_blocks = 0;
   for (const SequenceStep& seq : batch.sequences) {
     real_tokens += seq.num_tokens;
-    real_rows += static_cast<int64_t>(seq.logit_indices.size());
+    size.real_rows += static_cast<int64_t>(seq.logit_indices.size());
     longest_blocks = std::max<int64_t>(
         longest_blocks,
         (int64_t{seq.start_position} + seq.num_tokens + block_size - 1) /
             block_size);
   }
-  const int64_t num_tokens =
+  size.num_tokens =
       graph ? int64_t{graph->batch} * graph->tokens_per_sequence : real_tokens;
   if (graph) {
-    bool fits = real_sequences <= graph->batch;
+    bool fits = size.real_sequences <= graph->batch;
     for (const SequenceStep& seq : batch.sequences) {
       fits &= seq.num_tokens <= graph->tokens_per_sequence &&
               seq.logit_indices.size() == static_cast<size_t>(seq.num_tokens);
@@ -119,14 +126,25 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
           "batch does not match the graph shape it was bucketed to");
     }
   }
-  if (num_tokens > layout.max_tokens || num_sequences > layout.max_sequences ||
+  if (size.num_tokens > layout.max_tokens ||
+      size.num_sequences > layout.max_sequences ||
       longest_blocks > layout.max_blocks_per_sequence) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "step of ", num_tokens, " tokens, ", num_sequences, " sequences, ",
-        longest_blocks, " blocks per sequence exceeds the engine's capacity (",
+        "step of ", size.num_tokens, " tokens, ", size.num_sequences,
+        " sequences, ", longest_blocks,
+        " blocks per sequence exceeds the engine's capacity (",
         layout.max_tokens, " tokens, ", layout.max_sequences, " sequences, ",
         layout.max_blocks_per_sequence, " blocks)"));
   }
+  return size;
+}
+
+// Token ids, positions, KV slots, each token's sequence, the block tables
+// and the logit rows; returns the number of logit rows.
+int64_t WriteTokens(const ForwardBatch& batch, int block_size,
+                    const StepMetadataLayout& layout,
+                    const std::optional<GraphShape>& graph,
+                    const StepSize& size, std::span<int32_t> out) {
   int32_t* tokens = out.data() + layout.tokens;
   int32_t* positions = out.data() + layout.positions;
   int32_t* slots = out.data() + layout.slots;
@@ -138,7 +156,7 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
   // Logit rows of padded queries go after every real one, so the first
   // real_logit_rows rows are the caller's, in order.
   std::vector<int32_t> padded_rows;
-  for (int s = 0; s < real_sequences; ++s) {
+  for (int s = 0; s < size.real_sequences; ++s) {
     const SequenceStep& seq = batch.sequences[s];
     const int64_t first = t;
     int32_t* table = tables + int64_t{s} * layout.max_blocks_per_sequence;
@@ -173,7 +191,7 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
   for (int32_t padded : padded_rows) logit_rows[row++] = padded;
   // Padding sequences (graph replays only): harmless work whose results are
   // dropped. They read block 0 and write nothing.
-  for (int s = real_sequences; s < num_sequences; ++s) {
+  for (int s = size.real_sequences; s < size.num_sequences; ++s) {
     int32_t* table = tables + int64_t{s} * layout.max_blocks_per_sequence;
     std::fill(table, table + layout.max_blocks_per_sequence, 0);
     for (int i = 0; i < graph->tokens_per_sequence; ++i, ++t) {
@@ -184,36 +202,49 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
       logit_rows[row++] = static_cast<int32_t>(t);
     }
   }
-  // Attention work: one item per sequence, and the prefill tiles. Every
-  // sequence's tokens are consecutive in the step with consecutive
-  // positions (padding repeats the last one), so a sequence's context is
-  // its last token's position + 1.
+  return row;
+}
+
+struct AttentionWork {
+  int num_tiles = 0;
+  int max_queries = 0;
+  int max_context = 0;
+};
+
+// Attention work: one item per sequence, and the prefill tiles. Every
+// sequence's tokens are consecutive in the step with consecutive positions
+// (padding repeats the last one), so a sequence's context is its last
+// token's position + 1. Reads the positions WriteTokens wrote.
+absl::StatusOr<AttentionWork> WriteAttentionWork(
+    const ForwardBatch& batch, const StepMetadataLayout& layout,
+    const std::optional<GraphShape>& graph, const StepSize& size,
+    std::span<int32_t> out) {
+  const int32_t* positions = out.data() + layout.positions;
   AttentionItem* items =
       reinterpret_cast<AttentionItem*>(out.data() + layout.sequence_items);
   std::vector<AttentionItem> tiles;
-  int max_queries = 0, max_context = 0;
-  {
-    int64_t first = 0;
-    for (int s = 0; s < num_sequences; ++s) {
-      const int n = s < real_sequences && !graph ? batch.sequences[s].num_tokens
-                                                 : graph->tokens_per_sequence;
-      AttentionItem item;
-      item.sequence = s;
-      item.first_token = static_cast<int32_t>(first);
-      item.num_tokens = n;
-      item.context = positions[first + n - 1] + 1;
-      items[s] = item;
-      max_queries = std::max(max_queries, n);
-      max_context = std::max(max_context, item.context);
-      for (int i = 0; i < n; i += layout.tokens_per_tile) {
-        AttentionItem tile = item;
-        tile.first_token = static_cast<int32_t>(first + i);
-        tile.num_tokens = std::min(layout.tokens_per_tile, n - i);
-        tile.context = positions[tile.first_token + tile.num_tokens - 1] + 1;
-        tiles.push_back(tile);
-      }
-      first += n;
+  AttentionWork work;
+  int64_t first = 0;
+  for (int s = 0; s < size.num_sequences; ++s) {
+    const int n = s < size.real_sequences && !graph
+                      ? batch.sequences[s].num_tokens
+                      : graph->tokens_per_sequence;
+    AttentionItem item;
+    item.sequence = s;
+    item.first_token = static_cast<int32_t>(first);
+    item.num_tokens = n;
+    item.context = positions[first + n - 1] + 1;
+    items[s] = item;
+    work.max_queries = std::max(work.max_queries, n);
+    work.max_context = std::max(work.max_context, item.context);
+    for (int i = 0; i < n; i += layout.tokens_per_tile) {
+      AttentionItem tile = item;
+      tile.first_token = static_cast<int32_t>(first + i);
+      tile.num_tokens = std::min(layout.tokens_per_tile, n - i);
+      tile.context = positions[tile.first_token + tile.num_tokens - 1] + 1;
+      tiles.push_back(tile);
     }
+    first += n;
   }
   if (static_cast<int64_t>(tiles.size()) > layout.max_tiles) {
     return absl::InternalError(absl::StrCat(
@@ -229,22 +260,40 @@ absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
   std::copy(
       tiles.begin(), tiles.end(),
       reinterpret_cast<AttentionItem*>(out.data() + layout.attention_tiles));
+  work.num_tiles = static_cast<int>(tiles.size());
+  return work;
+}
+
+}  // namespace
+
+absl::Status FillStepMetadata(const ForwardBatch& batch, int block_size,
+                              const StepMetadataLayout& layout,
+                              const std::optional<GraphShape>& graph,
+                              std::span<int32_t> out, StepCounts* counts) {
+  if (static_cast<int64_t>(out.size()) < layout.total) {
+    return absl::InvalidArgumentError("step metadata buffer too small");
+  }
+  PDS_ASSIGN_OR_RETURN(const StepSize size,
+                       SizeStep(batch, block_size, layout, graph));
+  const int64_t rows = WriteTokens(batch, block_size, layout, graph, size, out);
+  PDS_ASSIGN_OR_RETURN(const AttentionWork work,
+                       WriteAttentionWork(batch, layout, graph, size, out));
 
   int32_t* header = out.data() + layout.header;
   std::fill(header, header + kHeaderSlots, 0);
-  header[kHeaderTokens] = static_cast<int32_t>(num_tokens);
-  header[kHeaderSequences] = num_sequences;
-  header[kHeaderLogitRows] = static_cast<int32_t>(row);
-  header[kHeaderTiles] = static_cast<int32_t>(tiles.size());
-  header[kHeaderMaxQueries] = max_queries;
-  header[kHeaderMaxContext] = max_context;
-  counts->num_tokens = static_cast<int>(num_tokens);
-  counts->num_sequences = num_sequences;
-  counts->num_logit_rows = static_cast<int>(row);
-  counts->real_logit_rows = static_cast<int>(real_rows);
-  counts->num_tiles = static_cast<int>(tiles.size());
-  counts->max_queries = max_queries;
-  counts->max_context = max_context;
+  header[kHeaderTokens] = static_cast<int32_t>(size.num_tokens);
+  header[kHeaderSequences] = size.num_sequences;
+  header[kHeaderLogitRows] = static_cast<int32_t>(rows);
+  header[kHeaderTiles] = work.num_tiles;
+  header[kHeaderMaxQueries] = work.max_queries;
+  header[kHeaderMaxContext] = work.max_context;
+  counts->num_tokens = static_cast<int>(size.num_tokens);
+  counts->num_sequences = size.num_sequences;
+  counts->num_logit_rows = static_cast<int>(rows);
+  counts->real_logit_rows = static_cast<int>(size.real_rows);
+  counts->num_tiles = work.num_tiles;
+  counts->max_queries = work.max_queries;
+  counts->max_context = work.max_context;
   return absl::OkStatus();
 }
 

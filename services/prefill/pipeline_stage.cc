@@ -102,17 +102,7 @@ void PipelineStage::Run() {
   if (out_ != nullptr) out_->Close();
 }
 
-void PipelineStage::Process(StageMessage message) {
-  StageEvent done;
-  done.kind = StageEvent::Kind::kMicrobatchDone;
-  done.stage = options_.stage_index;
-  done.microbatch_id = message.microbatch_id;
-  for (const ChunkHeader& chunk : message.chunks) {
-    done.request_ids.push_back(chunk.request_id);
-    done.tokens += chunk.num_tokens();
-  }
-  done.start = absl::Now();
-
+engine::ForwardBatch PipelineStage::BatchOf(const StageMessage& message) const {
   engine::ForwardBatch batch;
   batch.sequences.reserve(message.chunks.size());
   for (const ChunkHeader& chunk : message.chunks) {
@@ -132,28 +122,126 @@ void PipelineStage::Process(StageMessage message) {
     batch.sequences.push_back(std::move(step));
   }
   batch.hidden_in = message.hidden;
+  return batch;
+}
+
+absl::Status PipelineStage::MirrorToHost(const StageMessage& message,
+                                         int64_t* bytes) {
+  // A GPU stage mirrors every position it computed (not only those it will
+  // send now: a later request may reuse this prefix for a decode worker that
+  // lacks it) before any write reads them.
+  if (landing_ == nullptr) return absl::OkStatus();
+  const kv::KvCacheLayout& layout = landing_->layout();
+  for (const ChunkHeader& chunk : message.chunks) {
+    PDS_RETURN_IF_ERROR(engine_->CopyTokensToHost(*pool_, chunk.block_table,
+                                                  chunk.token_begin,
+                                                  chunk.token_end, *landing_));
+    *bytes +=
+        int64_t{chunk.num_tokens()} * layout.block_bytes() / layout.block_size;
+  }
+  return absl::OkStatus();
+}
+
+MicrobatchShape PipelineStage::ShapeOf(const StageMessage& message,
+                                       const engine::ForwardBatch& batch,
+                                       int64_t tokens) const {
+  // Every stage sets a final chunk's logit index; only the last one (no
+  // stage after it) has the LM head that reads it and samples.
+  const bool last_stage = out_ == nullptr;
+  MicrobatchShape shape;
+  shape.chunks = static_cast<int>(message.chunks.size());
+  shape.tokens = tokens;
+  for (size_t i = 0; i < batch.sequences.size(); ++i) {
+    const engine::SequenceStep& step = batch.sequences[i];
+    shape.attended_positions += step.AttendedPositions();
+    if (!last_stage) continue;
+    shape.logit_rows += static_cast<int>(step.logit_indices.size());
+    if (message.chunks[i].final_chunk) ++shape.first_tokens;
+  }
+  return shape;
+}
+
+StageEvent PipelineStage::SampleFirstToken(const ChunkHeader& chunk,
+                                           std::span<const float> logits) {
+  StageEvent token;
+  token.kind = StageEvent::Kind::kFirstToken;
+  token.stage = options_.stage_index;
+  token.request_id = chunk.request_id;
+  // Output index 0: the same counter-based draw the decode worker would use
+  // for this request's first token.
+  const std::vector<int32_t> end_tokens = engine_->config().EndTokenIds();
+  const engine::SamplingHistory history{
+      chunk.penalized_prompt_tokens, {}, end_tokens};
+  std::unique_ptr<engine::TokenConstraint> constraint;
+  if (chunk.sampling.structured_output.enabled()) {
+    absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> made =
+        options_.structured_output != nullptr
+            ? options_.structured_output->NewConstraint(
+                  chunk.sampling.structured_output)
+            : absl::FailedPreconditionError(
+                  "structured output: this prefill stage has no tokenizer "
+                  "to compile the grammar against");
+    if (!made.ok()) {
+      token.status = made.status();
+      return token;
+    }
+    constraint = *std::move(made);
+  }
+  absl::StatusOr<engine::SampledToken> sampled = engine::SampleWithConstraint(
+      logits, chunk.sampling, 0, chunk.top_logprobs, history, constraint.get());
+  if (sampled.ok()) {
+    token.token = *std::move(sampled);
+  } else {
+    token.status = sampled.status();
+  }
+  return token;
+}
+
+void PipelineStage::ReportLastStageResults(
+    const StageMessage& message, const engine::ForwardResult& result) {
+  const int vocab = engine_->config().vocab_size;
+  int row = 0;
+  auto logits_row = [&](int r) {
+    return std::span<const float>(result.logits.data() + int64_t{r} * vocab,
+                                  vocab);
+  };
+  for (const ChunkHeader& chunk : message.chunks) {
+    // The chunk's logit rows, as its step asked for them.
+    const int rows = chunk.prompt_logprobs ? chunk.num_tokens()
+                     : chunk.final_chunk   ? 1
+                                           : 0;
+    const int first_row = row;
+    row += rows;
+    if (chunk.prompt_logprobs) {
+      ReportPromptLogprobs(chunk, first_row, logits_row);
+    }
+    // The last row samples output token 0.
+    if (chunk.final_chunk) {
+      events_->Report(
+          SampleFirstToken(chunk, logits_row(first_row + rows - 1)));
+    }
+  }
+}
+
+void PipelineStage::Process(StageMessage message) {
+  StageEvent done;
+  done.kind = StageEvent::Kind::kMicrobatchDone;
+  done.stage = options_.stage_index;
+  done.microbatch_id = message.microbatch_id;
+  for (const ChunkHeader& chunk : message.chunks) {
+    done.request_ids.push_back(chunk.request_id);
+    done.tokens += chunk.num_tokens();
+  }
+  done.start = absl::Now();
+
+  const engine::ForwardBatch batch = BatchOf(message);
   // The stage's own result buffers, reused: see ForwardResult::logits.
   engine::ForwardResult& result = result_;
   absl::Status status = CheckPromptScoring(message);
   if (status.ok()) status = engine_->Forward(batch, *pool_, &result);
   const absl::Time mirror_start = absl::Now();
   int64_t mirror_bytes = 0;
-  // A GPU stage mirrors every position it computed (not only those it will
-  // send now: a later request may reuse this prefix for a decode worker that
-  // lacks it) before any write reads them.
-  if (landing_ != nullptr) {
-    const kv::KvCacheLayout& layout = landing_->layout();
-    for (const ChunkHeader& chunk : message.chunks) {
-      if (!status.ok()) break;
-      status = engine_->CopyTokensToHost(*pool_, chunk.block_table,
-                                         chunk.token_begin, chunk.token_end,
-                                         *landing_);
-      if (status.ok()) {
-        mirror_bytes += int64_t{chunk.num_tokens()} * layout.block_bytes() /
-                        layout.block_size;
-      }
-    }
-  }
+  if (status.ok()) status = MirrorToHost(message, &mirror_bytes);
   done.end = absl::Now();
   {
     absl::MutexLock lock(&mu_);
@@ -180,20 +268,7 @@ void PipelineStage::Process(StageMessage message) {
         absl::ToDoubleSeconds(done.end - done.start));
   }
   if (options_.observer.on_step && status.ok()) {
-    // Every stage sets a final chunk's logit index; only the last one (no
-    // stage after it) has the LM head that reads it and samples.
-    const bool last_stage = out_ == nullptr;
-    MicrobatchShape shape;
-    shape.chunks = static_cast<int>(message.chunks.size());
-    shape.tokens = done.tokens;
-    for (size_t i = 0; i < batch.sequences.size(); ++i) {
-      const engine::SequenceStep& step = batch.sequences[i];
-      shape.attended_positions += step.AttendedPositions();
-      if (!last_stage) continue;
-      shape.logit_rows += static_cast<int>(step.logit_indices.size());
-      if (message.chunks[i].final_chunk) ++shape.first_tokens;
-    }
-    options_.observer.on_step(shape,
+    options_.observer.on_step(ShapeOf(message, batch, done.tokens),
                               absl::ToDoubleSeconds(done.end - done.start));
   }
   if (!status.ok()) {
@@ -215,61 +290,7 @@ void PipelineStage::Process(StageMessage message) {
       done.status = sent;
     }
   } else {
-    const int vocab = engine_->config().vocab_size;
-    int row = 0;
-    auto logits_row = [&](int r) {
-      return std::span<const float>(result.logits.data() + int64_t{r} * vocab,
-                                    vocab);
-    };
-    for (const ChunkHeader& chunk : message.chunks) {
-      // The chunk's logit rows, as its step asked for them above.
-      const int rows = chunk.prompt_logprobs ? chunk.num_tokens()
-                       : chunk.final_chunk   ? 1
-                                             : 0;
-      const int first_row = row;
-      row += rows;
-      if (chunk.prompt_logprobs) {
-        ReportPromptLogprobs(chunk, first_row, logits_row);
-      }
-      if (!chunk.final_chunk) continue;
-      // The last row samples output token 0.
-      std::span<const float> logits = logits_row(first_row + rows - 1);
-      StageEvent token;
-      token.kind = StageEvent::Kind::kFirstToken;
-      token.stage = options_.stage_index;
-      token.request_id = chunk.request_id;
-      // Output index 0: the same counter-based draw the decode worker would
-      // use for this request's first token.
-      const std::vector<int32_t> end_tokens = engine_->config().EndTokenIds();
-      const engine::SamplingHistory history{
-          chunk.penalized_prompt_tokens, {}, end_tokens};
-      std::unique_ptr<engine::TokenConstraint> constraint;
-      if (chunk.sampling.structured_output.enabled()) {
-        absl::StatusOr<std::unique_ptr<engine::TokenConstraint>> made =
-            options_.structured_output != nullptr
-                ? options_.structured_output->NewConstraint(
-                      chunk.sampling.structured_output)
-                : absl::FailedPreconditionError(
-                      "structured output: this prefill stage has no "
-                      "tokenizer to compile the grammar against");
-        if (!made.ok()) {
-          token.status = made.status();
-          events_->Report(std::move(token));
-          continue;
-        }
-        constraint = *std::move(made);
-      }
-      absl::StatusOr<engine::SampledToken> sampled =
-          engine::SampleWithConstraint(logits, chunk.sampling, 0,
-                                       chunk.top_logprobs, history,
-                                       constraint.get());
-      if (sampled.ok()) {
-        token.token = *std::move(sampled);
-      } else {
-        token.status = sampled.status();
-      }
-      events_->Report(std::move(token));
-    }
+    ReportLastStageResults(message, result);
   }
   for (const ChunkHeader& chunk : message.chunks) StartKvWrites(chunk);
   events_->Report(std::move(done));

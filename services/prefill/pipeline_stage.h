@@ -164,6 +164,20 @@ class PipelineStage {
                 StageKvOutput* kv_out);
   void Run();
   void Process(StageMessage message);
+  // The engine's step for `message`: logits where a first token is sampled
+  // or a prompt scored.
+  engine::ForwardBatch BatchOf(const StageMessage& message) const;
+  // GPU stage: copies the positions computed into the host landing pool
+  // (adding their bytes to `bytes`).
+  absl::Status MirrorToHost(const StageMessage& message, int64_t* bytes);
+  MicrobatchShape ShapeOf(const StageMessage& message,
+                          const engine::ForwardBatch& batch,
+                          int64_t tokens) const;
+  // Last stage: prompt scores and first tokens of the chunks, as events.
+  void ReportLastStageResults(const StageMessage& message,
+                              const engine::ForwardResult& result);
+  StageEvent SampleFirstToken(const ChunkHeader& chunk,
+                              std::span<const float> logits);
   // Last stage: INVALID_ARGUMENT for a prompt_logprobs chunk without its
   // tokens or with a next token that cannot follow it (a peer's bug).
   absl::Status CheckPromptScoring(const StageMessage& message) const;

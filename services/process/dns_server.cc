@@ -31,9 +31,10 @@ sockaddr_in Loopback(int port) {
   return address;
 }
 
-// Whether something (dnsmasq, once up) holds UDP `port` on 127.0.0.1.
-bool UdpPortTaken(int port) {
-  const int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+// Whether something (dnsmasq, once up) holds `port` of `socket_type` on
+// 127.0.0.1.
+bool PortTaken(int port, int socket_type) {
+  const int fd = socket(AF_INET, socket_type | SOCK_CLOEXEC, 0);
   if (fd < 0) return false;
   sockaddr_in address = Loopback(port);
   const bool taken =
@@ -57,37 +58,49 @@ absl::StatusOr<std::unique_ptr<DnsServer>> DnsServer::Start(
     std::ofstream empty(hosts_file, std::ios::trunc);
     if (!empty) return absl::UnavailableError("cannot write " + hosts_file);
   }
-  absl::StatusOr<int> port = FreeLoopbackPort(SOCK_DGRAM);
-  if (!port.ok()) return port.status();
-  const char* user = std::getenv("USER");
-  SpawnOptions spawn;
-  spawn.binary = kDnsmasq;
-  spawn.args = {"--keep-in-foreground", "--conf-file=/dev/null",
-                absl::StrCat("--port=", *port), "--listen-address=127.0.0.1",
-                "--bind-interfaces", "--no-resolv", "--no-hosts",
-                // The records come from this file only; a name of the domain
-                // without records is NXDOMAIN, never forwarded.
-                absl::StrCat("--addn-hosts=", hosts_file),
-                absl::StrCat("--local=/", domain, "/"), "--local-ttl=0",
-                "--pid-file=", "--log-facility=-",
-                // Stay this user: the work folder is private to it.
-                absl::StrCat("--user=", getuid() == 0     ? "root"
-                                        : user != nullptr ? user
-                                                          : "nobody")};
-  spawn.log_path = absl::StrCat(work_dir, "/dns.log");
-  absl::StatusOr<std::unique_ptr<ChildProcess>> child =
-      ChildProcess::Spawn(std::move(spawn));
-  if (!child.ok()) return child.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!UdpPortTaken(*port)) {
-    if (!(*child)->Running() || absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat(
-          "dnsmasq did not start; its log ends:\n", (*child)->LogTail(1024)));
+  // dnsmasq listens on UDP and TCP on its port: a free UDP port whose TCP
+  // twin another process holds (a test's gRPC server) makes it exit. Such a
+  // port is skipped, and one taken between the check and dnsmasq's bind is
+  // tried again with another.
+  constexpr int kAttempts = 8;
+  std::string last_log;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    absl::StatusOr<int> port = FreeLoopbackPort(SOCK_DGRAM);
+    if (!port.ok()) return port.status();
+    if (PortTaken(*port, SOCK_STREAM)) continue;
+    const char* user = std::getenv("USER");
+    SpawnOptions spawn;
+    spawn.binary = kDnsmasq;
+    spawn.args = {"--keep-in-foreground", "--conf-file=/dev/null",
+                  absl::StrCat("--port=", *port), "--listen-address=127.0.0.1",
+                  "--bind-interfaces", "--no-resolv", "--no-hosts",
+                  // The records come from this file only; a name of the
+                  // domain without records is NXDOMAIN, never forwarded.
+                  absl::StrCat("--addn-hosts=", hosts_file),
+                  absl::StrCat("--local=/", domain, "/"), "--local-ttl=0",
+                  "--pid-file=", "--log-facility=-",
+                  // Stay this user: the work folder is private to it.
+                  absl::StrCat("--user=", getuid() == 0     ? "root"
+                                          : user != nullptr ? user
+                                                            : "nobody")};
+    spawn.log_path = absl::StrCat(work_dir, "/dns.log");
+    absl::StatusOr<std::unique_ptr<ChildProcess>> child =
+        ChildProcess::Spawn(std::move(spawn));
+    if (!child.ok()) return child.status();
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!PortTaken(*port, SOCK_DGRAM) && (*child)->Running() &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(20));
     }
-    absl::SleepFor(absl::Milliseconds(20));
+    if ((*child)->Running() && PortTaken(*port, SOCK_DGRAM)) {
+      return std::unique_ptr<DnsServer>(new DnsServer(
+          *std::move(child), hosts_file, absl::StrCat("127.0.0.1:", *port)));
+    }
+    last_log = (*child)->LogTail(1024);
+    if (last_log.find("Address already in use") == std::string::npos) break;
   }
-  return std::unique_ptr<DnsServer>(new DnsServer(
-      *std::move(child), hosts_file, absl::StrCat("127.0.0.1:", *port)));
+  return absl::UnavailableError(
+      absl::StrCat("dnsmasq did not start; its log ends:\n", last_log));
 }
 
 absl::Status DnsServer::SetRecords(

@@ -60,14 +60,14 @@ void ExpectNothingLost(const absl::StatusOr<ScenarioResult>& result) {
 
 TEST(ElasticTest, DecodeWorkersScaleOneToThreeToOneUnderLoad) {
   const auto result = tools::ScaleDecodeWorkers(Options(160));
-  ExpectNothingLost(result);
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingLost(result));
   EXPECT_EQ(result->time_to_traffic.size(), 2u);
 }
 
 TEST(ElasticTest, PrefillGroupsScaleOneToTwoToOneUnderLoad) {
   ScenarioOptions o = Options(48);
   o.cluster.stages = 2;
-  ExpectNothingLost(tools::ScalePrefillGroups(o));
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingLost(tools::ScalePrefillGroups(o)));
 }
 
 // No drain time on purpose: decode workers stop with streams still on them
@@ -78,17 +78,18 @@ TEST(ElasticTest, RollingRestartOfEveryWorkerUnderLoad) {
   o.cluster.decode_workers = 2;
   o.cluster.drain_timeout_s = 0;
   const auto result = tools::RollingRestart(o);
-  ExpectNothingLost(result);
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingLost(result));
   EXPECT_GE(result->migrations, 1);
 }
 
 TEST(ElasticTest, DrainedDecodeWorkerFinishesItsStreams) {
-  ExpectNothingLost(tools::DrainDecodeWorker(Options(160)));
+  ASSERT_NO_FATAL_FAILURE(
+      ExpectNothingLost(tools::DrainDecodeWorker(Options(160))));
 }
 
 TEST(ElasticTest, KilledDecodeWorkersStreamsMigrate) {
   const auto result = tools::KillDecodeWorker(Options(300));
-  ExpectNothingLost(result);
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingLost(result));
   EXPECT_GE(result->migrations, 1) << "no stream was on the killed worker";
 }
 
@@ -97,14 +98,14 @@ TEST(ElasticTest, KilledDecodeWorkersStreamsMigrate) {
 // half of the requests answered 503).
 TEST(ElasticTest, OnlyPrefillGroupDownFallsBackToDecodePrefill) {
   const auto result = tools::KillOnlyPrefillStage(Options(64));
-  ExpectNothingLost(result);
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingLost(result));
   EXPECT_GE(result->prefilled_by_decode_for_want_of_a_group, 1);
 }
 
 TEST(ElasticTest, RoutersKillBreaksOnlyItsOwnStreams) {
   const ScenarioOptions o = Options(300);
   const auto result = tools::KillRouter(o);
-  ExpectNothingLost(result);
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingLost(result));
   EXPECT_LE(result->broken_by_router, o.clients);
 }
 
