@@ -970,11 +970,8 @@ absl::Status ValidateEveryPrompt(const OpenAiRequest& request) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
-    OpenAiEndpoint endpoint, std::string_view body_text,
-    const ChatPrompt* chat_prompt) {
+// The body as a JSON object, or a precise error.
+absl::StatusOr<json> ParseJsonObject(std::string_view body_text) {
   json body = json::parse(body_text, /*cb=*/nullptr,
                           /*allow_exceptions=*/false);
   if (body.is_discarded()) {
@@ -984,6 +981,15 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
   if (!body.is_object()) {
     return absl::InvalidArgumentError("request body must be a JSON object");
   }
+  return body;
+}
+
+}  // namespace
+
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
+    OpenAiEndpoint endpoint, std::string_view body_text,
+    const ChatPrompt* chat_prompt) {
+  PDS_ASSIGN_OR_RETURN(json body, ParseJsonObject(body_text));
   OpenAiRequest request;
   request.endpoint = endpoint;
   GenerationRequest& gen = request.generation;
@@ -1288,15 +1294,7 @@ json ModelObject(const ModelDescription& model, int64_t created) {
 absl::StatusOr<json> ParseObjectWithFields(
     std::string_view body_text,
     std::initializer_list<std::string_view> allowed) {
-  json body = json::parse(body_text, /*cb=*/nullptr,
-                          /*allow_exceptions=*/false);
-  if (body.is_discarded()) {
-    return absl::InvalidArgumentError(
-        "request body is not valid JSON (or not valid UTF-8)");
-  }
-  if (!body.is_object()) {
-    return absl::InvalidArgumentError("request body must be a JSON object");
-  }
+  PDS_ASSIGN_OR_RETURN(json body, ParseJsonObject(body_text));
   for (const auto& [key, value] : body.items()) {
     if (value.is_null()) continue;
     if (std::find(allowed.begin(), allowed.end(), key) == allowed.end()) {
