@@ -67,7 +67,11 @@ absl::StatusOr<std::unique_ptr<DnsServer>> DnsServer::Start(
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
     absl::StatusOr<int> port = FreeLoopbackPort(SOCK_DGRAM);
     if (!port.ok()) return port.status();
-    if (PortTaken(*port, SOCK_STREAM)) continue;
+    if (PortTaken(*port, SOCK_STREAM)) {
+      last_log = absl::StrCat("TCP port ", *port, " (beside a free UDP one) ",
+                              "is taken\n");
+      continue;
+    }
     const char* user = std::getenv("USER");
     SpawnOptions spawn;
     spawn.binary = kDnsmasq;
