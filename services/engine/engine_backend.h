@@ -28,6 +28,10 @@ class EngineBackend {
   // True when the KV pool must live in device memory (CreateKvPool makes it).
   virtual bool kv_on_device() const = 0;
   virtual int64_t weight_bytes() const = 0;
+  // Tokens routed to each expert of each sparse layer of this shard since
+  // load ([local layer][expert]; dense layers all zero); empty for a
+  // backend that does not count.
+  virtual std::vector<std::vector<int64_t>> ExpertLoad() const { return {}; }
   [[nodiscard]] virtual absl::Status Forward(const ForwardBatch& batch,
                                              kv::KvPool& pool,
                                              ForwardResult* result) = 0;

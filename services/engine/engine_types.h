@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -92,8 +93,23 @@ enum class QuantizedMatmul {
   kExact,
 };
 
+// How tensor-parallel ranks share a mixture-of-experts layer's routed
+// experts (attention and dense layers are tensor parallel either way).
+enum class ExpertParallelism {
+  // Every rank holds every expert's rows [r I/T, (r+1) I/T): one all-reduce
+  // after the experts, as for a dense MLP; a rank's experts get narrow.
+  kTensor,
+  // Rank r holds experts [r E/T, (r+1) E/T) whole: each rank runs the
+  // tokens routed to its experts (the router runs everywhere: the hidden
+  // states are replicated after attention's all-reduce) and the all-reduce
+  // after the experts combines their outputs.
+  kExpert,
+};
+std::string_view ExpertParallelismName(ExpertParallelism mode);
+
 struct EngineOptions {
   ShardSpec shard;
+  ExpertParallelism expert_parallelism = ExpertParallelism::kTensor;
   // Threads for attention and element-wise work, counting the caller
   // (0 = hardware concurrency). GEMMs use OpenBLAS's own threads. CPU only.
   int num_threads = 0;

@@ -12,9 +12,11 @@
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "engine/engine_backend.h"
+#include "engine/expert_routing.h"
 #include "engine/matmul.h"
 #include "engine/sampler.h"
 #include "engine/shard_plan.h"
+#include "model/tensor_layout.h"
 
 namespace pdserve::engine {
 namespace {
@@ -31,11 +33,32 @@ void RmsNorm(const float* x, const float* weight, int64_t dim, float eps,
 // One layer's weights as the CPU kernels read them: norms as loaded,
 // projections in their stored format (WeightMatrix: f32/f16 panels,
 // quantized blocks in place).
+struct CpuExpertWeights {
+  WeightMatrix gate_up, down;  // this rank's rows of one routed expert
+};
+
 struct CpuLayerWeights {
-  std::vector<float> attn_norm, ffn_norm;  // [hidden]
-  WeightMatrix wqkv, wo, w_gate_up, w_down;
+  std::vector<float> attn_norm, ffn_norm;    // [hidden]
+  WeightMatrix wqkv, wo, w_gate_up, w_down;  // w_gate_up/w_down: dense MLP
   // Family extras (empty when the config has none): see HostLayerWeights.
   std::vector<float> qkv_bias, q_norm, k_norm, o_bias;
+  // A sparse layer (ModelConfig::IsMoeLayer): the router (every rank holds
+  // it whole: all ranks route alike), the experts [expert_begin,
+  // expert_end) of the plan, and Qwen2-MoE's shared expert with its gate.
+  bool sparse = false;
+  WeightMatrix router;  // [num_experts, hidden]
+  std::vector<CpuExpertWeights> experts;
+  WeightMatrix shared_gate_up, shared_down;
+  WeightMatrix shared_gate;  // [1, hidden]
+  int64_t bytes() const {
+    int64_t total = wqkv.bytes() + wo.bytes() + w_gate_up.bytes() +
+                    w_down.bytes() + router.bytes() + shared_gate_up.bytes() +
+                    shared_down.bytes() + shared_gate.bytes();
+    for (const CpuExpertWeights& e : experts) {
+      total += e.gate_up.bytes() + e.down.bytes();
+    }
+    return total;
+  }
 };
 
 // Appends rows [row_begin, row_end) x columns [col_begin, col_end) of tensor
@@ -134,6 +157,9 @@ class CpuBackend final : public EngineBackend {
   kv::KvDType kv_dtype() const override { return kv_type; }
   bool kv_on_device() const override { return false; }
   int64_t weight_bytes() const override;
+  std::vector<std::vector<int64_t>> ExpertLoad() const override {
+    return expert_tokens;
+  }
   absl::Status Forward(const ForwardBatch& batch, kv::KvPool& pool,
                        ForwardResult* result) override;
   absl::StatusOr<std::unique_ptr<kv::KvPool>> CreateKvPool(
@@ -185,6 +211,14 @@ class CpuBackend final : public EngineBackend {
 
   // Scratch reused across steps (Forward is not reentrant).
   std::vector<float> x, normed, qkv, attn_out, proj, gate_up, act;
+  // Sparse layers' scratch: router logits, each token's experts and
+  // weights, the rows routed to the expert being run, and per-expert
+  // counts (cumulative per layer: ExpertLoad()).
+  std::vector<float> router_logits, route_weights, expert_in, expert_gate_up,
+      expert_act, expert_out, shared_out, shared_scale;
+  std::vector<int32_t> route_experts, expert_rows;
+  std::vector<int64_t> expert_offsets;
+  std::vector<std::vector<int64_t>> expert_tokens;  // [local layer][expert]
   std::vector<TokenInfo> tokens;
   std::vector<int64_t> token_offsets;  // first query row of each sequence
 
@@ -194,11 +228,25 @@ class CpuBackend final : public EngineBackend {
   int64_t ffn_rows() const { return p.ffn_rows(); }
 
   absl::Status Load(const model::WeightSource& weights);
+  // One layer's MLP weights: dense, or the router and this rank's experts.
+  absl::Status LoadMlp(const model::WeightSource& weights, int layer,
+                       CpuLayerWeights* cw);
+  // The SwiGLU of `rows` rows of `in` through gate_up/down into `out`.
+  void SwiGlu(const float* in, int64_t rows, const WeightMatrix& w_gate_up,
+              const WeightMatrix& w_down, float* out);
+  // A sparse layer's MLP over m.normed into m.proj (this rank's share of the
+  // sum: its experts' rows or its whole experts).
+  void SparseMlp(const CpuLayerWeights& lw, int local_layer, int64_t n);
   void SetQuantizedMatmul(QuantizedMatmul mode) {
     const bool int8 = mode == QuantizedMatmul::kInt8Activations;
     for (CpuLayerWeights& lw : layers) {
-      for (WeightMatrix* w : {&lw.wqkv, &lw.wo, &lw.w_gate_up, &lw.w_down}) {
+      for (WeightMatrix* w : {&lw.wqkv, &lw.wo, &lw.w_gate_up, &lw.w_down,
+                              &lw.shared_gate_up, &lw.shared_down}) {
         w->set_int8_activations(int8);
+      }
+      for (CpuExpertWeights& e : lw.experts) {
+        e.gate_up.set_int8_activations(int8);
+        e.down.set_int8_activations(int8);
       }
     }
     lm_head.set_int8_activations(int8);
@@ -316,17 +364,8 @@ absl::Status CpuBackend::Load(const model::WeightSource& weights) {
                                hidden, &cw.wqkv));
     PDS_RETURN_IF_ERROR(append("self_attn.o_proj.weight", 0, hidden, q0,
                                q0 + attn_width, &cw.wo));
-    PDS_RETURN_IF_ERROR(append("mlp.gate_proj.weight", p.ffn_begin, p.ffn_end,
-                               0, hidden, &cw.w_gate_up));
-    PDS_RETURN_IF_ERROR(append("mlp.up_proj.weight", p.ffn_begin, p.ffn_end, 0,
-                               hidden, &cw.w_gate_up));
-    PDS_RETURN_IF_ERROR(append("mlp.down_proj.weight", 0, hidden, p.ffn_begin,
-                               p.ffn_end, &cw.w_down));
-    if (layer_bytes == 0) {
-      layer_bytes =
-          static_cast<double>(cw.wqkv.bytes() + cw.wo.bytes() +
-                              cw.w_gate_up.bytes() + cw.w_down.bytes());
-    }
+    PDS_RETURN_IF_ERROR(LoadMlp(weights, layer, &cw));
+    if (layer_bytes == 0) layer_bytes = static_cast<double>(cw.bytes());
     {
       // The family extras (biases, q/k norms), sliced with this shard's heads.
       HostLayerWeights extras;
@@ -349,12 +388,64 @@ absl::Status CpuBackend::Load(const model::WeightSource& weights) {
     PDS_RETURN_IF_ERROR(AppendWeights(weights, head_name, p.vocab_begin,
                                       p.vocab_end, 0, hidden, shard, &lm_head));
   }
+  expert_tokens.assign(layers.size(),
+                       std::vector<int64_t>(config.num_experts, 0));
   BuildRopeTables(config, &rope_cos, &rope_sin);
   if (absl::Now() - load_start >= absl::Seconds(2)) {
     PDS_LOG(INFO) << absl::StrFormat(
         "loaded %d layers (%.2f GB) in %.1f s", num_layers,
         num_layers * layer_bytes / 1e9,
         absl::ToDoubleSeconds(absl::Now() - load_start));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::LoadMlp(const model::WeightSource& weights, int layer,
+                                 CpuLayerWeights* cw) {
+  const int64_t hidden = config.hidden_size;
+  auto append = [&](const std::string& name, int64_t r0, int64_t r1, int64_t c0,
+                    int64_t c1, WeightMatrix* w) {
+    return AppendWeights(weights, name, r0, r1, c0, c1, shard, w);
+  };
+  auto swiglu = [&](std::string_view prefix, int64_t begin, int64_t end,
+                    WeightMatrix* gate_up, WeightMatrix* down) -> absl::Status {
+    auto name = [&](std::string_view proj) {
+      return model::LayerTensorName(
+          layer, std::string(prefix) + std::string(proj) + ".weight");
+    };
+    PDS_RETURN_IF_ERROR(
+        append(name("gate_proj"), begin, end, 0, hidden, gate_up));
+    PDS_RETURN_IF_ERROR(
+        append(name("up_proj"), begin, end, 0, hidden, gate_up));
+    return append(name("down_proj"), 0, hidden, begin, end, down);
+  };
+  if (!config.IsMoeLayer(layer)) {
+    return swiglu("mlp.", p.ffn_begin, p.ffn_end, &cw->w_gate_up, &cw->w_down);
+  }
+  cw->sparse = true;
+  PDS_RETURN_IF_ERROR(append(model::RouterTensorName(config, layer), 0,
+                             config.num_experts, 0, hidden, &cw->router));
+  using model::ExpertProjection;
+  for (int e = p.expert_begin; e < p.expert_end; ++e) {
+    CpuExpertWeights& expert = cw->experts.emplace_back();
+    auto name = [&](ExpertProjection projection) {
+      return model::ExpertTensorName(config, layer, e, projection);
+    };
+    const int64_t begin = p.expert_ffn_begin, end = p.expert_ffn_end;
+    PDS_RETURN_IF_ERROR(append(name(ExpertProjection::kGate), begin, end, 0,
+                               hidden, &expert.gate_up));
+    PDS_RETURN_IF_ERROR(append(name(ExpertProjection::kUp), begin, end, 0,
+                               hidden, &expert.gate_up));
+    PDS_RETURN_IF_ERROR(append(name(ExpertProjection::kDown), 0, hidden, begin,
+                               end, &expert.down));
+  }
+  if (config.shared_expert_intermediate_size > 0) {
+    PDS_RETURN_IF_ERROR(swiglu("mlp.shared_expert.", p.shared_ffn_begin,
+                               p.shared_ffn_end, &cw->shared_gate_up,
+                               &cw->shared_down));
+    PDS_RETURN_IF_ERROR(
+        append(model::LayerTensorName(layer, "mlp.shared_expert_gate.weight"),
+               0, 1, 0, hidden, &cw->shared_gate));
   }
   return absl::OkStatus();
 }
@@ -614,13 +705,103 @@ int64_t CpuBackend::weight_bytes() const {
   for (const auto& lw : layers) {
     bytes += static_cast<int64_t>((lw.attn_norm.size() + lw.ffn_norm.size()) *
                                   sizeof(float)) +
-             lw.wqkv.bytes() + lw.wo.bytes() + lw.w_gate_up.bytes() +
-             lw.w_down.bytes() +
+             lw.bytes() +
              static_cast<int64_t>((lw.qkv_bias.size() + lw.q_norm.size() +
                                    lw.k_norm.size() + lw.o_bias.size()) *
                                   sizeof(float));
   }
   return bytes;
+}
+
+void CpuBackend::SwiGlu(const float* in, int64_t rows,
+                        const WeightMatrix& w_gate_up,
+                        const WeightMatrix& w_down, float* out) {
+  const int64_t f = w_gate_up.rows() / 2;
+  gate_up.resize(rows * 2 * f);
+  act.resize(rows * f);
+  MatMul(in, rows, w_gate_up, gate_up.data(), *workers);
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gate = gate_up.data() + t * 2 * f;
+    SiluMul(gate, gate + f, act.data() + t * f, f);
+  }
+  MatMul(act.data(), rows, w_down, out, *workers);
+}
+
+void CpuBackend::SparseMlp(const CpuLayerWeights& lw, int local_layer,
+                           int64_t n) {
+  const int64_t hidden = config.hidden_size;
+  const int num_experts = config.num_experts;
+  const int k = config.experts_per_token;
+  // Route every token (each rank alike: the router is whole everywhere).
+  router_logits.resize(n * num_experts);
+  MatMul(normed.data(), n, lw.router, router_logits.data(), *workers);
+  route_experts.resize(n * k);
+  route_weights.resize(n * k);
+  for (int64_t t = 0; t < n; ++t) {
+    RouteToken(router_logits.data() + t * num_experts, num_experts, k,
+               config.normalize_expert_weights, route_experts.data() + t * k,
+               route_weights.data() + t * k);
+  }
+  // Group the (token, slot) pairs by this rank's experts (a counting sort:
+  // tokens keep their order inside an expert's group).
+  const int first = p.expert_begin, local_count = p.local_experts();
+  expert_offsets.assign(local_count + 1, 0);
+  for (int64_t i = 0; i < n * k; ++i) {
+    const int e = route_experts[i] - first;
+    if (e >= 0 && e < local_count) ++expert_offsets[e + 1];
+  }
+  // Every expert's load, also those another rank holds (all ranks route
+  // alike, so any rank's counts are the group's).
+  std::vector<int64_t>& load = expert_tokens[local_layer];
+  for (int64_t i = 0; i < n * k; ++i) ++load[route_experts[i]];
+  for (int e = 0; e < local_count; ++e) {
+    expert_offsets[e + 1] += expert_offsets[e];
+  }
+  expert_rows.resize(expert_offsets[local_count]);
+  {
+    std::vector<int64_t> next(expert_offsets.begin(), expert_offsets.end() - 1);
+    for (int64_t i = 0; i < n * k; ++i) {
+      const int e = route_experts[i] - first;
+      if (e >= 0 && e < local_count)
+        expert_rows[next[e]++] = static_cast<int32_t>(i);
+    }
+  }
+  std::fill(proj.begin(), proj.begin() + n * hidden, 0.0f);
+  // Each expert runs its tokens as one batch through the packed kernels:
+  // only the chosen experts' weights are read.
+  for (int e = 0; e < local_count; ++e) {
+    const int64_t begin = expert_offsets[e],
+                  rows = expert_offsets[e + 1] - begin;
+    if (rows == 0) continue;
+    expert_in.resize(rows * hidden);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t token = expert_rows[begin + i] / k;
+      std::memcpy(expert_in.data() + i * hidden, normed.data() + token * hidden,
+                  hidden * sizeof(float));
+    }
+    expert_out.resize(rows * hidden);
+    SwiGlu(expert_in.data(), rows, lw.experts[e].gate_up, lw.experts[e].down,
+           expert_out.data());
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t slot = expert_rows[begin + i];
+      Axpy(route_weights[slot], expert_out.data() + i * hidden,
+           proj.data() + (slot / k) * hidden, hidden);
+    }
+  }
+  if (lw.shared_gate_up.rows() == 0) return;
+  // Qwen2-MoE's shared expert: every token, scaled by sigmoid(gate . x)
+  // (the scalar is whole on every rank, so scaling a rank's share of the
+  // sum scales the sum).
+  shared_out.resize(n * hidden);
+  SwiGlu(normed.data(), n, lw.shared_gate_up, lw.shared_down,
+         shared_out.data());
+  shared_scale.resize(n);
+  MatMul(normed.data(), n, lw.shared_gate, shared_scale.data(), *workers);
+  for (int64_t t = 0; t < n; ++t) {
+    const float scale = 1.0f / (1.0f + std::exp(-shared_scale[t]));
+    Axpy(scale, shared_out.data() + t * hidden, proj.data() + t * hidden,
+         hidden);
+  }
 }
 
 LlamaEngine::LlamaEngine(std::unique_ptr<EngineBackend> backend, Backend kind)
@@ -647,6 +828,9 @@ absl::StatusOr<std::unique_ptr<kv::KvPool>> LlamaEngine::CreateKvPool(
   return backend_->CreateKvPool(KvLayout(block_size), num_blocks);
 }
 int64_t LlamaEngine::weight_bytes() const { return backend_->weight_bytes(); }
+std::vector<std::vector<int64_t>> LlamaEngine::ExpertLoad() const {
+  return backend_->ExpertLoad();
+}
 
 namespace {
 
@@ -730,6 +914,12 @@ absl::StatusOr<std::unique_ptr<LlamaEngine>> LlamaEngine::Create(
   PDS_ASSIGN_OR_RETURN(ShardPlan plan,
                        ResolveShardPlan(weights.config(), options));
   std::unique_ptr<EngineBackend> backend;
+  if (options.backend == Backend::kCuda && plan.config.HasExperts()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the CUDA backend does not run mixture-of-experts layers yet (",
+        plan.config.architecture, ", ", plan.config.num_experts,
+        " experts); serve this model with --backend cpu"));
+  }
   if (options.backend == Backend::kCuda) {
     PDS_ASSIGN_OR_RETURN(backend,
                          CreateCudaBackend(weights, options, std::move(plan)));
@@ -799,13 +989,10 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
 
   const int64_t qkv_rows = m.qkv_rows();
   const int64_t attn_width = int64_t{m.q_heads} * c.head_dim;
-  const int64_t f = m.ffn_rows();
   m.normed.resize(n * hidden);
   m.qkv.resize(n * qkv_rows);
   m.attn_out.resize(n * attn_width);
   m.proj.resize(n * hidden);
-  m.gate_up.resize(n * 2 * f);
-  m.act.resize(n * f);
 
   for (size_t local = 0; local < m.layers.size(); ++local) {
     const CpuLayerWeights& lw = m.layers[local];
@@ -829,17 +1016,16 @@ absl::Status CpuBackend::Forward(const ForwardBatch& batch, kv::KvPool& pool,
       }
     }
 
-    // MLP block (SwiGLU).
+    // MLP block (SwiGLU, or the routed experts of a sparse layer).
     for (int64_t t = 0; t < n; ++t) {
       RmsNorm(m.x.data() + t * hidden, lw.ffn_norm.data(), hidden,
               c.rms_norm_eps, m.normed.data() + t * hidden);
     }
-    MatMul(m.normed.data(), n, lw.w_gate_up, m.gate_up.data(), *m.workers);
-    for (int64_t t = 0; t < n; ++t) {
-      const float* gate = m.gate_up.data() + t * 2 * f;
-      SiluMul(gate, gate + f, m.act.data() + t * f, f);
+    if (lw.sparse) {
+      m.SparseMlp(lw, static_cast<int>(local), n);
+    } else {
+      m.SwiGlu(m.normed.data(), n, lw.w_gate_up, lw.w_down, m.proj.data());
     }
-    MatMul(m.act.data(), n, lw.w_down, m.proj.data(), *m.workers);
     PDS_RETURN_IF_ERROR(m.AllReduce(m.proj, n * hidden));
     for (int64_t i = 0; i < n * hidden; ++i) m.x[i] += m.proj[i];
   }

@@ -76,6 +76,11 @@ class LlamaEngine {
       int64_t token_begin, int64_t token_end, kv::KvPool& host);
   // Bytes of weights this shard holds (sharded and replicated tensors).
   int64_t weight_bytes() const;
+  // Tokens routed to each expert of each sparse layer of this shard since
+  // load: [layer - shard.layer_begin][expert], rows of dense layers zero.
+  // Every rank routes every token, so any rank's counts are the group's.
+  // Not synchronized with Forward: call it from the thread that steps.
+  std::vector<std::vector<int64_t>> ExpertLoad() const;
 
   // Runs one step. Validates the batch (token ids in vocab, block tables long
   // enough and inside the pool, positions inside the context, pool layout

@@ -97,9 +97,37 @@ absl::StatusOr<ShardPlan> ResolveShardPlan(const model::ModelConfig& config,
   }
   plan.ffn_begin = int64_t{c.intermediate_size} * r / tp;
   plan.ffn_end = int64_t{c.intermediate_size} * (r + 1) / tp;
+  plan.expert_parallelism = options.expert_parallelism;
+  if (c.HasExperts()) {
+    if (options.expert_parallelism == ExpertParallelism::kExpert) {
+      if (tp > c.num_experts) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("expert parallelism over ", tp,
+                         " ranks needs at "
+                         "least as many experts; the model has ",
+                         c.num_experts));
+      }
+      plan.expert_begin = c.num_experts * r / tp;
+      plan.expert_end = c.num_experts * (r + 1) / tp;
+      plan.expert_ffn_begin = 0;
+      plan.expert_ffn_end = c.expert_intermediate_size;
+    } else {
+      plan.expert_begin = 0;
+      plan.expert_end = c.num_experts;
+      plan.expert_ffn_begin = int64_t{c.expert_intermediate_size} * r / tp;
+      plan.expert_ffn_end = int64_t{c.expert_intermediate_size} * (r + 1) / tp;
+    }
+    plan.shared_ffn_begin = int64_t{c.shared_expert_intermediate_size} * r / tp;
+    plan.shared_ffn_end =
+        int64_t{c.shared_expert_intermediate_size} * (r + 1) / tp;
+  }
   plan.vocab_begin = int64_t{c.vocab_size} * r / tp;
   plan.vocab_end = int64_t{c.vocab_size} * (r + 1) / tp;
   return plan;
+}
+
+std::string_view ExpertParallelismName(ExpertParallelism mode) {
+  return mode == ExpertParallelism::kExpert ? "ep" : "tp";
 }
 
 absl::Status ValidateBatch(const ShardPlan& plan, const ForwardBatch& batch,

@@ -22,7 +22,14 @@ struct ShardPlan {
   ShardSpec shard;  // layer_end resolved (never -1)
   int q_heads = 0, q_head_offset = 0;
   int kv_heads = 0, kv_head_offset = 0;
-  int64_t ffn_begin = 0, ffn_end = 0;
+  int64_t ffn_begin = 0, ffn_end = 0;  // dense MLP rows (and shared expert's)
+  // Sparse layers: the experts [expert_begin, expert_end) this rank holds,
+  // rows [expert_ffn_begin, expert_ffn_end) of each (ExpertParallelism),
+  // and the shared expert's rows.
+  ExpertParallelism expert_parallelism = ExpertParallelism::kTensor;
+  int expert_begin = 0, expert_end = 0;
+  int64_t expert_ffn_begin = 0, expert_ffn_end = 0;
+  int64_t shared_ffn_begin = 0, shared_ffn_end = 0;
   int64_t vocab_begin = 0, vocab_end = 0;
 
   bool holds_first() const { return shard.layer_begin == 0; }
@@ -33,6 +40,9 @@ struct ShardPlan {
   }
   int64_t attn_width() const { return int64_t{q_heads} * config.head_dim; }
   int64_t ffn_rows() const { return ffn_end - ffn_begin; }
+  int64_t expert_ffn_rows() const { return expert_ffn_end - expert_ffn_begin; }
+  int64_t shared_ffn_rows() const { return shared_ffn_end - shared_ffn_begin; }
+  int local_experts() const { return expert_end - expert_begin; }
   int64_t vocab_rows() const { return vocab_end - vocab_begin; }
   // The pool-local KV head query head `h` (local) reads.
   int KvHeadOf(int h) const {

@@ -132,6 +132,17 @@ absl::StatusOr<DType> ParseTorchDtype(std::string_view text,
                              "\" (float32, float16 or bfloat16)"));
 }
 
+constexpr char kKnownArchitectures[] =
+    "llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe or mixtral";
+
+bool IsKnownArchitecture(std::string_view name) {
+  for (std::string_view known : {"llama", "mistral", "qwen2", "qwen3",
+                                 "qwen3_moe", "qwen2_moe", "mixtral"}) {
+    if (name == known) return true;
+  }
+  return false;
+}
+
 absl::Status Positive(int value, std::string_view key) {
   if (value <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -144,6 +155,141 @@ std::string FormatDouble(double value) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.9g", value);
   return text;
+}
+
+absl::Status ValidateExperts(const ModelConfig& c) {
+  if (c.num_experts < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config key \"num_experts\" must not be negative, got ",
+                     c.num_experts));
+  }
+  if (c.num_experts == 0) {
+    if (c.experts_per_token != 0 || c.shared_expert_intermediate_size != 0 ||
+        !c.dense_layers.empty()) {
+      return absl::InvalidArgumentError(
+          "expert settings without experts (num_experts is 0)");
+    }
+    return absl::OkStatus();
+  }
+  if (c.experts_per_token < 1 || c.experts_per_token > c.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config key \"num_experts_per_tok\" (", c.experts_per_token,
+        ") must be between 1 and the number of experts (", c.num_experts, ")"));
+  }
+  PDS_RETURN_IF_ERROR(
+      Positive(c.expert_intermediate_size, "moe_intermediate_size"));
+  if (c.shared_expert_intermediate_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config key \"shared_expert_intermediate_size\" must not be "
+        "negative, got ",
+        c.shared_expert_intermediate_size));
+  }
+  if (!c.dense_layers.empty() &&
+      static_cast<int>(c.dense_layers.size()) != c.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dense layer flags for ", c.dense_layers.size(),
+                     " layers, not num_hidden_layers (", c.num_layers, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// The MoE keys of a qwen3_moe / qwen2_moe / mixtral config.json, with the
+// defaults of transformers' Qwen3MoeConfig, Qwen2MoeConfig and
+// MixtralConfig. Keys those classes read only in training
+// (router_aux_loss_coef, output_router_logits, router_jitter_noise: jitter
+// is applied only while training) change nothing here.
+absl::Status ParseExperts(const Json& root, std::string_view source_name,
+                          ModelConfig* config) {
+  const std::string& family = config->architecture;
+  const bool mixtral = family == "mixtral";
+  const bool qwen2 = family == "qwen2_moe";
+  // Qwen3MoeConfig maps num_experts onto num_local_experts (transformers
+  // v5 may save either).
+  const char* count_key = mixtral ? "num_local_experts" : "num_experts";
+  PDS_ASSIGN_OR_RETURN(std::optional<int> experts,
+                       OptionalInt(root, count_key, source_name));
+  if (!experts.has_value() && !mixtral) {
+    PDS_ASSIGN_OR_RETURN(experts,
+                         OptionalInt(root, "num_local_experts", source_name));
+  }
+  config->num_experts = experts.value_or(mixtral ? 8 : qwen2 ? 60 : 128);
+  if (config->num_experts < 0 || (mixtral && config->num_experts == 0)) {
+    return BadKey(source_name, count_key,
+                  mixtral ? "must be positive" : "must not be negative");
+  }
+  PDS_ASSIGN_OR_RETURN(std::optional<int> top_k,
+                       OptionalInt(root, "num_experts_per_tok", source_name));
+  if (mixtral) {
+    // MixtralSparseMoeBlock: softmax, top k, renormalised; experts of
+    // intermediate_size; every layer sparse.
+    config->experts_per_token = top_k.value_or(2);
+    config->expert_intermediate_size = config->intermediate_size;
+    config->normalize_expert_weights = true;
+  } else {
+    config->experts_per_token = top_k.value_or(qwen2 ? 4 : 8);
+    PDS_ASSIGN_OR_RETURN(
+        std::optional<int> width,
+        OptionalInt(root, "moe_intermediate_size", source_name));
+    config->expert_intermediate_size = width.value_or(qwen2 ? 1408 : 768);
+    PDS_ASSIGN_OR_RETURN(std::optional<bool> normalize,
+                         OptionalBool(root, "norm_topk_prob", source_name));
+    config->normalize_expert_weights = normalize.value_or(false);
+    if (qwen2) {
+      PDS_ASSIGN_OR_RETURN(
+          std::optional<int> shared,
+          OptionalInt(root, "shared_expert_intermediate_size", source_name));
+      config->shared_expert_intermediate_size = shared.value_or(5632);
+      if (config->shared_expert_intermediate_size <= 0) {
+        return BadKey(source_name, "shared_expert_intermediate_size",
+                      "must be positive (every Qwen2-MoE sparse layer has a "
+                      "shared expert)");
+      }
+    }
+    // A layer is sparse unless mlp_only_layers lists it, and only every
+    // decoder_sparse_step-th layer ((i + 1) % step == 0), as
+    // Qwen3MoeDecoderLayer / Qwen2MoeDecoderLayer decide.
+    PDS_ASSIGN_OR_RETURN(std::optional<int> step,
+                         OptionalInt(root, "decoder_sparse_step", source_name));
+    if (step.value_or(1) < 1) {
+      return BadKey(source_name, "decoder_sparse_step", "must be positive");
+    }
+    std::vector<bool> dense(config->num_layers, false);
+    for (int l = 0; l < config->num_layers; ++l) {
+      dense[l] = (l + 1) % step.value_or(1) != 0;
+    }
+    if (auto it = root.find("mlp_only_layers");
+        it != root.end() && !it->is_null()) {
+      if (!it->is_array()) {
+        return BadKey(source_name, "mlp_only_layers",
+                      "must be a list of layer indices");
+      }
+      for (const Json& index : *it) {
+        if (!index.is_number_integer() || index.get<int64_t>() < 0 ||
+            index.get<int64_t>() >= config->num_layers) {
+          return BadKey(source_name, "mlp_only_layers",
+                        absl::StrCat("must list layer indices below "
+                                     "num_hidden_layers (",
+                                     config->num_layers, ")"));
+        }
+        dense[static_cast<size_t>(index.get<int64_t>())] = true;
+      }
+    }
+    // One description per meaning: no dense layer is an empty list, no
+    // sparse layer is no experts.
+    if (config->num_experts > 0 &&
+        std::find(dense.begin(), dense.end(), false) == dense.end()) {
+      config->num_experts = 0;
+    }
+    if (config->num_experts == 0) {
+      config->experts_per_token = 0;
+      config->expert_intermediate_size = 0;
+      config->normalize_expert_weights = false;
+      config->shared_expert_intermediate_size = 0;
+    } else if (std::find(dense.begin(), dense.end(), true) != dense.end()) {
+      config->dense_layers = std::move(dense);
+    }
+  }
+  return absl::OkStatus();
 }
 
 // A number of a nested object (rope_scaling), errors naming
@@ -369,11 +515,10 @@ size_t DTypeSize(DType dtype) {
 }
 
 absl::Status ModelConfig::Validate() const {
-  if (architecture != "llama" && architecture != "mistral" &&
-      architecture != "qwen2" && architecture != "qwen3") {
+  if (!IsKnownArchitecture(architecture)) {
     return absl::InvalidArgumentError(
         absl::StrCat("config key \"model_type\": unsupported architecture \"",
-                     architecture, "\" (llama, mistral, qwen2 or qwen3)"));
+                     architecture, "\" (", kKnownArchitectures, ")"));
   }
   PDS_RETURN_IF_ERROR(Positive(hidden_size, "hidden_size"));
   PDS_RETURN_IF_ERROR(Positive(intermediate_size, "intermediate_size"));
@@ -470,6 +615,7 @@ absl::Status ModelConfig::Validate() const {
       }
     }
   }
+  PDS_RETURN_IF_ERROR(ValidateExperts(*this));
   if (bos_token_id >= vocab_size || eos_token_id >= vocab_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("config keys \"bos_token_id\" (", bos_token_id,
@@ -504,6 +650,22 @@ std::string ModelConfig::Identity() const {
     absl::StrAppend(&identity, "(layers=");
     for (bool windowed : windowed_layers) {
       absl::StrAppend(&identity, windowed ? "1" : "0");
+    }
+    absl::StrAppend(&identity, ")");
+  }
+  if (num_experts > 0) {
+    // The routing and the experts change every hidden state after a sparse
+    // layer.
+    absl::StrAppend(&identity, ";experts=", num_experts,
+                    "(top=", experts_per_token,
+                    ",width=", expert_intermediate_size,
+                    ",normalized=", normalize_expert_weights ? 1 : 0,
+                    ",shared=", shared_expert_intermediate_size);
+    if (!dense_layers.empty()) {
+      absl::StrAppend(&identity, ",dense=");
+      for (bool dense : dense_layers) {
+        absl::StrAppend(&identity, dense ? "1" : "0");
+      }
     }
     absl::StrAppend(&identity, ")");
   }
@@ -563,12 +725,24 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
                        OptionalString(root, "model_type", source_name));
   config.architecture = model_type.value_or("llama");
   const std::string& family = config.architecture;
-  const bool is_qwen = family == "qwen2" || family == "qwen3";
-  if (family != "llama" && family != "mistral" && !is_qwen) {
+  if (!IsKnownArchitecture(family)) {
     return BadKey(source_name, "model_type",
-                  absl::StrCat("has unsupported value \"", family,
-                               "\" (llama, mistral, qwen2 or qwen3)"));
+                  absl::StrCat("has unsupported value \"", family, "\" (",
+                               kKnownArchitectures, ")"));
   }
+  // The mixtures of experts share their attention with a dense family:
+  // Qwen3-MoE Qwen3's (q/k norms, attention_bias), Qwen2-MoE Qwen2's (q/k/v
+  // biases), Mixtral Mistral's (a window in every layer, but none unless
+  // sliding_window is set: MixtralConfig's default is null).
+  const bool moe =
+      family == "qwen3_moe" || family == "qwen2_moe" || family == "mixtral";
+  const std::string_view attention_family = family == "qwen3_moe"   ? "qwen3"
+                                            : family == "qwen2_moe" ? "qwen2"
+                                            : family == "mixtral"
+                                                ? "mistral"
+                                                : std::string_view(family);
+  const bool is_qwen =
+      attention_family == "qwen2" || attention_family == "qwen3";
   PDS_ASSIGN_OR_RETURN(std::optional<std::string> hidden_act,
                        OptionalString(root, "hidden_act", source_name));
   if (hidden_act.has_value() && *hidden_act != "silu") {
@@ -594,12 +768,12 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   // Qwen3 always normalizes q and k per head; Mistral has neither.
   PDS_ASSIGN_OR_RETURN(std::optional<bool> attention_bias,
                        OptionalBool(root, "attention_bias", source_name));
-  if (family == "qwen2") {
+  if (attention_family == "qwen2") {
     config.qkv_bias = true;
-  } else if (family == "llama" || family == "qwen3") {
+  } else if (attention_family == "llama" || attention_family == "qwen3") {
     config.qkv_bias = config.o_bias = attention_bias.value_or(false);
   }
-  config.qk_norm = family == "qwen3";
+  config.qk_norm = attention_family == "qwen3";
 
   PDS_ASSIGN_OR_RETURN(config.hidden_size,
                        RequiredInt(root, "hidden_size", source_name));
@@ -623,15 +797,22 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   // config lists layer_types itself.
   PDS_ASSIGN_OR_RETURN(std::optional<int> window,
                        OptionalInt(root, "sliding_window", source_name));
-  if (family == "mistral") {
-    config.sliding_window =
-        root.contains("sliding_window") ? window.value_or(0) : 4096;
+  if (attention_family == "mistral") {
+    config.sliding_window = root.contains("sliding_window") ? window.value_or(0)
+                            : family == "mixtral"           ? 0
+                                                            : 4096;
     if (root.contains("sliding_window") && window.has_value() && *window <= 0) {
       return BadKey(source_name, "sliding_window", "must be positive or null");
     }
   } else if (is_qwen) {
     PDS_ASSIGN_OR_RETURN(std::optional<bool> use_window,
                          OptionalBool(root, "use_sliding_window", source_name));
+    if (moe && use_window.value_or(false)) {
+      // Qwen3MoeConfig windows every layer, Qwen2MoeConfig from
+      // max_window_layers on; no published MoE checkpoint windows.
+      return BadKey(source_name, "use_sliding_window",
+                    absl::StrCat("= true is not supported for ", family));
+    }
     PDS_ASSIGN_OR_RETURN(std::optional<int> max_window_layers,
                          OptionalInt(root, "max_window_layers", source_name));
     if (max_window_layers.value_or(0) < 0) {
@@ -739,7 +920,8 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
   if (head_dim.has_value()) {
     config.head_dim = *head_dim;
   } else if (family == "qwen3") {
-    config.head_dim = 128;  // Qwen3Config's default
+    // Qwen3Config's default (Qwen3MoeConfig has none: hidden / heads).
+    config.head_dim = 128;
   } else if (config.num_heads > 0) {
     if (config.hidden_size % config.num_heads != 0) {
       return BadKey(source_name, "head_dim",
@@ -765,6 +947,8 @@ absl::StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text,
     PDS_ASSIGN_OR_RETURN(config.dtype,
                          ParseTorchDtype(*torch_dtype, source_name));
   }
+
+  if (moe) PDS_RETURN_IF_ERROR(ParseExperts(root, source_name, &config));
 
   absl::Status valid = config.Validate();
   if (!valid.ok()) {

@@ -1,8 +1,10 @@
 // The architecture hyper-parameters of a Llama-family model, as read from a
 // Hugging Face config.json or GGUF metadata. Every supported family (Llama
-// 2/3.x, Mistral, Qwen2/2.5, Qwen3) is one engine description: the Llama
-// graph plus the flags below (projection biases, per-head q/k RMSNorm, RoPE
-// scaling, a sliding attention window); the engine has one code path.
+// 2/3.x, Mistral, Qwen2/2.5, Qwen3, and the mixtures of experts Qwen3-MoE,
+// Qwen2-MoE and Mixtral) is one engine description: the Llama graph plus the
+// flags below (projection biases, per-head q/k RMSNorm, RoPE scaling, a
+// sliding attention window, routed experts in place of the dense MLP); the
+// engine has one code path.
 #pragma once
 
 #include <cstdint>
@@ -59,8 +61,9 @@ struct ModelConfig {
   }
 
  public:
-  // The HF model_type: "llama", "mistral", "qwen2" or "qwen3". Informative
-  // only: the engine reads the flags below, never the name.
+  // The HF model_type: "llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+  // "qwen2_moe" or "mixtral". The engine reads the flags below, never the
+  // name; only the tensor names depend on it (Mixtral's block_sparse_moe).
   std::string architecture = "llama";
   int hidden_size = 0;
   int intermediate_size = 0;
@@ -133,6 +136,33 @@ struct ModelConfig {
   }
   RopeScaling rope_scaling;
 
+  // Mixture of experts. num_experts == 0: every layer's MLP is the dense
+  // SwiGLU of intermediate_size. Otherwise a sparse layer routes each token
+  // to its experts_per_token best of num_experts SwiGLU experts of
+  // expert_intermediate_size: softmax over the router logits, the top k
+  // (ties: the lower expert index first, as torch.topk on CPU), their
+  // probabilities as weights.
+  int num_experts = 0;
+  int experts_per_token = 0;
+  int expert_intermediate_size = 0;
+  // The top-k weights renormalised to sum to 1 (Qwen norm_topk_prob;
+  // Mixtral always); otherwise the probabilities as they are.
+  bool normalize_expert_weights = false;
+  // Qwen2-MoE: an always-on shared expert of this width beside the routed
+  // ones, its output scaled by sigmoid(shared_expert_gate . x); 0: none.
+  int shared_expert_intermediate_size = 0;
+  // Layers whose MLP stays dense with experts present (Qwen mlp_only_layers
+  // and decoder_sparse_step), one flag per layer; empty: none.
+  std::vector<bool> dense_layers;
+  // Whether model layer `layer` routes to experts.
+  bool IsMoeLayer(int layer) const {
+    if (num_experts <= 0) return false;
+    return dense_layers.empty() ||
+           !(layer >= 0 && layer < static_cast<int>(dense_layers.size()) &&
+             dense_layers[layer]);
+  }
+  bool HasExperts() const { return num_experts > 0; }
+
   // Checks internal consistency (positive sizes, num_heads % num_kv_heads == 0,
   // head_dim even, a known architecture, sane rope_scaling, ...). Errors name
   // the offending key.
@@ -154,20 +184,23 @@ struct ModelConfig {
     std::string_view json_text, std::string_view source_name,
     ModelConfig* config);
 
-// Parses a Hugging Face config.json of model_type llama, mistral, qwen2 or
-// qwen3. `source_name` (usually the path) is included in every error.
-// Missing required keys, an unknown model_type and any key whose value the
-// engine does not implement (hidden_act other than silu, mlp_bias, an
-// unknown rope_scaling type or field, ...) are
-// INVALID_ARGUMENT naming the key. Defaults follow each family's
-// transformers config class: head_dim = hidden_size / num_attention_heads
-// (Qwen3: 128), num_key_value_heads = num_attention_heads, Mistral's
-// sliding_window 4096 when the key is absent; Qwen2/Qwen3 window only with
-// use_sliding_window, in the layers from max_window_layers on (or those
-// layer_types marks "sliding_attention"), as transformers' Qwen2Config
-// derives them. With linear, dynamic or yarn
-// rope scaling, max_position_embeddings becomes the scaled context
-// (factor x the original), which is what such a model serves.
+// Parses a Hugging Face config.json of model_type llama, mistral, qwen2,
+// qwen3, qwen3_moe, qwen2_moe or mixtral (the MoE keys as each family's
+// transformers config class reads them, with its defaults: num_experts /
+// num_local_experts, num_experts_per_tok, moe_intermediate_size (Mixtral:
+// intermediate_size), norm_topk_prob, decoder_sparse_step, mlp_only_layers,
+// shared_expert_intermediate_size). `source_name` (usually the path) is
+// included in every error. Missing required keys, an unknown model_type and any
+// key whose value the engine does not implement (hidden_act other than silu,
+// mlp_bias, an unknown rope_scaling type or field, ...) are INVALID_ARGUMENT
+// naming the key. Defaults follow each family's transformers config class:
+// head_dim = hidden_size / num_attention_heads (Qwen3: 128),
+// num_key_value_heads = num_attention_heads, Mistral's sliding_window 4096 when
+// the key is absent; Qwen2/Qwen3 window only with use_sliding_window, in the
+// layers from max_window_layers on (or those layer_types marks
+// "sliding_attention"), as transformers' Qwen2Config derives them. With linear,
+// dynamic or yarn rope scaling, max_position_embeddings becomes the scaled
+// context (factor x the original), which is what such a model serves.
 [[nodiscard]] absl::StatusOr<ModelConfig> ParseHfConfigJson(
     std::string_view json_text, std::string_view source_name);
 

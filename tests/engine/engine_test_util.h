@@ -93,9 +93,11 @@ inline std::unique_ptr<model::WeightSource> OpenStories(bool gguf) {
 inline std::unique_ptr<LlamaEngine> MakeEngine(
     const model::WeightSource& weights, ShardSpec shard = {},
     comm::Communicator* communicator = nullptr, int threads = 2,
-    QuantizedMatmul quantized_matmul = QuantizedMatmul::kInt8Activations) {
+    QuantizedMatmul quantized_matmul = QuantizedMatmul::kInt8Activations,
+    ExpertParallelism expert_parallelism = ExpertParallelism::kTensor) {
   EngineOptions options;
   options.shard = shard;
+  options.expert_parallelism = expert_parallelism;
   options.num_threads = threads;
   options.communicator = communicator;
   options.quantized_matmul = quantized_matmul;

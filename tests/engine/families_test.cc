@@ -6,7 +6,10 @@
 // engine (one-shot and chunked prefill, the tiled and the per-key attention
 // paths, a multi-token verify step), tensor-parallel shards (TP 2 and 4: above
 // the KV heads for every family with fewer than 4), pipeline stages of a
-// non-uniform split, and bf16 KV.
+// non-uniform split, and bf16 KV. The mixtures of experts (Qwen3-MoE with a
+// dense layer, Qwen2-MoE with its shared expert, Mixtral with a window) go
+// through all of these and expert parallelism (EP 2 and 4) besides.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -15,6 +18,7 @@
 #include <thread>
 
 #include "comm/communicator.h"
+#include "engine/shard_plan.h"
 #include "engine_test_util.h"
 #include "family_reference.h"
 #include "model/tensor_layout.h"
@@ -91,6 +95,10 @@ void ExpectMatchesReference(const Outcome& got, const FamilyReference& f,
   // Greedy picks are comparable only where the reference's top two logits
   // are further apart than the engine's error.
   ASSERT_GT(f.min_margin, 1e-3) << f.name << ": pick another seed";
+  // Likewise expert choices: an f32 router must not flip a near tie.
+  if (f.min_route_margin.has_value()) {
+    ASSERT_GT(*f.min_route_margin, 1e-5) << f.name << ": pick another seed";
+  }
   if (tokens_must_match) EXPECT_EQ(got.tokens, f.greedy_ids);
   ASSERT_EQ(got.prompt_logprobs.size(), f.prompt_logprobs.size());
   double worst = 0;
@@ -206,53 +214,60 @@ TEST_P(FamiliesTest, MultiTokenVerifyStepMatchesTheReference) {
 }
 
 // Tensor-parallel ranks driven in lock step by threads; rank 0's logits.
+// Mixtures of experts also with whole experts per rank (expert parallelism;
+// 6 experts over 4 ranks split unevenly).
 TEST_P(FamiliesTest, TensorParallelShardsMatchTheReference) {
-  for (int tp : {2, 4}) {
-    SCOPED_TRACE(absl::StrCat("tp ", tp));
-    auto group = comm::InProcessGroup::Create(tp);
-    ASSERT_TRUE(group.ok());
-    std::vector<std::unique_ptr<LlamaEngine>> ranks;
-    std::vector<std::unique_ptr<kv::KvPool>> pools;
-    for (int r = 0; r < tp; ++r) {
-      ranks.push_back(testing_util::MakeEngine(
-          *weights_, ShardSpec{0, -1, r, tp}, (*group)->rank(r), 1));
-      ASSERT_NE(ranks.back(), nullptr);
-      pools.push_back(testing_util::MakePool(*ranks.back(), kBlockSize, 8));
-    }
-    if (tp > config().num_kv_heads) {
-      EXPECT_EQ(ranks[0]->KvLayout(kBlockSize).num_kv_heads, 1);
-    }
-    const auto table = testing_util::IdentityBlockTable(8);
-    const StepFn step = [&](const std::vector<int32_t>& tokens, int start) {
-      std::vector<std::vector<std::vector<float>>> per_rank(tp);
-      std::vector<std::thread> threads;
+  std::vector<ExpertParallelism> modes = {ExpertParallelism::kTensor};
+  if (config().HasExperts()) modes.push_back(ExpertParallelism::kExpert);
+  for (ExpertParallelism mode : modes)
+    for (int tp : {2, 4}) {
+      SCOPED_TRACE(std::string(ExpertParallelismName(mode)) + " " +
+                   std::to_string(tp));
+      auto group = comm::InProcessGroup::Create(tp);
+      ASSERT_TRUE(group.ok());
+      std::vector<std::unique_ptr<LlamaEngine>> ranks;
+      std::vector<std::unique_ptr<kv::KvPool>> pools;
       for (int r = 0; r < tp; ++r) {
-        threads.emplace_back([&, r] {
-          ForwardBatch batch;
-          SequenceStep s;
-          s.tokens = tokens;
-          s.num_tokens = static_cast<int>(tokens.size());
-          s.start_position = start;
-          s.block_table = table;
-          s.logit_indices.resize(tokens.size());
-          std::iota(s.logit_indices.begin(), s.logit_indices.end(), 0);
-          batch.sequences.push_back(s);
-          ForwardResult result;
-          absl::Status status = ranks[r]->Forward(batch, *pools[r], &result);
-          EXPECT_TRUE(status.ok()) << status;
-          const int vocab = config().vocab_size;
-          for (size_t i = 0; status.ok() && i < tokens.size(); ++i) {
-            per_rank[r].emplace_back(result.logits.begin() + i * vocab,
-                                     result.logits.begin() + (i + 1) * vocab);
-          }
-        });
+        ranks.push_back(testing_util::MakeEngine(
+            *weights_, ShardSpec{0, -1, r, tp}, (*group)->rank(r), 1,
+            QuantizedMatmul::kInt8Activations, mode));
+        ASSERT_NE(ranks.back(), nullptr);
+        pools.push_back(testing_util::MakePool(*ranks.back(), kBlockSize, 8));
       }
-      for (auto& t : threads) t.join();
-      for (int r = 1; r < tp; ++r) EXPECT_EQ(per_rank[r], per_rank[0]);
-      return per_rank[0];
-    };
-    ExpectMatchesReference(Greedy(step, *family_, config()), *family_);
-  }
+      if (tp > config().num_kv_heads) {
+        EXPECT_EQ(ranks[0]->KvLayout(kBlockSize).num_kv_heads, 1);
+      }
+      const auto table = testing_util::IdentityBlockTable(8);
+      const StepFn step = [&](const std::vector<int32_t>& tokens, int start) {
+        std::vector<std::vector<std::vector<float>>> per_rank(tp);
+        std::vector<std::thread> threads;
+        for (int r = 0; r < tp; ++r) {
+          threads.emplace_back([&, r] {
+            ForwardBatch batch;
+            SequenceStep s;
+            s.tokens = tokens;
+            s.num_tokens = static_cast<int>(tokens.size());
+            s.start_position = start;
+            s.block_table = table;
+            s.logit_indices.resize(tokens.size());
+            std::iota(s.logit_indices.begin(), s.logit_indices.end(), 0);
+            batch.sequences.push_back(s);
+            ForwardResult result;
+            absl::Status status = ranks[r]->Forward(batch, *pools[r], &result);
+            EXPECT_TRUE(status.ok()) << status;
+            const int vocab = config().vocab_size;
+            for (size_t i = 0; status.ok() && i < tokens.size(); ++i) {
+              per_rank[r].emplace_back(result.logits.begin() + i * vocab,
+                                       result.logits.begin() + (i + 1) * vocab);
+            }
+          });
+        }
+        for (auto& t : threads) t.join();
+        for (int r = 1; r < tp; ++r) EXPECT_EQ(per_rank[r], per_rank[0]);
+        return per_rank[0];
+      };
+      ExpectMatchesReference(Greedy(step, *family_, config()), *family_);
+    }
 }
 
 // Pipeline stages of a non-uniform split (1 + 2 layers, then 2 + 1), chained
@@ -310,7 +325,8 @@ TEST_P(FamiliesTest, PipelineStagesOfANonUniformSplitMatchTheReference) {
 // and tied embeddings where log-probabilities reach -55. Hence a tolerance
 // of 1e-2 + 4e-3 |logprob| (f32 KV: 1e-4). Greedy picks may flip where the
 // reference's top two are that close, so the check is teacher forced: the
-// reference's tokens scored by the engine.
+// reference's tokens scored by the engine. (Mixtures of experts: see the
+// routing note below.)
 TEST_P(FamiliesTest, Bf16KvStaysWithinItsRoundingOfTheReference) {
   SingleEngine single(*weights_, kv::KvDType::kBF16);
   ASSERT_NE(single.engine, nullptr);
@@ -330,12 +346,25 @@ TEST_P(FamiliesTest, Bf16KvStaysWithinItsRoundingOfTheReference) {
                           family_->logprobs[k]);
   }
   double worst = 0, worst_fraction = 0;
+  int outside = 0;
   for (const auto& [got, want] : got_want) {
     worst = std::max(worst, std::abs(got - want));
-    worst_fraction = std::max(
-        worst_fraction, std::abs(got - want) / (1e-2 + 4e-3 * std::abs(want)));
+    const double fraction =
+        std::abs(got - want) / (1e-2 + 4e-3 * std::abs(want));
+    worst_fraction = std::max(worst_fraction, fraction);
+    if (fraction >= 1.0) ++outside;
   }
-  EXPECT_LT(worst_fraction, 1.0) << "worst difference " << worst;
+  std::printf("[ families ] %s bf16 KV: worst %.3g, %d of %zu outside\n",
+              family_->name.c_str(), worst, outside, got_want.size());
+  // Routing is a discontinuous function of the hidden state: where a
+  // token's k-th and (k+1)-th experts are closer than the rounding moves
+  // them (Mixtral's closest pair is 1.7e-4 apart here), bf16 KV picks the
+  // other one and that position's logits jump. So a mixture of experts may
+  // leave the bound at up to 1 position in 20; a dense family at none.
+  const size_t allowed = config().HasExperts() ? got_want.size() / 20 : 0;
+  EXPECT_LE(static_cast<size_t>(outside), allowed)
+      << "worst difference " << worst << " (" << worst_fraction
+      << " of the bound)";
   // Not exact either: the check above would pass an engine that ignores the
   // KV element type.
   EXPECT_GT(worst, 1e-6);
@@ -345,7 +374,64 @@ INSTANTIATE_TEST_SUITE_P(Families, FamiliesTest,
                          ::testing::Values("llama31", "llama_linear",
                                            "llama_dynamic", "llama_yarn",
                                            "qwen25", "qwen3", "mistral",
-                                           "qwen_windowed"));
+                                           "qwen_windowed", "qwen3_moe",
+                                           "qwen2_moe", "mixtral"));
+
+// Until the CUDA backend runs experts, asking it to is a precise error, not
+// a silent CPU fallback.
+TEST(FamilyExpertsTest, CudaBackendRefusesExpertsByName) {
+  auto opened = model::OpenModel(Families().at("qwen3_moe").dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EngineOptions options;
+  options.backend = Backend::kCuda;
+  auto engine = LlamaEngine::Create(**opened, options);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(engine.status().message()),
+              ::testing::HasSubstr("mixture-of-experts"));
+}
+
+// Expert parallelism over more ranks than experts has nothing to give some
+// ranks: refused when the shard is planned.
+TEST(FamilyExpertsTest, ExpertParallelismNeedsAnExpertPerRank) {
+  auto opened = model::OpenModel(Families().at("mixtral").dir);  // 4 experts
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  model::ModelConfig config = (*opened)->config();
+  config.num_heads = 8;  // so that 8 ranks split the attention
+  config.num_kv_heads = 8;
+  auto group = comm::InProcessGroup::Create(8);
+  ASSERT_TRUE(group.ok());
+  EngineOptions options;
+  options.shard = ShardSpec{0, -1, 0, 8};
+  options.communicator = (*group)->rank(0);
+  options.expert_parallelism = ExpertParallelism::kExpert;
+  auto plan = ResolveShardPlan(config, options);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_THAT(std::string(plan.status().message()),
+              ::testing::HasSubstr("needs at least as many experts"));
+  options.expert_parallelism = ExpertParallelism::kTensor;
+  EXPECT_TRUE(ResolveShardPlan(config, options).ok());
+}
+
+// Expert load: every routed (token, expert) pair counted once per sparse
+// layer, the dense layer (Qwen3-MoE's layer 1) none.
+TEST(FamilyExpertsTest, ExpertLoadCountsEveryRoutedToken) {
+  const FamilyReference& f = Families().at("qwen3_moe");
+  auto opened = model::OpenModel(f.dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  SingleEngine single(**opened);
+  ASSERT_NE(single.engine, nullptr);
+  ASSERT_FALSE(single.Step(f.prompt_ids, 0).empty());
+  const auto load = single.engine->ExpertLoad();
+  ASSERT_EQ(load.size(), 3u);
+  const int64_t routed = static_cast<int64_t>(f.prompt_ids.size()) *
+                         (*opened)->config().experts_per_token;
+  for (int layer = 0; layer < 3; ++layer) {
+    int64_t total = 0;
+    for (int64_t tokens : load[layer]) total += tokens;
+    EXPECT_EQ(total, layer == 1 ? 0 : routed) << "layer " << layer;
+  }
+}
 
 // The features change the answer: the same weights without the feature give
 // other log-probabilities than the reference (so the checks above can fail).
@@ -364,6 +450,14 @@ TEST(FamilyFeaturesTest, EachFeatureMattersForItsCheckpoint) {
            // Qwen's window is per layer: neither none nor every layer's.
            {"qwen_windowed", [](auto& c) { c.sliding_window = 0; }},
            {"qwen_windowed", [](auto& c) { c.windowed_layers.clear(); }},
+           // The experts' features: renormalised top-k weights, how many
+           // experts a token reads, the shared expert, Mixtral's window.
+           {"qwen3_moe", [](auto& c) { c.normalize_expert_weights = false; }},
+           {"qwen3_moe", [](auto& c) { c.experts_per_token = 2; }},
+           {"qwen2_moe", [](auto& c) { c.normalize_expert_weights = true; }},
+           {"qwen2_moe",
+            [](auto& c) { c.shared_expert_intermediate_size = 0; }},
+           {"mixtral", [](auto& c) { c.sliding_window = 0; }},
        }) {
     SCOPED_TRACE(name);
     auto it = families.find(name);

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -36,6 +37,9 @@ struct FamilyReference {
   std::vector<double> logprobs;         // of each greedy token
   std::vector<double> prompt_logprobs;  // of prompt[k], k >= 1
   double min_margin = 0;                // smallest top-1/top-2 logit gap
+  // Mixtures of experts: the smallest gap between a token's k-th and
+  // (k+1)-th expert probability in any sparse layer.
+  std::optional<double> min_route_margin;
 };
 
 inline std::map<std::string, FamilyReference> ReadFamilies(
@@ -119,6 +123,9 @@ inline std::map<std::string, FamilyReference> ReadFamilies(
     f.logprobs = r["logprobs"].get<std::vector<double>>();
     f.prompt_logprobs = r["prompt_logprobs"].get<std::vector<double>>();
     f.min_margin = r["min_margin"].get<double>();
+    if (r.contains("min_route_margin") && !r["min_route_margin"].is_null()) {
+      f.min_route_margin = r["min_route_margin"].get<double>();
+    }
     out[f.name] = std::move(f);
   }
   return out;

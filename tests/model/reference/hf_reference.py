@@ -2,7 +2,8 @@
 """A float64 reference forward pass for Llama-family checkpoints in Hugging
 Face layout (config.json + model.safetensors), written from the families'
 public definitions: transformers' modeling_llama / modeling_mistral /
-modeling_qwen2 / modeling_qwen3 and the RoPE init functions of
+modeling_qwen2 / modeling_qwen3, the mixtures of experts modeling_qwen3_moe /
+modeling_qwen2_moe / modeling_mixtral, and the RoPE init functions of
 modeling_rope_utils. It shares no code with pdserve (numpy only) and is the
 independent side of the family tests.
 
@@ -11,7 +12,10 @@ independent side of the family tests.
 prints one JSON object: prompt_ids, greedy_ids (greedy continuation, stops
 after an end token), logprobs (of each greedy token), prompt_logprobs
 (log p(prompt[k] | prompt[:k]) for k >= 1), min_margin (the smallest gap
-between the best and second-best logit over all greedy steps). Without
+between the best and second-best logit over all greedy steps) and, for a
+mixture of experts, min_route_margin (the smallest gap between a token's
+k-th and (k+1)-th expert probability in any sparse layer: where that is
+tiny, an f32 engine may pick another expert and no comparison holds). Without
 --prompt-ids the ids come from MODEL_DIR/prompt.json.
 
 Semantics worth stating:
@@ -25,6 +29,10 @@ Semantics worth stating:
     keys j with i - window < j <= i, transformers' sliding_window_overlay.
   * yarn's attention factor multiplies cos and sin, as transformers'
     rotary embedding does (so q.k scales by its square).
+  * Experts (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock,
+    MixtralSparseMoeBlock): softmax over the router logits, torch.topk (the
+    lower index first on ties), renormalised with norm_topk_prob (Mixtral
+    always); Qwen2-MoE adds sigmoid(shared_expert_gate(x)) * shared_expert(x).
 """
 
 import argparse
@@ -67,8 +75,13 @@ class Config:
 
     def __init__(self, raw):
         self.model_type = raw.get("model_type", "llama")
-        if self.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        known = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+        if self.model_type not in known:
             raise ValueError("unsupported model_type " + self.model_type)
+        # The attention each MoE family shares with a dense one.
+        attention = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}.get(
+            self.model_type, self.model_type
+        )
         self.hidden = raw["hidden_size"]
         self.layers = raw["num_hidden_layers"]
         self.heads = raw["num_attention_heads"]
@@ -85,15 +98,17 @@ class Config:
         # Attention projections as each modeling file builds them.
         bias = raw.get("attention_bias", False)
         self.qkv_bias = {"llama": bias, "qwen3": bias, "qwen2": True}.get(
-            self.model_type, False
+            attention, False
         )
-        self.o_bias = {"llama": bias, "qwen3": bias}.get(self.model_type, False)
-        self.qk_norm = self.model_type == "qwen3"
+        self.o_bias = {"llama": bias, "qwen3": bias}.get(attention, False)
+        self.qk_norm = attention == "qwen3"
         # The window of each layer (None: the whole context).
-        if self.model_type == "mistral":
-            window = raw["sliding_window"] if "sliding_window" in raw else 4096
+        if attention == "mistral":
+            # MistralConfig's default window is 4096, MixtralConfig's None.
+            default = 4096 if self.model_type == "mistral" else None
+            window = raw["sliding_window"] if "sliding_window" in raw else default
             self.windows = [window] * self.layers
-        elif self.model_type in ("qwen2", "qwen3"):
+        elif attention in ("qwen2", "qwen3"):
             # Qwen2Config: sliding_window only with use_sliding_window; the
             # layer kinds from layer_types, else sliding for layer indices
             # >= max_window_layers (default 28).
@@ -113,6 +128,28 @@ class Config:
             ]
         else:
             self.windows = [None] * self.layers
+        # Experts: which layers are sparse and how they route.
+        self.sparse = [False] * self.layers
+        if self.model_type == "mixtral":
+            self.experts = raw.get("num_local_experts", 8)
+            self.top_k = raw.get("num_experts_per_tok", 2)
+            self.expert_width = raw["intermediate_size"]
+            self.norm_topk = True
+            self.sparse = [True] * self.layers
+        elif self.model_type in ("qwen3_moe", "qwen2_moe"):
+            qwen2 = self.model_type == "qwen2_moe"
+            self.experts = raw.get("num_experts", 60 if qwen2 else 128)
+            self.top_k = raw.get("num_experts_per_tok", 4 if qwen2 else 8)
+            self.expert_width = raw.get("moe_intermediate_size", 1408 if qwen2 else 768)
+            self.norm_topk = raw.get("norm_topk_prob", False)
+            step = raw.get("decoder_sparse_step", 1)
+            dense_only = raw.get("mlp_only_layers") or []
+            self.sparse = [
+                i not in dense_only and self.experts > 0 and (i + 1) % step == 0
+                for i in range(self.layers)
+            ]
+        self.shared = self.model_type == "qwen2_moe"
+        self.route_margins = []
         eos = raw.get("eos_token_id")
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
@@ -214,6 +251,45 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+def swiglu(w, prefix, gate, up, down, h):
+    g = h @ w[prefix + gate + ".weight"].T
+    u = h @ w[prefix + up + ".weight"].T
+    return (silu(g) * u) @ w[prefix + down + ".weight"].T
+
+
+def sparse_mlp(cfg, w, layer, h):
+    """A sparse layer's output for rows h [n, hidden]."""
+    p = "model.layers.%d." % layer
+    mixtral = cfg.model_type == "mixtral"
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    logits = h @ w[block + "gate.weight"].T
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    # torch.topk order: most probable first, the lower index on ties.
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    k = cfg.top_k
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        chosen = order[t, :k]
+        weights = probs[t, chosen]
+        if cfg.norm_topk:
+            weights = weights / weights.sum()
+        if k < cfg.experts:
+            cfg.route_margins.append(probs[t, order[t, k - 1]] - probs[t, order[t, k]])
+        for e, weight in zip(chosen, weights):
+            prefix = block + "experts.%d." % e
+            if mixtral:
+                y = swiglu(w, prefix, "w1", "w3", "w2", h[t : t + 1])
+            else:
+                y = swiglu(w, prefix, "gate_proj", "up_proj", "down_proj", h[t : t + 1])
+            out[t] += weight * y[0]
+    if cfg.shared:
+        gate = 1.0 / (1.0 + np.exp(-(h @ w[p + "mlp.shared_expert_gate.weight"].T)))
+        shared = swiglu(w, p + "mlp.shared_expert.", "gate_proj", "up_proj", "down_proj", h)
+        out += gate * shared
+    return out
+
+
 def forward(cfg, w, ids, rows=None):
     """Logits [len(rows), vocab] of positions `rows` (all when None) of the
     whole sequence."""
@@ -260,9 +336,10 @@ def forward(cfg, w, ids, rows=None):
             out = out + w[p + "self_attn.o_proj.bias"]
         x = x + out
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.eps)
-        gate = h @ w[p + "mlp.gate_proj.weight"].T
-        up = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + (silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+        if cfg.sparse[layer]:
+            x = x + sparse_mlp(cfg, w, layer, h)
+        else:
+            x = x + swiglu(w, p + "mlp.", "gate_proj", "up_proj", "down_proj", h)
     if rows is not None:
         x = x[rows]
     x = rms_norm(x, w["model.norm.weight"], cfg.eps)
@@ -315,6 +392,7 @@ def main():
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "min_margin": min(margins) if margins else None,
+            "min_route_margin": float(min(cfg.route_margins)) if cfg.route_margins else None,
         },
         sys.stdout,
     )

