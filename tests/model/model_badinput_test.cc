@@ -6,11 +6,14 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/gguf_file.h"
 #include "model/gguf_writer.h"
+#include "model/model_config.h"
+#include "model/tensor_layout.h"
 #include "model/weight_source.h"
 #include "model_test_util.h"
 #include "nlohmann/json.hpp"
@@ -924,6 +927,153 @@ TEST_F(QuantizedGgufBadTest, TruncatedQuantizedModel) {
                           "bytes = 63000 bytes)"));
     EXPECT_THAT(source.status().message(), HasSubstr("file truncated?"));
   }
+}
+
+// Mixture-of-experts folders with one thing wrong: each a load error naming
+// the tensor or the config key, never a model that silently runs with
+// fewer experts.
+class MoeBadTest : public ::testing::Test {
+ protected:
+  static nlohmann::json Config(const std::string& model_type) {
+    nlohmann::json c = {
+        {"model_type", model_type}, {"hidden_size", 16},
+        {"intermediate_size", 24},  {"num_hidden_layers", 2},
+        {"num_attention_heads", 2}, {"num_key_value_heads", 1},
+        {"vocab_size", 32},         {"max_position_embeddings", 64},
+        {"rms_norm_eps", 1e-6},     {"hidden_act", "silu"},
+        {"num_experts_per_tok", 2}};
+    if (model_type == "mixtral") {
+      c["num_local_experts"] = 4;
+    } else {
+      c["num_experts"] = 4;
+      c["moe_intermediate_size"] = 8;
+      if (model_type == "qwen2_moe") c["shared_expert_intermediate_size"] = 8;
+    }
+    return c;
+  }
+  // Writes `config` and every tensor its layout lists (zeros), edited by
+  // `edit` (name -> shape; an empty shape drops the tensor).
+  void Write(
+      const nlohmann::json& config,
+      const std::function<void(std::map<std::string, std::vector<int64_t>>&)>&
+          edit = nullptr) {
+    testing::WriteBytes(dir_.File("config.json"), config.dump());
+    auto parsed = ParseHfConfigJson(config.dump(), "config.json");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const ExpectedTensor& t : LlamaTensorLayout(*parsed)) {
+      shapes[t.name] = t.shape;
+    }
+    if (edit) edit(shapes);
+    std::vector<testing::SafetensorsEntry> entries;
+    for (const auto& [name, shape] : shapes) {
+      if (shape.empty()) continue;
+      int64_t count = 1;
+      for (int64_t d : shape) count *= d;
+      entries.push_back({name, "F32", shape,
+                         std::string(static_cast<size_t>(count) * 4, '\0')});
+    }
+    testing::WriteBytes(dir_.File("model.safetensors"),
+                        testing::BuildSafetensors(entries));
+  }
+  void ExpectFails(const std::string& must_contain) {
+    auto source = OpenModel(dir_.path(), LoadFormat::kSafetensors);
+    ASSERT_FALSE(source.ok());
+    EXPECT_THAT(source.status().message(), HasSubstr(must_contain));
+  }
+  ScopedTempDir dir_;
+};
+
+TEST_F(MoeBadTest, EachFamilyOpensUnmodified) {
+  for (const char* family : {"qwen3_moe", "qwen2_moe", "mixtral"}) {
+    SCOPED_TRACE(family);
+    Write(Config(family));
+    auto source = OpenModel(dir_.path(), LoadFormat::kSafetensors);
+    ASSERT_TRUE(source.ok()) << source.status();
+    EXPECT_EQ((*source)->config().num_experts, 4);
+  }
+}
+
+TEST_F(MoeBadTest, AMissingExpertTensorIsNamed) {
+  Write(Config("qwen3_moe"), [](auto& shapes) {
+    shapes["model.layers.1.mlp.experts.3.down_proj.weight"] = {};
+  });
+  ExpectFails("missing tensor model.layers.1.mlp.experts.3.down_proj.weight");
+  Write(Config("mixtral"), [](auto& shapes) {
+    shapes["model.layers.0.block_sparse_moe.experts.2.w3.weight"] = {};
+  });
+  ExpectFails("missing tensor model.layers.0.block_sparse_moe.experts.2.w3");
+}
+
+TEST_F(MoeBadTest, ARouterOfAnotherExpertCountIsNamed) {
+  Write(Config("qwen3_moe"), [](auto& shapes) {
+    shapes["model.layers.0.mlp.gate.weight"] = {5, 16};
+  });
+  ExpectFails("model.layers.0.mlp.gate.weight has shape [5, 16]");
+}
+
+TEST_F(MoeBadTest, AnExpertBeyondTheConfigIsRefused) {
+  // A file with 5 experts under a config of 4 would run without one.
+  Write(Config("qwen3_moe"), [](auto& shapes) {
+    shapes["model.layers.0.mlp.experts.4.up_proj.weight"] = {8, 16};
+  });
+  ExpectFails("tensor model.layers.0.mlp.experts.4.up_proj.weight is not part");
+  Write(Config("mixtral"), [](auto& shapes) {
+    shapes["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = {24, 16};
+  });
+  ExpectFails("experts.4.w1.weight is not part");
+}
+
+TEST_F(MoeBadTest, ASharedExpertWithoutItsGateIsNamed) {
+  Write(Config("qwen2_moe"), [](auto& shapes) {
+    shapes["model.layers.1.mlp.shared_expert_gate.weight"] = {};
+  });
+  ExpectFails("missing tensor model.layers.1.mlp.shared_expert_gate.weight");
+}
+
+TEST_F(MoeBadTest, BadExpertKeysAreNamed) {
+  const std::vector<
+      std::pair<std::function<void(nlohmann::json&)>, std::string>>
+      cases = {
+          {[](auto& c) { c["num_experts_per_tok"] = 5; },
+           "\"num_experts_per_tok\" (5) must be between 1 and the number "
+           "of experts (4)"},
+          {[](auto& c) { c["num_experts_per_tok"] = 0; },
+           "\"num_experts_per_tok\" (0)"},
+          {[](auto& c) { c["num_experts"] = -1; }, "\"num_experts\""},
+          {[](auto& c) { c["moe_intermediate_size"] = 0; },
+           "\"moe_intermediate_size\" must be positive"},
+          {[](auto& c) { c["decoder_sparse_step"] = 0; },
+           "\"decoder_sparse_step\" must be positive"},
+          {[](auto& c) {
+             c["mlp_only_layers"] = {0, 2};
+           },
+           "\"mlp_only_layers\" must list layer indices below"},
+          {[](auto& c) { c["mlp_only_layers"] = "0"; },
+           "\"mlp_only_layers\" must be a list"},
+          {[](auto& c) { c["use_sliding_window"] = true; },
+           "\"use_sliding_window\" = true is not supported for qwen3_moe"},
+          {[](auto& c) { c["num_experts"] = "many"; },
+           "\"num_experts\" must be an integer"},
+      };
+  for (const auto& [edit, message] : cases) {
+    nlohmann::json config = Config("qwen3_moe");
+    edit(config);
+    SCOPED_TRACE(config.dump());
+    auto parsed = ParseHfConfigJson(config.dump(), "config.json");
+    ASSERT_FALSE(parsed.ok());
+    EXPECT_THAT(parsed.status().message(), HasSubstr(message));
+  }
+  nlohmann::json shared = Config("qwen2_moe");
+  shared["shared_expert_intermediate_size"] = 0;
+  EXPECT_THAT(
+      ParseHfConfigJson(shared.dump(), "config.json").status().message(),
+      HasSubstr("\"shared_expert_intermediate_size\" must be positive"));
+  nlohmann::json mixtral = Config("mixtral");
+  mixtral["num_local_experts"] = 0;
+  EXPECT_THAT(
+      ParseHfConfigJson(mixtral.dump(), "config.json").status().message(),
+      HasSubstr("\"num_local_experts\" must be positive"));
 }
 
 }  // namespace

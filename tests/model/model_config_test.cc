@@ -4,6 +4,7 @@
 // them apart.
 #include "model/model_config.h"
 
+#include <set>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -297,6 +298,96 @@ TEST(FamilyConfigTest, IdentityTellsEveryFlagApart) {
   Json longer = Base("llama");
   longer["max_position_embeddings"] = 4096;
   EXPECT_EQ(ParseOrDie(longer).Identity(), llama.Identity());
+}
+
+// The mixtures of experts: the keys each transformers class reads, with its
+// defaults, and the attention of the dense family each shares.
+TEST(FamilyConfigTest, Qwen3MoeRoutesWithItsDefaultsAndDenseLayers) {
+  Json json = Base("qwen3_moe");
+  json["num_hidden_layers"] = 4;
+  json["mlp_only_layers"] = {0};
+  json["decoder_sparse_step"] = 2;  // layers 1 and 3 sparse, then minus 0
+  const ModelConfig c = ParseOrDie(json);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.head_dim, 16);  // hidden / heads: Qwen3MoeConfig has no 128
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.experts_per_token, 8);
+  EXPECT_EQ(c.expert_intermediate_size, 768);
+  EXPECT_FALSE(c.normalize_expert_weights);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 0);
+  EXPECT_FALSE(c.IsMoeLayer(0));
+  EXPECT_TRUE(c.IsMoeLayer(1));
+  EXPECT_FALSE(c.IsMoeLayer(2));
+  EXPECT_TRUE(c.IsMoeLayer(3));
+  std::vector<std::string> names;
+  for (const ExpectedTensor& t : LlamaTensorLayout(c)) names.push_back(t.name);
+  EXPECT_THAT(names,
+              ::testing::Contains("model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_THAT(names, ::testing::Contains("model.layers.1.mlp.gate.weight"));
+  EXPECT_THAT(names, ::testing::Contains(
+                         "model.layers.3.mlp.experts.127.down_proj.weight"));
+  EXPECT_THAT(names, ::testing::Not(::testing::Contains(
+                         "model.layers.1.mlp.gate_proj.weight")));
+}
+
+TEST(FamilyConfigTest, Qwen2MoeHasASharedExpertAndQkvBias) {
+  Json json = Base("qwen2_moe");
+  json["norm_topk_prob"] = true;
+  const ModelConfig c = ParseOrDie(json);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.qk_norm);
+  EXPECT_EQ(c.num_experts, 60);
+  EXPECT_EQ(c.experts_per_token, 4);
+  EXPECT_EQ(c.expert_intermediate_size, 1408);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 5632);
+  EXPECT_TRUE(c.normalize_expert_weights);
+  EXPECT_TRUE(c.IsMoeLayer(0) && c.IsMoeLayer(1));
+}
+
+TEST(FamilyConfigTest, MixtralRenormalisesAndWindowsOnlyWhenSet) {
+  Json json = Base("mixtral");
+  const ModelConfig c = ParseOrDie(json);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.experts_per_token, 2);
+  EXPECT_EQ(c.expert_intermediate_size, 128);  // intermediate_size
+  EXPECT_TRUE(c.normalize_expert_weights);
+  EXPECT_EQ(c.sliding_window, 0);  // MixtralConfig's default is null
+  json["sliding_window"] = 4096;
+  json["router_jitter_noise"] = 0.1;  // training only
+  EXPECT_EQ(ParseOrDie(json).sliding_window, 4096);
+  std::vector<std::string> names;
+  for (const ExpectedTensor& t : LlamaTensorLayout(c)) names.push_back(t.name);
+  EXPECT_THAT(names,
+              ::testing::Contains(
+                  "model.layers.1.block_sparse_moe.experts.7.w2.weight"));
+}
+
+TEST(FamilyConfigTest, AnMoeConfigWithNoSparseLayerIsDense) {
+  Json json = Base("qwen3_moe");
+  json["mlp_only_layers"] = {0, 1};
+  const ModelConfig c = ParseOrDie(json);
+  EXPECT_FALSE(c.HasExperts());
+  EXPECT_EQ(c.Identity(), [] {
+    Json dense = Base("qwen3_moe");
+    dense["num_experts"] = 0;
+    return ParseOrDie(dense).Identity();
+  }());
+}
+
+TEST(FamilyConfigTest, IdentityTellsExpertSettingsApart) {
+  std::set<std::string> identities;
+  Json base = Base("qwen3_moe");
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, Json>>{{"", nullptr},
+                                                 {"num_experts", 64},
+                                                 {"num_experts_per_tok", 4},
+                                                 {"moe_intermediate_size", 512},
+                                                 {"norm_topk_prob", true},
+                                                 {"mlp_only_layers", {1}}}) {
+    Json json = base;
+    if (!key.empty()) json[key] = value;
+    EXPECT_TRUE(identities.insert(ParseOrDie(json).Identity()).second) << key;
+  }
 }
 
 }  // namespace
