@@ -125,6 +125,13 @@ int Main(int argc, char** argv) {
       "kv-dtype", "auto",
       "KV element type: auto|f32|bf16 (auto: f32 on CPUs, bf16 on GPUs); "
       "prefill workers must send the same.");
+  const std::string moe_parallel_name = flags.Str(
+      "moe-parallel", "tp",
+      "How the --tp ranks share a mixture of experts' routed experts: tp "
+      "(every expert's rows split over the ranks; one all-reduce as for a "
+      "dense MLP) | ep (whole experts per rank, E/T each; the router runs on "
+      "every rank and the same all-reduce combines). Attention and dense "
+      "layers stay tensor parallel.");
   const std::string quantized_matmul_name = flags.Str(
       "quantized-matmul", "int8",
       "How quantized GGUF weights (Q8_0, Q4_K, Q6_K) multiply: int8 "
@@ -218,6 +225,9 @@ int Main(int argc, char** argv) {
   auto quantized_matmul = engine::ParseQuantizedMatmul(quantized_matmul_name);
   if (!quantized_matmul.ok()) return Fail(quantized_matmul.status());
   wo.quantized_matmul = *quantized_matmul;
+  auto moe_parallel = engine::ParseExpertParallelism(moe_parallel_name);
+  if (!moe_parallel.ok()) return Fail(moe_parallel.status());
+  wo.expert_parallelism = *moe_parallel;
   auto attention = engine::ParseAttentionKernels(attention_name);
   if (!attention.ok()) return Fail(attention.status());
   wo.cuda.attention = *attention;

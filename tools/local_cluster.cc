@@ -396,7 +396,9 @@ absl::Status LocalCluster::StartDecode(int worker, int port) {
                                    "--kv-dtype",
                                    options_.kv_dtype,
                                    "--quantized-matmul",
-                                   options_.quantized_matmul};
+                                   options_.quantized_matmul,
+                                   "--moe-parallel",
+                                   options_.moe_parallel};
   if (options_.speculation == "draft") {
     args.insert(args.end(),
                 {"--draft-layers", absl::StrCat(options_.draft_layers)});

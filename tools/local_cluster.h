@@ -74,6 +74,8 @@ struct LocalClusterOptions {
   std::string kv_dtype = "auto";
   // How every worker multiplies quantized GGUF weights (int8|exact).
   std::string quantized_matmul = "int8";
+  // Decode workers' --moe-parallel (tp|ep).
+  std::string moe_parallel = "tp";
 
   // Every process is on this host: KV goes by shared memory (UCX endpoints
   // without peer-failure mode; dead peers are found by leases, heartbeats

@@ -86,6 +86,11 @@ absl::Status RunLocalCluster(int argc, char** argv) {
       "How every worker multiplies quantized GGUF weights: int8 "
       "(activations rounded to int8 per block, like llama.cpp) | exact (f32 "
       "products of the dequantized weights).");
+  o.moe_parallel = flags.Str(
+      "moe-parallel", o.moe_parallel,
+      "How each decode worker's --tp ranks share a mixture of "
+      "experts' routed experts: tp (rows of every expert) | ep (whole "
+      "experts per rank).");
   flags.Group("Scheduling");
   o.prefill_policy = flags.Str(
       "prefill-policy", o.prefill_policy,
@@ -144,6 +149,7 @@ absl::Status RunLocalCluster(int argc, char** argv) {
   PDS_RETURN_IF_ERROR(engine::ParseKvDTypeFlag(o.kv_dtype).status());
   PDS_RETURN_IF_ERROR(
       engine::ParseQuantizedMatmul(o.quantized_matmul).status());
+  PDS_RETURN_IF_ERROR(engine::ParseExpertParallelism(o.moe_parallel).status());
   PDS_RETURN_IF_ERROR(flags.Check());
 
   // Ctrl-C is for us: block it before the children start (they reset their

@@ -301,6 +301,7 @@ absl::Status DecodeWorker::Impl::Start() {
     eo.cuda = options.cuda;
     eo.kv_dtype = options.kv_dtype;
     eo.quantized_matmul = options.quantized_matmul;
+    eo.expert_parallelism = options.expert_parallelism;
     // Size the GPU's step buffers for what this worker's steps can hold.
     eo.cuda.max_tokens_per_step = options.max_step_tokens;
     eo.cuda.max_sequences = std::max(options.max_running, 1);

@@ -123,6 +123,10 @@ struct DecodeWorkerOptions {
   // How quantized GGUF weights multiply (EngineOptions::quantized_matmul).
   engine::QuantizedMatmul quantized_matmul =
       engine::QuantizedMatmul::kInt8Activations;
+  // How the TP ranks share a mixture of experts' routed experts
+  // (EngineOptions::expert_parallelism; dense models ignore it).
+  engine::ExpertParallelism expert_parallelism =
+      engine::ExpertParallelism::kTensor;
   // GPU of rank r: cuda_devices[r % size]; empty = cuda.device for every rank.
   std::vector<int> cuda_devices;
   // Called on the scheduler thread after every step (no lock held). Must be

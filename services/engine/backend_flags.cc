@@ -64,6 +64,18 @@ absl::StatusOr<QuantizedMatmul> ParseQuantizedMatmul(std::string_view name) {
                    "\" (expected int8 or exact)"));
 }
 
+absl::StatusOr<ExpertParallelism> ParseExpertParallelism(
+    std::string_view name) {
+  for (ExpertParallelism mode :
+       {ExpertParallelism::kTensor, ExpertParallelism::kExpert}) {
+    if (name == ExpertParallelismName(mode)) return mode;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown --moe-parallel \"", std::string(name),
+                   "\" (expected tp: every expert's rows split over the "
+                   "ranks, or ep: whole experts per rank)"));
+}
+
 const char* QuantizedMatmulName(QuantizedMatmul mode) {
   return mode == QuantizedMatmul::kExact ? "exact" : "int8";
 }

@@ -36,6 +36,9 @@ const char* AttentionKernelsName(AttentionKernels kernels);
 [[nodiscard]] absl::StatusOr<QuantizedMatmul> ParseQuantizedMatmul(
     std::string_view name);
 const char* QuantizedMatmulName(QuantizedMatmul mode);
+// --moe-parallel: tp | ep (ExpertParallelism).
+[[nodiscard]] absl::StatusOr<ExpertParallelism> ParseExpertParallelism(
+    std::string_view name);
 
 // "0,1,3" -> {0, 1, 3}; INVALID_ARGUMENT for anything but non-negative
 // integers separated by commas.

@@ -27,6 +27,21 @@ absl::StatusOr<std::unique_ptr<model::WeightSource>> MakeLayerTruncatedWeights(
     if (count == 0) config.sliding_window = 0;
     if (count == 0 || count == num_layers) windowed.clear();
   }
+  // Dense layers among sparse ones (Qwen MoE) likewise: none dense is the
+  // empty list, none sparse is no experts.
+  std::vector<bool>& dense = config.dense_layers;
+  if (!dense.empty()) {
+    dense.resize(num_layers);
+    const int count =
+        static_cast<int>(std::count(dense.begin(), dense.end(), true));
+    if (count == num_layers) {
+      config.num_experts = config.experts_per_token = 0;
+      config.expert_intermediate_size = 0;
+      config.shared_expert_intermediate_size = 0;
+      config.normalize_expert_weights = false;
+    }
+    if (count == 0 || count == num_layers) dense.clear();
+  }
   return std::make_unique<model::ConfigOverrideWeights>(
       base, std::move(config),
       absl::StrCat(base.description(), " (first ", num_layers, " layers)"));

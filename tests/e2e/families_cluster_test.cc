@@ -44,12 +44,13 @@ struct ClusterLayout {
   int tp;
   std::string speculation;
   std::string kv_dtype = "auto";
+  std::string moe_parallel = "tp";
 };
 
 std::string Name(const ClusterLayout& l) {
-  std::string name =
-      absl::StrCat(l.family.substr(5), "_S", l.stages, "_T", l.tp, "_",
-                   l.speculation, l.kv_dtype == "bf16" ? "_bf16" : "");
+  std::string name = absl::StrCat(
+      l.family.substr(5), "_S", l.stages, "_T", l.tp, "_", l.speculation,
+      l.kv_dtype == "bf16" ? "_bf16" : "", l.moe_parallel == "ep" ? "_ep" : "");
   for (char& c : name) {
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   }
@@ -65,6 +66,9 @@ TEST_P(FamiliesClusterTest, GreedyIdsAndLogprobsMatchTheReference) {
   ASSERT_NE(it, families.end()) << "no checkpoint " << layout.family;
   const FamilyReference& f = it->second;
   ASSERT_GT(f.min_margin, 1e-3) << f.name << ": pick another seed";
+  if (f.min_route_margin.has_value()) {
+    ASSERT_GT(*f.min_route_margin, 1e-5) << f.name << ": pick another seed";
+  }
 
   LocalClusterOptions o;
   o.model_path = f.dir;
@@ -75,6 +79,7 @@ TEST_P(FamiliesClusterTest, GreedyIdsAndLogprobsMatchTheReference) {
   o.speculation = layout.speculation;
   o.draft_layers = 1;  // the draft: the target's first layer
   o.kv_dtype = layout.kv_dtype;
+  o.moe_parallel = layout.moe_parallel;
   o.decode_blocks = 256;
   o.prefill_blocks = 128;
   o.refresh_ms = 100;
@@ -141,7 +146,13 @@ INSTANTIATE_TEST_SUITE_P(
         // Qwen2 with a window in layers 1-2 only: 3 stages (one layer
         // each, so a stage's local layer 0 is model layer 1 or 2), TP 2,
         // draft model (the first, unwindowed layer).
-        ClusterLayout{"text-qwen_windowed", 3, "1,1,1", 2, "draft"}),
+        ClusterLayout{"text-qwen_windowed", 3, "1,1,1", 2, "draft"},
+        // Qwen3-MoE (a dense layer among sparse ones): 2 stages split
+        // 2 + 1, experts whole per rank over TP 2, n-gram; then 3 stages,
+        // experts' rows over TP 4, the draft model (the first
+        // layer, sparse).
+        ClusterLayout{"text-qwen3_moe", 2, "2,1", 2, "ngram", "auto", "ep"},
+        ClusterLayout{"text-qwen3_moe", 3, "1,1,1", 4, "draft"}),
     [](const auto& info) { return Name(info.param); });
 
 }  // namespace
