@@ -186,13 +186,24 @@ LayerCostProfile EstimateLayerCosts(const model::ModelConfig& config,
   // chunk (QKᵀ and PV, half the square), norms and element-wise work.
   const double projections =
       2 * t * h * (2.0 * config.q_dim() + 2.0 * config.kv_dim());
-  const double mlp = 2 * t * 3 * h * config.intermediate_size;
+  const double dense_mlp = 2 * t * 3 * h * config.intermediate_size;
+  // A sparse layer: the router, each token's k experts (the tokens spread
+  // over the experts, so the FLOPs are those of k experts per token) and
+  // the shared expert; a Qwen-MoE layer costs far less than its dense
+  // neighbour of intermediate_size, which is what the split must balance.
+  const double sparse_mlp =
+      2 * t * h *
+      (config.num_experts + 3.0 * (double{config.experts_per_token} *
+                                       config.expert_intermediate_size +
+                                   config.shared_expert_intermediate_size));
   const double attention = 2 * t * t * config.q_dim();
   const double elementwise = 10 * t * h;
   LayerCostProfile costs;
-  costs.layer_cost.assign(
-      config.num_layers,
-      (projections + mlp + attention + elementwise) / kFlopsPerSecond);
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    const double mlp = config.IsMoeLayer(layer) ? sparse_mlp : dense_mlp;
+    costs.layer_cost.push_back((projections + mlp + attention + elementwise) /
+                               kFlopsPerSecond);
+  }
   costs.embedding_cost = t * h / kFlopsPerSecond;  // a gather
   costs.head_cost =
       (2.0 * logit_rows * h * config.vocab_size + 4 * t * h) / kFlopsPerSecond;

@@ -214,6 +214,35 @@ TEST(LayerSplitTest, AutoGivesTheLastStageFewerLayersWhenTheHeadIsHeavy) {
   }
 }
 
+// A Qwen-MoE whose first layers are dense (mlp_only_layers) and the rest
+// sparse with narrow experts: the dense layers cost more per token, so an
+// even split by layer count would leave stage 0 the slowest; auto gives it
+// fewer layers.
+TEST(LayerSplitTest, AutoBalancesDenseAgainstSparseLayers) {
+  model::ModelConfig config;
+  config.architecture = "qwen3_moe";
+  config.hidden_size = 1024;
+  config.intermediate_size = 8192;
+  config.num_layers = 8;
+  config.num_heads = 16;
+  config.num_kv_heads = 4;
+  config.head_dim = 64;
+  config.vocab_size = 32000;
+  config.max_position_embeddings = 4096;
+  config.num_experts = 64;
+  config.experts_per_token = 4;
+  config.expert_intermediate_size = 256;
+  config.dense_layers = {true, true, false, false, false, false, false, false};
+  ASSERT_TRUE(config.Validate().ok()) << config.Validate();
+  const LayerCostProfile costs = EstimateLayerCosts(config, 64, 1);
+  EXPECT_GT(costs.layer_cost[0], 2 * costs.layer_cost[2]);
+  EXPECT_EQ(costs.layer_cost[2], costs.layer_cost[7]);
+  auto split = AutoLayerSplit(costs, 2);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_LT((*split)[0], 4);
+  ExpectOptimal(costs, 2, *split);
+}
+
 TEST(LayerSplitTest, AutoOnStories260KShape) {
   auto weights = model::OpenModel(testing::Stories260KGguf());
   ASSERT_TRUE(weights.ok()) << weights.status();
