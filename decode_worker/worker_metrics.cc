@@ -94,7 +94,16 @@ DecodeWorkerMetrics::DecodeWorkerMetrics(metrics::MetricsRegistry& r)
       lease_expiries_(
           r.Counter("pdserve_decode_lease_expiries_total",
                     "Requests freed because their KV did not arrive within the "
-                    "lease")) {}
+                    "lease")),
+      expert_routed_(r.CounterFamily(
+          "pdserve_decode_expert_routed_tokens_total",
+          "Mixtures of experts: (token, expert) pairs routed in this sparse "
+          "layer (k per token)")),
+      expert_imbalance_(r.GaugeFamily(
+          "pdserve_decode_expert_imbalance",
+          "Mixtures of experts: the busiest expert's tokens over the mean in "
+          "this sparse layer since start (1 = even; what slows expert "
+          "parallelism)")) {}
 
 std::function<void(const decode::StepStats&)>
 DecodeWorkerMetrics::StepObserver() {
@@ -147,6 +156,13 @@ void DecodeWorkerMetrics::Refresh(const decode::DecodeWorker& worker,
   SyncCounter(kv_staged_bytes_, static_cast<double>(load.kv_staged_bytes));
   SyncCounter(kv_staging_seconds_, load.kv_staging_seconds);
   SyncCounter(preemptions_, static_cast<double>(load.preemptions));
+  for (size_t i = 0; i < load.expert_layers.size(); ++i) {
+    const prometheus::Labels layer = {
+        {"layer", std::to_string(load.expert_layers[i])}};
+    SyncCounter(expert_routed_.Add(layer),
+                static_cast<double>(load.expert_routed_tokens[i]));
+    expert_imbalance_.Add(layer).Set(load.expert_imbalance[i]);
+  }
   // The sink's lease is the one that fires in practice; the worker's own is
   // a backstop. A request is counted by whichever freed it.
   SyncCounter(lease_expiries_,

@@ -64,6 +64,9 @@ class DecodeWorkerMetrics {
   prometheus::Counter& kv_staging_seconds_;
   prometheus::Counter& preemptions_;
   prometheus::Counter& lease_expiries_;
+  // Mixtures of experts, one series per sparse layer (label "layer").
+  prometheus::Family<prometheus::Counter>& expert_routed_;
+  prometheus::Family<prometheus::Gauge>& expert_imbalance_;
   metrics::MetricsRegistry::HookHandle hook_;
 };
 

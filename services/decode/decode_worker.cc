@@ -906,6 +906,26 @@ void DecodeWorker::Impl::Deliver() {
 
 void DecodeWorker::Impl::PublishLoad() {
   LoadReport l = counters;
+  // Expert load from rank 0 (every rank routes every token alike); read
+  // here, between steps, on the thread that steps.
+  if (const engine::LlamaEngine& e = *ranks[0].engine;
+      e.config().HasExperts()) {
+    const std::vector<std::vector<int64_t>> load = e.ExpertLoad();
+    for (size_t local = 0; local < load.size(); ++local) {
+      const int layer = e.shard().layer_begin + static_cast<int>(local);
+      if (!e.config().IsMoeLayer(layer)) continue;
+      int64_t total = 0, busiest = 0;
+      for (int64_t tokens : load[local]) {
+        total += tokens;
+        busiest = std::max(busiest, tokens);
+      }
+      l.expert_layers.push_back(layer);
+      l.expert_routed_tokens.push_back(total);
+      l.expert_imbalance.push_back(total > 0 ? static_cast<double>(busiest) *
+                                                   load[local].size() / total
+                                             : 0.0);
+    }
+  }
   l.running = static_cast<int>(running.size());
   l.waiting = static_cast<int>(waiting.size());
   absl::MutexLock lock(&mu);

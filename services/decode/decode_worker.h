@@ -213,6 +213,13 @@ struct LoadReport {
   int64_t drafted_tokens = 0;
   int64_t accepted_tokens = 0;
   int64_t spec_emitted_tokens = 0;
+  // Mixtures of experts, one entry per sparse layer (model order): tokens
+  // routed (each token counts k times) and the load imbalance, the busiest
+  // expert's tokens over the mean, since start (1 = even; E/k at worst:
+  // every token picks the same experts). Empty for a dense model.
+  std::vector<int> expert_layers;
+  std::vector<int64_t> expert_routed_tokens;
+  std::vector<double> expert_imbalance;
   double mean_acceptance_length() const {
     return spec_steps ? static_cast<double>(spec_emitted_tokens) / spec_steps
                       : 0.0;

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "engine/family_reference.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "pdserve/v1/generate.grpc.pb.h"
@@ -80,6 +81,7 @@ TEST_P(FamiliesClusterTest, GreedyIdsAndLogprobsMatchTheReference) {
   o.draft_layers = 1;  // the draft: the target's first layer
   o.kv_dtype = layout.kv_dtype;
   o.moe_parallel = layout.moe_parallel;
+  o.metrics_port_base = 0;  // any free port; the MoE layouts scrape it
   o.decode_blocks = 256;
   o.prefill_blocks = 128;
   o.refresh_ms = 100;
@@ -130,6 +132,24 @@ TEST_P(FamiliesClusterTest, GreedyIdsAndLogprobsMatchTheReference) {
   ASSERT_TRUE(reply);
   ASSERT_EQ(reply->status, 200) << reply->body;
   EXPECT_EQ(nlohmann::json::parse(reply->body)["choices"][0]["text"], text);
+
+  // A mixture of experts reports its routing per sparse layer (Qwen3-MoE's
+  // layer 1 is dense: no series).
+  if (f.min_route_margin.has_value()) {
+    const std::string metrics = (*cluster)->metrics_addresses().at("decode-0");
+    httplib::Client scrape(metrics.substr(0, metrics.rfind(':')),
+                           std::stoi(metrics.substr(metrics.rfind(':') + 1)));
+    auto page = scrape.Get("/metrics");
+    ASSERT_TRUE(page);
+    EXPECT_THAT(page->body,
+                ::testing::ContainsRegex(
+                    "pdserve_decode_expert_routed_tokens_total\\{[^}]*"
+                    "layer=\"2\"[^}]*\\} [1-9]"));
+    EXPECT_THAT(page->body,
+                ::testing::HasSubstr("pdserve_decode_expert_imbalance{"));
+    EXPECT_THAT(page->body,
+                ::testing::Not(::testing::HasSubstr("layer=\"1\"")));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
