@@ -675,8 +675,8 @@ TEST(FamilyConfigBadTest, UnsupportedValuesNameTheKey) {
   const std::vector<Case> cases = {
       {{{"model_type", "gemma2"}},
        "config key \"model_type\" has unsupported value \"gemma2\" (llama, "
-       "mistral, qwen2 or qwen3)"},
-      {{{"model_type", "qwen2_moe"}}, "\"model_type\""},
+       "mistral, qwen2, qwen3, qwen3_moe, qwen2_moe or mixtral)"},
+      {{{"model_type", "deepseek_v3"}}, "\"model_type\""},
       {{{"mlp_bias", true}}, "config key \"mlp_bias\" = true"},
       {{{"hidden_act", "gelu"}}, "config key \"hidden_act\""},
       {{{"partial_rotary_factor", 0.5}},
