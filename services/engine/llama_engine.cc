@@ -217,7 +217,7 @@ class CpuBackend final : public EngineBackend {
   std::vector<float> router_logits, route_weights, expert_in, expert_gate_up,
       expert_act, expert_out, shared_out, shared_scale;
   std::vector<int32_t> route_experts, expert_rows;
-  std::vector<int64_t> expert_offsets;
+  std::vector<int64_t> expert_offsets, expert_next;
   std::vector<std::vector<int64_t>> expert_tokens;  // [local layer][expert]
   std::vector<TokenInfo> tokens;
   std::vector<int64_t> token_offsets;  // first query row of each sequence
@@ -758,12 +758,11 @@ void CpuBackend::SparseMlp(const CpuLayerWeights& lw, int local_layer,
     expert_offsets[e + 1] += expert_offsets[e];
   }
   expert_rows.resize(expert_offsets[local_count]);
-  {
-    std::vector<int64_t> next(expert_offsets.begin(), expert_offsets.end() - 1);
-    for (int64_t i = 0; i < n * k; ++i) {
-      const int e = route_experts[i] - first;
-      if (e >= 0 && e < local_count)
-        expert_rows[next[e]++] = static_cast<int32_t>(i);
+  expert_next.assign(expert_offsets.begin(), expert_offsets.end() - 1);
+  for (int64_t i = 0; i < n * k; ++i) {
+    const int e = route_experts[i] - first;
+    if (e >= 0 && e < local_count) {
+      expert_rows[expert_next[e]++] = static_cast<int32_t>(i);
     }
   }
   std::fill(proj.begin(), proj.begin() + n * hidden, 0.0f);

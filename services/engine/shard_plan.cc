@@ -98,6 +98,14 @@ absl::StatusOr<ShardPlan> ResolveShardPlan(const model::ModelConfig& config,
   plan.ffn_begin = int64_t{c.intermediate_size} * r / tp;
   plan.ffn_end = int64_t{c.intermediate_size} * (r + 1) / tp;
   plan.expert_parallelism = options.expert_parallelism;
+  if (!c.HasExperts() &&
+      options.expert_parallelism == ExpertParallelism::kExpert) {
+    // A flag that would change nothing is refused, not ignored.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert parallelism (--moe-parallel ep) needs a mixture-of-experts "
+        "model; ",
+        c.architecture, " has no experts"));
+  }
   if (c.HasExperts()) {
     if (options.expert_parallelism == ExpertParallelism::kExpert) {
       if (tp > c.num_experts) {

@@ -411,6 +411,15 @@ TEST(FamilyExpertsTest, ExpertParallelismNeedsAnExpertPerRank) {
               ::testing::HasSubstr("needs at least as many experts"));
   options.expert_parallelism = ExpertParallelism::kTensor;
   EXPECT_TRUE(ResolveShardPlan(config, options).ok());
+  // A dense model has no experts to place: ep is refused, not ignored.
+  config.num_experts = config.experts_per_token = 0;
+  config.expert_intermediate_size = 0;
+  config.normalize_expert_weights = false;
+  options.expert_parallelism = ExpertParallelism::kExpert;
+  auto dense = ResolveShardPlan(config, options);
+  ASSERT_FALSE(dense.ok());
+  EXPECT_THAT(std::string(dense.status().message()),
+              ::testing::HasSubstr("needs a mixture-of-experts model"));
 }
 
 // Expert load: every routed (token, expert) pair counted once per sparse
